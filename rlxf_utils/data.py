@@ -1,0 +1,728 @@
+"""MONA data layer: read either MONA schema into one normalised table, label it, split it.
+
+`load_mona` reads the 2002–2013 vintage (`CountryName, ArrType, EconDescrpt, Descpt, ...`) or
+the current IMF export (`Country Name, Arrangement Type, Economic Descriptor, Description, ...`),
+repairs what can be repaired out loud (cp1252 bytes, a truncated last line) and refuses the
+rest with a message naming the file and the column. `Comments` is written after the outcome and
+states it, so it is dropped at load: no normalised table carries it.
+"""
+
+from __future__ import annotations
+
+import csv
+import functools
+import hashlib
+import io
+import logging
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from .prompts import econ_area
+
+__all__ = [
+    "DataError",
+    "LoadReport",
+    "MonaTable",
+    "build_contexts",
+    "label_statuses",
+    "load_mona",
+    "make_splits",
+    "near_duplicates_across",
+    "normalise_status",
+    "subsample_arrangements",
+]
+
+log = logging.getLogger(__name__)
+
+#: Status codes MONA uses (after normalisation), with their meaning, for the status report.
+KNOWN_STATUSES: dict[str, str] = {
+    "M": "met",
+    "PM": "partly met",
+    "NM": "not met",
+    "W": "waived",
+    "DL": "delayed",
+    "MD": "met with delay",
+    "MOD": "modified",
+    "CAN": "cancelled",
+    "WM": "waived/modified",
+    "MMOD": "met/modified",
+    "SB": "specified for a later review (benchmark)",
+    "PC": "specified for a later review (performance criterion)",
+    "PA": "specified for a later review (prior action)",
+    "": "empty",
+}
+
+#: Normalised column -> source column, per schema. `None` means the schema lacks it.
+SCHEMAS: dict[str, dict[str, str | None]] = {
+    "mona_2002_vintage": {
+        "country": "CountryName",
+        "arrangement_id": "ArrID",
+        "arrangement_type": "ArrType",
+        "approval_date": "ApprovalDate",
+        "board_date": "BoardActDate",
+        "review_type": "ReviewType",
+        "econ_code": None,
+        "econ_descriptor": "EconDescrpt",
+        "condition_type": "SPC_PA_SB",
+        "description": "Descpt",
+        "test_date": "TestDate",
+        "status": "Status",
+    },
+    "imf_current_export": {
+        "country": "Country Name",
+        "arrangement_id": "Arrangement Number",
+        "arrangement_type": "Arrangement Type",
+        "approval_date": "Approval Date",
+        "board_date": "Board Action Date",
+        "review_type": "Review Type",
+        "econ_code": "Economic Code",
+        "econ_descriptor": "Economic Descriptor",
+        "condition_type": "Structural Conditionality Type",
+        "description": "Description",
+        "test_date": "Test Date",
+        "status": "PC Status",
+    },
+}
+
+#: Columns without which a schema cannot be used (the rest are filled with `unknown`/NA).
+REQUIRED: dict[str, tuple[str, ...]] = {
+    "mona_2002_vintage": ("CountryName", "ArrType", "EconDescrpt", "Descpt", "TestDate", "Status"),
+    "imf_current_export": (
+        "Country Name",
+        "Economic Descriptor",
+        "Description",
+        "Test Date",
+        "PC Status",
+    ),
+}
+CONDITION_TYPES = {"SPC", "PA", "SB", "SAC", "QPC", "IT"}
+#: Alternative columns for the condition type in exports that name it differently.
+CONDITION_TYPE_FALLBACKS = ("SPC_PA_SB", "Condition Type", "Description Code")
+OUTCOME_COLUMNS = ("Comments", "comments")
+
+ORDINALS = {
+    w: i
+    for i, w in enumerate(
+        [
+            "first",
+            "second",
+            "third",
+            "fourth",
+            "fifth",
+            "sixth",
+            "seventh",
+            "eighth",
+            "ninth",
+            "tenth",
+            "eleventh",
+            "twelfth",
+        ],
+        start=1,
+    )
+}
+
+
+class DataError(ValueError):
+    """A MONA file that cannot be used; the message names the file, the field and what was expected."""
+
+
+@dataclass
+class LoadReport:
+    """What the loader made of a file: schema, rows, repairs, statuses and their labels."""
+
+    path: str
+    sha256: str
+    schema: str
+    encoding: str
+    rows_read: int
+    repairs: list[str] = field(default_factory=list)
+    status_table: pd.DataFrame | None = None
+    label_counts: dict[str, int] = field(default_factory=dict)
+    unknown_statuses: dict[str, int] = field(default_factory=dict)
+    test_year_sources: dict[str, int] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {k: v for k, v in self.__dict__.items() if k != "status_table"}
+        if self.status_table is not None:
+            out["status_table"] = self.status_table.to_dict(orient="records")
+        return out
+
+    def render(self) -> str:
+        """Human-readable summary (what `rlxf data summary` prints)."""
+        n_lab = self.label_counts.get("MET", 0) + self.label_counts.get("Non-MET", 0)
+        met_share = self.label_counts.get("MET", 0) / n_lab if n_lab else float("nan")
+        lines = [
+            f"file:       {self.path}",
+            f"sha256:     {self.sha256}",
+            f"schema:     {self.schema}",
+            f"encoding:   {self.encoding}",
+            f"rows read:  {self.rows_read}",
+            f"labelled:   {n_lab} (MET {self.label_counts.get('MET', 0)}, "
+            f"Non-MET {self.label_counts.get('Non-MET', 0)}, MET share {met_share:.3f})",
+            f"excluded:   {self.label_counts.get('excluded', 0)} (not assessed yet)",
+            "test year from: "
+            + ", ".join(f"{k} {v}" for k, v in sorted(self.test_year_sources.items())),
+            "repairs:    " + ("; ".join(self.repairs) if self.repairs else "none"),
+        ]
+        if self.unknown_statuses:
+            lines.append(
+                "WARNING unknown status codes (counted as Non-MET): "
+                + ", ".join(f"{k!r} x{v}" for k, v in self.unknown_statuses.items())
+            )
+        if self.status_table is not None:
+            lines.append("statuses (raw -> normalised -> label):")
+            for r in self.status_table.itertuples(index=False):
+                lines.append(
+                    f"  {r.status_raw!r:>8} -> {r.status!r:<7} {r.label:<9} {r.count:>6}  {r.meaning}"
+                )
+        return "\n".join(lines)
+
+
+@dataclass
+class MonaTable:
+    """A normalised MONA table and the report of how it was read."""
+
+    frame: pd.DataFrame
+    report: LoadReport
+
+    @property
+    def labelled(self) -> pd.DataFrame:
+        return self.frame[self.frame["label"] != "excluded"].reset_index(drop=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Reading
+# --------------------------------------------------------------------------------------------
+def sha256_file(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _decode(raw: bytes, path: Path, repairs: list[str]) -> tuple[str, str]:
+    if raw.startswith(b"\xef\xbb\xbf"):
+        raw = raw[3:]
+    try:
+        return raw.decode("utf-8"), "utf-8"
+    except UnicodeDecodeError as exc:
+        text = raw.decode("cp1252", errors="replace")
+        repairs.append(
+            f"bytes not valid UTF-8 (first at byte {exc.start}); decoded as cp1252 instead"
+        )
+        log.warning("%s: not valid UTF-8 at byte %d; decoded as cp1252", path, exc.start)
+        return text, "cp1252"
+
+
+def _parse_records(text: str, path: Path, repairs: list[str]) -> tuple[list[str], list[list[str]]]:
+    """CSV records with a check that every row has the header's width; a cut last line is dropped."""
+    reader = csv.reader(io.StringIO(text, newline=""), strict=True)
+    records: list[list[str]] = []
+    try:
+        records.extend(reader)
+    except csv.Error as exc:
+        # An unterminated quote at the end of the file: the last record was cut mid-field.
+        if "unexpected end of data" not in str(exc):
+            raise DataError(
+                f"{path}: CSV syntax error near line {reader.line_num}: {exc}; "
+                "expected comma-separated values with double-quoted fields"
+            ) from None
+        repairs.append(
+            f"truncated last record (from line {reader.line_num}, an unterminated quote) dropped; "
+            "the file looks cut short"
+        )
+    records = [r for r in records if any(cell.strip() for cell in r)]
+    if not records:
+        raise DataError(f"{path}: the file is empty; expected a header row and MONA records")
+    header = [h.strip() for h in records[0]]
+    body = records[1:]
+    if not body:
+        raise DataError(f"{path}: only a header row, no records; expected MONA conditions")
+    width = len(header)
+    bad = [i for i, r in enumerate(body) if len(r) != width]
+    if bad and bad[-1] == len(body) - 1 and len(body[-1]) < width:
+        repairs.append(
+            f"truncated last line dropped (it had {len(body[-1])} of {width} fields); "
+            "the file looks cut short"
+        )
+        body = body[:-1]
+        bad = bad[:-1]
+    if bad:
+        i = bad[0]
+        raise DataError(
+            f"{path}: record {i + 1} (after the header) has {len(body[i])} fields, expected "
+            f"{width} as in the header; {len(bad)} record(s) have the wrong width"
+        )
+    return header, body
+
+
+def detect_schema(columns: Iterable[str], path: str | Path = "<data>") -> str:
+    """Name of the schema whose required columns are all present, or a DataError listing both."""
+    cols = set(columns)
+    for name, required in REQUIRED.items():
+        if all(c in cols for c in required):
+            return name
+    closest = min(REQUIRED, key=lambda n: sum(c not in cols for c in REQUIRED[n]))
+    missing = [c for c in REQUIRED[closest] if c not in cols]
+    raise DataError(
+        f"{path}: missing required column(s) {missing} for the {closest} schema; "
+        f"found columns {sorted(cols)}. Expected either "
+        + " or ".join(f"{n}: {list(r)}" for n, r in REQUIRED.items())
+    )
+
+
+def normalise_status(value: Any) -> str:
+    """Upper-case, trimmed, inner spaces removed: 'Mod' -> 'MOD', ' M ' -> 'M', NaN -> ''."""
+    if value is None or (isinstance(value, float) and np.isnan(value)):
+        return ""
+    return re.sub(r"\s+", "", str(value)).upper()
+
+
+def label_statuses(
+    statuses: pd.Series, met: Iterable[str], not_assessed: Iterable[str]
+) -> pd.Series:
+    """Map normalised statuses to 'MET', 'excluded' (not assessed yet) or 'Non-MET' (all else)."""
+    met_set = {normalise_status(s) for s in met}
+    na_set = {normalise_status(s) for s in not_assessed}
+    return statuses.map(
+        lambda s: "MET" if s in met_set else "excluded" if s in na_set else "Non-MET"
+    )
+
+
+_DATE_FORMATS = ("%m/%d/%Y", "%d %b %Y", "%Y-%m-%d", "%d/%m/%Y", "%Y-%m-%dT%H:%M:%S")
+
+
+@functools.lru_cache(maxsize=8192)
+def _parse_date(s: str) -> pd.Timestamp | None:
+    s = s.strip()
+    if not s:
+        return None
+    for fmt in _DATE_FORMATS:
+        try:
+            return pd.Timestamp(pd.to_datetime(s, format=fmt))
+        except (ValueError, TypeError):
+            continue
+    return None
+
+
+def _review_number(text: str) -> int | None:
+    """The (largest) review number named in e.g. 'Combined Third and Fourth Reviews Prior Action'."""
+    nums = [ORDINALS[w] for w in re.findall(r"[a-z]+", text.lower()) if w in ORDINALS]
+    nums += [int(n) for n in re.findall(r"\b(\d{1,2})(?:st|nd|rd|th)?\s+review", text.lower())]
+    return max(nums) if nums else None
+
+
+def _last_review_number(review_type: str) -> int | None:
+    nums = [int(n) for n in re.findall(r"\d+", review_type or "")]
+    return max(nums) if nums else None
+
+
+def derive_test_year(
+    test_date: str, approval: pd.Timestamp | None, board: pd.Timestamp | None, review_type: str
+) -> tuple[pd.Timestamp | None, int | None, str]:
+    """Test date and year of one condition, and how the year was found.
+
+    A calendar date is used as is. A review's prior action has no date: its review's board date
+    is interpolated between approval (review 0) and the last review's board date, which this
+    vintage records once per arrangement. A programme prior action takes the approval year; a
+    continuous condition the last review's board year.
+    """
+    parsed = _parse_date(test_date)
+    if parsed is not None:
+        return parsed, parsed.year, "test_date"
+    t = test_date.lower()
+    if ("program prior action" in t or "programme prior action" in t) and approval is not None:
+        return None, approval.year, "approval_date"
+    n = _review_number(t) if "review" in t else None
+    last = _last_review_number(review_type)
+    if n is not None and approval is not None and board is not None and last and n <= last:
+        est = approval + (board - approval) * (n / last)
+        return None, est.year, "interpolated_review_date"
+    if board is not None:
+        return None, board.year, "board_date"
+    if approval is not None:
+        return None, approval.year, "approval_date"
+    return None, None, "unknown"
+
+
+def load_mona(
+    path: str | Path,
+    met: Iterable[str] = ("M", "PM"),
+    not_assessed: Iterable[str] = ("SB", "PC", "PA", ""),
+    expected_sha256: str | None = None,
+) -> MonaTable:
+    """Read a MONA CSV of either schema into the normalised, labelled table.
+
+    Columns: row_id, country, arrangement_id, arrangement_type, approval_date, econ_code,
+    econ_descriptor, econ_area, condition_type, description, test_date, test_year,
+    test_year_source, review_type, status_raw, status, label, y. No outcome commentary.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"{path}: file not found; expected a MONA CSV")
+    if not path.is_file():
+        raise DataError(f"{path}: not a file; expected a MONA CSV")
+    raw = path.read_bytes()
+    digest = hashlib.sha256(raw).hexdigest()
+    if expected_sha256 and digest != expected_sha256:
+        raise DataError(
+            f"{path}: sha256 is {digest}, expected {expected_sha256} (key 'data.sha256'); "
+            "the file differs from the vintage the parameters name"
+        )
+    if not raw.strip():
+        raise DataError(f"{path}: the file is empty; expected a header row and MONA records")
+    repairs: list[str] = []
+    text, encoding = _decode(raw, path, repairs)
+    header, body = _parse_records(text, path, repairs)
+    schema = detect_schema(header, path)
+    src = pd.DataFrame(body, columns=header, dtype="str")
+    out = _normalise(src, schema, met, not_assessed)
+    status_table = (
+        out.groupby(["status_raw", "status", "label"], dropna=False)
+        .size()
+        .rename("count")
+        .reset_index()
+        .sort_values("count", ascending=False, kind="stable")
+        .reset_index(drop=True)
+    )
+    status_table["meaning"] = status_table["status"].map(KNOWN_STATUSES).fillna("UNKNOWN CODE")
+    unknown = out.loc[~out["status"].isin(list(KNOWN_STATUSES)), "status"].value_counts()
+    unknown_d = {str(k): int(v) for k, v in unknown.items()}
+    if unknown_d:
+        log.warning("%s: unknown status codes counted as Non-MET: %s", path, unknown_d)
+    report = LoadReport(
+        path=str(path),
+        sha256=digest,
+        schema=schema,
+        encoding=encoding,
+        rows_read=len(out),
+        repairs=repairs,
+        status_table=status_table,
+        label_counts={k: int(v) for k, v in out["label"].value_counts().items()},
+        unknown_statuses=unknown_d,
+        test_year_sources={k: int(v) for k, v in out["test_year_source"].value_counts().items()},
+    )
+    for r in repairs:
+        log.warning("%s: repaired: %s", path, r)
+    return MonaTable(out, report)
+
+
+def _col(src: pd.DataFrame, name: str | None, default: str = "") -> pd.Series:
+    if name is None or name not in src.columns:
+        return pd.Series([default] * len(src), index=src.index, dtype="str")
+    return src[name].fillna(default).astype("str").str.strip()
+
+
+def _normalise(
+    src: pd.DataFrame, schema: str, met: Iterable[str], not_assessed: Iterable[str]
+) -> pd.DataFrame:
+    m = SCHEMAS[schema]
+    out = pd.DataFrame(index=src.index)
+    out["row_id"] = np.arange(len(src), dtype=np.int64)
+    out["country"] = _col(src, m["country"]).str.upper().str.replace(r"\s+", " ", regex=True)
+    out["arrangement_type"] = _col(src, m["arrangement_type"]).replace("", "unknown")
+    arr_id = _col(src, m["arrangement_id"])
+    approval = _col(src, m["approval_date"])
+    # Without an arrangement id, country + type + approval date identify a programme.
+    fallback_id = out["country"] + "|" + out["arrangement_type"] + "|" + approval
+    out["arrangement_id"] = arr_id.where(arr_id != "", fallback_id)
+    descriptor = _col(src, m["econ_descriptor"]).str.replace(r"\s+", " ", regex=True)
+    out["econ_descriptor"] = descriptor.replace("", "unknown")
+    code = _col(src, m["econ_code"])
+    from_descriptor = descriptor.str.extract(r"^(\d+(?:\.\d+)*)\.?\s")[0].fillna("")
+    out["econ_code"] = code.where(code != "", from_descriptor).replace("", "unknown")
+    out["econ_area"] = out["econ_descriptor"].map(econ_area)
+    ctype = _col(src, m["condition_type"])
+    if (ctype == "").all():
+        for alt in CONDITION_TYPE_FALLBACKS:
+            if alt in src.columns:
+                ctype = _col(src, alt)
+                break
+    ctype = ctype.str.upper()
+    out["condition_type"] = ctype.where(ctype.isin(CONDITION_TYPES), "unknown")
+    out["description"] = _col(src, m["description"]).str.replace(r"\s+", " ", regex=True)
+    test_raw = _col(src, m["test_date"])
+    approval_ts = approval.map(_parse_date)
+    board_ts = _col(src, m["board_date"]).map(_parse_date)
+    review = _col(src, m["review_type"])
+    derived = [
+        derive_test_year(t, a, b, r)
+        for t, a, b, r in zip(test_raw, approval_ts, board_ts, review, strict=True)
+    ]
+    out["approval_date"] = pd.to_datetime(pd.Series([a for a in approval_ts], index=src.index))
+    out["test_date_raw"] = test_raw
+    out["test_date"] = pd.to_datetime(pd.Series([d[0] for d in derived], index=src.index))
+    out["test_year"] = pd.array([d[1] for d in derived], dtype="Int64")
+    out["test_year_source"] = [d[2] for d in derived]
+    out["review_type"] = review
+    out["status_raw"] = src[m["status"]].fillna("").astype("str")
+    out["status"] = out["status_raw"].map(normalise_status)
+    out["label"] = label_statuses(out["status"], met, not_assessed)
+    out["y"] = pd.array(
+        [1 if lab == "MET" else 0 if lab == "Non-MET" else pd.NA for lab in out["label"]],
+        dtype="Int8",
+    )
+    empty_desc = (out["description"] == "") & (out["label"] != "excluded")
+    if empty_desc.any():
+        log.warning("%d labelled rows have an empty description", int(empty_desc.sum()))
+    return out.reset_index(drop=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Subsample, splits, near-duplicates, contexts
+# --------------------------------------------------------------------------------------------
+def subsample_arrangements(df: pd.DataFrame, max_rows: int, seed: int) -> pd.DataFrame:
+    """Whole arrangements in seeded random order until `max_rows` (keeps programmes intact)."""
+    if len(df) <= max_rows:
+        return df
+    rng = np.random.default_rng(seed)
+    ids = np.array(sorted(df["arrangement_id"].astype(str).unique()), dtype=object)
+    rng.shuffle(ids)
+    sizes = df.groupby("arrangement_id").size()
+    keep, total = [], 0
+    for a in ids:
+        if total + sizes[a] > max_rows and keep:
+            continue
+        keep.append(a)
+        total += sizes[a]
+    return df[df["arrangement_id"].isin(keep)].reset_index(drop=True)
+
+
+def _stratified_take(ids: np.ndarray, y: np.ndarray, frac: float, rng: np.random.Generator):
+    """Split `ids` into (rest, taken) with `frac` of each label class taken."""
+    taken = []
+    for cls in np.unique(y):
+        cls_ids = ids[y == cls].copy()
+        rng.shuffle(cls_ids)
+        k = round(len(cls_ids) * frac)
+        taken.extend(cls_ids[:k].tolist())
+    taken_set = set(taken)
+    rest = [i for i in ids.tolist() if i not in taken_set]
+    return sorted(rest), sorted(taken)
+
+
+def _grouped_take(ids: np.ndarray, groups: np.ndarray, frac: float, rng: np.random.Generator):
+    """Split `ids` into (rest, taken) by whole groups, taking groups until `frac` of rows."""
+    uniq = pd.unique(groups)
+    order = rng.permutation(len(uniq))
+    target = frac * len(ids)
+    counts = pd.Series(groups).value_counts()
+    chosen, n = set(), 0
+    for j in order:
+        g = uniq[j]
+        if n >= target:
+            break
+        chosen.add(g)
+        n += counts[g]
+    mask = np.array([g in chosen for g in groups])
+    return sorted(ids[~mask].tolist()), sorted(ids[mask].tolist())
+
+
+def make_splits(
+    labelled: pd.DataFrame,
+    seed: int,
+    test_fraction: float = 0.2,
+    validation_fraction: float = 0.1,
+    temporal_cutoff_year: int = 2010,
+) -> dict[str, dict[str, list[int]]]:
+    """The three protocols as row_id lists: random (stratified), grouped (by arrangement), temporal.
+
+    Each has train/val/test; val is carved from the training side the same way the protocol
+    separates train from test (stratified, by arrangement, or stratified within the past).
+    """
+    ids = labelled["row_id"].to_numpy()
+    y = labelled["y"].astype(int).to_numpy()
+    groups = labelled["arrangement_id"].astype(str).to_numpy()
+    by_id = labelled.set_index("row_id")
+    out: dict[str, dict[str, list[int]]] = {}
+
+    rng = np.random.default_rng(seed)
+    train, test = _stratified_take(ids, y, test_fraction, rng)
+    tr = np.array(train)
+    train, val = _stratified_take(
+        tr, by_id.loc[tr, "y"].astype(int).to_numpy(), validation_fraction, rng
+    )
+    out["random"] = {"train": train, "val": val, "test": test}
+
+    rng = np.random.default_rng(seed + 1)
+    train, test = _grouped_take(ids, groups, test_fraction, rng)
+    tr = np.array(train)
+    train, val = _grouped_take(
+        tr, by_id.loc[tr, "arrangement_id"].astype(str).to_numpy(), validation_fraction, rng
+    )
+    out["grouped"] = {"train": train, "val": val, "test": test}
+
+    rng = np.random.default_rng(seed + 2)
+    year = labelled["test_year"]
+    known = year.notna().to_numpy()
+    past = known & (year.fillna(-1).to_numpy() <= temporal_cutoff_year)
+    future = known & (year.fillna(-1).to_numpy() > temporal_cutoff_year)
+    tr = ids[past]
+    train, val = _stratified_take(tr, y[past], validation_fraction, rng)
+    out["temporal"] = {"train": train, "val": val, "test": sorted(ids[future].tolist())}
+    for name, parts in out.items():
+        for part, rows in parts.items():
+            if not rows:
+                raise DataError(
+                    f"split '{name}' has an empty '{part}' part ({len(labelled)} labelled rows); "
+                    "check data.max_rows, data.splits.* fractions and temporal_cutoff_year"
+                )
+    return out
+
+
+def near_duplicates_across(
+    train_texts: list[str], test_texts: list[str], threshold: float = 0.9
+) -> dict[str, float]:
+    """How many test descriptions have an exact or near duplicate (TF-IDF cosine ≥ threshold) in train."""
+    from sklearn.feature_extraction.text import TfidfVectorizer
+
+    norm = [" ".join(t.lower().split()) for t in train_texts]
+    norm_test = [" ".join(t.lower().split()) for t in test_texts]
+    train_set = set(norm)
+    exact = sum(t in train_set for t in norm_test)
+    vec = TfidfVectorizer(ngram_range=(1, 2), min_df=1, sublinear_tf=True).fit(norm + norm_test)
+    a, b = vec.transform(norm_test), vec.transform(norm)
+    best = np.zeros(len(norm_test))
+    for start in range(0, len(norm_test), 512):
+        sims = (a[start : start + 512] @ b.T).toarray()
+        best[start : start + 512] = sims.max(axis=1) if sims.shape[1] else 0.0
+    near = int((best >= threshold).sum())
+    n = max(len(norm_test), 1)
+    return {
+        "test_rows": len(norm_test),
+        "exact_in_train": int(exact),
+        "exact_share": exact / n,
+        "near_in_train": near,
+        "near_share": near / n,
+        "threshold": threshold,
+    }
+
+
+def build_contexts(labelled: pd.DataFrame, seed: int, eval_fraction: float = 0.2) -> pd.DataFrame:
+    """Distinct (country, arrangement type, descriptor) with counts, MET rate and a by-country split."""
+    keys = ["country", "arrangement_type", "econ_descriptor"]
+    ctx = labelled.groupby(keys, sort=True).agg(n=("y", "size"), n_met=("y", "sum")).reset_index()
+    ctx["n_met"] = ctx["n_met"].astype(int)
+    ctx["met_rate"] = ctx["n_met"] / ctx["n"]
+    ctx["econ_area"] = ctx["econ_descriptor"].map(econ_area)
+    countries = np.array(sorted(ctx["country"].unique()))
+    rng = np.random.default_rng(seed + 3)
+    rng.shuffle(countries)
+    k = max(1, round(len(countries) * eval_fraction))
+    if k >= len(countries):
+        raise DataError(
+            f"only {len(countries)} countries: cannot hold out {eval_fraction:.0%} for evaluation "
+            "(key 'data.splits.context_eval_fraction')"
+        )
+    held = set(countries[:k].tolist())
+    ctx["split"] = np.where(ctx["country"].isin(held), "eval", "train")
+    return ctx[[*keys, "econ_area", "n", "n_met", "met_rate", "split"]]
+
+
+# --------------------------------------------------------------------------------------------
+# The data stage and its descriptive tables
+# --------------------------------------------------------------------------------------------
+def rate_by(labelled: pd.DataFrame, column: str, z: float = 1.96) -> pd.DataFrame:
+    """Count, MET count, MET rate and its Wilson 95% interval for each value of `column`."""
+    g = labelled.groupby(column, sort=True)["y"].agg(n="size", n_met="sum").reset_index()
+    g["n_met"] = g["n_met"].astype(int)
+    p = g["n_met"] / g["n"]
+    denom = 1 + z**2 / g["n"]
+    centre = (p + z**2 / (2 * g["n"])) / denom
+    half = z * np.sqrt(p * (1 - p) / g["n"] + z**2 / (4 * g["n"] ** 2)) / denom
+    g["met_rate"] = p
+    g["ci_low"] = centre - half
+    g["ci_high"] = centre + half
+    return g
+
+
+def split_summary(labelled: pd.DataFrame, splits: dict[str, dict[str, list[int]]]) -> pd.DataFrame:
+    """Rows, MET share and arrangements per protocol and part (train/val/test)."""
+    by_id = labelled.set_index("row_id")
+    rows = []
+    for protocol, parts in splits.items():
+        for part, ids in parts.items():
+            sub = by_id.loc[ids]
+            rows.append(
+                {
+                    "protocol": protocol,
+                    "part": part,
+                    "rows": len(sub),
+                    "met_share": float(sub["y"].astype(float).mean()),
+                    "arrangements": int(sub["arrangement_id"].nunique()),
+                    "years": f"{int(sub['test_year'].min())}–{int(sub['test_year'].max())}",
+                }
+            )
+    return pd.DataFrame(rows)
+
+
+@dataclass
+class DataStage:
+    """Everything notebook 01 computes and later stages read back from the run dir."""
+
+    table: MonaTable
+    conditions: pd.DataFrame
+    labelled: pd.DataFrame
+    splits: dict[str, dict[str, list[int]]]
+    contexts: pd.DataFrame
+    duplicates: pd.DataFrame
+    subsampled_from: int | None = None
+
+
+def run_data_stage(cfg: Any, run: Any) -> DataStage:
+    """Load, label, (sub)sample, split and build contexts; write them to the run dir.
+
+    `cfg` is a `StudyConfig`, `run` a `RunDir`. Writes `data/conditions.parquet`,
+    `data/splits.json`, `data/contexts.parquet`, `data/load_report.json`.
+    """
+    d = cfg.data
+    table = load_mona(
+        d.path, met=d.labels.met, not_assessed=d.labels.not_assessed, expected_sha256=d.sha256
+    )
+    conditions = table.frame
+    subsampled_from = None
+    if d.max_rows is not None and len(conditions) > d.max_rows:
+        subsampled_from = len(conditions)
+        conditions = subsample_arrangements(conditions, d.max_rows, cfg.run.seed)
+        log.info("subsampled %d -> %d rows (whole arrangements)", subsampled_from, len(conditions))
+    labelled = conditions[conditions["label"] != "excluded"].reset_index(drop=True)
+    s = d.splits
+    splits = make_splits(
+        labelled, cfg.run.seed, s.test_fraction, s.validation_fraction, s.temporal_cutoff_year
+    )
+    by_id = labelled.set_index("row_id")["description"]
+    dup_rows = []
+    for protocol, parts in splits.items():
+        train_ids = parts["train"] + parts["val"]
+        res = near_duplicates_across(
+            by_id.loc[train_ids].tolist(),
+            by_id.loc[parts["test"]].tolist(),
+            s.near_duplicate_threshold,
+        )
+        dup_rows.append({"protocol": protocol, **res})
+    duplicates = pd.DataFrame(dup_rows)
+    contexts = build_contexts(labelled, cfg.run.seed, s.context_eval_fraction)
+    run.write_parquet("data/conditions.parquet", conditions)
+    run.write_json("data/splits.json", splits)
+    run.write_parquet("data/contexts.parquet", contexts)
+    report = table.report.as_dict()
+    report["subsampled_from"] = subsampled_from
+    report["rows_used"] = len(conditions)
+    report["labelled_used"] = len(labelled)
+    run.write_json("data/load_report.json", report)
+    return DataStage(table, conditions, labelled, splits, contexts, duplicates, subsampled_from)
+
+
+def load_splits(run: Any) -> tuple[pd.DataFrame, dict[str, dict[str, list[int]]]]:
+    """The labelled conditions and the splits written by notebook 01 (for later stages)."""
+    stage = "notebook 01_data_exploration"
+    cond = run.read_parquet("data/conditions.parquet", stage)
+    labelled = cond[cond["label"] != "excluded"].reset_index(drop=True)
+    return labelled, run.read_json("data/splits.json", stage)

@@ -1,0 +1,73 @@
+"""Shared fixtures: small MONA files (both schemas, broken variants) and temporary run dirs."""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("MPLBACKEND", "Agg")
+
+ROOT = Path(__file__).resolve().parent.parent
+MONA = ROOT / "data" / "raw" / "MONA_From2002.csv"
+
+#: Vintage column -> current IMF export column (SOURCE.md), for building a current-schema file.
+TO_CURRENT = {
+    "CountryName": "Country Name",
+    "ArrID": "Arrangement Number",
+    "ArrType": "Arrangement Type",
+    "ApprovalDate": "Approval Date",
+    "BoardActDate": "Board Action Date",
+    "ReviewType": "Review Type",
+    "EconDescrpt": "Economic Descriptor",
+    "Descpt": "Description",
+    "SPC_PA_SB": "Description Code",
+    "TestDate": "Test Date",
+    "Status": "PC Status",
+}
+
+
+def read_rows(n: int | None = None) -> tuple[list[str], list[list[str]]]:
+    with open(MONA, newline="", encoding="utf-8") as fh:
+        rows = list(csv.reader(fh))
+    return rows[0], rows[1 : None if n is None else n + 1]
+
+
+def write_csv(path: Path, header: list[str], rows: list[list[str]]) -> Path:
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\r\n")
+    w.writerow(header)
+    w.writerows(rows)
+    path.write_text(buf.getvalue(), encoding="utf-8", newline="")
+    return path
+
+
+@pytest.fixture(scope="session")
+def mona_path() -> Path:
+    return MONA
+
+
+@pytest.fixture
+def small_mona(tmp_path: Path) -> Path:
+    """The first 300 rows of the real vintage file."""
+    header, rows = read_rows(300)
+    return write_csv(tmp_path / "small.csv", header, rows)
+
+
+@pytest.fixture
+def current_schema_mona(tmp_path: Path) -> Path:
+    """The same 300 rows under the current IMF export's column names, with an economic code."""
+    header, rows = read_rows(300)
+    keep = [h for h in header if h in TO_CURRENT]
+    idx = [header.index(h) for h in keep]
+    new_header = [TO_CURRENT[h] for h in keep] + ["Economic Code"]
+    new_rows = [
+        [r[i] for i in idx] + ["20." + r[header.index("EconDescrpt")].split(".")[0]] for r in rows
+    ]
+    return write_csv(tmp_path / "current.csv", new_header, new_rows)

@@ -1,0 +1,60 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from rlxf_utils.artifacts import ArtifactMissing, RunDir, atomic_path, markdown_table, to_jsonable
+
+
+def test_atomic_write_keeps_old_file_when_writer_fails(tmp_path: Path) -> None:
+    run = RunDir(tmp_path)
+    run.write_json("a/b.json", {"x": 1})
+    with pytest.raises(RuntimeError), atomic_path(run.path("a/b.json")) as tmp:
+        tmp.write_text("half")
+        raise RuntimeError("crash mid-write")
+    assert run.read_json("a/b.json") == {"x": 1}
+    assert [p.name for p in (tmp_path / "a").iterdir()] == ["b.json"]  # no temp file left
+
+
+def test_round_trips(tmp_path: Path) -> None:
+    run = RunDir(tmp_path)
+    df = pd.DataFrame({"a": [1, 2], "b": ["x", "y|z"], "c": [0.12345, np.nan]})
+    run.write_parquet("d/t.parquet", df)
+    pd.testing.assert_frame_equal(run.read_parquet("d/t.parquet"), df)
+    run.write_table("t", df)
+    assert run.read_table("t")["a"].tolist() == [1, 2]
+    md = (tmp_path / "tables/t.md").read_text()
+    assert md.splitlines()[1] == "|---:|:---|---:|"
+    assert "y\\|z" in md and "0.123" in md
+    run.write_jsonl("s.jsonl", [{"a": np.int64(1)}, {"a": np.float32(0.5)}])
+    assert run.read_jsonl("s.jsonl") == [{"a": 1}, {"a": 0.5}]
+
+
+def test_missing_artifact_names_it_and_its_stage(tmp_path: Path) -> None:
+    with pytest.raises(ArtifactMissing, match=r"data/splits\.json \(written by notebook 01"):
+        RunDir(tmp_path).read_json("data/splits.json", stage="notebook 01")
+
+
+def test_to_jsonable() -> None:
+    out = to_jsonable(
+        {"n": np.int32(3), "f": np.nan, "arr": np.arange(2), "p": Path("/x"), 1: True}
+    )
+    assert json.loads(json.dumps(out)) == {"n": 3, "f": None, "arr": [0, 1], "p": "/x", "1": True}
+
+
+def test_markdown_table_index() -> None:
+    md = markdown_table(pd.DataFrame({"v": [1.0]}, index=pd.Index(["r"], name="k")), index=True)
+    assert md.splitlines()[0] == "| k | v |" and md.splitlines()[2] == "| r | 1.000 |"
+
+
+def test_figure_written(tmp_path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    ax.plot([0, 1])
+    p = RunDir(tmp_path).write_figure("f", fig)
+    assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,106 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rlxf_utils.config import ConfigError, StudyConfig, load_config
+
+ROOT = Path(__file__).resolve().parent.parent
+PROFILES = sorted((ROOT / "params").glob("*.yaml"))
+
+
+def write_params(tmp_path: Path, mutate) -> Path:
+    raw = yaml.safe_load((ROOT / "params" / "smoke.yaml").read_text())
+    raw["data"]["path"] = str(ROOT / "data" / "raw" / "MONA_From2002.csv")
+    mutate(raw)
+    p = tmp_path / "p.yaml"
+    p.write_text(yaml.safe_dump(raw))
+    return p
+
+
+@pytest.mark.parametrize("profile", PROFILES, ids=lambda p: p.stem)
+def test_every_profile_validates(profile: Path) -> None:
+    cfg = load_config(profile)
+    assert isinstance(cfg, StudyConfig)
+    assert cfg.data.path.is_file()
+    assert cfg.run.name == profile.stem
+    assert cfg.resolved()["run"]["name"] == profile.stem
+
+
+def test_profiles_are_the_three_of_the_design() -> None:
+    assert {p.stem for p in PROFILES} == {"smoke", "default", "paper"}
+
+
+def test_unknown_key_names_file_key_and_allowed(tmp_path: Path) -> None:
+    p = write_params(tmp_path, lambda r: r["data"]["splits"].update(test_fracton=0.3))
+    with pytest.raises(ConfigError) as ei:
+        load_config(p)
+    msg = str(ei.value)
+    assert str(p) in msg
+    assert "data.splits.test_fracton" in msg
+    assert "unknown key" in msg and "test_fraction" in msg
+
+
+def test_unknown_top_level_section(tmp_path: Path) -> None:
+    p = write_params(tmp_path, lambda r: r.update(rewrd={"epochs": 1}))
+    with pytest.raises(ConfigError, match=r"'rewrd': unknown key; expected one of: .*data"):
+        load_config(p)
+
+
+@pytest.mark.parametrize("value", [0.0, 1.0, 1.5, -0.2])
+def test_test_fraction_outside_unit_interval(tmp_path: Path, value: float) -> None:
+    p = write_params(tmp_path, lambda r: r["data"]["splits"].update(test_fraction=value))
+    with pytest.raises(ConfigError, match=r"data\.splits\.test_fraction.*(greater|less) than"):
+        load_config(p)
+
+
+def test_wrong_type(tmp_path: Path) -> None:
+    p = write_params(tmp_path, lambda r: r["run"].update(seed="many"))
+    with pytest.raises(ConfigError, match=r"run\.seed.*valid integer.*'many'"):
+        load_config(p)
+
+
+def test_negative_seed_and_rows(tmp_path: Path) -> None:
+    p = write_params(tmp_path, lambda r: (r["run"].update(seed=-1), r["data"].update(max_rows=0)))
+    with pytest.raises(ConfigError) as ei:
+        load_config(p)
+    assert "run.seed" in str(ei.value) and "data.max_rows" in str(ei.value)
+
+
+def test_missing_data_file(tmp_path: Path) -> None:
+    p = write_params(tmp_path, lambda r: r["data"].update(path="nowhere/MONA.csv"))
+    with pytest.raises(ConfigError, match=r"data\.path.*not found.*nowhere"):
+        load_config(p)
+
+
+def test_relative_data_path_is_read_from_params_folder(tmp_path: Path) -> None:
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "m.csv").write_text("x")
+    p = write_params(tmp_path, lambda r: r["data"].update(path="d/m.csv", sha256=None))
+    assert load_config(p).data.path == (tmp_path / "d" / "m.csv").resolve()
+
+
+def test_missing_section_and_empty_file(tmp_path: Path) -> None:
+    p = write_params(tmp_path, lambda r: r.pop("run"))
+    with pytest.raises(ConfigError, match=r"'run': required but missing"):
+        load_config(p)
+    e = tmp_path / "empty.yaml"
+    e.write_text("")
+    with pytest.raises(ConfigError, match="empty"):
+        load_config(e)
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "absent.yaml")
+
+
+def test_label_sets_must_be_disjoint(tmp_path: Path) -> None:
+    p = write_params(tmp_path, lambda r: r["data"]["labels"].update(met=["M", "sb"]))
+    with pytest.raises(ConfigError, match=r"\['SB'\].*both"):
+        load_config(p)
+
+
+def test_bad_sha_format(tmp_path: Path) -> None:
+    p = write_params(tmp_path, lambda r: r["data"].update(sha256="abc"))
+    with pytest.raises(ConfigError, match=r"data\.sha256"):
+        load_config(p)

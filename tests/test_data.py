@@ -1,0 +1,352 @@
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from conftest import read_rows, write_csv
+
+from rlxf_utils.data import (
+    DataError,
+    build_contexts,
+    derive_test_year,
+    label_statuses,
+    load_mona,
+    make_splits,
+    near_duplicates_across,
+    normalise_status,
+    rate_by,
+    subsample_arrangements,
+)
+from rlxf_utils.prompts import serialize_frame
+
+SHA = "df8a2a242868460ebf302904c19b7fa6be95a9249cbc140972d56476d0c20a2a"
+
+
+@pytest.fixture(scope="module")
+def full():
+    return load_mona(
+        Path(__file__).resolve().parent.parent / "data/raw/MONA_From2002.csv", expected_sha256=SHA
+    )
+
+
+# -- schemas -----------------------------------------------------------------------------------
+def test_vintage_schema_real_file(full) -> None:
+    rep = full.report
+    assert rep.schema == "mona_2002_vintage"
+    assert rep.rows_read == 6549 and rep.sha256 == SHA
+    assert rep.label_counts == {"MET": 3546, "Non-MET": 2085, "excluded": 918}
+    assert rep.repairs == [] and rep.unknown_statuses == {}
+    df = full.frame
+    assert df["row_id"].is_unique
+    assert df["arrangement_type"].ne("").all()
+    assert set(df["condition_type"]) <= {"SPC", "PA", "SB", "SAC"}
+    assert df["test_year"].notna().all()
+
+
+def test_current_schema_reads_to_the_same_table(
+    small_mona: Path, current_schema_mona: Path
+) -> None:
+    a = load_mona(small_mona).frame
+    b = load_mona(current_schema_mona)
+    assert b.report.schema == "imf_current_export"
+    b = b.frame
+    for col in [
+        "country",
+        "arrangement_type",
+        "econ_descriptor",
+        "description",
+        "status",
+        "label",
+        "test_year",
+        "condition_type",
+    ]:
+        assert a[col].tolist() == b[col].tolist(), col
+    assert b["econ_code"].str.startswith("20.").all()
+
+
+def test_current_schema_without_arrangement_type(tmp_path: Path) -> None:
+    header = [
+        "Country Name",
+        "Economic Code",
+        "Economic Descriptor",
+        "Description",
+        "Description Code",
+        "Test Date",
+        "PC Status",
+    ]
+    rows = [
+        [
+            "Kenya",
+            "20.6",
+            "1.6. Expenditure auditing",
+            "Audit the accounts.",
+            "SB",
+            "6/30/2010",
+            "Met",
+        ],
+        [
+            "Kenya",
+            "20.6",
+            "1.6. Expenditure auditing",
+            "Publish audit.",
+            "SB",
+            "2011-03-31",
+            " NM ",
+        ],
+    ]
+    t = load_mona(write_csv(tmp_path / "c.csv", header, rows))
+    assert t.frame["arrangement_type"].tolist() == ["unknown", "unknown"]
+    assert t.frame["test_year"].tolist() == [2010, 2011]
+    assert t.frame["condition_type"].tolist() == ["SB", "SB"]
+    # 'MET' is not a MONA code: counted as Non-MET but reported, never dropped silently
+    assert t.report.unknown_statuses == {"MET": 1}
+    assert t.frame["label"].tolist() == ["Non-MET", "Non-MET"]
+
+
+# -- statuses and labels -----------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("raw", "norm"),
+    [("Mod", "MOD"), (" M ", "M"), ("MMod", "MMOD"), ("", ""), (None, ""), ("p m", "PM")],
+)
+def test_normalise_status(raw, norm) -> None:
+    assert normalise_status(raw) == norm
+
+
+def test_label_mapping_default_and_custom() -> None:
+    s = pd.Series(["M", "PM", "NM", "MD", "SB", "PC", "PA", "", "W", "XYZ"])
+    assert label_statuses(s, ["M", "PM"], ["SB", "PC", "PA", ""]).tolist() == [
+        "MET",
+        "MET",
+        "Non-MET",
+        "Non-MET",
+        "excluded",
+        "excluded",
+        "excluded",
+        "excluded",
+        "Non-MET",
+        "Non-MET",
+    ]
+    assert label_statuses(s, ["M", "PM", "md"], ["SB", "PC", "PA", ""])[3] == "MET"
+
+
+def test_status_report_counts_every_raw_code(full) -> None:
+    st = full.report.status_table
+    assert st["count"].sum() == 6549
+    mod = st[st["status"] == "MOD"].set_index("status_raw")["count"].to_dict()
+    assert mod == {"MOD": 283, "Mod": 41}
+    assert "UNKNOWN CODE" not in set(st["meaning"])
+
+
+def test_unknown_status_warns_with_counts(small_mona: Path, tmp_path: Path, caplog) -> None:
+    header, rows = read_rows(20)
+    si = header.index("Status")
+    rows[0][si] = "ZZ"
+    rows[1][si] = "zz "
+    with caplog.at_level(logging.WARNING):
+        t = load_mona(write_csv(tmp_path / "u.csv", header, rows))
+    assert t.report.unknown_statuses == {"ZZ": 2}
+    assert "ZZ" in caplog.text
+    assert len(t.frame) == 20
+    assert "WARNING unknown status" in t.report.render()
+
+
+# -- the Comments rule -------------------------------------------------------------------------
+def test_comments_never_reach_model_input(tmp_path: Path) -> None:
+    header, rows = read_rows(30)
+    ci = header.index("Comments")
+    for r in rows:
+        r[ci] = "SENTINEL-OUTCOME the deadline was missed; a waiver was granted"
+    t = load_mona(write_csv(tmp_path / "c.csv", header, rows))
+    assert not any("comment" in c.lower() for c in t.frame.columns)
+    assert not t.frame.astype(str).apply(lambda col: col.str.contains("SENTINEL")).any().any()
+    texts = serialize_frame(t.frame)
+    assert texts and not any("SENTINEL" in x for x in texts)
+
+
+# -- bad input ---------------------------------------------------------------------------------
+def test_missing_and_empty_file(tmp_path: Path) -> None:
+    with pytest.raises(DataError, match=r"nope\.csv: file not found"):
+        load_mona(tmp_path / "nope.csv")
+    (tmp_path / "e.csv").write_text("")
+    with pytest.raises(DataError, match=r"e\.csv: the file is empty"):
+        load_mona(tmp_path / "e.csv")
+    (tmp_path / "h.csv").write_text("CountryName,ArrType,EconDescrpt,Descpt,TestDate,Status\r\n")
+    with pytest.raises(DataError, match="only a header row"):
+        load_mona(tmp_path / "h.csv")
+
+
+def test_missing_columns_named_with_what_was_found(tmp_path: Path) -> None:
+    header, rows = read_rows(5)
+    drop = [header.index("Status"), header.index("Descpt")]
+    h2 = [h for i, h in enumerate(header) if i not in drop]
+    r2 = [[v for i, v in enumerate(r) if i not in drop] for r in rows]
+    with pytest.raises(DataError) as ei:
+        load_mona(write_csv(tmp_path / "m.csv", h2, r2))
+    msg = str(ei.value)
+    assert (
+        "m.csv" in msg
+        and "'Descpt'" in msg
+        and "'Status'" in msg
+        and "found columns" in msg
+        and "CountryName" in msg
+    )
+
+
+def test_truncated_last_line_is_repaired_out_loud(small_mona: Path, tmp_path: Path) -> None:
+    raw = small_mona.read_bytes()
+    # cut inside the last record, after its first few fields
+    last_start = raw.rstrip(b"\r\n").rfind(b"\n") + 1
+    cut = tmp_path / "cut.csv"
+    cut.write_bytes(raw[: last_start + 60])
+    t = load_mona(cut)
+    assert t.report.rows_read == 299
+    assert any("truncated" in r for r in t.report.repairs)
+    # a cut inside a quoted field (unterminated quote)
+    quoted = raw[: last_start + raw[last_start:].index(b'"') + 5]
+    cut.write_bytes(quoted)
+    t = load_mona(cut)
+    assert t.report.rows_read == 299 and any("unterminated quote" in r for r in t.report.repairs)
+
+
+def test_short_row_in_the_middle_is_an_error(tmp_path: Path) -> None:
+    header, rows = read_rows(10)
+    rows[3] = rows[3][:5]
+    with pytest.raises(DataError, match=r"record 4 .*5 fields, expected 20"):
+        load_mona(write_csv(tmp_path / "s.csv", header, rows))
+
+
+def test_non_utf8_bytes_decoded_as_cp1252(small_mona: Path, tmp_path: Path) -> None:
+    header, rows = read_rows(10)
+    rows[0][header.index("Descpt")] = "Adopt the caf\u00e9 law \u2013 phase 1"
+    p = tmp_path / "w.csv"
+    write_csv(p, header, rows)
+    p.write_bytes(p.read_text(encoding="utf-8").encode("cp1252"))
+    t = load_mona(p)
+    assert t.report.encoding == "cp1252"
+    assert any("cp1252" in r for r in t.report.repairs)
+    assert t.frame["description"][0] == "Adopt the caf\u00e9 law \u2013 phase 1"
+
+
+def test_sha_mismatch(small_mona: Path) -> None:
+    with pytest.raises(DataError, match=r"sha256 is [0-9a-f]{64}, expected 0{64}.*data\.sha256"):
+        load_mona(small_mona, expected_sha256="0" * 64)
+
+
+# -- test years --------------------------------------------------------------------------------
+def test_derive_test_year() -> None:
+    a, b = pd.Timestamp("2006-06-26"), pd.Timestamp("2010-01-13")
+    assert derive_test_year("09/21/2007", a, b, "R6")[1:] == (2007, "test_date")
+    assert derive_test_year("1 Jan 2013", a, b, "R6")[1:] == (2013, "test_date")
+    assert derive_test_year("Program Prior Action", a, b, "R6")[1:] == (2006, "approval_date")
+    # third of six reviews: halfway between approval (2006-06) and the sixth review (2010-01)
+    assert derive_test_year("Third Review Prior action", a, b, "R6")[1:] == (
+        2008,
+        "interpolated_review_date",
+    )
+    assert derive_test_year("Combined Fifth and Sixth Reviews Prior Action", a, b, "R6")[1:] == (
+        2010,
+        "interpolated_review_date",
+    )
+    assert derive_test_year("Continuous", a, b, "R6")[1:] == (2010, "board_date")
+    assert derive_test_year("Continuous", a, None, "")[1:] == (2006, "approval_date")
+    assert derive_test_year("whenever", None, None, "")[1:] == (None, "unknown")
+
+
+# -- splits ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def splits(full):
+    return full.labelled, make_splits(
+        full.labelled, seed=7, test_fraction=0.2, validation_fraction=0.1, temporal_cutoff_year=2010
+    )
+
+
+def test_split_parts_disjoint_and_complete(splits) -> None:
+    lab, sp = splits
+    for name in ("random", "grouped"):
+        parts = [set(sp[name][p]) for p in ("train", "val", "test")]
+        assert not (parts[0] & parts[1]) and not (parts[0] & parts[2]) and not (parts[1] & parts[2])
+        assert set().union(*parts) == set(lab["row_id"])
+    t = sp["temporal"]
+    assert not (set(t["train"]) & set(t["test"]))
+
+
+def test_random_split_is_stratified_80_20(splits) -> None:
+    lab, sp = splits
+    y = lab.set_index("row_id")["y"].astype(float)
+    assert abs(len(sp["random"]["test"]) / len(lab) - 0.2) < 0.01
+    assert abs(y.loc[sp["random"]["test"]].mean() - y.mean()) < 0.01
+
+
+def test_grouped_split_never_straddles_an_arrangement(splits) -> None:
+    lab, sp = splits
+    arr = lab.set_index("row_id")["arrangement_id"]
+    sides = [set(arr.loc[sp["grouped"][p]]) for p in ("train", "val", "test")]
+    assert not (sides[0] & sides[2]) and not (sides[0] & sides[1]) and not (sides[1] & sides[2])
+    assert 0.15 < len(sp["grouped"]["test"]) / len(lab) < 0.3
+
+
+def test_temporal_split_respects_cutoff(splits) -> None:
+    lab, sp = splits
+    year = lab.set_index("row_id")["test_year"]
+    assert year.loc[sp["temporal"]["train"] + sp["temporal"]["val"]].max() <= 2010
+    assert year.loc[sp["temporal"]["test"]].min() >= 2011
+
+
+def test_splits_reproduce_with_seed_and_change_without(full) -> None:
+    lab = full.labelled
+    a = make_splits(lab, seed=3)
+    assert a == make_splits(lab, seed=3)
+    assert a["random"]["test"] != make_splits(lab, seed=4)["random"]["test"]
+
+
+def test_empty_split_part_is_a_clear_error(full) -> None:
+    with pytest.raises(
+        DataError, match=r"split 'temporal' has an empty 'test'.*temporal_cutoff_year"
+    ):
+        make_splits(full.labelled, seed=1, temporal_cutoff_year=2025)
+
+
+def test_subsample_keeps_whole_arrangements(full) -> None:
+    sub = subsample_arrangements(full.frame, 600, seed=1)
+    assert 0 < len(sub) <= 600
+    sizes = full.frame.groupby("arrangement_id").size()
+    got = sub.groupby("arrangement_id").size()
+    assert got.to_dict() == sizes.loc[got.index].to_dict()
+
+
+# -- near-duplicates, contexts, rates -----------------------------------------------------------
+def test_near_duplicates_hand_made() -> None:
+    train = [
+        "Adopt the budget law",
+        "Publish the audit of the central bank",
+        "Raise the VAT rate to 16 percent",
+    ]
+    test = [
+        "adopt the  budget LAW",
+        "Publish the audit of the central bank accounts",
+        "Privatise the railway",
+    ]
+    r = near_duplicates_across(train, test, threshold=0.7)
+    assert r["exact_in_train"] == 1 and r["near_in_train"] == 2 and r["test_rows"] == 3
+
+
+def test_contexts_held_out_by_country(full) -> None:
+    ctx = build_contexts(full.labelled, seed=1, eval_fraction=0.2)
+    assert not ctx.duplicated(["country", "arrangement_type", "econ_descriptor"]).any()
+    tr, ev = (set(ctx.loc[ctx["split"] == s, "country"]) for s in ("train", "eval"))
+    assert tr and ev and not (tr & ev)
+    assert ctx["n"].sum() == len(full.labelled)
+    assert np.allclose(ctx["met_rate"], ctx["n_met"] / ctx["n"])
+
+
+def test_rate_by_wilson_interval() -> None:
+    df = pd.DataFrame({"g": ["a"] * 10 + ["b"] * 4, "y": [1] * 7 + [0] * 3 + [1, 1, 1, 1]})
+    r = rate_by(df, "g").set_index("g")
+    assert r.loc["a", "met_rate"] == pytest.approx(0.7)
+    assert r.loc["a", "ci_low"] == pytest.approx(0.3968, abs=1e-3) and r.loc[
+        "a", "ci_high"
+    ] == pytest.approx(0.8922, abs=1e-3)
+    assert r.loc["b", "ci_high"] == pytest.approx(1.0) and r.loc["b", "ci_low"] < 1

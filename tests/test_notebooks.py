@@ -1,0 +1,95 @@
+"""Notebooks are committed clean, and the runner executes them with papermill (smoke profile)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from rlxf_utils.pipeline import NotebookFailed, discover_notebooks, run_study
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+
+
+@pytest.mark.parametrize("nb_path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_committed_clean_with_parameters_cell(nb_path: Path) -> None:
+    nb = nbformat.read(nb_path, as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert all(not c.outputs and c.execution_count is None for c in code), "outputs committed"
+    params = [c for c in code if "parameters" in c.metadata.get("tags", [])]
+    assert len(params) == 1
+    names = {line.split("=")[0].strip() for line in params[0].source.splitlines() if "=" in line}
+    assert names == {"params_file", "run_dir"}
+    assert nb.metadata["kernelspec"]["name"] == "rlxf"
+
+
+def test_discover_in_number_order_and_only() -> None:
+    names = [p.name for p in discover_notebooks()]
+    assert names == sorted(names) and names[0] == "01_data_exploration.ipynb"
+    assert [p.name for p in discover_notebooks(only=["1"])] == ["01_data_exploration.ipynb"]
+    with pytest.raises(ValueError, match="99"):
+        discover_notebooks(only=["99"])
+
+
+def _tiny_notebook(path: Path, body: str) -> None:
+    nb = nbformat.v4.new_notebook()
+    p = nbformat.v4.new_code_cell('params_file = ""\nrun_dir = ""')
+    p.metadata["tags"] = ["parameters"]
+    nb.cells = [p, nbformat.v4.new_code_cell("x = 1"), nbformat.v4.new_code_cell(body)]
+    nb.metadata["kernelspec"] = {"name": "rlxf", "display_name": "rlxf", "language": "python"}
+    nbformat.write(nb, path)
+
+
+@pytest.mark.slow
+def test_runner_reports_the_failing_cell(tmp_path: Path) -> None:
+    nbdir = tmp_path / "nbs"
+    nbdir.mkdir()
+    _tiny_notebook(
+        nbdir / "01_ok.ipynb",
+        "from pathlib import Path\nPath(run_dir, 'ran.txt').write_text(params_file)",
+    )
+    _tiny_notebook(nbdir / "02_bad.ipynb", "raise ValueError('boom in cell')")
+    _tiny_notebook(nbdir / "03_never.ipynb", "x = 2")
+    run_dir = tmp_path / "run"
+    with pytest.raises(NotebookFailed) as ei:
+        run_study(ROOT / "params/smoke.yaml", run_dir, notebook_dir=nbdir, progress=False)
+    msg = str(ei.value)
+    assert "02_bad.ipynb" in msg and "ValueError: boom in cell" in msg and "raise ValueError" in msg
+    assert (run_dir / "ran.txt").read_text() == str(ROOT / "params/smoke.yaml")
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    status = {n["name"]: n["status"] for n in manifest["notebooks"]}
+    assert status == {"01_ok": "ok", "02_bad": "failed"}
+
+
+@pytest.mark.slow
+def test_smoke_study_notebook_01(tmp_path: Path) -> None:
+    run_dir = run_study(ROOT / "params/smoke.yaml", tmp_path / "smoke", only=["01"], progress=False)
+    m = json.loads((run_dir / "manifest.json").read_text())
+    assert m["data"]["sha256"] == "df8a2a242868460ebf302904c19b7fa6be95a9249cbc140972d56476d0c20a2a"
+    assert m["params"]["run"]["name"] == "smoke"
+    assert m["environment"]["packages"]["torch"].startswith("2.13.0")
+    assert (
+        m["notebooks"][0]["name"] == "01_data_exploration" and m["notebooks"][0]["status"] == "ok"
+    )
+    assert m["notebooks"][0]["seconds"] > 0 and m["git"].keys() == {"commit", "dirty"}
+    for rel in [
+        "data/conditions.parquet",
+        "data/splits.json",
+        "data/contexts.parquet",
+        "figures/met_rate_by_year.png",
+        "tables/status_mapping.csv",
+        "tables/table2_sample.md",
+        "notebooks/01_data_exploration.ipynb",
+    ]:
+        assert (run_dir / rel).is_file(), rel
+    summary = json.loads((run_dir / "data/summary.json").read_text())
+    assert (
+        summary["rows_used"] <= 600 and summary["labelled"] == summary["met"] + summary["non_met"]
+    )
+    executed = nbformat.read(run_dir / "notebooks/01_data_exploration.ipynb", as_version=4)
+    assert not any(
+        o.get("output_type") == "error" for c in executed.cells for o in c.get("outputs", [])
+    )
