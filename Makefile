@@ -26,9 +26,10 @@ $(STAMP): pyproject.toml requirements-models.txt
 	$(BIN)/python -m ipykernel install --sys-prefix --name rlxf --display-name "RLXF study (.venv)"
 	@touch $(STAMP)
 
-## The main job: every notebook with params/default.yaml, outputs in runs/default/.
+## The main job: every notebook with params/default.yaml, then the report; outputs in runs/default/.
 study: $(STAMP)
 	$(BIN)/rlxf run --params $(PARAMS) $(if $(RUN_DIR),--run-dir $(RUN_DIR))
+	$(BIN)/rlxf report --run-dir $(or $(RUN_DIR),runs/$(shell $(BIN)/python -c "import yaml,sys; print(yaml.safe_load(open('$(PARAMS)'))['run']['name'])"))
 
 ## The same study in minutes on a MONA subsample (params/smoke.yaml).
 smoke: PARAMS = params/smoke.yaml

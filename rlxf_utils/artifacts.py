@@ -21,6 +21,10 @@ import pandas as pd
 __all__ = ["ArtifactMissing", "RunDir", "atomic_path", "to_jsonable"]
 
 
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
+
 class ArtifactMissing(FileNotFoundError):
     """An artifact an earlier stage should have written is absent; the message names it."""
 
@@ -35,6 +39,7 @@ def atomic_path(target: str | Path, suffix: str = "") -> Iterator[Path]:
     )
     os.close(fd)
     tmp_path = Path(tmp)
+    os.chmod(tmp_path, 0o666 & ~_UMASK)  # mkstemp makes 0600; artifacts are meant to be shared
     try:
         yield tmp_path
         os.replace(tmp_path, target)
@@ -165,7 +170,24 @@ def markdown_table(df: pd.DataFrame, floatfmt: str = ".3f", index: bool = False)
     cols = [str(c) for c in df.columns]
     numeric = [pd.api.types.is_numeric_dtype(df[c]) for c in df.columns]
     header = "| " + " | ".join(c.replace("|", "\\|") for c in cols) + " |"
-    align = "|" + "|".join("---:" if n else ":---" for n in numeric) + "|"
+    # Dash counts set pandoc's relative column widths when cells wrap: give wordy columns room.
+    widths = [
+        max(
+            3,
+            len(c),
+            min(
+                60, round(np.mean([len(_fmt_cell(v, floatfmt)) for v in df[col].head(200)] or [0]))
+            ),
+        )
+        for c, col in zip(cols, df.columns, strict=True)
+    ]
+    align = (
+        "|"
+        + "|".join(
+            ("-" * w + ":") if n else (":" + "-" * w) for n, w in zip(numeric, widths, strict=True)
+        )
+        + "|"
+    )
     rows = [
         "| " + " | ".join(_fmt_cell(v, floatfmt) for v in rec) + " |"
         for rec in df.itertuples(index=False, name=None)

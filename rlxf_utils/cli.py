@@ -44,6 +44,20 @@ def _cmd_data_summary(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_report(args: argparse.Namespace) -> int:
+    from .artifacts import ArtifactMissing
+    from .report import ReportError, render_report
+
+    try:
+        res = render_report(args.run_dir, engine=args.engine)
+    except (ReportError, ArtifactMissing) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    timing = ", ".join(f"{k} {v:.1f} s" for k, v in res.seconds.items())
+    print(f"report rendered with {res.engine} ({timing}):\n  {res.html}\n  {res.pdf}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rlxf", description="Rerunnable RLXF study (IMF WP/24/114).")
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -55,6 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--only", default=None, help="comma-separated notebook numbers, e.g. 01,02")
     r.add_argument("--quiet", action="store_true", help="no per-cell progress bar")
     r.set_defaults(func=_cmd_run)
+
+    rp = sub.add_parser("report", help="render the working paper from a run dir (HTML + PDF)")
+    rp.add_argument("--run-dir", required=True, help="a run folder, e.g. runs/default")
+    rp.add_argument("--engine", choices=["auto", "quarto", "pandoc"], default="auto")
+    rp.set_defaults(func=_cmd_report)
 
     d = sub.add_parser("data", help="inspect MONA data")
     dsub = d.add_subparsers(dest="data_command", required=True)

@@ -58,3 +58,8 @@ def test_figure_written(tmp_path: Path) -> None:
     ax.plot([0, 1])
     p = RunDir(tmp_path).write_figure("f", fig)
     assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_markdown_dashes_give_wordy_columns_room() -> None:
+    md = markdown_table(pd.DataFrame({"k": ["a", "b"], "long": ["x" * 120, "y" * 100]}))
+    assert md.splitlines()[1] == "|:---|:" + "-" * 60 + "|"

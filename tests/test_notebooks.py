@@ -93,3 +93,41 @@ def test_smoke_study_notebook_01(tmp_path: Path) -> None:
     assert not any(
         o.get("output_type") == "error" for c in executed.cells for o in c.get("outputs", [])
     )
+
+
+@pytest.mark.slow
+def test_smoke_study_renders_the_report(tmp_path: Path) -> None:
+    """The smoke run's report: both files, figures embedded, no holes, numbers equal the artifacts."""
+    import re
+
+    import pypdf
+
+    from rlxf_utils.report import load_variables, render_report
+
+    run_dir = run_study(ROOT / "params/smoke.yaml", tmp_path / "smoke", progress=False)
+    res = render_report(run_dir, engine="pandoc")
+    assert res.engine == "pandoc+typst"
+    html = res.html.read_text(encoding="utf-8")
+    n_figures = html.count('src="data:image/png;base64,')
+    referenced = len(
+        re.findall(r"!\[[^\]]*\]\(figures/", (ROOT / "reports/rlxf_report.qmd").read_text())
+    )
+    assert n_figures == referenced > 0
+    for hole in ("{{<", "??", "citation not found", "<strong>fig-", "@tbl-", "@fig-", "@sec-"):
+        assert hole not in html, hole
+    summary = json.loads((run_dir / "data/summary.json").read_text())
+    variables = load_variables(run_dir)
+    assert variables["data"]["labelled"] == f"{summary['labelled']:,}"
+    assert variables["data"]["met_share"] == f"{100 * summary['met_share']:.1f}%"
+    assert f"{summary['labelled']:,} labelled conditions" in html
+    text = " ".join(p.extract_text() for p in pypdf.PdfReader(res.pdf).pages)
+    text = " ".join(text.split())
+    for heading in (
+        "Introduction",
+        "Data: the experience in MONA",
+        "Reproducibility",
+        "References",
+    ):
+        assert heading in text, heading
+    assert f"{summary['met']:,} MET and {summary['non_met']:,} Non-MET" in text
+    assert "Table 1" in text and "Figure 1" in text
