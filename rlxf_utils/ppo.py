@@ -1,0 +1,709 @@
+"""PPO for causal language models, classic RLHF form (Ziegler et al. 2019; Stiennon et al. 2020).
+
+One readable file in the CleanRL spirit: every implementation detail is named and commented once.
+
+    rollout   sample a response per prompt (temperature, top-p, max new tokens; left padding, KV cache)
+    score     reward model on (context, post-processed response) -> one scalar per response
+    forward   one no-grad pass of the policy gives log-probs, entropy and values (value head on the
+              policy's last hidden states); one pass with the LoRA adapters disabled gives the
+              reference log-probs (the frozen starting policy, no second copy of the weights)
+    reward    per-token  r_t = -beta * (log pi(a_t) - log pi_ref(a_t)),  plus the score on the last token
+    GAE       advantages and returns (gamma, lambda), advantages whitened over the batch
+    update    several epochs of shuffled minibatches: clipped surrogate + clipped value loss,
+              gradient clipping, early stop when the approximate KL to the rollout policy is too big
+    beta      adaptive KL controller (target KL, horizon) or a fixed coefficient
+
+Device placement goes through `accelerate`, so the same code runs on CPU, one GPU or several GPUs
+(`accelerate launch`). Checkpoints hold everything needed for an exact resume on CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm.auto import tqdm
+
+from rlxf_utils.artifacts import atomic_path, to_jsonable
+from rlxf_utils.config import RLConfig
+from rlxf_utils.models import postprocess_response
+
+__all__ = [
+    "LOG_COLUMNS",
+    "AdaptiveKLController",
+    "FixedKLController",
+    "PPOTrainer",
+    "PolicyWithValue",
+    "RewardFn",
+    "ValueHead",
+    "compute_gae",
+    "entropy_from_logits",
+    "explained_variance",
+    "logprobs_from_logits",
+    "masked_mean",
+    "masked_var",
+    "policy_loss",
+    "value_loss",
+    "whiten",
+]
+
+log = logging.getLogger(__name__)
+
+RewardFn = Callable[[list[dict[str, Any]], list[str]], np.ndarray]
+"""reward_fn(contexts, texts) -> one scalar per text (here: the reward model's calibrated P(MET))."""
+
+#: One row per step; GRPO/RLOO (rlxf_utils.rl) write the same columns, NaN where not meaningful.
+LOG_COLUMNS: tuple[str, ...] = (
+    "algo",
+    "step",
+    "reward_mean",
+    "reward_std",
+    "kl",
+    "kl_per_token",
+    "kl_coef",
+    "entropy",
+    "clip_frac",
+    "approx_kl",
+    "policy_loss",
+    "value_loss",
+    "explained_variance",
+    "response_length",
+    "tokens_per_s",
+    "gen_time_s",
+    "step_time_s",
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# Masked statistics
+# ---------------------------------------------------------------------------------------------
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of `x` over positions where `mask` is 1."""
+    if dim is None:
+        return (x * mask).sum() / mask.sum().clamp(min=1)
+    return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
+
+
+def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance of `x` over masked positions (Bessel-corrected by default)."""
+    mean = masked_mean(x, mask)
+    var = masked_mean((x - mean) ** 2, mask)
+    if unbiased:
+        n = mask.sum()
+        var = var * n / (n - 1).clamp(min=1)
+    return var
+
+
+def whiten(
+    x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8
+) -> torch.Tensor:
+    """Advantage whitening: zero mean, unit variance over the masked tokens of the whole batch."""
+    mean, var = masked_mean(x, mask), masked_var(x, mask)
+    out = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return out * mask
+
+
+# ---------------------------------------------------------------------------------------------
+# Log-probabilities, entropy, GAE, losses
+# ---------------------------------------------------------------------------------------------
+def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log p(token) under `logits` (…, V) for each position."""
+    return torch.gather(F.log_softmax(logits.float(), dim=-1), -1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the categorical distribution at each position (nats)."""
+    logp = F.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def compute_gae(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over response tokens (B, T); returns (advantages, returns).
+
+    The value after the last valid token is 0 (the episode ends with the response), so
+    delta_t = r_t + gamma * V_{t+1} * m_{t+1} - V_t and A_t = delta_t + gamma * lam * m_{t+1} * A_{t+1}.
+    """
+    T = rewards.shape[1]
+    advantages = torch.zeros_like(rewards)
+    last = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(T)):
+        next_mask = mask[:, t + 1] if t + 1 < T else torch.zeros_like(mask[:, 0])
+        next_value = values[:, t + 1] if t + 1 < T else torch.zeros_like(values[:, 0])
+        delta = rewards[:, t] + gamma * next_value * next_mask - values[:, t]
+        last = delta + gamma * lam * next_mask * last
+        advantages[:, t] = last
+    advantages = advantages * mask
+    returns = (advantages + values) * mask
+    return advantages, returns
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_range: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Clipped surrogate objective (as a loss) with its clip fraction and approximate KL.
+
+    approx KL uses the low-variance estimator mean((r - 1) - log r) (Schulman's k3).
+    """
+    log_ratio = logprobs - old_logprobs
+    ratio = log_ratio.exp()
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_range, 1.0 + clip_range)
+    loss = masked_mean(torch.maximum(unclipped, clipped), mask)
+    with torch.no_grad():
+        clip_frac = masked_mean(((ratio - 1.0).abs() > clip_range).float(), mask)
+        approx_kl = masked_mean((ratio - 1.0) - log_ratio, mask)
+    return loss, clip_frac, approx_kl
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    clip_range_value: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clipped value loss 0.5 * max((V - R)^2, (V_clipped - R)^2) and its clip fraction."""
+    v_clipped = old_values + (values - old_values).clamp(-clip_range_value, clip_range_value)
+    loss_unclipped = (values - returns) ** 2
+    loss_clipped = (v_clipped - returns) ** 2
+    loss = 0.5 * masked_mean(torch.maximum(loss_unclipped, loss_clipped), mask)
+    with torch.no_grad():
+        clip_frac = masked_mean((loss_clipped > loss_unclipped).float(), mask)
+    return loss, clip_frac
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
+    """1 - Var(returns - values) / Var(returns) over masked tokens (1 = perfect critic)."""
+    var_r = masked_var(returns, mask)
+    if var_r.item() == 0:
+        return float("nan")
+    return float(1.0 - masked_var(returns - values, mask) / var_r)
+
+
+# ---------------------------------------------------------------------------------------------
+# KL coefficient controllers
+# ---------------------------------------------------------------------------------------------
+class AdaptiveKLController:
+    """Ziegler et al. (2019) adaptive beta: proportional control of the KL towards `target`."""
+
+    def __init__(self, init: float, target: float, horizon: int):
+        self.value, self.target, self.horizon = float(init), float(target), int(horizon)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """Raise beta when KL is above target, lower it when below (error clipped to +-20%)."""
+        error = float(np.clip(current_kl / self.target - 1.0, -0.2, 0.2))
+        self.value *= 1.0 + error * n_steps / self.horizon
+
+    def state_dict(self) -> dict[str, float]:
+        return {"value": self.value, "target": self.target, "horizon": self.horizon}
+
+    def load_state_dict(self, state: Mapping[str, float]) -> None:
+        self.value = float(state["value"])
+
+
+class FixedKLController:
+    """A constant KL coefficient."""
+
+    def __init__(self, value: float):
+        self.value = float(value)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """No-op: the coefficient stays fixed."""
+
+    def state_dict(self) -> dict[str, float]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: Mapping[str, float]) -> None:
+        self.value = float(state["value"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Policy + value head
+# ---------------------------------------------------------------------------------------------
+class ValueHead(nn.Module):
+    """Scalar value V(s_t) from the policy's last hidden state at each position."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.summary = nn.Linear(hidden_size, 1)
+        nn.init.normal_(self.summary.weight, std=1.0 / math.sqrt(hidden_size + 1))
+        nn.init.zeros_(self.summary.bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.summary(hidden.float()).squeeze(-1)
+
+
+class PolicyWithValue(nn.Module):
+    """LoRA policy and value head as one module, so `accelerate`/DDP wraps and syncs both."""
+
+    def __init__(self, policy: nn.Module):
+        super().__init__()
+        self.policy = policy
+        self.value_head = ValueHead(policy.config.hidden_size)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        n_response: int,
+        with_values: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits predicting the last `n_response` tokens (B, R, V) and values at those states (B, R)."""
+        # Left padding: positions count only real tokens, as in generation.
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        out = self.policy(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            output_hidden_states=with_values,
+            logits_to_keep=n_response + 1,  # only the response's logits: saves a (B, T, V) tensor
+            use_cache=False,
+        )
+        logits = out.logits[:, :-1]
+        if not with_values:
+            return logits, None
+        hidden = out.hidden_states[-1][:, -(n_response + 1) : -1]
+        return logits, self.value_head(hidden)
+
+
+@dataclass
+class Rollout:
+    """One batch of sampled responses and everything the update needs."""
+
+    context_idx: list[int]
+    input_ids: torch.Tensor  # (B, P + R) prompt (left-padded) + response (right-padded)
+    attention_mask: torch.Tensor  # (B, P + R)
+    response_ids: torch.Tensor  # (B, R)
+    response_mask: torch.Tensor  # (B, R) 1 up to and including the first EOS
+    texts: list[str]
+    scores: torch.Tensor  # (B,)
+    gen_time: float
+
+
+# ---------------------------------------------------------------------------------------------
+# Trainer
+# ---------------------------------------------------------------------------------------------
+class PPOTrainer:
+    """PPO fine-tuning of a LoRA-wrapped causal LM against `reward_fn`; writes to `output_dir`.
+
+    `prompts[i]` is the formatted policy input for `contexts[i]`. Layout of `output_dir`:
+    `adapter/` (final LoRA, safetensors), `value_head.safetensors`, `train_log.parquet`,
+    `samples.jsonl`, `checkpoints/step_XXXXXX/` (the last two kept).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: Any,
+        prompts: Sequence[str],
+        contexts: Sequence[Mapping[str, Any]],
+        reward_fn: RewardFn,
+        cfg: RLConfig,
+        output_dir: str | Path,
+        seed: int = 0,
+        accelerator: Any = None,
+        n_samples: int = 4,
+        generation_kwargs: Mapping[str, Any] | None = None,
+    ):
+        from accelerate import Accelerator
+
+        if len(prompts) != len(contexts) or not prompts:
+            raise ValueError(
+                f"need one prompt per context, got {len(prompts)} prompts, {len(contexts)} contexts"
+            )
+        if not hasattr(model, "disable_adapter"):
+            raise TypeError(
+                "model must be a peft model (models.apply_lora): the reference is the base"
+            )
+        self.cfg, self.tokenizer, self.reward_fn = cfg, tokenizer, reward_fn
+        self.prompts, self.contexts = list(prompts), [dict(c) for c in contexts]
+        self.output_dir = Path(output_dir)
+        self.seed, self.n_samples = seed, n_samples
+        self.generation_kwargs = dict(generation_kwargs or {})  # extra generate() args (benchmarks)
+        self.accelerator = accelerator or Accelerator()
+        rank_seed = seed + self.accelerator.process_index  # each process samples its own prompts
+        _seed_everything(rank_seed)
+        self.np_rng = np.random.default_rng(rank_seed)  # prompt sampling
+        if cfg.gradient_checkpointing:  # recompute activations in the update: memory for time
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
+        self.gen = PolicyWithValue(model)
+        params = [p for p in self.gen.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, eps=1e-5)
+        self.module, self.optimizer = self.accelerator.prepare(self.gen, self.optimizer)
+        self.kl_ctl: AdaptiveKLController | FixedKLController = (
+            AdaptiveKLController(cfg.kl_coef, cfg.target_kl, cfg.kl_horizon)
+            if cfg.adaptive_kl
+            else FixedKLController(cfg.kl_coef)
+        )
+        self.step = 0
+        self.history: list[dict[str, Any]] = []
+        self.samples: list[dict[str, Any]] = []
+        self._order: list[int] = []
+
+    # -- helpers -------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.accelerator.device
+
+    @property
+    def unwrapped(self) -> PolicyWithValue:
+        return self.accelerator.unwrap_model(self.module)
+
+    def _next_batch(self) -> list[int]:
+        """Prompt indices for one step: passes over shuffled training contexts (epoch sampling)."""
+        idx: list[int] = []
+        while len(idx) < self.cfg.batch_size:
+            if not self._order:
+                self._order = self.np_rng.permutation(len(self.prompts)).tolist()
+            idx.append(self._order.pop())
+        return idx
+
+    # -- phase 1: rollout ----------------------------------------------------------------------
+    @torch.no_grad()
+    def rollout(self, idx: Sequence[int]) -> Rollout:
+        """Sample one response per prompt and score it with the reward function."""
+        cfg, tok = self.cfg, self.tokenizer
+        enc = tok([self.prompts[i] for i in idx], return_tensors="pt", padding=True)
+        enc = {k: v.to(self.device) for k, v in enc.items()}
+        policy = self.unwrapped.policy
+        policy.eval()  # no dropout while sampling and scoring
+        t0 = time.perf_counter()
+        out = policy.generate(
+            input_ids=enc["input_ids"],
+            attention_mask=enc["attention_mask"],
+            do_sample=True,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            top_k=0,
+            max_new_tokens=cfg.max_new_tokens,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+            use_cache=True,  # KV cache: each new token attends to cached keys/values
+            **self.generation_kwargs,
+        )
+        gen_time = time.perf_counter() - t0
+        P = enc["input_ids"].shape[1]
+        response = out[:, P:]
+        # Response mask: tokens up to and including the first EOS (pad may equal EOS).
+        is_eos = response == tok.eos_token_id
+        after_eos = (is_eos.cumsum(-1) - is_eos.long()) > 0
+        response_mask = (~after_eos).long()
+        response = torch.where(
+            response_mask.bool(), response, torch.full_like(response, tok.pad_token_id)
+        )
+        texts = tok.batch_decode(response, skip_special_tokens=True)
+        cleaned = [postprocess_response(t, self.cfg.response_postprocess) for t in texts]
+        scores = np.asarray(
+            self.reward_fn([self.contexts[i] for i in idx], cleaned), dtype=np.float32
+        )
+        if scores.shape != (len(idx),) or not np.isfinite(scores).all():
+            raise ValueError(
+                f"reward_fn returned shape {scores.shape} / non-finite values; expected {len(idx)} finite floats"
+            )
+        return Rollout(
+            context_idx=list(idx),
+            input_ids=torch.cat([enc["input_ids"], response], 1),
+            attention_mask=torch.cat([enc["attention_mask"], response_mask], 1),
+            response_ids=response,
+            response_mask=response_mask,
+            texts=cleaned,
+            scores=torch.as_tensor(scores, device=self.device),
+            gen_time=gen_time,
+        )
+
+    # -- phase 2: one PPO step ------------------------------------------------------------------
+    def train_step(self) -> dict[str, Any]:
+        """Rollout, score, compute advantages and run the PPO epochs; returns the step's log row."""
+        cfg = self.cfg
+        t_start = time.perf_counter()
+        ro = self.rollout(self._next_batch())
+        mask = ro.response_mask.float()
+        R = ro.response_ids.shape[1]
+        T = cfg.temperature  # log-probs of the sampling distribution: logits / temperature
+
+        # Old log-probs, values and entropy from one no-grad policy pass; reference with adapters off.
+        with torch.no_grad():
+            logits, old_values = self.unwrapped(ro.input_ids, ro.attention_mask, R)
+            old_logprobs = logprobs_from_logits(logits / T, ro.response_ids)
+            entropy = masked_mean(entropy_from_logits(logits / T), mask)
+            del logits
+            with self.unwrapped.policy.disable_adapter():
+                ref_logits, _ = self.unwrapped(
+                    ro.input_ids, ro.attention_mask, R, with_values=False
+                )
+            ref_logprobs = logprobs_from_logits(ref_logits / T, ro.response_ids)
+            del ref_logits
+
+            # Per-token reward: KL penalty on every token, the reward-model score on the last one.
+            kl_tokens = (old_logprobs - ref_logprobs) * mask
+            rewards = -self.kl_ctl.value * kl_tokens
+            last = (mask.sum(1).long() - 1).clamp(min=0)
+            rewards[torch.arange(len(last)), last] += ro.scores
+            advantages, returns = compute_gae(rewards, old_values * mask, mask, cfg.gamma, cfg.lam)
+            if cfg.whiten_advantages:
+                advantages = whiten(advantages, mask)
+
+        # Several epochs of minibatch updates on this rollout batch.
+        self.module.train()
+        B = ro.input_ids.shape[0]
+        stats: dict[str, list[float]] = {k: [] for k in ("pg", "vf", "clip", "akl", "vclip")}
+        stop = False
+        for _epoch in range(cfg.ppo_epochs):
+            perm = torch.randperm(B)
+            for start in range(0, B, cfg.minibatch_size):
+                mb = perm[start : start + cfg.minibatch_size].to(self.device)
+                new_logits, new_values = self.module(ro.input_ids[mb], ro.attention_mask[mb], R)
+                new_logprobs = logprobs_from_logits(new_logits / T, ro.response_ids[mb])
+                pg, clip_frac, approx_kl = policy_loss(
+                    new_logprobs, old_logprobs[mb], advantages[mb], mask[mb], cfg.clip_range
+                )
+                vf, vclip = value_loss(
+                    new_values, old_values[mb], returns[mb], mask[mb], cfg.clip_range_value
+                )
+                loss = pg + cfg.vf_coef * vf
+                self.optimizer.zero_grad(set_to_none=True)
+                self.accelerator.backward(loss)
+                self.accelerator.clip_grad_norm_(self.module.parameters(), cfg.max_grad_norm)
+                self.optimizer.step()
+                for k, v in zip(  # detached scalars for the log
+                    ("pg", "vf", "clip", "akl", "vclip"),
+                    (pg, vf, clip_frac, approx_kl, vclip),
+                    strict=True,
+                ):
+                    stats[k].append(v.item())
+                # Early stop: the policy moved too far from the one that sampled the batch.
+                if cfg.approx_kl_stop is not None and float(approx_kl) > cfg.approx_kl_stop:
+                    stop = True
+                    break
+            if stop:
+                break
+        self.module.eval()
+
+        # KL to the reference: summed over tokens, averaged over responses; drives the controller.
+        kl_seq = float(kl_tokens.sum(1).mean())
+        self.kl_ctl.update(kl_seq, B)
+        n_tokens = float(mask.sum())
+        step_time = time.perf_counter() - t_start
+        scores = ro.scores.float()
+        row = {
+            "algo": "ppo",
+            "step": self.step + 1,
+            "reward_mean": float(scores.mean()),
+            "reward_std": float(scores.std()) if B > 1 else 0.0,
+            "kl": kl_seq,
+            "kl_per_token": float(kl_tokens.sum() / max(n_tokens, 1.0)),
+            "kl_coef": self.kl_ctl.value,
+            "entropy": float(entropy),
+            "clip_frac": float(np.mean(stats["clip"])),
+            "approx_kl": float(np.mean(stats["akl"])),
+            "policy_loss": float(np.mean(stats["pg"])),
+            "value_loss": float(np.mean(stats["vf"])),
+            "explained_variance": explained_variance(old_values, returns, mask),
+            "response_length": n_tokens / B,
+            "tokens_per_s": n_tokens / max(ro.gen_time, 1e-9),
+            "gen_time_s": ro.gen_time,
+            "step_time_s": step_time,
+        }
+        self.step += 1
+        self.history.append(row)
+        if self.step == 1 or self.step % cfg.sample_every == 0:
+            for i, text, s in list(zip(ro.context_idx, ro.texts, scores.tolist(), strict=True))[
+                : self.n_samples
+            ]:
+                self.samples.append(
+                    {"step": self.step, **_ctx(self.contexts[i]), "response": text, "reward": s}
+                )
+        return row
+
+    # -- loop, checkpoints, outputs ------------------------------------------------------------
+    def train(
+        self,
+        steps: int | None = None,
+        resume: bool = True,
+        progress: bool = True,
+        callback: Callable[[int, dict[str, Any]], None] | None = None,
+    ) -> pd.DataFrame:
+        """Run until `steps` (default rl.steps), resuming from the last checkpoint; returns the log."""
+        steps = steps or self.cfg.steps
+        if resume:
+            self.load_checkpoint()
+        bar = tqdm(total=steps, initial=self.step, desc="PPO", disable=not progress)
+        while self.step < steps:
+            row = self.train_step()
+            bar.update(1)
+            bar.set_postfix(reward=f"{row['reward_mean']:.3f}", kl=f"{row['kl']:.2f}")
+            log.info(
+                "ppo step %d: reward %.4f kl %.3f beta %.4f entropy %.3f %.1fs",
+                self.step, row["reward_mean"], row["kl"], row["kl_coef"], row["entropy"], row["step_time_s"],
+            )  # fmt: skip
+            if self.step % self.cfg.checkpoint_every == 0 or self.step == steps:
+                self.save_checkpoint()
+            if callback is not None:
+                callback(self.step, row)
+        bar.close()
+        self.save_outputs()
+        return self.log_frame()
+
+    def log_frame(self) -> pd.DataFrame:
+        """The training log as a table with `LOG_COLUMNS`."""
+        return pd.DataFrame(self.history, columns=list(LOG_COLUMNS))
+
+    def save_outputs(self) -> None:
+        """Final adapter (safetensors), value head, log and samples, each written atomically."""
+        if not self.accelerator.is_main_process:
+            return
+        from safetensors.torch import save_file
+
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        _atomic_dir(self.output_dir / "adapter", lambda d: self.unwrapped.policy.save_pretrained(d))
+        with atomic_path(self.output_dir / "value_head.safetensors") as tmp:
+            save_file(_cpu_state(self.unwrapped.value_head), str(tmp))
+        with atomic_path(self.output_dir / "train_log.parquet") as tmp:
+            self.log_frame().to_parquet(tmp, index=False)
+        with atomic_path(self.output_dir / "samples.jsonl") as tmp:
+            tmp.write_text(
+                "".join(
+                    json.dumps(to_jsonable(s), ensure_ascii=False) + "\n" for s in self.samples
+                ),
+                encoding="utf-8",
+            )
+
+    def save_checkpoint(self) -> Path:
+        """Adapter, value head, optimiser, KL controller, RNG states, sampler, logs and step."""
+        from peft import get_peft_model_state_dict
+        from safetensors.torch import save_file
+
+        root = self.output_dir / "checkpoints"
+        target = root / f"step_{self.step:06d}"
+        if not self.accelerator.is_main_process:
+            return target
+
+        def write(d: Path) -> None:
+            save_file(
+                {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(self.unwrapped.policy).items()},
+                str(d / "adapter_model.safetensors"),
+            )  # fmt: skip
+            save_file(_cpu_state(self.unwrapped.value_head), str(d / "value_head.safetensors"))
+            torch.save(
+                {
+                    "step": self.step,
+                    "optimizer": self.optimizer.state_dict(),
+                    "kl_ctl": self.kl_ctl.state_dict(),
+                    "rng": _rng_state(),
+                    "np_rng": self.np_rng.bit_generator.state,
+                    "order": list(self._order),
+                    "history": self.history,
+                    "samples": self.samples,
+                },
+                d / "state.pt",
+            )
+
+        _atomic_dir(target, write)
+        for old in sorted(root.glob("step_*"))[:-2]:  # keep the last two
+            shutil.rmtree(old, ignore_errors=True)
+        return target
+
+    def load_checkpoint(self, path: str | Path | None = None) -> bool:
+        """Restore the newest checkpoint under `output_dir/checkpoints` (or `path`); False if none."""
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        if path is None:
+            found = sorted((self.output_dir / "checkpoints").glob("step_*"))
+            if not found:
+                return False
+            path = found[-1]
+        path = Path(path)
+        set_peft_model_state_dict(
+            self.unwrapped.policy, load_file(str(path / "adapter_model.safetensors"))
+        )
+        self.unwrapped.value_head.load_state_dict(load_file(str(path / "value_head.safetensors")))
+        state = torch.load(path / "state.pt", weights_only=False)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.kl_ctl.load_state_dict(state["kl_ctl"])
+        _set_rng_state(state["rng"])
+        self.np_rng.bit_generator.state = state["np_rng"]
+        self._order = list(state["order"])
+        self.history, self.samples, self.step = state["history"], state["samples"], state["step"]
+        log.info("resumed PPO from %s (step %d)", path, self.step)
+        return True
+
+
+# ---------------------------------------------------------------------------------------------
+# Small utilities
+# ---------------------------------------------------------------------------------------------
+def _ctx(c: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: c.get(k) for k in ("country", "arrangement_type", "econ_descriptor")}
+
+
+def _cpu_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()}
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: Mapping[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _atomic_dir(target: Path, write: Callable[[Path], Any]) -> None:
+    """Fill a temporary folder with `write`, then swap it into `target` (never half-written)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        write(tmp)
+        if target.exists():
+            old = target.with_name(f".{target.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(target, old)
+            os.replace(tmp, target)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,428 @@
+"""RL fine-tuning runs: prompts from training contexts, the reward function, PPO (ours), GRPO/RLOO (TRL).
+
+All three algorithms take the same prompts, reward function (calibrated P(MET) of the
+post-processed response), LoRA settings, sampling settings and KL coefficient, and write the
+same layout under `<run_dir>/policy/<algo>/`: `adapter/` (LoRA, safetensors), `train_log.parquet`
+(columns `ppo.LOG_COLUMNS`, NaN where an algorithm has no such quantity) and `samples.jsonl`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+from rlxf_utils.artifacts import ArtifactMissing, RunDir, atomic_path, to_jsonable
+from rlxf_utils.config import PolicyConfig, RLConfig, StudyConfig
+from rlxf_utils.models import (
+    apply_lora,
+    build_prompts,
+    load_policy,
+    lora_config,
+    postprocess_response,
+)
+from rlxf_utils.ppo import LOG_COLUMNS, PPOTrainer, RewardFn, _atomic_dir, _seed_everything
+
+__all__ = [
+    "CONTEXT_COLUMNS",
+    "LOG_COLUMNS",
+    "before_after_samples",
+    "load_contexts",
+    "make_reward_fn",
+    "postprocess_response",
+    "read_logs",
+    "run_algorithm",
+    "run_ppo",
+    "run_trl",
+    "sample_responses",
+    "summary_table",
+    "training_curves_figure",
+    "trl_reward_function",
+]
+
+log = logging.getLogger(__name__)
+
+CONTEXT_COLUMNS = ("country", "arrangement_type", "econ_descriptor", "econ_area", "split")
+_CTX_KEYS = ("country", "arrangement_type", "econ_descriptor")
+
+
+def load_contexts(
+    run_dir: str | Path, split: str = "train", max_prompts: int | None = None, seed: int = 0
+) -> list[dict[str, Any]]:
+    """Prompt contexts of one split from `data/contexts.parquet` (RL uses only 'train')."""
+    rd = RunDir(run_dir)
+    df = rd.read_parquet("data/contexts.parquet", stage="notebook 01 (data exploration)")
+    missing = [c for c in CONTEXT_COLUMNS if c not in df.columns]
+    if missing:
+        raise ArtifactMissing(
+            f"{rd.root / 'data/contexts.parquet'} lacks columns {missing}; expected {list(CONTEXT_COLUMNS)}"
+        )
+    df = df[df["split"] == split].reset_index(drop=True)
+    if df.empty:
+        raise ValueError(
+            f"{rd.root / 'data/contexts.parquet'} has no contexts with split=={split!r}"
+        )
+    if max_prompts is not None and len(df) > max_prompts:
+        df = df.sample(n=max_prompts, random_state=seed).reset_index(drop=True)
+    return df.to_dict("records")
+
+
+def make_reward_fn(reward_model: Any, batch_size: int = 32) -> RewardFn:
+    """reward_fn(contexts, texts) -> calibrated P(MET) from a `reward.RewardModel`."""
+
+    def reward_fn(contexts: list[dict[str, Any]], texts: list[str]) -> np.ndarray:
+        ctx = [{k: c[k] for k in _CTX_KEYS} for c in contexts]
+        return np.asarray(
+            reward_model.score(ctx, list(texts), batch_size=batch_size), dtype=np.float32
+        )
+
+    return reward_fn
+
+
+def trl_reward_function(reward_fn: RewardFn, postprocess: str) -> Callable[..., list[float]]:
+    """Wrap `reward_fn` as a TRL reward function (context columns arrive as keyword lists)."""
+
+    def reward_model(prompts: list[Any], completions: list[Any], **kwargs: Any) -> list[float]:
+        texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+        texts = [postprocess_response(t, postprocess) for t in texts]
+        contexts = [{k: kwargs[k][i] for k in _CTX_KEYS if k in kwargs} for i in range(len(texts))]
+        return [float(x) for x in reward_fn(contexts, texts)]
+
+    return reward_model
+
+
+@torch.no_grad()
+def sample_responses(
+    model: Any,
+    tokenizer: Any,
+    prompts: Sequence[str],
+    rl: RLConfig,
+    seed: int = 0,
+    batch_size: int = 8,
+    use_adapters: bool = True,
+) -> list[str]:
+    """Sample one post-processed response per prompt (adapters off = the starting policy)."""
+    import contextlib
+
+    torch.manual_seed(seed)
+    model.eval()
+    ctx = (
+        model.disable_adapter()
+        if (not use_adapters and hasattr(model, "disable_adapter"))
+        else contextlib.nullcontext()
+    )
+    out: list[str] = []
+    device = next(model.parameters()).device
+    with ctx:
+        for i in range(0, len(prompts), batch_size):
+            enc = tokenizer(
+                list(prompts[i : i + batch_size]), return_tensors="pt", padding=True
+            ).to(device)
+            gen = model.generate(
+                **enc,
+                do_sample=True,
+                temperature=rl.temperature,
+                top_p=rl.top_p,
+                top_k=0,
+                max_new_tokens=rl.max_new_tokens,
+                pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+            )
+            texts = tokenizer.batch_decode(
+                gen[:, enc["input_ids"].shape[1] :], skip_special_tokens=True
+            )
+            out.extend(postprocess_response(t, rl.response_postprocess) for t in texts)
+    return out
+
+
+def run_ppo(
+    base_model: Any,
+    tokenizer: Any,
+    prompts: Sequence[str],
+    contexts: Sequence[Mapping[str, Any]],
+    reward_fn: RewardFn,
+    rl: RLConfig,
+    policy: PolicyConfig,
+    output_dir: str | Path,
+    seed: int = 0,
+    progress: bool = True,
+    steps: int | None = None,
+    generation_kwargs: Mapping[str, Any] | None = None,
+) -> pd.DataFrame:
+    """PPO (rlxf_utils.ppo) with LoRA on `base_model`; resumes from `output_dir/checkpoints`."""
+    model = apply_lora(base_model, policy.lora)
+    trainer = PPOTrainer(
+        model, tokenizer, prompts, contexts, reward_fn, rl, output_dir, seed=seed,
+        generation_kwargs=generation_kwargs,
+    )  # fmt: skip
+    return trainer.train(steps=steps, progress=progress)
+
+
+class _GenTimer:
+    """Wraps a model's `generate` to add up generation time and generated tokens."""
+
+    def __init__(self, model: Any, pad_id: int):
+        self.model, self.pad_id, self.time, self.tokens = model, pad_id, 0.0, 0
+        self._orig = model.generate
+        model.generate = self  # instance attribute: TRL calls unwrapped_model.generate
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        out = self._orig(*args, **kwargs)
+        self.time += time.perf_counter() - t0
+        n_prompt = kwargs["input_ids"].shape[1] if "input_ids" in kwargs else args[0].shape[1]
+        self.tokens += int((out[:, n_prompt:] != self.pad_id).sum())
+        return out
+
+    def take(self) -> tuple[float, int]:
+        t, n = self.time, self.tokens
+        self.time, self.tokens = 0.0, 0
+        return t, n
+
+
+def run_trl(
+    algo: str,
+    base_model: Any,
+    tokenizer: Any,
+    prompts: Sequence[str],
+    contexts: Sequence[Mapping[str, Any]],
+    reward_fn: RewardFn,
+    rl: RLConfig,
+    policy: PolicyConfig,
+    output_dir: str | Path,
+    seed: int = 0,
+    progress: bool = True,
+    steps: int | None = None,
+    generation_kwargs: Mapping[str, Any] | None = None,
+) -> pd.DataFrame:
+    """GRPO or RLOO through TRL with the same prompts, reward, LoRA, sampling and KL coefficient."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("WANDB_DISABLED", "true")
+    from datasets import Dataset
+    from transformers import TrainerCallback
+
+    if algo == "grpo":
+        from trl import GRPOConfig as Config
+        from trl import GRPOTrainer as Trainer
+    elif algo == "rloo":
+        from trl import RLOOConfig as Config
+        from trl import RLOOTrainer as Trainer
+    else:
+        raise ValueError(f"rl.algorithm entry {algo!r}: run_trl takes 'grpo' or 'rloo'")
+
+    output_dir = Path(output_dir)
+    steps = steps or rl.steps
+    _seed_everything(seed)
+    rows = [
+        {"prompt": p, **{k: str(c[k]) for k in _CTX_KEYS}}
+        for p, c in zip(prompts, contexts, strict=True)
+    ]
+    dataset = Dataset.from_list(rows)
+    args = Config(
+        output_dir=str(output_dir / "trl"),
+        per_device_train_batch_size=rl.batch_size,  # completions per step = PPO's batch
+        gradient_accumulation_steps=1,
+        num_generations=rl.num_generations,
+        max_completion_length=rl.max_new_tokens,
+        temperature=rl.temperature,
+        top_p=rl.top_p,
+        top_k=0,
+        generation_kwargs=dict(generation_kwargs) if generation_kwargs else None,
+        learning_rate=rl.learning_rate,
+        beta=rl.kl_coef,  # KL to the adapter-disabled reference, as in PPO
+        epsilon=rl.clip_range,
+        max_grad_norm=rl.max_grad_norm,
+        num_iterations=1,
+        max_steps=steps,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        push_to_hub=False,
+        seed=seed,
+        data_seed=seed,
+        disable_tqdm=not progress,
+        dataloader_num_workers=0,
+        remove_unused_columns=False,
+        use_cpu=not torch.cuda.is_available(),
+        bf16=policy.dtype == "bfloat16" and torch.cuda.is_available(),
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        gradient_checkpointing=rl.gradient_checkpointing,  # TRL defaults to True; PPO matches
+    )
+    history: list[dict[str, Any]] = []
+
+    class _LogCallback(TrainerCallback):
+        """Map TRL's logged metrics onto the PPO log schema."""
+
+        timer: _GenTimer | None = None
+
+        def on_log(
+            self, args: Any, state: Any, control: Any, logs: dict | None = None, **kw: Any
+        ) -> None:
+            if not logs or "reward" not in logs:
+                return
+            length = logs.get("completions/mean_length", np.nan)
+            kl_tok = logs.get("kl", np.nan)
+            gen_t, gen_n = self.timer.take() if self.timer else (np.nan, 0)
+            history.append(
+                {
+                    "algo": algo,
+                    "step": int(state.global_step),
+                    "reward_mean": logs.get("reward", np.nan),
+                    "reward_std": logs.get("reward_std", np.nan),
+                    "kl": kl_tok * length if np.isfinite(kl_tok) else np.nan,
+                    "kl_per_token": kl_tok,
+                    "kl_coef": rl.kl_coef,
+                    "entropy": logs.get("entropy", np.nan),
+                    "clip_frac": logs.get("clip_ratio/region_mean", np.nan),
+                    "approx_kl": np.nan,
+                    "policy_loss": logs.get("loss", np.nan),
+                    "value_loss": np.nan,
+                    "explained_variance": np.nan,
+                    "response_length": length,
+                    "tokens_per_s": gen_n / gen_t if gen_t and gen_t > 0 else np.nan,
+                    "gen_time_s": gen_t,
+                    "step_time_s": logs.get("step_time", np.nan),
+                }
+            )
+
+    cb = _LogCallback()
+    trainer = Trainer(
+        model=base_model,
+        reward_funcs=trl_reward_function(reward_fn, rl.response_postprocess),
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        peft_config=lora_config(policy.lora),
+        callbacks=[cb],
+    )
+    cb.timer = _GenTimer(trainer.accelerator.unwrap_model(trainer.model), tokenizer.pad_token_id)
+    trainer.train()
+    frame = pd.DataFrame(history, columns=list(LOG_COLUMNS))
+    if trainer.accelerator.is_main_process:
+        peft_model = trainer.accelerator.unwrap_model(trainer.model)
+        del peft_model.generate  # drop the timer before saving
+        _atomic_dir(output_dir / "adapter", lambda d: peft_model.save_pretrained(d))
+        with atomic_path(output_dir / "train_log.parquet") as tmp:
+            frame.to_parquet(tmp, index=False)
+        n = min(4, len(prompts))
+        texts = sample_responses(peft_model, tokenizer, prompts[:n], rl, seed=seed)
+        scores = reward_fn([dict(c) for c in contexts[:n]], texts)
+        samples = [
+            {"step": steps, **{k: contexts[i][k] for k in _CTX_KEYS}, "response": texts[i], "reward": float(scores[i])}
+            for i in range(n)
+        ]  # fmt: skip
+        with atomic_path(output_dir / "samples.jsonl") as tmp:
+            tmp.write_text(
+                "".join(json.dumps(to_jsonable(s)) + "\n" for s in samples), encoding="utf-8"
+            )
+    return frame
+
+
+def run_algorithm(
+    algo: str,
+    cfg: StudyConfig,
+    run_dir: str | Path,
+    reward_fn: RewardFn,
+    contexts: Sequence[Mapping[str, Any]] | None = None,
+    progress: bool = True,
+    steps: int | None = None,
+) -> pd.DataFrame:
+    """Load a fresh policy, build prompts from the training contexts and run one algorithm."""
+    rd = RunDir(run_dir)
+    if contexts is None:
+        contexts = load_contexts(rd.root, "train", cfg.rl.max_prompts, cfg.run.seed)
+    if any(c.get("split", "train") != "train" for c in contexts):
+        raise ValueError("RL must only see split=='train' contexts; held-out contexts were passed")
+    if cfg.rl.num_threads is not None:  # on shared cores, 1 thread avoids spin-wait slowdowns
+        torch.set_num_threads(cfg.rl.num_threads)
+    _seed_everything(cfg.run.seed)
+    model, tok = load_policy(cfg.policy)
+    prompts = build_prompts(contexts, tok, cfg.rl.prompt_template, cfg.policy)
+    out = rd.root / "policy" / algo
+    log.info("%s: %d training prompts -> %s", algo, len(prompts), out)
+    kw = dict(seed=cfg.run.seed, progress=progress, steps=steps)
+    if algo == "ppo":
+        return run_ppo(model, tok, prompts, contexts, reward_fn, cfg.rl, cfg.policy, out, **kw)
+    return run_trl(algo, model, tok, prompts, contexts, reward_fn, cfg.rl, cfg.policy, out, **kw)
+
+
+def read_logs(run_dir: str | Path, algos: Sequence[str]) -> pd.DataFrame:
+    """All algorithms' `policy/<algo>/train_log.parquet`, stacked."""
+    rd = RunDir(run_dir)
+    frames = [rd.read_parquet(f"policy/{a}/train_log.parquet", stage="notebook 03") for a in algos]
+    return pd.concat(frames, ignore_index=True)
+
+
+def before_after_samples(
+    cfg: StudyConfig,
+    run_dir: str | Path,
+    contexts: Sequence[Mapping[str, Any]],
+    reward_fn: RewardFn,
+    algos: Sequence[str],
+    n: int = 4,
+) -> pd.DataFrame:
+    """Responses to the same `n` training prompts from the starting policy and each trained one."""
+    from rlxf_utils.models import load_policy_with_adapter
+
+    ctx = [dict(c) for c in contexts[:n]]
+    rows: list[dict[str, Any]] = []
+    for name in ["base", *algos]:
+        adapter = (
+            None
+            if name == "base"
+            else RunDir(run_dir).require(f"policy/{name}/adapter", "notebook 03")
+        )
+        model, tok = load_policy_with_adapter(cfg.policy, adapter)
+        prompts = build_prompts(ctx, tok, cfg.rl.prompt_template, cfg.policy)
+        texts = sample_responses(model, tok, prompts, cfg.rl, seed=cfg.run.seed)
+        scores = reward_fn(ctx, texts)
+        for c, t, s in zip(ctx, texts, scores, strict=True):
+            rows.append(
+                {"policy": name, **{k: c[k] for k in _CTX_KEYS}, "response": t, "reward": float(s)}
+            )
+    return pd.DataFrame(rows)
+
+
+def training_curves_figure(logs: pd.DataFrame) -> Any:
+    """Reward and KL-to-reference per step, one line per algorithm."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for algo, g in logs.groupby("algo", sort=False):
+        axes[0].plot(g["step"], g["reward_mean"], marker=".", label=algo.upper())
+        axes[1].plot(g["step"], g["kl"], marker=".", label=algo.upper())
+    axes[0].set(xlabel="step", ylabel="mean reward  P(MET)", title="Reward")
+    axes[1].set(xlabel="step", ylabel="KL to reference (nats / response)", title="KL")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    return fig
+
+
+def summary_table(logs: pd.DataFrame, window: int = 3) -> pd.DataFrame:
+    """Per algorithm: reward at the start and end (mean of `window` steps), final KL, step time."""
+    rows = []
+    for algo, g in logs.groupby("algo", sort=False):
+        rows.append(
+            {
+                "algorithm": algo.upper(),
+                "steps": int(g["step"].max()),
+                "reward_first": g["reward_mean"].head(window).mean(),
+                "reward_last": g["reward_mean"].tail(window).mean(),
+                "kl_last": g["kl"].tail(window).mean(),
+                "entropy_last": g["entropy"].tail(window).mean(),
+                "step_time_s": g["step_time_s"].median(),
+                "tokens_per_s": g["tokens_per_s"].median(),
+            }
+        )
+    return pd.DataFrame(rows)

@@ -1,0 +1,318 @@
+"""Tests of the reward room: shared serialisation, metrics, calibration, save/load, audit model."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from sklearn import metrics as skm
+from sklearn.feature_extraction.text import TfidfVectorizer
+from sklearn.linear_model import LogisticRegression
+
+from rlxf_utils import reward as R
+from rlxf_utils.config import RewardConfig
+from rlxf_utils.prompts import FORBIDDEN_FIELDS, serialize_frame
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+WORDS_MET = ["adopt", "budget", "submit", "publish", "approve", "audit"]
+WORDS_NOT = ["privatize", "restructure", "liquidate", "reform", "pension", "arrears"]
+FILLER = ["the", "of", "to", "plan", "law", "bank", "central", "tax", "for", "new"]
+
+
+def _synthetic_conditions(n: int = 240, seed: int = 0) -> pd.DataFrame:
+    """Conditions whose label is carried by the text (a MET word vs a Non-MET word) plus noise."""
+    rng = np.random.default_rng(seed)
+    y = (rng.random(n) < 0.6).astype(int)
+    texts = []
+    for yi in y:
+        key = rng.choice(WORDS_MET if yi else WORDS_NOT)
+        filler = list(rng.choice(FILLER, size=rng.integers(2, 8)))
+        filler.insert(int(rng.integers(0, len(filler) + 1)), key)
+        texts.append(" ".join(filler))
+    return pd.DataFrame(
+        {
+            "row_id": np.arange(n),
+            "country": rng.choice(["KENYA", "GHANA", "PERU"], n),
+            "arrangement_type": rng.choice(["ECF", "SBA"], n),
+            "econ_descriptor": rng.choice(["1.1. Tax policy", "2.3. Central bank"], n),
+            "arrangement_id": rng.integers(0, 30, n).astype(str),
+            "description": texts,
+            "status": np.where(y == 1, "M", "NM"),
+            "comments": "SECRET-OUTCOME-NOTE",
+            "y": pd.array(y, dtype="Int64"),
+        }
+    )
+
+
+def _tiny_factory(texts: list[str]):
+    """A 2-layer BERT from a BertConfig and a WordPiece tokenizer over the corpus' own words."""
+    from transformers import BertConfig, BertForSequenceClassification, BertTokenizer
+
+    words = sorted(
+        {
+            w
+            for t in texts
+            for w in t.lower().replace(".", " . ").replace(":", " : ").replace(",", " , ").split()
+        }
+    )
+    vocab = {t: i for i, t in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words])}
+
+    def factory():
+        tok = BertTokenizer(vocab=vocab)
+        cfg = BertConfig(
+            vocab_size=len(vocab),
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=128,
+            num_labels=2,
+        )
+        return BertForSequenceClassification(cfg), tok
+
+    return factory
+
+
+def _cfg(**kw) -> RewardConfig:
+    base = dict(
+        epochs=4,
+        batch_size=16,
+        learning_rate=3e-3,
+        warmup_ratio=0.1,
+        max_length=48,
+        freeze_embeddings=False,
+        early_stopping_patience=None,
+        progress=False,
+        num_threads=1,
+        tfidf_min_df=1,
+    )
+    base.update(kw)
+    return RewardConfig(**base)
+
+
+# --------------------------------------------------------------------------------------------
+def test_serialisation_is_shared_and_excludes_outcome_fields():
+    df = _synthetic_conditions(20)
+    texts = R.serialize_inputs(df, df["description"].tolist())
+    assert texts == serialize_frame(df)
+    records = df.to_dict("records")  # whole rows, outcome fields included, must not leak
+    assert R.serialize_inputs(records, df["description"].tolist()) == texts
+    for t in texts:
+        assert "SECRET-OUTCOME-NOTE" not in t
+        assert " NM" not in t
+    assert {"status", "comments", "y"} <= FORBIDDEN_FIELDS
+    with pytest.raises(ValueError, match="one text per context"):
+        R.serialize_inputs(df, df["description"].tolist()[:-1])
+    with pytest.raises(KeyError, match="country"):
+        R.serialize_inputs(df.drop(columns="country"), df["description"].tolist())
+
+
+def test_metrics_agree_with_sklearn():
+    rng = np.random.default_rng(1)
+    y = rng.integers(0, 2, 500)
+    p = np.clip(0.3 * y + 0.7 * rng.random(500), 0.01, 0.99)
+    m = R.classification_metrics(y, p)
+    pred = (p >= 0.5).astype(int)
+    assert m["accuracy"] == pytest.approx(skm.accuracy_score(y, pred))
+    assert m["precision"] == pytest.approx(skm.precision_score(y, pred))
+    assert m["recall"] == pytest.approx(skm.recall_score(y, pred))
+    assert m["f1"] == pytest.approx(skm.f1_score(y, pred))
+    assert m["macro_f1"] == pytest.approx(skm.f1_score(y, pred, average="macro"))
+    assert m["roc_auc"] == pytest.approx(skm.roc_auc_score(y, p))
+    assert m["brier"] == pytest.approx(skm.brier_score_loss(y, p))
+    assert m["nll"] == pytest.approx(skm.log_loss(y, p))
+    # ECE by hand: two bins, each off by a known amount
+    y2 = np.array([1, 0, 0, 0, 1, 1, 1, 0])
+    p2 = np.array([0.2, 0.2, 0.2, 0.2, 0.9, 0.9, 0.9, 0.9])
+    assert R.expected_calibration_error(y2, p2, n_bins=10) == pytest.approx(0.5 * 0.05 + 0.5 * 0.15)
+    auc, n = R.within_group_auc(y, p, np.repeat(["a", "b"], 250))
+    expected = np.mean([skm.roc_auc_score(y[:250], p[:250]), skm.roc_auc_score(y[250:], p[250:])])
+    assert (auc, n) == (pytest.approx(expected), 2)
+
+
+def test_temperature_scaling_lowers_nll_on_overconfident_scores():
+    rng = np.random.default_rng(2)
+    z = rng.normal(0, 1.5, 4000)
+    y = (rng.random(4000) < 1 / (1 + np.exp(-z))).astype(int)
+    margin = 4.0 * z  # four times too confident
+    t = R.fit_temperature(margin, y)
+    assert 3.0 < t < 5.0
+    rep = R.calibration_report(margin, y, t)
+    assert rep["nll_after"] < rep["nll_before"] - 0.05
+    assert rep["ece_after"] < rep["ece_before"]
+    assert rep["brier_after"] < rep["brier_before"]
+
+
+def test_prior_bias_undoes_balanced_weighting():
+    y = np.array([1] * 75 + [0] * 25)
+    assert R.prior_bias(y, RewardConfig(class_weighting="balanced")) == pytest.approx(np.log(3.0))
+    assert R.prior_bias(y, RewardConfig(class_weighting="none")) == 0.0
+
+
+def test_tiny_bert_trains_saves_reloads_and_scores_identically(tmp_path: Path):
+    df = _synthetic_conditions(240)
+    texts = serialize_frame(df)
+    y = df["y"].astype(int).to_numpy()
+    factory = _tiny_factory(texts)
+    cfg = _cfg()
+    rm, log = R.train_encoder(
+        texts[:160], y[:160], texts[160:200], y[160:200], cfg, seed=7, model_factory=factory
+    )
+    assert len(log) >= 1 and {"epoch", "val_roc_auc", "train_seconds"} <= set(log.columns)
+    assert rm.temperature > 0 and "calibration" in rm.meta
+    p = rm.score(df.iloc[200:], df["description"].iloc[200:].tolist(), batch_size=7)
+    assert p.shape == (40,) and np.all((p > 0) & (p < 1))
+    assert skm.roc_auc_score(y[200:], p) > 0.8  # the signal word is learnable in a few steps
+    # batch size and order do not change scores (dynamic padding is masked out)
+    np.testing.assert_allclose(rm.score_texts(texts[200:], batch_size=40), p, atol=1e-5)
+    out = rm.save(tmp_path / "rm")
+    assert (out / "model.safetensors").is_file() and (out / "calibration.json").is_file()
+    assert not list(out.glob("*.bin")) and not list(out.glob("*.pkl"))
+    again = R.RewardModel.load(out, device="cpu")
+    assert again.temperature == pytest.approx(rm.temperature) and again.bias == pytest.approx(
+        rm.bias
+    )
+    np.testing.assert_allclose(again.score_texts(texts[200:], batch_size=7), p, atol=1e-6)
+
+
+def test_audit_model_round_trips_through_json_and_npz(tmp_path: Path):
+    df = _synthetic_conditions(200, seed=3)
+    texts = serialize_frame(df)
+    y = df["y"].astype(int).to_numpy()
+    cfg = _cfg(class_weighting="none")
+    audit = R.train_tfidf(texts[:150], y[:150], texts[150:170], y[150:170], cfg, seed=0)
+    # the rebuilt scorer equals scikit-learn's own pipeline (before temperature)
+    vec = TfidfVectorizer(ngram_range=(1, 2), min_df=1, max_features=50000, sublinear_tf=True)
+    lr = LogisticRegression(C=1.0, max_iter=2000, random_state=0).fit(
+        vec.fit_transform(texts[:150]), y[:150]
+    )
+    np.testing.assert_allclose(
+        audit.margins_texts(texts[170:]),
+        lr.decision_function(vec.transform(texts[170:])),
+        atol=1e-8,
+    )
+    audit.save(tmp_path / "audit")
+    assert sorted(p.name for p in (tmp_path / "audit").iterdir()) == [
+        "arrays.npz",
+        "rlxf_audit.json",
+    ]
+    again = R.TfidfAuditModel.load(tmp_path / "audit")
+    np.testing.assert_allclose(
+        again.score(df.iloc[170:], df["description"].iloc[170:].tolist()),
+        audit.score_texts(texts[170:]),
+        atol=1e-12,
+    )
+    assert skm.roc_auc_score(y[170:], again.score_texts(texts[170:])) > 0.8
+
+
+def test_corrupt_or_foreign_folders_give_clear_errors(tmp_path: Path):
+    with pytest.raises(R.RewardModelError, match="not a folder"):
+        R.RewardModel.load(tmp_path / "nope")
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "config.json").write_text("{}")
+    with pytest.raises(R.RewardModelError, match="rlxf_reward.json"):
+        R.RewardModel.load(foreign)
+    (foreign / "rlxf_reward.json").write_text(
+        json.dumps({"kind": "something-else", "format_version": 1})
+    )
+    with pytest.raises(R.RewardModelError, match="expected 'rlxf-reward-encoder'"):
+        R.RewardModel.load(foreign)
+    (foreign / "rlxf_reward.json").write_text("{not json")
+    with pytest.raises(R.RewardModelError, match="not valid JSON"):
+        R.RewardModel.load(foreign)
+    marker = {
+        "kind": "rlxf-reward-encoder",
+        "format_version": 1,
+        "max_length": 32,
+        "temperature": 1.0,
+    }
+    (foreign / "rlxf_reward.json").write_text(json.dumps(marker))
+    with pytest.raises(R.RewardModelError, match="safetensors"):
+        R.RewardModel.load(foreign)
+    (foreign / "model.safetensors").write_bytes(b"garbage" * 10)
+    with pytest.raises(R.RewardModelError, match="could not load"):
+        R.RewardModel.load(foreign)
+    # audit: corrupt arrays
+    audit = tmp_path / "audit"
+    audit.mkdir()
+    (audit / "rlxf_audit.json").write_text(
+        json.dumps(
+            {
+                "kind": "rlxf-tfidf-audit",
+                "format_version": 1,
+                "vectorizer_params": {},
+                "vocabulary": {},
+                "temperature": 1.0,
+            }
+        )
+    )
+    (audit / "arrays.npz").write_bytes(b"not an npz")
+    with pytest.raises(R.RewardModelError, match="arrays.npz"):
+        R.TfidfAuditModel.load(audit)
+    with pytest.raises(R.RewardModelError, match="bundle.json"):
+        R.load_reward(tmp_path)
+
+
+def test_run_protocol_and_bundle(tmp_path: Path):
+    df = _synthetic_conditions(240, seed=5)
+    ids = df["row_id"].tolist()
+    splits = {"random": {"train": ids[:150], "val": ids[150:180], "test": ids[180:]}}
+    cfg = _cfg(epochs=2, protocols=["random"], reward_protocol="random")
+    res = R.run_protocol(
+        df, splits, "random", cfg, seed=0, model_factory=_tiny_factory(serialize_frame(df))
+    )
+    assert set(res.metrics["model"]) == {
+        "majority",
+        "tfidf",
+        "context_only",
+        "text_only",
+        "encoder",
+    }
+    assert len(res.predictions) == 60 and res.predictions["p_encoder"].between(0, 1).all()
+    table = R.accuracy_table([res])
+    assert list(table.columns) == ["protocol", "paper_claim", "majority", "tfidf_lr", "encoder"]
+    assert table.loc[0, "majority"] == pytest.approx(
+        max(res.predictions["y"].mean(), 1 - res.predictions["y"].mean())
+    )
+    R.save_reward_bundle(tmp_path / "reward_model", res, "tfidf")
+    reward, other = R.load_reward(tmp_path / "reward_model")
+    assert isinstance(reward, R.TfidfAuditModel) and isinstance(other, R.RewardModel)
+    np.testing.assert_allclose(
+        other.score(df.iloc[180:], df["description"].iloc[180:].tolist()),
+        res.predictions["p_encoder"],
+        atol=1e-5,
+    )
+    bad = {"random": {"train": [999_999], "val": [], "test": []}}
+    with pytest.raises(KeyError, match="random.train"):
+        R.run_protocol(df, bad, "random", cfg, seed=0, train_encoder_model=False)
+
+
+def test_reward_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="reward_protocol"):
+        RewardConfig(protocols=["random"], reward_protocol="grouped")
+    with pytest.raises(ValueError, match="extra"):
+        RewardConfig(lr=1e-4)
+    with pytest.raises(ValueError):
+        RewardConfig(reward_source="gpt")
+
+
+def test_freeze_layers_beyond_depth_is_a_clear_error():
+    df = _synthetic_conditions(40)
+    texts = serialize_frame(df)
+    y = df["y"].astype(int).to_numpy()
+    with pytest.raises(ValueError, match="freeze_layers is 5 but the encoder has 2 layers"):
+        R.train_encoder(
+            texts[:30],
+            y[:30],
+            texts[30:],
+            y[30:],
+            _cfg(freeze_layers=5),
+            0,
+            model_factory=_tiny_factory(texts),
+        )

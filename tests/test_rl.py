@@ -1,0 +1,108 @@
+"""GRPO and RLOO through TRL on a tiny model; shared log schema and adapter layout; contexts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from test_ppo import small_cfg, tiny_tokenizer, toy_contexts, toy_reward
+
+from rlxf_utils.config import LoraSettings, PolicyConfig
+from rlxf_utils.models import postprocess_response
+from rlxf_utils.ppo import LOG_COLUMNS
+from rlxf_utils.rl import load_contexts, run_trl, trl_reward_function
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _tiny_base():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    tok = tiny_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id,
+    )  # fmt: skip
+    return LlamaForCausalLM(config), tok
+
+
+@pytest.mark.parametrize("algo", ["grpo", "rloo"])
+def test_trl_one_step(tmp_path, algo):
+    model, tok = _tiny_base()
+    prompts, contexts = toy_contexts(8)
+    rl = small_cfg(steps=1, batch_size=4, num_generations=2, minibatch_size=4)
+    policy = PolicyConfig(lora=LoraSettings(rank=4, alpha=8, target_modules=["q_proj", "v_proj"]))
+    log = run_trl(
+        algo, model, tok, prompts, contexts, toy_reward, rl, policy, tmp_path / algo, progress=False
+    )
+    assert list(log.columns) == list(LOG_COLUMNS)
+    assert len(log) == 1 and log.algo.iloc[0] == algo
+    assert np.isfinite(log.reward_mean.iloc[0]) and np.isfinite(log.kl_per_token.iloc[0])
+    assert (tmp_path / algo / "adapter" / "adapter_model.safetensors").is_file()
+    assert (tmp_path / algo / "train_log.parquet").is_file()
+    assert (tmp_path / algo / "samples.jsonl").is_file()
+
+
+def test_trl_reward_wrapper_passes_context_and_postprocess():
+    seen = {}
+
+    def fn(contexts, texts):
+        seen["c"], seen["t"] = contexts, texts
+        return np.array([0.25] * len(texts))
+
+    wrapped = trl_reward_function(fn, "strip_boilerplate")
+    out = wrapped(
+        prompts=["p"], completions=["Assistant: raise VAT<|im_end|>"], country=["Kenya"],
+        arrangement_type=["ECF"], econ_descriptor=["1.1 Tax"], trainer_state=None,
+    )  # fmt: skip
+    assert out == [0.25]
+    assert seen["t"] == ["raise VAT"]
+    assert seen["c"] == [
+        {"country": "Kenya", "arrangement_type": "ECF", "econ_descriptor": "1.1 Tax"}
+    ]
+
+
+def test_postprocess_modes():
+    assert (
+        postprocess_response("  <|im_start|>assistant: Cut spending. ", "strip_boilerplate")
+        == "Cut spending."
+    )
+    assert postprocess_response(" x ", "none") == " x "
+    with pytest.raises(ValueError, match="response_postprocess"):
+        postprocess_response("x", "bogus")
+
+
+def test_load_contexts_train_only(tmp_path):
+    df = pd.DataFrame(
+        {
+            "country": ["A", "B", "C"], "arrangement_type": ["SBA"] * 3,
+            "econ_descriptor": ["1.1 Fiscal"] * 3, "econ_area": ["fiscal"] * 3,
+            "n": [3, 4, 5], "n_met": [1, 2, 3], "met_rate": [0.3, 0.5, 0.6],
+            "split": ["train", "eval", "train"],
+        }
+    )  # fmt: skip
+    (tmp_path / "data").mkdir()
+    df.to_parquet(tmp_path / "data" / "contexts.parquet")
+    ctx = load_contexts(tmp_path)
+    assert [c["country"] for c in ctx] == ["A", "C"]
+    assert all(c["split"] == "train" for c in ctx)
+
+
+def test_profiles_use_the_papers_template():
+    from rlxf_utils.config import PROJECT_ROOT, RLConfig, load_config
+    from rlxf_utils.prompts import PAPER_PROMPT_TEMPLATE
+
+    assert RLConfig().prompt_template == PAPER_PROMPT_TEMPLATE
+    for name in ("smoke", "default", "paper"):
+        cfg = load_config(PROJECT_ROOT / "params" / f"{name}.yaml")
+        assert cfg.rl.prompt_template == PAPER_PROMPT_TEMPLATE
+        assert cfg.rl.algorithm
