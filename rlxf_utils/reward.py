@@ -101,6 +101,10 @@ class RewardModelError(ValueError):
 # --------------------------------------------------------------------------------------------
 # inputs
 # --------------------------------------------------------------------------------------------
+#: Calibration measures reported before and after temperature scaling.
+_CAL_KEYS = ("ece_before", "ece_after", "brier_before", "brier_after", "nll_before", "nll_after")
+
+
 def serialize_inputs(
     contexts: pd.DataFrame | Sequence[Mapping[str, Any]], texts: Sequence[str]
 ) -> list[str]:
@@ -1051,28 +1055,8 @@ def _cal_row(
     return {
         "model": model,
         "temperature": t,
-        **{
-            f"val_{k}": val_cal.get(k, float("nan"))
-            for k in (
-                "ece_before",
-                "ece_after",
-                "brier_before",
-                "brier_after",
-                "nll_before",
-                "nll_after",
-            )
-        },
-        **{
-            f"test_{k}": test_cal[k]
-            for k in (
-                "ece_before",
-                "ece_after",
-                "brier_before",
-                "brier_after",
-                "nll_before",
-                "nll_after",
-            )
-        },
+        **{f"val_{k}": val_cal.get(k, float("nan")) for k in _CAL_KEYS},
+        **{f"test_{k}": test_cal[k] for k in _CAL_KEYS},
     }
 
 
