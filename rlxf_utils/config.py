@@ -17,10 +17,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 __all__ = [
     "ConfigError",
     "DataConfig",
+    "EvaluationConfig",
     "LoraSettings",
     "PolicyConfig",
     "RLConfig",
     "RewardConfig",
+    "RiskConfig",
     "RunConfig",
     "SplitConfig",
     "StudyConfig",
@@ -213,6 +215,76 @@ class RewardConfig(Section):
         return self
 
 
+class Table3Scenario(Section):
+    """One of the paper's Table 3 completion prompts; `{country}` is filled from held-out contexts."""
+
+    prompt: str = Field(min_length=1)
+    econ_descriptor: str = Field(
+        min_length=1
+    )  # the MONA economic descriptor the reward is scored under
+
+    @field_validator("prompt")
+    @classmethod
+    def _has_country(cls, v: str) -> str:
+        if "{country}" not in v:
+            raise ValueError("must contain the placeholder {country}")
+        return v
+
+
+class EvaluationConfig(Section):
+    """Alignment evaluation (notebook 04) on the held-out contexts."""
+
+    max_prompts: int | None = Field(default=48, gt=0)  # held-out contexts evaluated (null: all)
+    samples_per_prompt: int = Field(default=4, ge=1)  # k responses per prompt and policy
+    best_of_n: int = Field(default=4, ge=2)  # N base samples per prompt, the reward model keeps one
+    batch_size: int = Field(default=16, gt=0)  # generation batch
+    logprob_batch_size: int = Field(default=16, gt=0)
+    n_boot: int = Field(default=2000, ge=100)
+    alpha: float = Field(default=0.05, gt=0.0, lt=0.5)
+    grounding_k: int = Field(default=10, ge=1)  # nearest historical conditions per response
+    frontier: bool = True  # score every PPO snapshot for the reward-KL frontier
+    frontier_samples_per_prompt: int = Field(default=1, ge=1)
+    frontier_max_checkpoints: int | None = Field(default=None, gt=0)  # evenly spaced subset
+    table3_countries: int = Field(default=2, ge=1)
+    table3_scenarios: list[Table3Scenario] = Field(
+        default_factory=lambda: [
+            Table3Scenario(
+                prompt="An appropriate economic reform policy by the IMF for {country} in the Fiscal Policy area should",
+                econ_descriptor="1.1. Revenue measures, excluding trade policy",
+            ),
+            Table3Scenario(
+                prompt="The ideal trade and investment strategy by the IMF for {country} should",
+                econ_descriptor="8. International trade policy, excluding customs reforms",
+            ),
+            Table3Scenario(
+                prompt="A strategic financial sector reform by the IMF for {country} should",
+                econ_descriptor="6.1. Financial sector legal reforms, regulation, and supervision",
+            ),
+        ],
+        min_length=1,
+    )
+    show_samples: int = Field(default=3, ge=0)  # full samples per policy shown in the notebook
+    num_threads: int | None = Field(default=None, gt=0)
+
+
+class RiskConfig(Section):
+    """Risk measurements (notebook 05)."""
+
+    regions_path: Path = Path(
+        "../data/regions/imf_regions.csv"
+    )  # country -> region, with SOURCE.md
+    min_group_size: int = Field(default=20, ge=1)  # groups smaller than this are pooled as 'other'
+    swap_texts: int = Field(default=40, ge=1)  # historical texts in the country-swap test
+    swap_generated: int = Field(default=40, ge=0)  # generated texts in the country-swap test
+    swap_countries: int = Field(default=12, ge=2)  # countries swapped in
+    length_bins: int = Field(default=5, ge=2)
+    top_ngrams: int = Field(default=15, ge=1)
+    label_variants: list[Literal["paper", "md_as_met", "exclude_cancelled_modified"]] = Field(
+        default_factory=lambda: ["paper", "md_as_met", "exclude_cancelled_modified"], min_length=2
+    )
+    label_model: Literal["tfidf"] = "tfidf"  # retrained per label variant (cheap, see notebook 05)
+
+
 class StudyConfig(Section):
     """The whole study's parameters; `source` is the YAML file they came from."""
 
@@ -221,6 +293,8 @@ class StudyConfig(Section):
     reward: RewardConfig = Field(default_factory=RewardConfig)
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     rl: RLConfig = Field(default_factory=RLConfig)
+    evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
+    risk: RiskConfig = Field(default_factory=RiskConfig)
     source: Path | None = Field(default=None, exclude=True)
 
     def resolved(self) -> dict[str, Any]:
@@ -297,6 +371,15 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> St
             "expected a MONA CSV (relative paths are read from the parameters file's folder)"
         )
     cfg.data.path = data_path
+    regions = cfg.risk.regions_path
+    if not regions.is_absolute():
+        regions = (path.resolve().parent / regions).resolve()
+    if not regions.is_file():
+        raise ConfigError(
+            f"{path}: key 'risk.regions_path': file not found at {regions}; expected a CSV with "
+            "columns country,region (relative paths are read from the parameters file's folder)"
+        )
+    cfg.risk.regions_path = regions
     cfg.source = path.resolve()
     return cfg
 

@@ -770,17 +770,30 @@ class HistoricalIndex:
         return area_distribution(self.areas)
 
     def neighbours(
-        self, query_embeddings: np.ndarray, k: int = 10
+        self, query_embeddings: np.ndarray, k: int = 10, exclude: Sequence[int] | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Indices and cosine similarities of the k nearest historical rows, nearest first."""
+        """Indices and cosine similarities of the k nearest historical rows, nearest first.
+
+        `exclude[i]` (a historical row index, or -1 for none) is never a neighbour of query i:
+        a historical condition grounded against history must not find itself.
+        """
         q = _normalise(query_embeddings)
         if q.shape[1] != self.embeddings.shape[1]:
             raise ValueError(f"query dim {q.shape[1]} != index dim {self.embeddings.shape[1]}")
-        k = max(1, min(int(k), len(self)))
+        excl = None if exclude is None else np.asarray(exclude, dtype=np.int64)
+        if excl is not None and excl.shape != (q.shape[0],):
+            raise ValueError(
+                f"exclude needs one entry per query; got {excl.shape} for {q.shape[0]}"
+            )
+        k = max(1, min(int(k), len(self) - (excl is not None)))
         idx = np.empty((q.shape[0], k), dtype=np.int64)
         sim = np.empty((q.shape[0], k), dtype=np.float32)
         for start in range(0, q.shape[0], 1024):
             s = q[start : start + 1024] @ self.embeddings.T
+            if excl is not None:
+                rows = np.arange(s.shape[0])
+                e = excl[start : start + 1024]
+                s[rows[e >= 0], e[e >= 0]] = -np.inf
             part = (
                 np.argpartition(-s, k - 1, axis=1)[:, :k]
                 if k < s.shape[1]
@@ -793,9 +806,11 @@ class HistoricalIndex:
             sim[start : start + 1024] = np.take_along_axis(ps, order, axis=1)
         return idx, sim
 
-    def ground_embeddings(self, query_embeddings: np.ndarray, k: int = 10) -> pd.DataFrame:
-        """`ground` for already-embedded responses."""
-        idx, sim = self.neighbours(query_embeddings, k)
+    def ground_embeddings(
+        self, query_embeddings: np.ndarray, k: int = 10, exclude: Sequence[int] | None = None
+    ) -> pd.DataFrame:
+        """`ground` for already-embedded responses (`exclude`: see `neighbours`)."""
+        idx, sim = self.neighbours(query_embeddings, k, exclude)
         w = np.clip(sim.astype(float), 0.0, None)
         met = self.met[idx]
         w_ok = np.where(np.isnan(met), 0.0, w)

@@ -311,7 +311,8 @@ class PPOTrainer:
 
     `prompts[i]` is the formatted policy input for `contexts[i]`. Layout of `output_dir`:
     `adapter/` (final LoRA, safetensors), `value_head.safetensors`, `train_log.parquet`,
-    `samples.jsonl`, `checkpoints/step_XXXXXX/` (the last two kept).
+    `samples.jsonl`, `checkpoints/step_XXXXXX/` (the last two kept) and
+    `snapshots/step_XXXXXX/adapter_model.safetensors` (every checkpoint's adapter, for the frontier).
     """
 
     def __init__(
@@ -624,6 +625,9 @@ class PPOTrainer:
             )
 
         _atomic_dir(target, write)
+        # the adapter alone of every checkpoint stays (the reward-KL frontier of notebook 04)
+        snap = self.output_dir / "snapshots" / target.name
+        _atomic_dir(snap, lambda d: shutil.copy2(target / "adapter_model.safetensors", d))
         for old in sorted(root.glob("step_*"))[:-2]:  # keep the last two
             shutil.rmtree(old, ignore_errors=True)
         return target

@@ -14,6 +14,7 @@ PROFILES = sorted((ROOT / "params").glob("*.yaml"))
 def write_params(tmp_path: Path, mutate) -> Path:
     raw = yaml.safe_load((ROOT / "params" / "smoke.yaml").read_text())
     raw["data"]["path"] = str(ROOT / "data" / "raw" / "MONA_From2002.csv")
+    raw["risk"]["regions_path"] = str(ROOT / "data" / "regions" / "imf_regions.csv")
     mutate(raw)
     p = tmp_path / "p.yaml"
     p.write_text(yaml.safe_dump(raw))
@@ -72,6 +73,19 @@ def test_negative_seed_and_rows(tmp_path: Path) -> None:
 def test_missing_data_file(tmp_path: Path) -> None:
     p = write_params(tmp_path, lambda r: r["data"].update(path="nowhere/MONA.csv"))
     with pytest.raises(ConfigError, match=r"data\.path.*not found.*nowhere"):
+        load_config(p)
+
+
+def test_missing_regions_file(tmp_path: Path) -> None:
+    p = write_params(tmp_path, lambda r: r["risk"].update(regions_path="nowhere/regions.csv"))
+    with pytest.raises(ConfigError, match=r"risk\.regions_path.*not found.*country,region"):
+        load_config(p)
+
+
+def test_table3_prompt_needs_a_country_placeholder(tmp_path: Path) -> None:
+    bad = [{"prompt": "A reform for Kenya should", "econ_descriptor": "1.1. Revenue measures"}]
+    p = write_params(tmp_path, lambda r: r["evaluation"].update(table3_scenarios=bad))
+    with pytest.raises(ConfigError, match=r"evaluation\.table3_scenarios\.0\.prompt.*\{country\}"):
         load_config(p)
 
 

@@ -376,6 +376,21 @@ def test_grounding_on_hand_made_corpus(tmp_path: Path) -> None:
         HistoricalIndex.load(tmp_path / "hist").ground(["tax"])
 
 
+def test_grounding_excludes_the_row_itself() -> None:
+    texts, met, areas = _toy_corpus()
+    index = HistoricalIndex.build(texts, met, areas, toy_encode)
+    emb = index.embeddings[[0, 3]]  # "tax" (MET) and "bank" (Non-MET) grounded against history
+    with_self = index.ground_embeddings(emb, k=1)
+    assert with_self["nearest_idx"].tolist() == [0, 3]
+    loo = index.ground_embeddings(emb, k=1, exclude=[0, 3])
+    assert loo["nearest_idx"].tolist() == [1, 4]  # the identical twins, not themselves
+    assert loo["max_sim"].tolist() == pytest.approx([1.0, 1.0])
+    kept = index.ground_embeddings(emb, k=1, exclude=[-1, 3])  # -1: nothing excluded
+    assert kept["nearest_idx"].tolist() == [0, 4]
+    with pytest.raises(ValueError, match="one entry per query"):
+        index.ground_embeddings(emb, k=1, exclude=[0])
+
+
 def test_grounding_all_dissimilar_is_nan() -> None:
     index = HistoricalIndex(np.array([[1.0, 0.0], [0.0, 1.0]]), [1, 0], ["a", "b"])
     out = index.ground_embeddings(np.array([[-1.0, -1.0]]), k=2)

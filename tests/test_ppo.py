@@ -215,3 +215,14 @@ def test_resume_matches_uninterrupted(tmp_path):
         full.unwrapped.named_parameters(), resumed.unwrapped.named_parameters(), strict=True
     ):
         assert torch.allclose(p1, p2, atol=1e-6), n1
+    # every checkpoint's adapter stays as a snapshot (the frontier), and the last is the final one
+    snaps = sorted(
+        p.parent.name for p in (tmp_path / "full/snapshots").glob("*/adapter_model.safetensors")
+    )
+    assert snaps == ["step_000002", "step_000004"]
+    from safetensors.torch import load_file
+
+    last = load_file(str(tmp_path / "full/snapshots/step_000004/adapter_model.safetensors"))
+    final = load_file(str(tmp_path / "full/adapter/adapter_model.safetensors"))
+    assert last.keys() == final.keys()
+    assert all(torch.equal(last[k], final[k]) for k in last)

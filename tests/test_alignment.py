@@ -1,0 +1,168 @@
+"""The evaluation stage's building blocks: generation, adapters on one base, history, summary."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from test_ppo import tiny_tokenizer
+
+from rlxf_utils import alignment
+from rlxf_utils.artifacts import ArtifactMissing, RunDir
+from rlxf_utils.config import LoraSettings, PolicyConfig
+
+
+def _base(seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    tok = tiny_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        initializer_range=0.3, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.eos_token_id,
+    )  # fmt: skip
+    return LlamaForCausalLM(config).eval(), tok
+
+
+def test_trim_response_keeps_the_first_end_token() -> None:
+    assert alignment.trim_response([5, 6, 0, 0, 0], {0}) == [5, 6, 0]
+    assert alignment.trim_response([5, 6, 7], {0}) == [5, 6, 7]  # ran to max_new_tokens
+    assert alignment.trim_response([2, 9, 3], {9, 3}) == [2, 9]
+
+
+def test_generate_is_batched_seeded_and_trimmed() -> None:
+    model, tok = _base()
+    prompts = ["w10 w11 w12", "w13", "w14 w15"]
+    kw = dict(max_new_tokens=6, temperature=1.0, top_p=1.0, postprocess="none", progress=False)
+    a = alignment.generate(model, tok, prompts, 2, seed=3, batch_size=4, **kw)
+    b = alignment.generate(model, tok, prompts, 2, seed=3, batch_size=4, **kw)
+    assert len(a) == 6 and a[["prompt_id", "sample_id"]].values.tolist() == [
+        [0, 0], [0, 1], [1, 0], [1, 1], [2, 0], [2, 1]
+    ]  # fmt: skip
+    assert a["response_ids"].tolist() == b["response_ids"].tolist()  # same seed, same samples
+    for row in a.itertuples():
+        assert row.prompt_ids == tok(prompts[row.prompt_id])["input_ids"]  # padding removed
+        assert 1 <= row.n_tokens <= 6 and len(row.response_ids) == row.n_tokens
+        assert tok.eos_token_id not in row.response_ids[:-1]  # nothing after the first end token
+    c = alignment.generate(model, tok, prompts, 2, seed=4, batch_size=4, **kw)
+    assert c["response_ids"].tolist() != a["response_ids"].tolist()
+    # log-probs of the generated ids under the model: finite, negative
+    lp = alignment._logprobs(model, tok, a, batch_size=4)
+    assert lp.shape == (6,) and np.all(np.isfinite(lp)) and np.all(lp < 0)
+
+
+def test_policy_set_switches_adapters_on_one_base(tmp_path, monkeypatch) -> None:
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    from rlxf_utils.models import apply_lora
+
+    trained, tok = _base()
+    peft = apply_lora(trained, LoraSettings(rank=4, alpha=8, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for n, p in peft.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.5)
+    run = RunDir(tmp_path / "run")
+    peft.save_pretrained(str(run.path("policy/ppo/adapter")))
+    zeros = {k: torch.zeros_like(v) for k, v in get_peft_model_state_dict(peft).items()}
+    save_file(zeros, str(run.path("policy/ppo/snapshots/step_000001/adapter_model.safetensors")))
+
+    monkeypatch.setattr(alignment, "load_policy", lambda cfg: _base())
+    cfg = SimpleNamespace(policy=PolicyConfig())
+    pset = alignment.PolicySet(cfg, run, ["ppo"])
+    ref, _ = _base()
+    ids = torch.tensor([tok("w10 w11 w12")["input_ids"]])
+    with torch.no_grad():
+        want_base = ref(ids).logits
+        with pset.use("base") as m:
+            got_base = m(ids).logits
+        with pset.use("ppo") as m:
+            got_ppo = m(ids).logits
+        name = pset.load_snapshot(
+            "ppo", run.path("policy/ppo/snapshots/step_000001/adapter_model.safetensors")
+        )
+        with pset.use(name) as m:
+            got_snap = m(ids).logits
+        with pset.use("ppo") as m:
+            again = m(ids).logits
+    torch.testing.assert_close(got_base, want_base)
+    assert (got_ppo - want_base).abs().max() > 1e-3  # the adapter is active
+    torch.testing.assert_close(got_snap, want_base)  # zero LoRA weights = the base
+    torch.testing.assert_close(again, got_ppo)  # loading a snapshot leaves the final adapter alone
+
+    with pytest.raises(ArtifactMissing, match="grpo"):
+        alignment.PolicySet(cfg, run, ["grpo"])
+
+
+def _labelled() -> pd.DataFrame:
+    return pd.DataFrame(
+        {
+            "country": ["A", "A", "A", "A", "B", "B"],
+            "arrangement_type": ["SBA"] * 6,
+            "econ_descriptor": ["1.1"] * 6,
+            "description": ["a met 1", "a met 2", "a met 3", "a not", "b met", "b met 2"],
+            "y": [1, 1, 1, 0, 1, 1],
+        }
+    )
+
+
+def test_history_references_match_context_and_label() -> None:
+    lab = _labelled()
+    ctx = [
+        {"country": "A", "arrangement_type": "SBA", "econ_descriptor": "1.1"},
+        {"country": "B", "arrangement_type": "SBA", "econ_descriptor": "1.1"},
+        {"country": "C", "arrangement_type": "SBA", "econ_descriptor": "1.1"},
+    ]
+    h = alignment.history_references(lab, ctx, k=2, seed=0)
+    counts = h.groupby(["policy", "prompt_id"]).size().to_dict()
+    assert counts[("history_met", 0)] == 2 and counts[("history_nonmet", 0)] == 1
+    assert counts[("history_met", 1)] == 2 and ("history_nonmet", 1) not in counts
+    assert ("history_met", 2) not in counts  # no history for country C
+    assert all(counts[("random_policy", p)] == 2 for p in range(3))
+    met = h[h.policy == "history_met"]
+    assert (lab.loc[met.hist_idx, "y"] == 1).all()
+    assert (lab.loc[met.hist_idx, "country"].to_numpy() == np.array(["A", "A", "B", "B"])).all()
+    assert (h["response"].to_numpy() == lab.loc[h.hist_idx, "description"].to_numpy()).all()
+    assert h.equals(alignment.history_references(lab, ctx, k=2, seed=0))  # seeded
+
+
+def _samples(gain: float, n_prompts: int = 30, k: int = 3) -> pd.DataFrame:
+    rng = np.random.default_rng(0)
+    rows = []
+    for pol, shift in (("base", 0.0), ("ppo", gain), ("best_of_n", 0.0)):
+        for p in range(n_prompts):
+            for j in range(k if pol != "best_of_n" else 1):
+                r = 0.5 + 0.05 * math.sin(p) + shift + rng.normal(0, 0.01)
+                rows.append({"policy": pol, "prompt_id": p, "sample_id": j, "reward": r,
+                             "audit_reward": 0.6 + rng.normal(0, 0.01), "logp_policy": -5.0 + shift,
+                             "logp_ref": -5.0, "n_tokens": 5, "response": f"w{p} w{j} text",
+                             "grounded_met_rate": 0.6, "max_sim": 0.5})  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def test_summary_table_finds_a_real_gain_and_only_it() -> None:
+    s, paired = alignment.summary_table(_samples(0.1), ["ppo"], 4, n_boot=500, alpha=0.05, seed=0)
+    s = s.set_index("policy")
+    assert s.loc["ppo", "gain"] == pytest.approx(0.1, abs=0.01)
+    assert s.loc["ppo", "gain_low"] > 0.08 and s.loc["ppo", "gain_p_holm"] < 1e-3
+    assert abs(s.loc["ppo", "audit_gain"]) < 0.01 and s.loc["ppo", "audit_gain_p_holm"] > 0.05
+    assert s.loc["ppo", "kl"] == pytest.approx(0.1)  # logp_policy - logp_ref
+    assert s.loc["base", "kl"] == 0.0
+    assert s.loc["best_of_n", "kl"] == pytest.approx(math.log(4) - 3 / 4)
+    assert s.loc["base", "perplexity"] == pytest.approx(math.exp(1.0))
+    assert set(paired["measure"]) == {"reward", "audit_reward"}
+    null, _ = alignment.summary_table(_samples(0.0), ["ppo"], 4, n_boot=500, alpha=0.05, seed=0)
+    assert null.set_index("policy").loc["ppo", "gain_p_holm"] > 0.05
+
+
+def test_display_country() -> None:
+    assert alignment.display_country("GAMBIA, THE") == "Gambia, the"
+    assert alignment.display_country("BOSNIA AND HERZEGOVINA") == "Bosnia and Herzegovina"
+    assert alignment.display_country("MACEDONIA (FYR)") == "Macedonia (FYR)"
