@@ -362,26 +362,23 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> St
         cfg = StudyConfig.model_validate(raw)
     except ValidationError as err:
         raise ConfigError(_format_errors(path, err, StudyConfig)) from None
-    data_path = cfg.data.path
-    if not data_path.is_absolute():
-        data_path = (path.resolve().parent / data_path).resolve()
-    if not data_path.is_file():
-        raise ConfigError(
-            f"{path}: key 'data.path': data file not found at {data_path}; "
-            "expected a MONA CSV (relative paths are read from the parameters file's folder)"
-        )
-    cfg.data.path = data_path
-    regions = cfg.risk.regions_path
-    if not regions.is_absolute():
-        regions = (path.resolve().parent / regions).resolve()
-    if not regions.is_file():
-        raise ConfigError(
-            f"{path}: key 'risk.regions_path': file not found at {regions}; expected a CSV with "
-            "columns country,region (relative paths are read from the parameters file's folder)"
-        )
-    cfg.risk.regions_path = regions
+    cfg.data.path = _resolve_file(path, "data.path", cfg.data.path, "a MONA CSV")
+    cfg.risk.regions_path = _resolve_file(
+        path, "risk.regions_path", cfg.risk.regions_path, "a CSV with columns country,region"
+    )
     cfg.source = path.resolve()
     return cfg
+
+
+def _resolve_file(params: Path, key: str, value: Path, expected: str) -> Path:
+    """A file named in the parameters, relative to the parameters file's folder; it must exist."""
+    target = value if value.is_absolute() else (params.resolve().parent / value).resolve()
+    if not target.is_file():
+        raise ConfigError(
+            f"{params}: key '{key}': file not found at {target}; expected {expected} "
+            "(relative paths are read from the parameters file's folder)"
+        )
+    return target
 
 
 def _deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:

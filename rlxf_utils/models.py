@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
 import torch
 from transformers import (
     AutoModelForCausalLM,
@@ -240,3 +241,85 @@ def load_policy_with_adapter(
     model = PeftModel.from_pretrained(model, str(adapter_dir))
     model.eval()
     return model, tok
+
+
+def eos_ids(model: Any, tokenizer: Any) -> set[int]:
+    """Token ids that end a response (the tokenizer's EOS and the generation config's)."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    gen = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids |= set(gen if isinstance(gen, (list, tuple)) else [gen] if gen is not None else [])
+    return {int(i) for i in ids}
+
+
+def trim_response(ids: Sequence[int], stop: set[int]) -> list[int]:
+    """Generated ids up to and including the first end token (later ids are padding)."""
+    out: list[int] = []
+    for t in ids:
+        out.append(int(t))
+        if int(t) in stop:
+            break
+    return out
+
+
+@torch.no_grad()
+def generate(
+    model: Any,
+    tokenizer: Any,
+    prompts: Sequence[str],
+    k: int,
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    postprocess: str,
+    seed: int,
+    batch_size: int = 16,
+    desc: str = "generate",
+    progress: bool = True,
+) -> pd.DataFrame:
+    """k sampled responses per prompt, batched with left padding and the KV cache.
+
+    Rows: prompt_id, sample_id, prompt_ids, response_ids (trimmed after the first end token),
+    raw (decoded), response (post-processed, what the reward model scores), n_tokens.
+    """
+    from tqdm.auto import tqdm
+
+    torch.manual_seed(seed)
+    model.eval()
+    stop = eos_ids(model, tokenizer)
+    device = next(model.parameters()).device
+    items = [(i, j) for i in range(len(prompts)) for j in range(k)]
+    rows: list[dict[str, Any]] = []
+    starts = range(0, len(items), batch_size)
+    for start in tqdm(starts, desc=desc, disable=not progress, leave=False):
+        batch = items[start : start + batch_size]
+        enc = tokenizer([prompts[i] for i, _ in batch], return_tensors="pt", padding=True).to(
+            device
+        )
+        out = model.generate(
+            **enc,
+            do_sample=True,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=0,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=sorted(stop) or None,
+        )
+        width = enc["input_ids"].shape[1]
+        for row, (i, j) in enumerate(batch):
+            prompt = enc["input_ids"][row][enc["attention_mask"][row].bool()].tolist()
+            resp = trim_response(out[row, width:].tolist(), stop)
+            raw = tokenizer.decode(resp, skip_special_tokens=True)
+            rows.append(
+                {
+                    "prompt_id": i,
+                    "sample_id": j,
+                    "prompt_ids": prompt,
+                    "response_ids": resp,
+                    "raw": raw,
+                    "response": postprocess_response(raw, postprocess),
+                    "n_tokens": len(resp),
+                }
+            )
+    return pd.DataFrame(rows)

@@ -25,6 +25,7 @@ from rlxf_utils.config import PolicyConfig, RLConfig, StudyConfig
 from rlxf_utils.models import (
     apply_lora,
     build_prompts,
+    generate,
     load_policy,
     lora_config,
     postprocess_response,
@@ -99,7 +100,6 @@ def trl_reward_function(reward_fn: RewardFn, postprocess: str) -> Callable[..., 
     return reward_model
 
 
-@torch.no_grad()
 def sample_responses(
     model: Any,
     tokenizer: Any,
@@ -112,35 +112,18 @@ def sample_responses(
     """Sample one post-processed response per prompt (adapters off = the starting policy)."""
     import contextlib
 
-    torch.manual_seed(seed)
-    model.eval()
     ctx = (
         model.disable_adapter()
         if (not use_adapters and hasattr(model, "disable_adapter"))
         else contextlib.nullcontext()
     )
-    out: list[str] = []
-    device = next(model.parameters()).device
     with ctx:
-        for i in range(0, len(prompts), batch_size):
-            enc = tokenizer(
-                list(prompts[i : i + batch_size]), return_tensors="pt", padding=True
-            ).to(device)
-            gen = model.generate(
-                **enc,
-                do_sample=True,
-                temperature=rl.temperature,
-                top_p=rl.top_p,
-                top_k=0,
-                max_new_tokens=rl.max_new_tokens,
-                pad_token_id=tokenizer.pad_token_id,
-                eos_token_id=tokenizer.eos_token_id,
-            )
-            texts = tokenizer.batch_decode(
-                gen[:, enc["input_ids"].shape[1] :], skip_special_tokens=True
-            )
-            out.extend(postprocess_response(t, rl.response_postprocess) for t in texts)
-    return out
+        df = generate(
+            model, tokenizer, prompts, 1, max_new_tokens=rl.max_new_tokens,
+            temperature=rl.temperature, top_p=rl.top_p, postprocess=rl.response_postprocess,
+            seed=seed, batch_size=batch_size, progress=False,
+        )  # fmt: skip
+    return df["response"].tolist()
 
 
 def run_ppo(

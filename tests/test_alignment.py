@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_ppo import tiny_tokenizer
 
-from rlxf_utils import alignment
+from rlxf_utils import alignment, models
 from rlxf_utils.artifacts import ArtifactMissing, RunDir
 from rlxf_utils.config import LoraSettings, PolicyConfig
 
@@ -31,17 +31,17 @@ def _base(seed: int = 0):
 
 
 def test_trim_response_keeps_the_first_end_token() -> None:
-    assert alignment.trim_response([5, 6, 0, 0, 0], {0}) == [5, 6, 0]
-    assert alignment.trim_response([5, 6, 7], {0}) == [5, 6, 7]  # ran to max_new_tokens
-    assert alignment.trim_response([2, 9, 3], {9, 3}) == [2, 9]
+    assert models.trim_response([5, 6, 0, 0, 0], {0}) == [5, 6, 0]
+    assert models.trim_response([5, 6, 7], {0}) == [5, 6, 7]  # ran to max_new_tokens
+    assert models.trim_response([2, 9, 3], {9, 3}) == [2, 9]
 
 
 def test_generate_is_batched_seeded_and_trimmed() -> None:
     model, tok = _base()
     prompts = ["w10 w11 w12", "w13", "w14 w15"]
     kw = dict(max_new_tokens=6, temperature=1.0, top_p=1.0, postprocess="none", progress=False)
-    a = alignment.generate(model, tok, prompts, 2, seed=3, batch_size=4, **kw)
-    b = alignment.generate(model, tok, prompts, 2, seed=3, batch_size=4, **kw)
+    a = models.generate(model, tok, prompts, 2, seed=3, batch_size=4, **kw)
+    b = models.generate(model, tok, prompts, 2, seed=3, batch_size=4, **kw)
     assert len(a) == 6 and a[["prompt_id", "sample_id"]].values.tolist() == [
         [0, 0], [0, 1], [1, 0], [1, 1], [2, 0], [2, 1]
     ]  # fmt: skip
@@ -50,7 +50,7 @@ def test_generate_is_batched_seeded_and_trimmed() -> None:
         assert row.prompt_ids == tok(prompts[row.prompt_id])["input_ids"]  # padding removed
         assert 1 <= row.n_tokens <= 6 and len(row.response_ids) == row.n_tokens
         assert tok.eos_token_id not in row.response_ids[:-1]  # nothing after the first end token
-    c = alignment.generate(model, tok, prompts, 2, seed=4, batch_size=4, **kw)
+    c = models.generate(model, tok, prompts, 2, seed=4, batch_size=4, **kw)
     assert c["response_ids"].tolist() != a["response_ids"].tolist()
     # log-probs of the generated ids under the model: finite, negative
     lp = alignment._logprobs(model, tok, a, batch_size=4)
