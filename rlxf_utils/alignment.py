@@ -33,7 +33,7 @@ import torch
 
 from . import evaluation as ev
 from .artifacts import ArtifactMissing, RunDir
-from .models import build_prompts, generate, load_policy
+from .models import build_prompts, display_country, generate, load_policy
 from .rl import _CTX_KEYS, load_contexts
 
 log = logging.getLogger(__name__)
@@ -328,14 +328,6 @@ def plot_grounding(summary: pd.DataFrame) -> Any:
 # ---------------------------------------------------------------------------------------------
 # The stage
 # ---------------------------------------------------------------------------------------------
-
-
-def display_country(name: str) -> str:
-    """'GAMBIA, THE' -> 'Gambia, The'-style readable names for completion prompts."""
-    out = name.title()
-    for a, b in ((" Of", " of"), (" And ", " and "), (" The", " the"), ("(Fyr)", "(FYR)")):
-        out = out.replace(a, b)
-    return out
 
 
 def _score(

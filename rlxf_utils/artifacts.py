@@ -170,17 +170,10 @@ def markdown_table(df: pd.DataFrame, floatfmt: str = ".3f", index: bool = False)
     cols = [str(c) for c in df.columns]
     numeric = [pd.api.types.is_numeric_dtype(df[c]) for c in df.columns]
     header = "| " + " | ".join(c.replace("|", "\\|") for c in cols) + " |"
-    # Dash counts set pandoc's relative column widths when cells wrap: give wordy columns room.
-    widths = [
-        max(
-            3,
-            len(c),
-            min(
-                60, round(np.mean([len(_fmt_cell(v, floatfmt)) for v in df[col].head(200)] or [0]))
-            ),
-        )
-        for c, col in zip(cols, df.columns, strict=True)
-    ]
+    # Dash counts set pandoc's relative column widths when cells wrap: a short column gets its
+    # longest cell plus a margin (so numbers and labels never break), a wordy one at most 44.
+    longest = [max([len(_fmt_cell(v, floatfmt)) for v in df[col].head(200)] or [0]) for col in df]
+    widths = [4 + max(3, len(c), min(40, n)) for c, n in zip(cols, longest, strict=True)]
     align = (
         "|"
         + "|".join(

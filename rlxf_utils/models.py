@@ -323,3 +323,11 @@ def generate(
                 }
             )
     return pd.DataFrame(rows)
+
+
+def display_country(name: str) -> str:
+    """'GAMBIA, THE' -> 'Gambia, The'-style readable names for completion prompts."""
+    out = name.title()
+    for a, b in ((" Of", " of"), (" And ", " and "), (" The", " the"), ("(Fyr)", "(FYR)")):
+        out = out.replace(a, b)
+    return out

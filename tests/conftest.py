@@ -71,3 +71,14 @@ def current_schema_mona(tmp_path: Path) -> Path:
         [r[i] for i in idx] + ["20." + r[header.index("EconDescrpt")].split(".")[0]] for r in rows
     ]
     return write_csv(tmp_path / "current.csv", new_header, new_rows)
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models run far faster on one thread (and do not fight the shared cores)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -10,6 +10,7 @@ import pandas as pd
 import pytest
 import torch
 from test_ppo import tiny_tokenizer
+from tiny import tiny_llama
 
 from rlxf_utils import alignment, models
 from rlxf_utils.artifacts import ArtifactMissing, RunDir
@@ -17,17 +18,8 @@ from rlxf_utils.config import LoraSettings, PolicyConfig
 
 
 def _base(seed: int = 0):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
     tok = tiny_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        initializer_range=0.3, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-        bos_token_id=tok.eos_token_id,
-    )  # fmt: skip
-    return LlamaForCausalLM(config).eval(), tok
+    return tiny_llama(tok, seed, init=0.3).eval(), tok
 
 
 def test_trim_response_keeps_the_first_end_token() -> None:
@@ -163,6 +155,6 @@ def test_summary_table_finds_a_real_gain_and_only_it() -> None:
 
 
 def test_display_country() -> None:
-    assert alignment.display_country("GAMBIA, THE") == "Gambia, the"
-    assert alignment.display_country("BOSNIA AND HERZEGOVINA") == "Bosnia and Herzegovina"
-    assert alignment.display_country("MACEDONIA (FYR)") == "Macedonia (FYR)"
+    assert models.display_country("GAMBIA, THE") == "Gambia, the"
+    assert models.display_country("BOSNIA AND HERZEGOVINA") == "Bosnia and Herzegovina"
+    assert models.display_country("MACEDONIA (FYR)") == "Macedonia (FYR)"

@@ -28,7 +28,9 @@ def test_round_trips(tmp_path: Path) -> None:
     run.write_table("t", df)
     assert run.read_table("t")["a"].tolist() == [1, 2]
     md = (tmp_path / "tables/t.md").read_text()
-    assert md.splitlines()[1] == "|---:|:---|---:|"
+    assert (
+        md.splitlines()[1] == "|-------:|:--------|---------:|"
+    )  # longest cell + 4 (pandoc widths)
     assert "y\\|z" in md and "0.123" in md
     run.write_jsonl("s.jsonl", [{"a": np.int64(1)}, {"a": np.float32(0.5)}])
     assert run.read_jsonl("s.jsonl") == [{"a": 1}, {"a": 0.5}]
@@ -62,4 +64,4 @@ def test_figure_written(tmp_path: Path) -> None:
 
 def test_markdown_dashes_give_wordy_columns_room() -> None:
     md = markdown_table(pd.DataFrame({"k": ["a", "b"], "long": ["x" * 120, "y" * 100]}))
-    assert md.splitlines()[1] == "|:---|:" + "-" * 60 + "|"
+    assert md.splitlines()[1] == "|:-------|:" + "-" * 44 + "|"

@@ -8,6 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from tiny import tiny_llama, word_tokenizer
 
 from rlxf_utils.evaluation import (
     HistoricalIndex,
@@ -175,50 +176,18 @@ WORDS = [f"w{i}" for i in range(30)]
 
 def _tiny_lm(seed: int = 0, padding_side: str = "right", arch: str = "llama"):
     """A random 2-layer causal LM (Llama: rotary positions; GPT-2: absolute positions, dropout)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import (
-        GPT2Config,
-        GPT2LMHeadModel,
-        LlamaConfig,
-        LlamaForCausalLM,
-        PreTrainedTokenizerFast,
-    )
+    from transformers import GPT2Config, GPT2LMHeadModel
 
-    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{w: i + 3 for i, w in enumerate(WORDS)}}
-    tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=tk, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
-    )
+    tok = word_tokenizer(WORDS, specials=("<pad>", "<eos>", "<unk>"), pad="<pad>")
     tok.padding_side = padding_side
+    if arch == "llama":
+        return tiny_llama(tok, seed, init=0.5).eval(), tok
     torch.manual_seed(seed)
-    if arch == "gpt2":
-        cfg = GPT2Config(
-            vocab_size=len(vocab),
-            n_embd=32,
-            n_layer=2,
-            n_head=4,
-            n_positions=64,
-            initializer_range=0.5,
-            pad_token_id=0,
-            eos_token_id=1,
-            bos_token_id=1,
-        )
-        return GPT2LMHeadModel(cfg).eval(), tok
-    config = LlamaConfig(
-        vocab_size=len(vocab),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        initializer_range=0.5,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=1,
-    )
-    return LlamaForCausalLM(config).eval(), tok
+    cfg = GPT2Config(
+        vocab_size=len(tok), n_embd=32, n_layer=2, n_head=4, n_positions=64,
+        initializer_range=0.5, pad_token_id=0, eos_token_id=1, bos_token_id=1,
+    )  # fmt: skip
+    return GPT2LMHeadModel(cfg).eval(), tok
 
 
 PROMPTS = ["w1 w2 w3", "w4", "w5 w6 w7 w8 w9 w10", "w11 w12", "w3 w3"]

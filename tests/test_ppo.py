@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from tiny import tiny_llama, word_tokenizer
 
 from rlxf_utils.config import LoraSettings, RLConfig
 from rlxf_utils.ppo import (
@@ -26,41 +27,19 @@ TARGET = "w7"
 
 def tiny_tokenizer():
     """A word-level tokenizer over 60 words, EOS doubling as pad (like SmolLM2)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<eos>": 0, "<unk>": 1, **{w: i + 2 for i, w in enumerate(WORDS)}}
-    tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=tk, eos_token="<eos>", pad_token="<eos>", unk_token="<unk>"
-    )
+    tok = word_tokenizer(WORDS)
     tok.padding_side = "left"
     return tok
 
 
 def tiny_policy(seed: int = 0, lora_rank: int = 8):
     """A 2-layer random Llama with LoRA adapters and the tiny tokenizer."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from rlxf_utils.models import apply_lora
 
-    torch.manual_seed(seed)
     tok = tiny_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        initializer_range=0.3,  # a peaked enough unembedding for LoRA to move the output
-        pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id,
-        bos_token_id=tok.eos_token_id,
-    )
-    model = LlamaForCausalLM(config)
+    model = tiny_llama(
+        tok, seed, init=0.3
+    )  # a peaked enough unembedding for LoRA to move the output
     lora = LoraSettings(
         rank=lora_rank, alpha=2 * lora_rank, target_modules=["q_proj", "v_proj", "o_proj"]
     )
@@ -83,13 +62,7 @@ def toy_reward(contexts: list[dict], texts: list[str]) -> np.ndarray:
     return np.array([float(TARGET in t.split()) for t in texts], dtype=np.float32)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models run far faster on one thread (and do not fight the shared cores)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def small_cfg(**kw) -> RLConfig:

@@ -5,34 +5,20 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 import pytest
-import torch
 from test_ppo import small_cfg, tiny_tokenizer, toy_contexts, toy_reward
+from tiny import tiny_llama
 
 from rlxf_utils.config import LoraSettings, PolicyConfig
 from rlxf_utils.models import postprocess_response
 from rlxf_utils.ppo import LOG_COLUMNS
 from rlxf_utils.rl import load_contexts, run_trl, trl_reward_function
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _tiny_base():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
     tok = tiny_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id,
-    )  # fmt: skip
-    return LlamaForCausalLM(config), tok
+    return tiny_llama(tok, 0), tok
 
 
 @pytest.mark.parametrize("algo", ["grpo", "rloo"])
