@@ -140,11 +140,25 @@ def build_sources(run: RunDir, build: Path, src: Path = REPORT_SRC) -> dict[str,
     shutil.copytree(
         src, build, ignore=shutil.ignore_patterns("_build", ".quarto", "*.html", "*.pdf")
     )
+    from . import report_sections as rs
+
     variables = {"run": _manifest_variables(run), "data": _data_variables(run)}
+    params = run.read_json("manifest.json", stage="rlxf run")["params"]
+    includes: dict[str, str] = {}
+    for key, (vals, files) in (
+        ("reward", rs.reward_section(run)),
+        ("rl", rs.rl_section(run, params)),
+        ("eval", rs.eval_section(run, params.get("evaluation", {}).get("alpha", 0.05))),
+        ("risk", rs.risk_section(run)),
+    ):
+        variables[key] = vals
+        includes.update(files)
     with atomic_path(build / "_variables.yml") as tmp:
         tmp.write_text(yaml.safe_dump(variables, sort_keys=True, allow_unicode=True))
     gen = build / "_generated"
     gen.mkdir(exist_ok=True)
+    for name, text in includes.items():
+        (gen / name).write_text(text, encoding="utf-8")
     for name, (table, stage) in TABLE_INCLUDES.items():
         md = run.require(f"tables/{table}.md", stage).read_text(encoding="utf-8")
         (gen / name).write_text(md, encoding="utf-8")

@@ -125,9 +125,41 @@ def test_smoke_study_renders_the_report(tmp_path: Path) -> None:
     for heading in (
         "Introduction",
         "Data: the experience in MONA",
+        "The reward model",
+        "Fine-tuning the policy with experience feedback",
+        "Results: does experience feedback align the policy?",
+        "Risks, measured",
+        "Conclusion",
         "Reproducibility",
         "References",
     ):
         assert heading in text, heading
     assert f"{summary['met']:,} MET and {summary['non_met']:,} Non-MET" in text
-    assert "Table 1" in text and "Figure 1" in text
+    assert "Table 1" in text and "Figure 1" in text and "Equation (3)" in text
+
+    # the reward-metrics table, with the numbers of reward/metrics.json
+    metrics = json.loads((run_dir / "reward/metrics.json").read_text())["metrics"]
+    enc = next(m for m in metrics if m["protocol"] == "grouped" and m["model"] == "encoder")
+    tfidf = next(m for m in metrics if m["protocol"] == "random" and m["model"] == "tfidf")
+    assert "fine-tuned encoder" in text and "TF-IDF + LR" in text
+    assert f"{enc['accuracy']:.3f} {enc['precision']:.3f} {enc['recall']:.3f}" in text
+    assert f"{tfidf['roc_auc']:.3f}" in text
+    assert variables["reward"]["main_accuracy"] == f"{100 * enc['accuracy']:.1f}%"
+    # evaluation: Ave(R) of base and its CI as in eval/summary.json, sentence chosen by the test
+    ev = {
+        r["policy"]: r for r in json.loads((run_dir / "eval/summary.json").read_text())["summary"]
+    }
+    base = ev["base"]
+    assert f"{base['ave_r']:.3f} [{base['ave_r_low']:.3f}, {base['ave_r_high']:.3f}]" in text
+    ppo = ev["ppo"]
+    verdict = (
+        "did not significantly change"
+        if ppo["gain_p_holm"] >= 0.05
+        else ("raised" if ppo["gain"] > 0 else "lowered")
+    )
+    assert f"PPO {verdict} Ave(R)" in text
+    # risks: the country-swap headline equals risk/summary.json
+    risk = json.loads((run_dir / "risk/summary.json").read_text())
+    hist = next(r for r in risk["country_swap"]["by_source"] if r["source"] == "historical")
+    assert variables["risk"]["swap_mean_abs_delta"] == f"{hist['mean_abs_delta']:.4f}"
+    assert f"by {hist['mean_abs_delta']:.4f} on average" in text

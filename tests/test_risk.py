@@ -1,0 +1,613 @@
+"""Tests of the risk room: each measure on hand-made data with a known answer, and the stage."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from rlxf_utils import risk
+from rlxf_utils.artifacts import RunDir
+from rlxf_utils.config import RewardConfig, StudyConfig
+from rlxf_utils.data import make_splits
+
+# ---------------------------------------------------------------------------------------------
+# country swap
+# ---------------------------------------------------------------------------------------------
+
+COUNTRY_SCORE = {"ALPHA": 0.2, "BETA": 0.5, "GAMMA": 0.9}
+
+
+def _ctx(countries: list[str]) -> pd.DataFrame:
+    return pd.DataFrame(
+        {
+            "country": countries,
+            "arrangement_type": "SBA",
+            "econ_descriptor": "1.1. Revenue measures",
+        }
+    )
+
+
+def test_swap_reward_reading_only_the_country_is_fully_sensitive():
+    calls = []
+
+    def score(contexts, texts):
+        calls.append(len(texts))
+        return np.array([COUNTRY_SCORE[c["country"]] for c in contexts])
+
+    swaps = risk.country_swap(
+        score, _ctx(["ALPHA", "BETA"]), ["adopt a budget", "publish audits"], list(COUNTRY_SCORE)
+    )
+    assert calls == [6]  # 2 originals + 2 x 2 swaps, in one call
+    assert len(swaps) == 4 and set(swaps["swap_country"]) == {"ALPHA", "BETA", "GAMMA"}
+    # own country never swapped in
+    assert (swaps["country"] != swaps["swap_country"]).all()
+    expected = swaps["swap_country"].map(COUNTRY_SCORE) - swaps["country"].map(COUNTRY_SCORE)
+    np.testing.assert_allclose(swaps["delta"], expected)
+    overall, per = risk.swap_summary(swaps, {"ALPHA": 0.1, "BETA": 0.5, "GAMMA": 0.8})
+    # |+0.3| + |+0.7| (ALPHA text) and |-0.3| + |+0.4| (BETA text), over 4 pairs
+    assert overall.loc[0, "mean_abs_delta"] == pytest.approx((0.3 + 0.7 + 0.3 + 0.4) / 4)
+    assert overall.loc[0, "max_abs_delta"] == pytest.approx(0.7)
+    by = per.set_index("country")
+    assert list(per["country"]) == ["GAMMA", "BETA", "ALPHA"]  # most favoured first
+    assert by.loc["GAMMA", "mean_delta"] == pytest.approx((0.7 + 0.4) / 2)
+    assert by.loc["ALPHA", "mean_delta"] == pytest.approx(-0.3)
+    assert by.loc["GAMMA", "hist_met_rate"] == pytest.approx(0.8)
+
+
+def test_swap_constant_or_text_only_reward_shows_no_sensitivity():
+    texts = ["adopt a budget law", "publish", "audit the central bank accounts"]
+    for score in (
+        lambda c, t: np.full(len(t), 0.6),
+        lambda c, t: np.array([len(x) / 100 for x in t]),
+    ):
+        swaps = risk.country_swap(score, _ctx(["ALPHA", "BETA", "GAMMA"]), texts, ["ALPHA", "BETA"])
+        assert len(swaps) == 4  # ALPHA and BETA texts get one swap each, GAMMA's two
+        assert (swaps["delta"] == 0).all()
+        overall, _ = risk.swap_summary(swaps)
+        assert overall.loc[0, "mean_abs_delta"] == 0.0
+
+
+def test_swap_rejects_misaligned_inputs():
+    with pytest.raises(risk.RiskError, match="2 contexts but 1 texts"):
+        risk.country_swap(lambda c, t: np.zeros(len(t)), _ctx(["ALPHA", "BETA"]), ["x"], ["GAMMA"])
+    with pytest.raises(risk.RiskError, match="shape"):
+        risk.country_swap(lambda c, t: np.zeros(1), _ctx(["ALPHA"]), ["x"], ["BETA", "GAMMA"])
+
+
+def test_swap_countries_are_seeded_distinct_and_capped():
+    pool = [f"C{i:02d}" for i in range(30)] * 2
+    a = risk.choose_swap_countries(pool, 5, seed=7)
+    assert a == risk.choose_swap_countries(reversed(pool), 5, seed=7)
+    assert len(set(a)) == 5 and a == sorted(a)
+    assert a != risk.choose_swap_countries(pool, 5, seed=8)
+    assert risk.choose_swap_countries(["X", "Y"], 12, seed=0) == ["X", "Y"]
+    with pytest.raises(risk.RiskError, match="at least 2 countries"):
+        risk.choose_swap_countries(["X"], 3, seed=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# reward hacking
+# ---------------------------------------------------------------------------------------------
+
+
+def test_length_correlation_on_constructed_data():
+    n = np.arange(1, 51)
+    up = pd.DataFrame({"policy": "ppo", "n_words": n, "reward": 0.01 * n})
+    down = pd.DataFrame({"policy": "grpo", "n_words": n, "reward": 1.0 / n})  # monotone, not linear
+    corr, bins = risk.length_reward(pd.concat([up, down]), "n_words", "reward", bins=5)
+    c = corr.set_index("policy")
+    assert c.loc["ppo", "spearman"] == pytest.approx(1.0)
+    assert c.loc["ppo", "pearson"] == pytest.approx(1.0)
+    assert c.loc["grpo", "spearman"] == pytest.approx(-1.0)
+    assert -1.0 < c.loc["grpo", "pearson"] < -0.5  # linear correlation misses part of a curve
+    assert "all generated" in c.index and c.loc["all generated", "n"] == 100
+    b = bins[bins["policy"] == "ppo"]
+    assert len(b) == 5 and b["n"].sum() == 50 and (b["n"] == 10).all()
+    assert b["mean_reward"].is_monotonic_increasing
+    assert b["mean_length"].tolist() == pytest.approx([5.5, 15.5, 25.5, 35.5, 45.5])
+
+
+def test_length_correlation_undefined_for_constant_length():
+    df = pd.DataFrame({"policy": "ppo", "n_tokens": 24, "reward": np.linspace(0, 1, 8)})
+    corr, bins = risk.length_reward(df, "n_tokens", "reward", bins=5)
+    assert math.isnan(corr.loc[0, "spearman"]) and math.isnan(corr.loc[0, "pearson"])
+    assert len(bins) == 1 and bins.loc[0, "n"] == 8
+
+
+def test_checkpoint_gains_from_the_shared_base_row():
+    frontier = pd.DataFrame(
+        {
+            "algo": ["base", "ppo", "ppo", "grpo"],
+            "step": [0, 2, 4, 4],
+            "reward": [0.50, 0.60, 0.70, 0.55],
+            "audit_reward": [0.40, 0.41, 0.38, 0.45],
+            "kl": [0.0, 1.0, 2.0, 0.5],
+        }
+    )
+    g = risk.checkpoint_gains(frontier)
+    assert "base" not in set(g["algo"])
+    ppo = g[g["algo"] == "ppo"].set_index("step")
+    assert list(ppo.index) == [0, 2, 4] and set(ppo["baseline"]) == {"base step 0"}
+    assert ppo.loc[4, "reward_gain"] == pytest.approx(0.20)
+    assert ppo.loc[4, "audit_gain"] == pytest.approx(-0.02)
+    assert ppo.loc[4, "gap"] == pytest.approx(0.22)
+    assert g[g["algo"] == "grpo"].iloc[-1]["audit_gain"] == pytest.approx(0.05)
+    own = risk.checkpoint_gains(frontier[frontier["algo"] == "ppo"])
+    assert set(own["baseline"]) == {"ppo step 2"} and own["reward_gain"].iloc[-1] == pytest.approx(
+        0.10
+    )
+
+
+def test_rising_ngrams_and_policy_kinds():
+    samples = pd.DataFrame(
+        {
+            "policy": ["base"] * 4 + ["ppo"] * 4 + ["history_met"] * 2 + ["random_policy"],
+            "response": ["reform the tax code"] * 4
+            + ["Strengthen GOVERNANCE."] * 3
+            + ["reform the tax code"]
+            + ["x"] * 3,
+        }
+    )
+    assert risk.generated_policies(samples["policy"]) == ["base", "ppo"]
+    assert risk.tuned_policies(samples["policy"]) == ["ppo"]
+    ng = risk.rising_ngrams(samples, top=3)
+    assert ng.loc[0, "ngram"] == "strengthen governance"  # punctuation and case ignored
+    assert ng.loc[0, "share_base"] == 0.0 and ng.loc[0, "share_policy"] == pytest.approx(0.75)
+    assert ng.loc[0, "responses_with"] == 3
+    assert ng["ngram"].tolist() == ["strengthen governance"]  # rises > 0 only
+    with pytest.raises(risk.RiskError, match="no 'base' policy"):
+        risk.rising_ngrams(samples[samples["policy"] != "base"])
+
+
+# ---------------------------------------------------------------------------------------------
+# diversity
+# ---------------------------------------------------------------------------------------------
+
+
+def test_area_entropy_kl_coverage_on_known_distributions():
+    areas = ["fiscal", "monetary", "trade", "labour"]
+    reference = areas * 5  # uniform over 4 areas
+    samples = pd.DataFrame(
+        {
+            "policy": ["same"] * 8 + ["collapsed"] * 8,
+            "top_area": areas * 2 + ["fiscal"] * 8,
+            "econ_area": ["fiscal"] * 16,
+        }
+    )
+    div, shares = risk.area_table(samples, reference, "history")
+    d = div.set_index("policy")
+    assert d.loc["history", "entropy"] == pytest.approx(math.log(4))
+    assert d.loc["same", "entropy"] == pytest.approx(math.log(4))
+    assert d.loc["same", "kl_to_reference"] == pytest.approx(0.0, abs=1e-12)
+    assert d.loc["collapsed", "entropy"] == pytest.approx(0.0)
+    assert d.loc["collapsed", "n_areas"] == 1 and d.loc["collapsed", "coverage"] == 0.25
+    # add-half smoothing: collapsed has counts (8, 0, 0, 0) + 0.5 over n + 2; reference (5,5,5,5) + 0.5
+    p = np.array([8.5, 0.5, 0.5, 0.5]) / 10
+    q = np.full(4, 0.25)
+    assert d.loc["collapsed", "kl_to_reference"] == pytest.approx(float((p * np.log(p / q)).sum()))
+    assert d.loc["collapsed", "on_topic"] == 1.0 and d.loc["same", "on_topic"] == 0.25
+    s = shares.set_index("area")
+    assert s["collapsed"].to_dict() == {"fiscal": 1.0, "labour": 0.0, "monetary": 0.0, "trade": 0.0}
+    assert s.sum().to_numpy() == pytest.approx(np.ones(3))
+
+
+def test_within_prompt_diversity_uses_prompts_with_several_samples():
+    samples = pd.DataFrame(
+        {
+            "policy": ["a", "a", "a", "a", "b", "b", "b"],
+            "prompt_id": [0, 0, 1, 1, 0, 0, 1],
+            "response": [
+                "adopt the budget",
+                "adopt the budget",  # identical: 2 unique of 4 bigrams
+                "publish audit reports",
+                "raise tax revenue",  # all distinct
+                "one two three",
+                "four five six",
+                "only one sample here",  # prompt with one sample: skipped
+            ],
+        }
+    )
+    out = risk.within_prompt_diversity(samples).set_index("policy")
+    assert out.loc["a", "within_prompt_distinct_2"] == pytest.approx((0.5 + 1.0) / 2)
+    assert out.loc["a", "n_prompts_multi"] == 2
+    assert out.loc["b", "within_prompt_distinct_2"] == pytest.approx(1.0)
+    assert out.loc["b", "n_prompts_multi"] == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# drift
+# ---------------------------------------------------------------------------------------------
+
+
+def test_drift_per_year_on_synthetic_predictions():
+    pred = pd.DataFrame(
+        {
+            "test_year": pd.array([2011] * 4 + [2012] * 3 + [None], dtype="Int64"),
+            "y": [1, 1, 0, 0, 1, 1, 1, 0],
+            "p": [0.9, 0.8, 0.2, 0.4, 0.4, 0.6, 0.8, 0.5],
+            "p_majority": 0.6,
+        }
+    )
+    d = risk.drift_by_year(pred, "p").set_index("test_year")
+    assert list(d.index) == [2011, 2012]  # the row without a year is dropped
+    assert d.loc[2011, "n"] == 4 and d.loc[2011, "met_rate"] == 0.5
+    assert d.loc[2011, "accuracy"] == 1.0 and d.loc[2011, "auc"] == 1.0
+    assert d.loc[2011, "mean_p"] == pytest.approx(0.575)
+    assert d.loc[2011, "calibration_gap"] == pytest.approx(0.075)
+    assert d.loc[2011, "brier"] == pytest.approx((0.01 + 0.04 + 0.04 + 0.16) / 4)
+    assert d.loc[2012, "accuracy"] == pytest.approx(2 / 3)
+    assert math.isnan(d.loc[2012, "auc"])  # one class in 2012
+    assert d.loc[2011, "majority_accuracy"] == 0.5 and d.loc[2012, "majority_accuracy"] == 1.0
+
+
+def test_base_rate_by_year_marks_the_sides_of_the_cutoff():
+    labelled = pd.DataFrame(
+        {
+            "test_year": pd.array([2009, 2009, 2010, 2011, 2011, 2011], dtype="Int64"),
+            "y": [1, 0, 1, 1, 1, 0],
+        }
+    )
+    b = risk.base_rate_by_year(labelled, cutoff=2010).set_index("test_year")
+    assert b["n"].to_dict() == {2009: 2, 2010: 1, 2011: 3}
+    assert b.loc[2011, "met_rate"] == pytest.approx(2 / 3)
+    assert b.loc[2010, "side"].startswith("train") and b.loc[2011, "side"] == "test"
+    s = risk.drift_summary(
+        risk.drift_by_year(labelled.assign(p=0.7), "p"), risk.base_rate_by_year(labelled), 2010
+    )
+    assert s["met_rate_train_years"] == pytest.approx(2 / 3)
+    assert s["met_rate_test_years"] == pytest.approx(2 / 3)
+
+
+# ---------------------------------------------------------------------------------------------
+# group bias and regions
+# ---------------------------------------------------------------------------------------------
+
+
+def test_group_metrics_pool_small_groups():
+    groups = ["A"] * 6 + ["B"] * 3 + ["C"] * 2
+    y = [1, 1, 1, 0, 0, 0] + [1, 1, 1] + [0, 0]
+    p = [0.9, 0.8, 0.7, 0.1, 0.2, 0.6] + [0.4, 0.4, 0.4] + [0.4, 0.4]
+    g = risk.group_metrics(y, p, groups, min_group_size=5).set_index("group")
+    assert list(g.index) == ["A", "other"]
+    assert g.loc["other", "n"] == 5 and g.loc["other", "pooled"] == "B, C"
+    assert g.loc["A", "accuracy"] == pytest.approx(5 / 6)
+    assert g.loc["A", "auc"] == pytest.approx(1.0)
+    assert g.loc["A", "mean_p"] == pytest.approx(3.3 / 6)
+    assert g.loc["other", "met_rate"] == pytest.approx(0.6)
+    assert g.loc["other", "calibration_gap"] == pytest.approx(0.4 - 0.6)
+    assert g.loc["other", "ece"] == pytest.approx(0.2)  # one bin: |0.4 - 0.6|
+    assert math.isnan(risk.group_metrics([1, 1], [0.5, 0.6], ["A", "A"], 1).loc[0, "auc"])
+    assert risk.pool_small_groups(["A", "A", "B"], 1).tolist() == ["A", "A", "B"]
+
+
+def _regions_file(tmp_path: Path, rows: list[str], header: str = "country,region,region_name"):
+    path = tmp_path / "regions.csv"
+    path.write_text("\n".join([header, *rows]) + "\n", encoding="utf-8")
+    return path
+
+
+def test_regions_file_missing_a_country_is_a_clear_error(tmp_path):
+    path = _regions_file(tmp_path, ['"Kenya",AFR,African', '"KOREA,  REPUBLIC OF",APD,Asia'])
+    regions = risk.load_regions(path)
+    assert set(regions["country"]) == {"KENYA", "KOREA, REPUBLIC OF"}  # normalised like the data
+    got = risk.assign_regions(["KENYA", "KOREA, REPUBLIC OF"], regions, path)
+    assert got.tolist() == ["AFR", "APD"]
+    with pytest.raises(ValueError) as err:
+        risk.assign_regions(["KENYA", "PERU", "GHANA"], regions, path)
+    msg = str(err.value)
+    assert str(path) in msg and "GHANA" in msg and "PERU" in msg and "KENYA" not in msg
+
+
+def test_regions_file_shape_errors(tmp_path):
+    with pytest.raises(risk.RiskError, match=r"missing column\(s\) \['region'\]"):
+        risk.load_regions(_regions_file(tmp_path, ["KENYA,AFR"], header="country,dept"))
+    with pytest.raises(risk.RiskError, match="more than one region"):
+        risk.load_regions(_regions_file(tmp_path, ["KENYA,AFR,x", "KENYA,MCD,y"]))
+    with pytest.raises(risk.RiskError, match="not found"):
+        risk.load_regions(tmp_path / "nope.csv")
+
+
+# ---------------------------------------------------------------------------------------------
+# label variants
+# ---------------------------------------------------------------------------------------------
+
+TOY_STATUSES = ["M", "PM", "MD", "NM", "CAN", "MOD", "SB", "W", " md "]
+
+
+def test_label_variants_change_labels_as_expected():
+    toy = pd.DataFrame({"row_id": range(len(TOY_STATUSES)), "status": TOY_STATUSES})
+    paper = risk.relabel(toy, "paper").set_index("row_id")["y"]
+    md = risk.relabel(toy, "md_as_met").set_index("row_id")["y"]
+    ex = risk.relabel(toy, "exclude_cancelled_modified").set_index("row_id")["y"]
+    assert 6 not in paper.index  # SB: not assessed, excluded under every variant
+    assert paper.to_dict() == {0: 1, 1: 1, 2: 0, 3: 0, 4: 0, 5: 0, 7: 0, 8: 0}
+    assert md.to_dict() == {0: 1, 1: 1, 2: 1, 3: 0, 4: 0, 5: 0, 7: 0, 8: 1}  # ' md ' normalised
+    assert ex.to_dict() == {0: 1, 1: 1, 2: 0, 3: 0, 7: 0, 8: 0}
+    with pytest.raises(risk.RiskError, match="unknown label variant 'lenient'"):
+        risk.relabel(toy, "lenient")
+    with pytest.raises(risk.RiskError, match="missing column"):
+        risk.relabel(toy.drop(columns="status"), "paper")
+
+
+def _synthetic_conditions(n: int = 240, seed: int = 0) -> pd.DataFrame:
+    """Labelled MONA-like rows whose status is carried by a word in the text; years 2005-2014."""
+    rng = np.random.default_rng(seed)
+    statuses = rng.choice(["M", "PM", "MD", "NM", "CAN", "MOD", "W"], size=n)
+    word = {"M": "adopt", "PM": "adopt", "MD": "submit", "NM": "privatize", "CAN": "liquidate"}
+    texts = [
+        f"{word.get(s, 'restructure')} the {rng.choice(['budget', 'bank', 'tax', 'law'])} plan"
+        for s in statuses
+    ]
+    df = pd.DataFrame(
+        {
+            "row_id": np.arange(n),
+            "country": rng.choice(["KENYA", "GHANA", "PERU", "CHILE", "NEPAL"], n),
+            "arrangement_type": rng.choice(["ECF", "SBA"], n),
+            "arrangement_id": rng.integers(0, 40, n).astype(str),
+            "econ_descriptor": rng.choice(["1.1. Tax policy", "2.3. Central bank", "3. Trade"], n),
+            "description": texts,
+            "test_year": pd.array(rng.integers(2005, 2015, n), dtype="Int64"),
+            "status": statuses,
+        }
+    )
+    df["y"] = pd.array(df["status"].isin(["M", "PM"]).astype(int), dtype="Int8")
+    df["label"] = np.where(df["y"] == 1, "MET", "Non-MET")
+    return df
+
+
+def test_label_sensitivity_retrains_per_variant():
+    df = _synthetic_conditions()
+    split = make_splits(df, seed=1)["random"]
+    cfg = RewardConfig(tfidf_min_df=1)
+    table, scores = risk.label_sensitivity(
+        df, split, ["paper", "md_as_met", "exclude_cancelled_modified"], cfg, seed=1
+    )
+    t = table.set_index("variant")
+    train = df[df["row_id"].isin(split["train"])]
+    assert t.loc["paper", "spearman_vs_reference"] == 1.0
+    assert t.loc["paper", "train_labels_changed"] == 0
+    assert t.loc["md_as_met", "train_labels_changed"] == int((train["status"] == "MD").sum())
+    assert t.loc["md_as_met", "n_train"] == len(train)
+    n_can_mod = int(train["status"].isin(["CAN", "MOD"]).sum())
+    assert t.loc["exclude_cancelled_modified", "n_train"] == len(train) - n_can_mod
+    assert t.loc["exclude_cancelled_modified", "train_rows_dropped"] == n_can_mod
+    assert t.loc["exclude_cancelled_modified", "train_labels_changed"] == 0
+    assert t.loc["md_as_met", "train_rows_dropped"] == 0
+    common = set(split["test"]) - set(df.loc[df["status"].isin(["CAN", "MOD"]), "row_id"])
+    assert set(scores["row_id"]) == common and (t["n_common"] == len(common)).all()
+    # the text carries the label, so every variant beats chance and ranks texts its own way
+    assert (t["auc"] > 0.8).all()
+    assert t.loc["md_as_met", "spearman_vs_reference"] < 0.99
+
+
+# ---------------------------------------------------------------------------------------------
+# the stage, on a synthetic run dir, with and without notebook 04's artifacts
+# ---------------------------------------------------------------------------------------------
+
+
+class _CountryReward:
+    """A stand-in reward model: P(MET) set by the country plus a little from the text length."""
+
+    def score(self, contexts, texts, batch_size=None):
+        base = {"KENYA": 0.3, "GHANA": 0.5, "PERU": 0.6, "CHILE": 0.7, "NEPAL": 0.4}
+        return np.array(
+            [base[c["country"]] + len(t) / 1000 for c, t in zip(contexts, texts, strict=True)]
+        )
+
+
+def _synthetic_run(tmp_path: Path, with_eval: bool) -> tuple[StudyConfig, RunDir]:
+    df = _synthetic_conditions()
+    run = RunDir(tmp_path / "run")
+    splits = make_splits(df, seed=3, temporal_cutoff_year=2010)
+    run.write_parquet("data/conditions.parquet", df)
+    run.write_json("data/splits.json", splits)
+    rng = np.random.default_rng(0)
+    for protocol in ("grouped", "temporal"):
+        te = df[df["row_id"].isin(splits[protocol]["test"])].copy()
+        te["p_encoder"] = np.clip(
+            0.5 + 0.3 * (te["y"].astype(float) - 0.5) + rng.normal(0, 0.2, len(te)), 0.01, 0.99
+        )
+        te["p_majority"] = 0.6
+        run.write_parquet(f"reward/predictions_{protocol}.parquet", te)
+    regions = _regions_file(
+        tmp_path, ["KENYA,AFR,a", "GHANA,AFR,a", "PERU,WHD,w", "CHILE,WHD,w", "NEPAL,APD,p"]
+    )
+    if with_eval:
+        rows = []
+        for pol in ["base", "ppo", "best_of_n", "history_met", "random_policy"]:
+            for prompt in range(6):
+                for k in range(2):
+                    words = (
+                        ["strengthen", "governance"] * (k + 1)
+                        if pol == "ppo"
+                        else ["tax", "reform", str(prompt), str(k)]
+                    )
+                    rows.append(
+                        {
+                            "policy": pol,
+                            "prompt_id": prompt,
+                            "sample_id": k,
+                            "country": ["KENYA", "GHANA"][prompt % 2],
+                            "arrangement_type": "SBA",
+                            "econ_descriptor": "1.1. Tax policy",
+                            "econ_area": "tax policy",
+                            "response": " ".join(words),
+                            "reward": 0.5 + 0.01 * len(words),
+                            "audit_reward": 0.5,
+                            "n_tokens": 24,
+                            "top_area": "tax policy" if pol != "ppo" else "central bank",
+                        }
+                    )
+        run.write_parquet("eval/samples.parquet", pd.DataFrame(rows))
+        run.write_parquet(
+            "eval/frontier.parquet",
+            pd.DataFrame(
+                {
+                    "algo": ["base", "ppo", "ppo"],
+                    "step": [0, 2, 4],
+                    "reward": [0.5, 0.55, 0.6],
+                    "audit_reward": [0.5, 0.5, 0.49],
+                    "kl": [0.0, 0.5, 1.0],
+                }
+            ),
+        )
+    cfg = StudyConfig.model_validate(
+        {
+            "run": {"name": "t", "seed": 3},
+            "data": {"path": str(tmp_path / "unused.csv")},
+            "reward": {"tfidf_min_df": 1},
+            "risk": {
+                "regions_path": str(regions),
+                "min_group_size": 5,
+                "swap_texts": 6,
+                "swap_generated": 4,
+                "swap_countries": 3,
+            },
+        }
+    )
+    return cfg, run
+
+
+@pytest.mark.parametrize("with_eval", [False, True])
+def test_run_risk_stage_writes_every_table_and_flags_what_is_missing(tmp_path, with_eval):
+    cfg, run = _synthetic_run(tmp_path, with_eval)
+    run.write_text("figures/risk_area_shares.png", "left by an earlier run")
+    stage = risk.run_risk_stage(cfg, run, reward_model=_CountryReward())
+    names = {
+        "risk_met_rate_by_year",
+        "risk_drift_by_year",
+        "risk_group_bias",
+        "risk_country_swap",
+        "risk_country_swap_by_country",
+        "risk_length_reward",
+        "risk_length_reward_bins",
+        "risk_rising_ngrams",
+        "risk_checkpoint_gains",
+        "risk_area_diversity",
+        "risk_area_shares",
+        "risk_label_variants",
+    }
+    assert set(stage.tables) == names
+    for name in names:
+        assert run.exists(f"tables/{name}.csv") and run.exists(f"tables/{name}.md")
+    summary = json.loads(run.path("risk/summary.json").read_text())
+    assert summary["drift"]["test_years"] == [2011, 2012, 2013, 2014]
+    assert set(summary["group_bias"]) >= {"overall", "region", "arrangement_type", "econ_area"}
+    # the stand-in reward reads the country: the swap must see it
+    assert summary["country_swap"]["by_source"][0]["mean_abs_delta"] > 0.05
+    for fig in ("risk_drift", "risk_group_bias", "risk_country_swap", "risk_label_variants"):
+        assert run.exists(f"figures/{fig}.png")
+    flagged = "notebook 04 did not run: eval/samples.parquet missing"
+    if not with_eval:
+        assert flagged in stage.notes and summary["notes"] == stage.notes
+        assert stage.tables["risk_area_diversity"].loc[0, "note"] == flagged
+        assert (
+            "eval/frontier.parquet missing" in stage.tables["risk_checkpoint_gains"].loc[0, "note"]
+        )
+        assert (
+            summary["diversity"] is None and summary["country_swap"]["generated_included"] is False
+        )
+        assert not run.exists("figures/risk_area_shares.png")  # no stale figure survives
+    else:
+        assert stage.notes == []
+        div = stage.tables["risk_area_diversity"].set_index("policy")
+        assert div.loc["ppo", "entropy"] == 0.0 and div.loc["ppo", "coverage"] == 0.0
+        assert div.loc["base", "kl_to_reference"] == pytest.approx(0.0, abs=1e-12)
+        assert stage.tables["risk_rising_ngrams"].loc[0, "ngram"] == "strengthen governance"
+        gains = stage.tables["risk_checkpoint_gains"]
+        assert gains["gap"].iloc[-1] == pytest.approx(0.11)
+        assert summary["country_swap"]["generated_included"] is True
+        lr = stage.tables["risk_length_reward"].set_index("policy")
+        assert lr.loc["ppo", "spearman"] == pytest.approx(1.0)  # reward grows with words here
+        assert run.exists("figures/risk_area_shares.png")
+
+
+def test_run_risk_stage_names_a_country_missing_from_the_regions_file(tmp_path):
+    cfg, run = _synthetic_run(tmp_path, with_eval=False)
+    cfg.risk.regions_path.write_text("country,region,region_name\nKENYA,AFR,a\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"regions\.csv.*\['CHILE', 'GHANA', 'NEPAL', 'PERU'\]"):
+        risk.run_risk_stage(cfg, run, reward_model=_CountryReward())
+
+
+# ---------------------------------------------------------------------------------------------
+# prose chosen from the results
+# ---------------------------------------------------------------------------------------------
+
+
+def _drift(first: float, last: float, train: float, test: float, mean_p: float) -> dict:
+    return {
+        "cutoff": 2010,
+        "met_rate_train_years": train,
+        "met_rate_test_years": test,
+        "test_years": [2011, 2012],
+        "n_test": 50,
+        "mean_p_test": mean_p,
+        "observed_met_test": test,
+        "accuracy_first_year": first,
+        "accuracy_last_year": last,
+        "first_year": 2011,
+        "last_year": 2012,
+        "accuracy_slope_per_year": last - first,
+        "years_beating_majority": 1,
+        "years_tying_majority": 0,
+    }
+
+
+def test_drift_sentences_follow_the_numbers():
+    down = risk.drift_text(_drift(0.7, 0.5, 0.65, 0.55, 0.62)).paragraph()
+    assert "accuracy falls from 70.0% in 2011 to 50.0% in 2012" in down
+    assert "the base rate fell by 10.0 percentage points" in down
+    assert "overstates the later MET rate by 7.0 points" in down
+    up = risk.drift_text(_drift(0.5, 0.7, 0.55, 0.65, 0.60)).paragraph()
+    assert "accuracy rises from 50.0%" in up and "base rate rose" in up
+    assert "understates the later MET rate by 5.0 points" in up
+    flat = risk.drift_text(_drift(0.6, 0.601, 0.6, 0.6, 0.6)).paragraph()
+    assert "stays roughly flat" in flat and "barely moved" in flat and "matches" in flat
+    assert "beats the always-the-training-majority rule in 1 of 2 test years." in down
+
+
+def test_missing_inputs_become_visible_notes():
+    note = "notebook 04 did not run: eval/samples.parquet missing"
+    f = risk.length_text(None, note=note)
+    assert f.markdown() == f"> ⚠ {note}"
+    assert f.paragraph() == f"Not measured in this run: {note}."
+    assert risk.gains_text(None).note == risk.missing_note("eval/frontier.parquet")
+    assert risk.drift_text(None).note is not None
+
+
+def test_gains_verdict_depends_on_the_audit():
+    row = {"algo": "ppo", "step": 9, "baseline": "base step 0"}
+    hacked = risk.gains_text([{**row, "reward_gain": 0.1, "audit_gain": -0.01, "gap": 0.11}])
+    assert "a sign of reward hacking" in hacked.paragraph()
+    followed = risk.gains_text([{**row, "reward_gain": 0.1, "audit_gain": 0.08, "gap": 0.02}])
+    assert "follows at least half" in followed.paragraph()
+    none = risk.gains_text([{**row, "reward_gain": -0.01, "audit_gain": 0.0, "gap": -0.01}])
+    assert "did not raise the training reward" in none.paragraph()
+
+
+@pytest.mark.parametrize("with_eval", [False, True])
+def test_report_content_reads_the_stage_artifacts(tmp_path, with_eval):
+    from rlxf_utils.artifacts import ArtifactMissing
+
+    cfg, run = _synthetic_run(tmp_path, with_eval)
+    with pytest.raises(ArtifactMissing, match="risk/summary.json.*notebook 05"):
+        risk.report_content(run)
+    risk.run_risk_stage(cfg, run, reward_model=_CountryReward())
+    variables, includes = risk.report_content(run)
+    assert set(includes) == set(risk.REPORT_TABLES)
+    for key in ("drift", "group_bias", "country_swap", "length_reward", "diversity", "notes"):
+        assert variables[key] and not re.search(r"\bnan\b", variables[key], re.IGNORECASE)
+    if with_eval:
+        assert variables["notes"] == "Every input was present."
+        assert "strengthen governance" in variables["rising_ngrams"]
+    else:
+        assert variables["diversity"].startswith(
+            "Not measured in this run: notebook 04 did not run"
+        )
+        assert "eval/samples.parquet missing" in includes["risk_area_diversity.md"]
