@@ -135,7 +135,7 @@ def test_smoke_study_renders_the_report(tmp_path: Path) -> None:
     ):
         assert heading in text, heading
     assert f"{summary['met']:,} MET and {summary['non_met']:,} Non-MET" in text
-    assert "Table 1" in text and "Figure 1" in text and "Equation (3)" in text
+    assert "Table 1" in text and "Figure 1" in text and "Equation 2" in text
 
     # the reward-metrics table, with the numbers of reward/metrics.json
     metrics = json.loads((run_dir / "reward/metrics.json").read_text())["metrics"]
