@@ -34,6 +34,7 @@ import torch
 from . import evaluation as ev
 from .artifacts import ArtifactMissing, RunDir
 from .models import build_prompts, display_country, generate, load_policy
+from .reward import _device
 from .rl import _CTX_KEYS, load_contexts
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,8 @@ class PolicySet:
     """The base policy with every trained adapter loaded beside it; one set of base weights."""
 
     def __init__(self, cfg: Any, run: RunDir, algos: Sequence[str]):
-        self.base, self.tok = load_policy(cfg.policy)
+        # the accelerator when there is one (paper profile: a 7B policy in bf16 on a GPU)
+        self.base, self.tok = load_policy(cfg.policy, device=_device(None))
         self.model: Any = self.base
         self.algos = list(algos)
         for algo in self.algos:
@@ -496,7 +498,7 @@ def run_evaluation_stage(cfg: Any, run: RunDir, progress: bool = True) -> EvalSt
     samples = pd.concat([gen, hist], ignore_index=True)
     index = ev.HistoricalIndex.load_or_build(
         run.path("eval/historical_index"), labelled["description"].astype(str).tolist(),
-        labelled["y"].to_numpy(), labelled["econ_area"].astype(str).tolist(), ev.minilm_encoder(),
+        labelled["y"].to_numpy(), labelled["econ_area"].astype(str).tolist(), ev.minilm_encoder(str(pset.base.device)),
     )  # fmt: skip
     samples[["grounded_met_rate", "max_sim", "novelty", "top_area"]] = _ground(
         index, samples, ec.grounding_k

@@ -66,7 +66,7 @@ def test_policy_set_switches_adapters_on_one_base(tmp_path, monkeypatch) -> None
     zeros = {k: torch.zeros_like(v) for k, v in get_peft_model_state_dict(peft).items()}
     save_file(zeros, str(run.path("policy/ppo/snapshots/step_000001/adapter_model.safetensors")))
 
-    monkeypatch.setattr(alignment, "load_policy", lambda cfg: _base())
+    monkeypatch.setattr(alignment, "load_policy", lambda cfg, device=None: _base())
     cfg = SimpleNamespace(policy=PolicyConfig())
     pset = alignment.PolicySet(cfg, run, ["ppo"])
     ref, _ = _base()
