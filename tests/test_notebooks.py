@@ -163,3 +163,19 @@ def test_smoke_study_renders_the_report(tmp_path: Path) -> None:
     hist = next(r for r in risk["country_swap"]["by_source"] if r["source"] == "historical")
     assert variables["risk"]["swap_mean_abs_delta"] == f"{hist['mean_abs_delta']:.4f}"
     assert f"by {hist['mean_abs_delta']:.4f} on average" in text
+
+    # GRPO and RLOO (TRL): one step each with this run's real reward model and embedded policy
+    import numpy as np
+
+    from rlxf_utils import rl
+    from rlxf_utils.config import load_config
+    from rlxf_utils.reward import load_reward
+
+    cfg = load_config(ROOT / "params/smoke.yaml")
+    reward_model, _ = load_reward(run_dir / "reward_model")
+    reward_fn = rl.make_reward_fn(reward_model)
+    for algo in ("grpo", "rloo"):
+        log = rl.run_algorithm(algo, cfg, run_dir, reward_fn, progress=False, steps=1)
+        assert len(log) == 1 and 0.0 < log["reward_mean"].iloc[0] < 1.0
+        assert np.isfinite(log["kl"].iloc[0])
+        assert (run_dir / f"policy/{algo}/adapter/adapter_model.safetensors").is_file()
