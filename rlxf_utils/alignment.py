@@ -279,25 +279,31 @@ def plot_gains(summary: pd.DataFrame) -> Any:
 
 
 def plot_frontier(frontier: pd.DataFrame) -> Any:
-    """Reward against KL to the reference: PPO snapshots along training and final policies."""
+    """Reward against KL to the reference: PPO snapshots along training and final policies.
+
+    Each algorithm's line starts at the base policy (step 0, KL 0); bars are 95% CIs over prompts,
+    so a rise smaller than them is not evidence of alignment.
+    """
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.5, 4))
-    for algo, g in frontier.groupby("algo", sort=False):
-        g = g.sort_values("step")
-        style = "-o" if len(g) > 1 else "s"
-        ax.plot(g["kl"], g["reward"], style, label=algo.upper() if algo != "base" else "base")
+    base = frontier[frontier["algo"] == "base"]
+    ax.plot(base["kl"], base["reward"], "ks", label="base")
+    for algo, g in frontier[frontier["algo"] != "base"].groupby("algo", sort=False):
+        g = pd.concat([base, g]).sort_values("step")
+        err = _ci_err(
+            g.fillna({"reward_low": g["reward"], "reward_high": g["reward"]}),
+            "reward",
+            "reward_low",
+            "reward_high",
+        )
+        ax.errorbar(g["kl"], g["reward"], yerr=err, fmt="-o", capsize=3, label=algo.upper())
         for r in g.itertuples():
-            if len(g) > 1:
-                ax.annotate(
-                    str(r.step),
-                    (r.kl, r.reward),
-                    fontsize=7,
-                    xytext=(3, 3),
-                    textcoords="offset points",
-                )
+            ax.annotate(
+                str(r.step), (r.kl, r.reward), fontsize=7, xytext=(4, 4), textcoords="offset points"
+            )
     ax.set(xlabel="KL(policy || reference), nats per response", ylabel="Ave(R) on held-out prompts")
-    ax.set_title("Reward-KL frontier (labels: PPO step)")
+    ax.set_title("Reward-KL frontier (labels: training step; bars: 95% CI)")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -511,13 +517,12 @@ def run_evaluation_stage(cfg: Any, run: RunDir, progress: bool = True) -> EvalSt
     samples["policy"] = samples["policy"].astype(str)
 
     summary, paired = summary_table(samples, algos, ec.best_of_n, ec.n_boot, ec.alpha, cfg.run.seed)
-    final = [{"algo": "base", "step": 0, "reward": summary.loc[summary.policy == "base", "ave_r"].item(),
-              "audit_reward": summary.loc[summary.policy == "base", "audit"].item(), "kl": 0.0, "source": "final"}]  # fmt: skip
-    for algo in algos:
+    final = []
+    for algo in ["base", *algos]:
         r = summary[summary.policy == algo].iloc[0]
-        final.append({"algo": algo, "step": rl.steps, "reward": r["ave_r"], "reward_low": r["ave_r_low"],
-                      "reward_high": r["ave_r_high"], "audit_reward": r["audit"], "kl": r["kl"],
-                      "kl_se": r["kl_se"], "source": "final"})  # fmt: skip
+        final.append({"algo": algo, "step": 0 if algo == "base" else rl.steps, "reward": r["ave_r"],
+                      "reward_low": r["ave_r_low"], "reward_high": r["ave_r_high"], "audit_reward": r["audit"],
+                      "kl": r["kl"], "kl_se": r["kl_se"], "source": "final"})  # fmt: skip
     snaps = (
         frontier_points(pset, run, prompts, contexts, reward_model, audit_model, cfg, progress)
         if ec.frontier and "ppo" in algos
