@@ -1589,6 +1589,12 @@ def report_content(run: Any, alpha: float = 0.05) -> tuple[dict[str, Any], dict[
         df = run.read_table(table, stage)
         if cols is not None and "note" not in df.columns:
             df = df[[c for c in cols if c in df.columns]]
+        # identifiers read as words, and may wrap in a narrow PDF column ('arrangement type')
+        text = [
+            c for c in df.columns if df[c].dtype == object or pd.api.types.is_string_dtype(df[c])
+        ]
+        df = df.assign(**{c: df[c].astype(str).str.replace("_", " ") for c in text})
+        df.columns = [str(c).replace("_", " ") for c in df.columns]
         includes[fname] = markdown_table(df)
     return variables, includes
 
