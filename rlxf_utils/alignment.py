@@ -115,6 +115,33 @@ class PolicySet:
         return "snapshot"
 
 
+def sampling_kwargs(cfg: Any, progress: bool = True) -> dict[str, Any]:
+    """The sampling settings every evaluated policy shares (those of RL, one seed)."""
+    rl = cfg.rl
+    return dict(max_new_tokens=rl.max_new_tokens, temperature=rl.temperature, top_p=rl.top_p,
+                postprocess=rl.response_postprocess, seed=cfg.run.seed,
+                batch_size=cfg.evaluation.batch_size, progress=progress)  # fmt: skip
+
+
+def sample_tuned(pset: PolicySet, name: str, prompts: Sequence[str], k: int, gen_kw: Mapping[str, Any],
+                 logprob_batch: int, desc: str) -> pd.DataFrame:  # fmt: skip
+    """k responses per prompt from adapter `name`, with their log-probs under it and the reference."""
+    with pset.use(name) as m:
+        df = generate(m, pset.tok, prompts, k, desc=desc, **gen_kw)
+        df["logp_policy"] = _logprobs(m, pset.tok, df, logprob_batch)
+    with pset.reference() as ref:
+        df["logp_ref"] = _logprobs(ref, pset.tok, df, logprob_batch)
+    return df
+
+
+def add_rewards(df: pd.DataFrame, contexts: Sequence[Mapping[str, Any]], reward_model: Any,
+                audit_model: Any, batch: int) -> pd.DataFrame:  # fmt: skip
+    """Columns `reward` and `audit_reward`: each response scored in its prompt's context."""
+    df["reward"] = _score(df, contexts, reward_model, batch)
+    df["audit_reward"] = _score(df, contexts, audit_model, batch)
+    return df
+
+
 # ---------------------------------------------------------------------------------------------
 # History references
 # ---------------------------------------------------------------------------------------------
@@ -388,20 +415,13 @@ def frontier_points(
         if step >= rl.steps:  # the final policy is measured with the full sample count already
             continue
         name = pset.load_snapshot("ppo", path)
-        with pset.use(name) as m:
-            df = generate(m, pset.tok, prompts, ec.frontier_samples_per_prompt, max_new_tokens=rl.max_new_tokens,
-                          temperature=rl.temperature, top_p=rl.top_p, postprocess=rl.response_postprocess,
-                          seed=cfg.run.seed, batch_size=ec.batch_size, desc=f"PPO step {step}", progress=progress)  # fmt: skip
-            lp = _logprobs(m, pset.tok, df, ec.logprob_batch_size)
-        with pset.reference() as ref:
-            lr = _logprobs(ref, pset.tok, df, ec.logprob_batch_size)
-        df["policy"] = "snapshot"
-        df["reward"] = _score(df, contexts, reward_model, rl.reward_batch_size)
-        df["audit_reward"] = _score(df, contexts, audit_model, rl.reward_batch_size)
+        df = sample_tuned(pset, name, prompts, ec.frontier_samples_per_prompt, sampling_kwargs(cfg, progress),
+                          ec.logprob_batch_size, desc=f"PPO step {step}")  # fmt: skip
+        add_rewards(df, contexts, reward_model, audit_model, rl.reward_batch_size)
         ave, lo, hi = ev.bootstrap_ci(
             df.groupby("prompt_id")["reward"].mean(), ec.n_boot, ec.alpha, cfg.run.seed
         )
-        kl = ev.kl_estimate(lp, lr, df["n_tokens"])
+        kl = ev.kl_estimate(df["logp_policy"], df["logp_ref"], df["n_tokens"])
         rows.append({"algo": "ppo", "step": step, "reward": ave, "reward_low": lo, "reward_high": hi,
                      "audit_reward": df["audit_reward"].mean(), "kl": kl["kl"], "kl_se": kl["kl_se"],
                      "source": "snapshot"})  # fmt: skip
@@ -429,9 +449,9 @@ def table3(pset: PolicySet, contexts: Sequence[Mapping[str, Any]], labelled: pd.
     rows = []
     for name in ["base", *pset.algos]:
         with pset.use(name) as m:
-            df = generate(m, pset.tok, prompts, 1, max_new_tokens=rl.max_new_tokens, temperature=rl.temperature,
-                          top_p=rl.top_p, postprocess=rl.response_postprocess, seed=cfg.run.seed,
-                          batch_size=ec.batch_size, desc=f"Table 3 {name}", progress=False)  # fmt: skip
+            df = generate(
+                m, pset.tok, prompts, 1, desc=f"Table 3 {name}", **sampling_kwargs(cfg, False)
+            )
         r = reward_model.score(ctx, df["response"].tolist(), batch_size=rl.reward_batch_size)
         a = audit_model.score(ctx, df["response"].tolist())
         for (c, sc), p, text, rr, aa in zip(items, prompts, df["response"], r, a, strict=True):
@@ -459,29 +479,19 @@ def run_evaluation_stage(cfg: Any, run: RunDir, progress: bool = True) -> EvalSt
     algos = list(rl.algorithm)
     pset = PolicySet(cfg, run, algos)
     prompts = build_prompts(contexts, pset.tok, rl.prompt_template, cfg.policy)
-    gen_kw = dict(max_new_tokens=rl.max_new_tokens, temperature=rl.temperature, top_p=rl.top_p,
-                  postprocess=rl.response_postprocess, seed=cfg.run.seed, batch_size=ec.batch_size,
-                  progress=progress)  # fmt: skip
+    gen_kw = sampling_kwargs(cfg, progress)
     k = ec.samples_per_prompt
-    frames = []
     # base: max(k, N) samples; the first k are `base`, the first N feed best-of-N
     with pset.use("base") as m:
         base = generate(m, pset.tok, prompts, max(k, ec.best_of_n), desc="base", **gen_kw)
         base["logp_ref"] = _logprobs(m, pset.tok, base, ec.logprob_batch_size)
     base["logp_policy"] = base["logp_ref"]
-    base["policy"] = "base"
-    frames.append(base)
+    frames = [base.assign(policy="base")]
     for algo in algos:
-        with pset.use(algo) as m:
-            df = generate(m, pset.tok, prompts, k, desc=algo, **gen_kw)
-            df["logp_policy"] = _logprobs(m, pset.tok, df, ec.logprob_batch_size)
-        with pset.reference() as ref:
-            df["logp_ref"] = _logprobs(ref, pset.tok, df, ec.logprob_batch_size)
-        df["policy"] = algo
-        frames.append(df)
-    gen = pd.concat(frames, ignore_index=True)
-    gen["reward"] = _score(gen, contexts, reward_model, rl.reward_batch_size)
-    gen["audit_reward"] = _score(gen, contexts, audit_model, rl.reward_batch_size)
+        df = sample_tuned(pset, algo, prompts, k, gen_kw, ec.logprob_batch_size, desc=algo)
+        frames.append(df.assign(policy=algo))
+    gen = add_rewards(pd.concat(frames, ignore_index=True), contexts, reward_model, audit_model,
+                      rl.reward_batch_size)  # fmt: skip
     pool = gen[(gen["policy"] == "base") & (gen["sample_id"] < ec.best_of_n)]
     best = ev.best_of_n_frame(pool, "reward", ("prompt_id",)).assign(
         policy="best_of_n", sample_id=0
@@ -498,8 +508,7 @@ def run_evaluation_stage(cfg: Any, run: RunDir, progress: bool = True) -> EvalSt
             batch_size=ec.logprob_batch_size, append_eos=True, padding_side="left",
         )  # fmt: skip
     hist["logp_ref"], hist["n_tokens"], hist["logp_policy"] = lp, n_tok, np.nan
-    hist["reward"] = _score(hist, contexts, reward_model, rl.reward_batch_size)
-    hist["audit_reward"] = _score(hist, contexts, audit_model, rl.reward_batch_size)
+    add_rewards(hist, contexts, reward_model, audit_model, rl.reward_batch_size)
 
     samples = pd.concat([gen, hist], ignore_index=True)
     index = ev.HistoricalIndex.load_or_build(

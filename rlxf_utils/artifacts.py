@@ -155,6 +155,21 @@ class RunDir:
         return pd.read_csv(self.require(f"tables/{name}.csv", stage))
 
 
+def is_present(x: Any) -> bool:
+    """Not None and not a float NaN (a value a sentence can quote)."""
+    return x is not None and not (isinstance(x, float) and math.isnan(x))
+
+
+def fmt_num(x: Any, digits: int = 3) -> str:
+    """A number for prose: fixed `digits`, or 'n/a' when missing."""
+    return f"{x:.{digits}f}" if is_present(x) else "n/a"
+
+
+def fmt_pct(x: Any, digits: int = 1) -> str:
+    """A share as a percentage for prose, or 'n/a' when missing."""
+    return f"{100 * x:.{digits}f}%" if is_present(x) else "n/a"
+
+
 def _fmt_cell(v: Any, floatfmt: str) -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)) or v is pd.NA:
         return ""

@@ -9,12 +9,11 @@ depends on a result, e.g. whether a test rejected) and compact markdown tables w
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import pandas as pd
 
-from .artifacts import RunDir, markdown_table
+from .artifacts import RunDir, fmt_num, fmt_pct, is_present, markdown_table
 from .models import display_country
 
 __all__ = ["SECTIONS", "eval_section", "reward_section", "risk_section", "rl_section"]
@@ -22,12 +21,8 @@ __all__ = ["SECTIONS", "eval_section", "reward_section", "risk_section", "rl_sec
 PAPER_CLAIM = 0.82  # the paper's reported accuracy / precision / recall / F1 ("surpassing 82%")
 
 
-def f3(x: float) -> str:
-    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.3f}"
-
-
-def pct(x: float) -> str:
-    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.1f}%"
+f3 = fmt_num  # three decimals, 'n/a' when missing
+pct = fmt_pct
 
 
 def ci(mid: float, low: float, high: float) -> str:
@@ -35,13 +30,9 @@ def ci(mid: float, low: float, high: float) -> str:
 
 
 def pval(p: float) -> str:
-    if p is None or (isinstance(p, float) and math.isnan(p)):
+    if not is_present(p):
         return "n/a"
     return "<0.001" if p < 0.001 else f"{p:.3f}"
-
-
-def _table(run: RunDir, name: str, stage: str) -> pd.DataFrame:
-    return pd.read_csv(run.require(f"tables/{name}.csv", stage))
 
 
 def _short(text: Any, n: int = 160) -> str:
@@ -157,8 +148,8 @@ def reward_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
 # ---------------------------------------------------------------------------------------------
 def rl_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
     stage = "notebook 03_ppo_finetuning"
-    summ = _table(run, "rl_summary", stage)
-    samples = _table(run, "rl_samples_before_after", stage)
+    summ = run.read_table("rl_summary", stage)
+    samples = run.read_table("rl_samples_before_after", stage)
     rl, pol = params["rl"], params["policy"]
     settings = pd.DataFrame(
         [
@@ -208,8 +199,8 @@ def eval_section(run: RunDir, alpha: float = 0.05) -> tuple[dict[str, Any], dict
     stage = "notebook 04_evaluation"
     meta = run.read_json("eval/summary.json", stage=stage)
     s = pd.DataFrame(meta["summary"]).set_index("policy")
-    paired = _table(run, "eval_paired", stage)
-    t3 = _table(run, "eval_table3", stage)
+    paired = run.read_table("eval_paired", stage)
+    t3 = run.read_table("eval_table3", stage)
     algos = meta["algorithms"]
 
     def gain_cell(r: pd.Series, col: str) -> str:

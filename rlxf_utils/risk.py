@@ -40,6 +40,9 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
+from .artifacts import fmt_num as _num
+from .artifacts import fmt_pct as _pct
+from .artifacts import is_present as _ok
 from .evaluation import area_distribution, distinct_n, entropy, kl_divergence, tokenize
 from .prompts import CONTEXT_FIELDS, econ_area
 
@@ -1206,18 +1209,6 @@ def plot_label_variants(scores: pd.DataFrame, table: pd.DataFrame) -> Any:
 # ---------------------------------------------------------------------------------------------
 # prose: sentences chosen from the results (shared by notebook 05 and the report)
 # ---------------------------------------------------------------------------------------------
-
-
-def _ok(x: Any) -> bool:
-    return x is not None and not (isinstance(x, float) and math.isnan(x))
-
-
-def _pct(x: Any, digits: int = 1) -> str:
-    return f"{100 * x:.{digits}f}%" if _ok(x) else "n/a"
-
-
-def _num(x: Any, digits: int = 3) -> str:
-    return f"{x:.{digits}f}" if _ok(x) else "n/a"
 
 
 def direction(
