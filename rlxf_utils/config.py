@@ -24,6 +24,7 @@ __all__ = [
     "RewardConfig",
     "RiskConfig",
     "RunConfig",
+    "SFTConfig",
     "SplitConfig",
     "StudyConfig",
     "load_config",
@@ -110,15 +111,48 @@ class PolicyConfig(Section):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     use_chat_template: bool = True
     system_prompt: str | None = None
+    # mixed precision for SFT, RL and evaluation: 'bfloat16' runs matmuls under torch.autocast
+    # (CPUs with avx512_bf16 and GPUs); null keeps everything in `dtype`
+    autocast: Literal["bfloat16"] | None = None
     lora: LoraSettings = Field(default_factory=LoraSettings)
 
 
+class SFTConfig(Section):
+    """Domain fine-tuning before RL: (prompt built from a context -> its historical description).
+
+    Only rows the RL stage may see: the reward protocol's training split (never its validation or
+    test rows) of countries whose contexts are RL training contexts. `sft` learns from every
+    outcome (the start of RL and its KL reference); `sft_met` from MET rows only (supervised
+    learning from experience: the baseline RL must beat).
+    """
+
+    enabled: bool = True
+    max_examples: int | None = Field(default=1200, gt=0)  # all outcomes (null: every eligible row)
+    max_examples_met: int | None = Field(default=1200, gt=0)  # MET rows only (null: all)
+    max_response_tokens: int = Field(default=64, gt=0)  # longer descriptions are left out
+    epochs: float = Field(default=1.0, gt=0)
+    batch_size: int = Field(default=16, gt=0)
+    learning_rate: float = Field(default=5e-4, gt=0.0)
+    warmup_ratio: float = Field(default=0.05, ge=0.0, lt=1.0)
+    weight_decay: float = Field(default=0.0, ge=0.0)
+    max_grad_norm: float = Field(default=1.0, gt=0.0)
+    heldout_max_rows: int | None = Field(default=400, gt=0)  # held-out descriptions for perplexity
+    num_threads: int | None = Field(default=None, gt=0)
+
+
 class RLConfig(Section):
-    """RL fine-tuning of the policy against the reward model: PPO (ours), GRPO and RLOO (TRL)."""
+    """RL fine-tuning of the policy against the reward model: PPO (ours), GRPO and RLOO (TRL).
+
+    Like for like: every algorithm starts from `start_policy`, sees the same prompts in the same
+    order (`batch_size / num_generations` prompts per step, `num_generations` responses each),
+    takes `update_epochs x batch_size / minibatch_size` optimiser steps per batch, and runs the
+    same number of steps with the same sampling settings.
+    """
 
     algorithm: list[Literal["ppo", "grpo", "rloo"]] = Field(
         default_factory=lambda: ["ppo"], min_length=1
     )
+    start_policy: Literal["sft", "base"] = "sft"  # the policy RL starts from and its KL reference
     prompt_template: str = (
         "Given the economic indicators and historical performance of {country}, what would be an "
         "appropriate policy proposal under the {arrangement_type} for achieving {econ_area}? "
@@ -127,28 +161,30 @@ class RLConfig(Section):
     max_prompts: int | None = Field(default=None, gt=0)
     response_postprocess: Literal["none", "strip_boilerplate"] = "strip_boilerplate"
     steps: int = Field(default=20, gt=0)
-    batch_size: int = Field(default=8, gt=0)
+    batch_size: int = Field(default=8, gt=0)  # responses per step, all algorithms
+    num_generations: int = Field(default=4, ge=1)  # responses per prompt, all algorithms
     max_new_tokens: int = Field(default=48, gt=0)
     temperature: float = Field(default=1.0, gt=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     learning_rate: float = Field(default=1e-4, gt=0.0)
-    kl_coef: float = Field(default=0.05, ge=0.0)
-    adaptive_kl: bool = True
-    target_kl: float = Field(default=6.0, gt=0.0)
-    kl_horizon: int = Field(default=10000, gt=0)
+    kl_coef: float = Field(default=0.05, ge=0.0)  # initial beta (PPO), beta (GRPO, RLOO)
+    adaptive_kl: bool = True  # PPO: Ziegler et al.'s proportional controller towards target_kl
+    target_kl: float = Field(default=6.0, gt=0.0)  # nats per response
+    kl_adapt_rate: float = Field(default=0.1, gt=0.0, le=1.0)  # K_beta: beta *= 1 + K_beta * e_t
     gamma: float = Field(default=1.0, ge=0.0, le=1.0)
     lam: float = Field(default=0.95, ge=0.0, le=1.0)
-    ppo_epochs: int = Field(default=4, gt=0)
-    minibatch_size: int = Field(default=4, gt=0)
+    update_epochs: int = Field(default=2, gt=0)  # passes over each batch (TRL: num_iterations)
+    minibatch_size: int = Field(default=4, gt=0)  # responses per optimiser step
     clip_range: float = Field(default=0.2, gt=0.0)
-    clip_range_value: float = Field(default=0.2, gt=0.0)
-    vf_coef: float = Field(default=0.1, ge=0.0)
+    clip_range_value: float | None = Field(default=None, gt=0.0)  # null: no value clipping
+    vf_coef: float = Field(default=0.5, ge=0.0)
+    value_learning_rate: float | None = Field(default=None, gt=0.0)  # null: learning_rate
+    value_warmup_steps: int = Field(default=0, ge=0)  # first steps train the critic only
     max_grad_norm: float = Field(default=1.0, gt=0.0)
     whiten_advantages: bool = True
     approx_kl_stop: float | None = Field(default=0.1, gt=0.0)
-    num_generations: int = Field(default=4, ge=2)
     sample_every: int = Field(default=5, gt=0)
-    checkpoint_every: int = Field(default=10, gt=0)
+    checkpoint_every: int = Field(default=10, gt=0)  # also the snapshot interval (the frontier)
     reward_batch_size: int = Field(default=32, gt=0)
     gradient_checkpointing: bool = False
     num_threads: int | None = Field(default=None, gt=0)
@@ -167,9 +203,28 @@ class RLConfig(Section):
         if self.batch_size % self.num_generations:
             raise ValueError(
                 f"batch_size ({self.batch_size}) must be a multiple of num_generations "
-                f"({self.num_generations}) for GRPO/RLOO groups"
+                f"({self.num_generations}): every prompt gets num_generations responses"
+            )
+        if ("grpo" in self.algorithm or "rloo" in self.algorithm) and self.num_generations < 2:
+            raise ValueError("GRPO and RLOO need num_generations >= 2 (a group per prompt)")
+        if self.minibatch_size % self.num_generations and (
+            "grpo" in self.algorithm or "rloo" in self.algorithm
+        ):
+            raise ValueError(
+                f"minibatch_size ({self.minibatch_size}) must be a multiple of num_generations "
+                f"({self.num_generations}) so TRL's minibatches hold whole groups"
             )
         return self
+
+    @property
+    def prompts_per_step(self) -> int:
+        """Distinct prompts per step (each answered `num_generations` times)."""
+        return self.batch_size // self.num_generations
+
+    @property
+    def optimizer_steps_per_batch(self) -> int:
+        """Gradient updates taken on each batch of responses (every algorithm)."""
+        return self.update_epochs * (self.batch_size // self.minibatch_size)
 
 
 class RewardConfig(Section):
@@ -292,6 +347,7 @@ class StudyConfig(Section):
     data: DataConfig
     reward: RewardConfig = Field(default_factory=RewardConfig)
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    sft: SFTConfig = Field(default_factory=SFTConfig)
     rl: RLConfig = Field(default_factory=RLConfig)
     evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
     risk: RiskConfig = Field(default_factory=RiskConfig)
@@ -300,6 +356,12 @@ class StudyConfig(Section):
     def resolved(self) -> dict[str, Any]:
         """Plain-JSON form of every parameter, defaults filled in (for the manifest)."""
         return self.model_dump(mode="json")
+
+    @model_validator(mode="after")
+    def _start_exists(self) -> StudyConfig:
+        if self.rl.start_policy == "sft" and not self.sft.enabled:
+            raise ValueError("rl.start_policy is 'sft' but sft.enabled is false")
+        return self
 
 
 def _loc(loc: tuple[Any, ...]) -> str:

@@ -353,8 +353,12 @@ def text_table(
 # ---------------------------------------------------------------------------------------------
 
 
-def _as_ids(tokenizer: Any, item: str | Sequence[int], add_special_tokens: bool) -> list[int]:
+def _as_ids(tokenizer: Any, item: str | Sequence[int], add_special_tokens: bool | None) -> list[int]:
     if isinstance(item, str):
+        if add_special_tokens is None:  # a prompt: tokenised exactly as the policy saw it
+            from .models import encode_prompts
+
+            return list(encode_prompts(tokenizer, [item])["input_ids"][0])
         return list(tokenizer(item, add_special_tokens=add_special_tokens)["input_ids"])
     return [int(i) for i in item]
 
@@ -365,14 +369,14 @@ def sequence_logprobs(
     prompts: Sequence[str | Sequence[int]],
     responses: Sequence[str | Sequence[int]],
     batch_size: int = 8,
-    add_special_tokens: bool = True,
+    add_special_tokens: bool | None = None,
     append_eos: bool = False,
     padding_side: str | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Sum of log p(response token | prompt, earlier tokens) per pair, and response token counts.
 
-    Prompts and responses are strings (tokenised here: the prompt with `add_special_tokens`,
-    the response without) or token-id lists (used as is, e.g. the ids the policy generated;
+    Prompts and responses are strings (tokenised here: the prompt as `models.encode_prompts`
+    does unless `add_special_tokens` says otherwise, the response without) or token-id lists (used as is, e.g. the ids the policy generated;
     this avoids re-tokenisation drift at the boundary). Prompts must be exactly what the
     model was conditioned on (chat template applied). One forward pass per batch; prompt and
     padding positions are masked; position ids follow the attention mask so left and right

@@ -34,13 +34,17 @@ __all__ = [
     "EMBEDDED_GGUF_FILE",
     "EMBEDDED_NAME",
     "apply_lora",
+    "autocast",
     "build_prompts",
+    "encode_prompts",
     "cache_root",
     "embedded_gguf_dir",
     "embedded_policy_dir",
     "format_prompt",
     "load_policy",
     "load_policy_with_adapter",
+    "load_start_policy",
+    "merge_adapter",
     "lora_config",
     "postprocess_response",
     "resolve_policy_source",
@@ -206,6 +210,31 @@ def build_prompts(
     ]
 
 
+def encode_prompts(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str], **kwargs: Any) -> Any:
+    """Token ids of formatted prompts, identical in SFT, PPO, TRL and evaluation.
+
+    A chat template already writes every special token (LLaMA-2's emits BOS itself), so a prompt
+    that starts with the BOS text is tokenised with `add_special_tokens=False`: no doubled BOS. A
+    plain-text prompt gets the tokenizer's usual special tokens.
+    """
+    bos = getattr(tokenizer, "bos_token", None)
+    templated = [bool(bos) and p.startswith(bos) for p in prompts]
+    if len(set(templated)) > 1:
+        raise ValueError("prompts mix templated and plain text; format them all the same way")
+    add = not (templated[0] if templated else False)
+    return tokenizer(list(prompts), add_special_tokens=add, **kwargs)
+
+
+def autocast(dtype: str | None, device: str | torch.device = "cpu") -> Any:
+    """torch.autocast for `policy.autocast` ('bfloat16') on `device`; a no-op context for None."""
+    import contextlib
+
+    if dtype is None:
+        return contextlib.nullcontext()
+    kind = torch.device(device).type
+    return torch.autocast(device_type=kind, dtype=_DTYPES[dtype])
+
+
 _SPECIAL = re.compile(r"<\|[^|>]{1,40}\|>|</?s>")
 _ROLE_PREFIX = re.compile(r"^\s*(assistant|answer|proposed condition|condition)\s*[:\-]\s*", re.I)
 
@@ -241,6 +270,40 @@ def load_policy_with_adapter(
     model = PeftModel.from_pretrained(model, str(adapter_dir))
     model.eval()
     return model, tok
+
+
+def merge_adapter(model: PreTrainedModel, adapter_dir: str | Path) -> PreTrainedModel:
+    """`model` with a LoRA adapter folded into its weights (a plain model again, ready for a new LoRA)."""
+    from peft import PeftModel
+
+    adapter_dir = Path(adapter_dir)
+    if not (adapter_dir / "adapter_config.json").is_file():
+        raise FileNotFoundError(
+            f"{adapter_dir}: no adapter_config.json; expected a LoRA adapter written by notebook 03"
+        )
+    return PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
+
+
+def load_start_policy(
+    policy: PolicyConfig,
+    start: str,
+    run_dir: str | Path,
+    device: str | torch.device | None = None,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The policy RL starts from: the base model, or the base with the `sft` adapter merged in.
+
+    With adapters disabled, the RL policy built on it is exactly this model: the KL reference.
+    """
+    model, tok = load_policy(policy, device)
+    if start == "base":
+        return model, tok
+    adapter = Path(run_dir) / "policy" / start / "adapter"
+    if not adapter.is_dir():
+        raise FileNotFoundError(
+            f"{adapter}: the '{start}' policy RL starts from is missing; run the SFT stage of "
+            "notebook 03 first"
+        )
+    return merge_adapter(model, adapter), tok
 
 
 def eos_ids(model: Any, tokenizer: Any) -> set[int]:
@@ -280,7 +343,8 @@ def generate(
     """k sampled responses per prompt, batched with left padding and the KV cache.
 
     Rows: prompt_id, sample_id, prompt_ids, response_ids (trimmed after the first end token),
-    raw (decoded), response (post-processed, what the reward model scores), n_tokens.
+    raw (decoded), response (post-processed, what the reward model scores), n_tokens, finished
+    (the response ended with an end token before `max_new_tokens`).
     """
     from tqdm.auto import tqdm
 
@@ -293,9 +357,9 @@ def generate(
     starts = range(0, len(items), batch_size)
     for start in tqdm(starts, desc=desc, disable=not progress, leave=False):
         batch = items[start : start + batch_size]
-        enc = tokenizer([prompts[i] for i, _ in batch], return_tensors="pt", padding=True).to(
-            device
-        )
+        enc = encode_prompts(
+            tokenizer, [prompts[i] for i, _ in batch], return_tensors="pt", padding=True
+        ).to(device)
         out = model.generate(
             **enc,
             do_sample=True,
@@ -320,6 +384,7 @@ def generate(
                     "raw": raw,
                     "response": postprocess_response(raw, postprocess),
                     "n_tokens": len(resp),
+                    "finished": bool(resp) and resp[-1] in stop,
                 }
             )
     return pd.DataFrame(rows)

@@ -2,16 +2,22 @@
 
 One readable file in the CleanRL spirit: every implementation detail is named and commented once.
 
-    rollout   sample a response per prompt (temperature, top-p, max new tokens; left padding, KV cache)
+    prompts   a schedule shared with GRPO/RLOO (`prompt_schedule`): the same prompts at every step
+    rollout   sample `num_generations` responses per prompt (temperature, top-p, max new tokens; left
+              padding, KV cache; the same end tokens as evaluation, `models.eos_ids`)
     score     reward model on (context, post-processed response) -> one scalar per response
     forward   one no-grad pass of the policy gives log-probs, entropy and values (value head on the
               policy's last hidden states); one pass with the LoRA adapters disabled gives the
               reference log-probs (the frozen starting policy, no second copy of the weights)
     reward    per-token  r_t = -beta * (log pi(a_t) - log pi_ref(a_t)),  plus the score on the last token
+    critic    a value head on the policy's last hidden states (detached: the critic does not move the
+              policy), zero weights and its bias at the first batch's mean score, so it starts on the
+              reward's scale; optional critic-only warm-up steps
     GAE       advantages and returns (gamma, lambda), advantages whitened over the batch
     update    several epochs of shuffled minibatches: clipped surrogate + clipped value loss,
               gradient clipping, early stop when the approximate KL to the rollout policy is too big
-    beta      adaptive KL controller (target KL, horizon) or a fixed coefficient
+    beta      adaptive KL controller (Ziegler et al.: beta *= 1 + K_beta * clip(KL / target - 1, +-0.2),
+              K_beta = 0.1 per step) or a fixed coefficient
 
 Device placement goes through `accelerate`, so the same code runs on CPU, one GPU or several GPUs
 (`accelerate launch`). Checkpoints hold everything needed for an exact resume on CPU.
@@ -41,7 +47,7 @@ from tqdm.auto import tqdm
 
 from rlxf_utils.artifacts import atomic_path, to_jsonable
 from rlxf_utils.config import RLConfig
-from rlxf_utils.models import postprocess_response
+from rlxf_utils.models import autocast, encode_prompts, eos_ids, postprocess_response
 
 __all__ = [
     "LOG_COLUMNS",
@@ -58,6 +64,7 @@ __all__ = [
     "masked_mean",
     "masked_var",
     "policy_loss",
+    "prompt_schedule",
     "value_loss",
     "whiten",
 ]
@@ -77,6 +84,7 @@ LOG_COLUMNS: tuple[str, ...] = (
     "kl_per_token",
     "kl_coef",
     "entropy",
+    "value_mean",
     "clip_frac",
     "approx_kl",
     "policy_loss",
@@ -183,9 +191,14 @@ def value_loss(
     old_values: torch.Tensor,
     returns: torch.Tensor,
     mask: torch.Tensor,
-    clip_range_value: float,
+    clip_range_value: float | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Clipped value loss 0.5 * max((V - R)^2, (V_clipped - R)^2) and its clip fraction."""
+    """Clipped value loss 0.5 * max((V - R)^2, (V_clipped - R)^2) and its clip fraction.
+
+    `clip_range_value=None`: the plain squared error (no clipping, clip fraction 0).
+    """
+    if clip_range_value is None:
+        return 0.5 * masked_mean((values - returns) ** 2, mask), torch.zeros(())
     v_clipped = old_values + (values - old_values).clamp(-clip_range_value, clip_range_value)
     loss_unclipped = (values - returns) ** 2
     loss_clipped = (v_clipped - returns) ** 2
@@ -207,18 +220,23 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
 # KL coefficient controllers
 # ---------------------------------------------------------------------------------------------
 class AdaptiveKLController:
-    """Ziegler et al. (2019) adaptive beta: proportional control of the KL towards `target`."""
+    """Ziegler et al. (2019) adaptive beta: proportional control of the KL towards `target`.
 
-    def __init__(self, init: float, target: float, horizon: int):
-        self.value, self.target, self.horizon = float(init), float(target), int(horizon)
+    beta_{t+1} = beta_t (1 + K_beta e_t), e_t = clip(KL_t / target - 1, -0.2, 0.2), once per step:
+    with K_beta = 0.1, beta moves by up to 2% a step whatever the batch size (the original
+    horizon form, K_beta = batch / horizon, barely moves at a few responses per step).
+    """
 
-    def update(self, current_kl: float, n_steps: int) -> None:
+    def __init__(self, init: float, target: float, rate: float = 0.1):
+        self.value, self.target, self.rate = float(init), float(target), float(rate)
+
+    def update(self, current_kl: float, n_steps: int = 1) -> None:
         """Raise beta when KL is above target, lower it when below (error clipped to +-20%)."""
         error = float(np.clip(current_kl / self.target - 1.0, -0.2, 0.2))
-        self.value *= 1.0 + error * n_steps / self.horizon
+        self.value *= 1.0 + self.rate * error
 
     def state_dict(self) -> dict[str, float]:
-        return {"value": self.value, "target": self.target, "horizon": self.horizon}
+        return {"value": self.value, "target": self.target, "rate": self.rate}
 
     def load_state_dict(self, state: Mapping[str, float]) -> None:
         self.value = float(state["value"])
@@ -244,16 +262,22 @@ class FixedKLController:
 # Policy + value head
 # ---------------------------------------------------------------------------------------------
 class ValueHead(nn.Module):
-    """Scalar value V(s_t) from the policy's last hidden state at each position."""
+    """Scalar value V(s_t) from the policy's last hidden state at each position.
+
+    Zero weights: every state starts at the bias, which the trainer sets to the first batch's mean
+    score, so the critic starts on the reward's scale instead of at random on the hidden states'
+    scale. The hidden states are detached: the critic reads the policy's features, and its
+    loss never moves the policy.
+    """
 
     def __init__(self, hidden_size: int):
         super().__init__()
         self.summary = nn.Linear(hidden_size, 1)
-        nn.init.normal_(self.summary.weight, std=1.0 / math.sqrt(hidden_size + 1))
+        nn.init.zeros_(self.summary.weight)
         nn.init.zeros_(self.summary.bias)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.summary(hidden.float()).squeeze(-1)
+        return self.summary(hidden.detach().float()).squeeze(-1)
 
 
 class PolicyWithValue(nn.Module):
@@ -303,6 +327,25 @@ class Rollout:
     gen_time: float
 
 
+def prompt_schedule(n_prompts: int, steps: int, per_step: int, seed: int) -> list[list[int]]:
+    """Prompt indices for each step: passes over shuffled prompts (a new permutation per pass).
+
+    Shared by PPO and the TRL runs (whose dataset is laid out in this order, unshuffled), so
+    every algorithm sees the same prompts at the same step.
+    """
+    rng = np.random.default_rng(seed)
+    order: list[int] = []
+    out = []
+    for _ in range(steps):
+        idx = []
+        while len(idx) < per_step:
+            if not order:
+                order = rng.permutation(n_prompts).tolist()
+            idx.append(order.pop(0))
+        out.append(idx)
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # Trainer
 # ---------------------------------------------------------------------------------------------
@@ -328,6 +371,7 @@ class PPOTrainer:
         accelerator: Any = None,
         n_samples: int = 4,
         generation_kwargs: Mapping[str, Any] | None = None,
+        autocast_dtype: str | None = None,
     ):
         from accelerate import Accelerator
 
@@ -344,20 +388,31 @@ class PPOTrainer:
         self.output_dir = Path(output_dir)
         self.seed, self.n_samples = seed, n_samples
         self.generation_kwargs = dict(generation_kwargs or {})  # extra generate() args (benchmarks)
+        self.autocast_dtype = autocast_dtype  # 'bfloat16': matmuls in bf16 (rollout and update)
         self.accelerator = accelerator or Accelerator()
         rank_seed = seed + self.accelerator.process_index  # each process samples its own prompts
         _seed_everything(rank_seed)
-        self.np_rng = np.random.default_rng(rank_seed)  # prompt sampling
+        self.np_rng = np.random.default_rng(rank_seed)  # kept for checkpoint compatibility
+        self.stop_ids = sorted(eos_ids(model, tokenizer))  # the end tokens evaluation uses
         if cfg.gradient_checkpointing:  # recompute activations in the update: memory for time
             model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False}
             )
         self.gen = PolicyWithValue(model)
-        params = [p for p in self.gen.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, eps=1e-5)
+        policy_params = [p for p in self.gen.policy.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            [
+                {"params": policy_params, "lr": cfg.learning_rate},
+                {
+                    "params": list(self.gen.value_head.parameters()),
+                    "lr": cfg.value_learning_rate or cfg.learning_rate,
+                },
+            ],
+            eps=1e-5,
+        )
         self.module, self.optimizer = self.accelerator.prepare(self.gen, self.optimizer)
         self.kl_ctl: AdaptiveKLController | FixedKLController = (
-            AdaptiveKLController(cfg.kl_coef, cfg.target_kl, cfg.kl_horizon)
+            AdaptiveKLController(cfg.kl_coef, cfg.target_kl, cfg.kl_adapt_rate)
             if cfg.adaptive_kl
             else FixedKLController(cfg.kl_coef)
         )
@@ -365,6 +420,8 @@ class PPOTrainer:
         self.history: list[dict[str, Any]] = []
         self.samples: list[dict[str, Any]] = []
         self._order: list[int] = []
+        self.value_initialised = False
+        self.schedule: list[list[int]] | None = None  # set by train(): prompts per step
 
     # -- helpers -------------------------------------------------------------------------------
     @property
@@ -375,43 +432,47 @@ class PPOTrainer:
     def unwrapped(self) -> PolicyWithValue:
         return self.accelerator.unwrap_model(self.module)
 
+    def _autocast(self) -> Any:
+        return autocast(self.autocast_dtype, self.device)
+
     def _next_batch(self) -> list[int]:
-        """Prompt indices for one step: passes over shuffled training contexts (epoch sampling)."""
-        idx: list[int] = []
-        while len(idx) < self.cfg.batch_size:
-            if not self._order:
-                self._order = self.np_rng.permutation(len(self.prompts)).tolist()
-            idx.append(self._order.pop())
-        return idx
+        """Prompt indices for this step (`prompt_schedule`), each repeated `num_generations` times."""
+        cfg = self.cfg
+        if self.schedule is None or self.step >= len(self.schedule):
+            self.schedule = prompt_schedule(
+                len(self.prompts), max(cfg.steps, self.step + 1), cfg.prompts_per_step, self.seed
+            )
+        return [i for i in self.schedule[self.step] for _ in range(cfg.num_generations)]
 
     # -- phase 1: rollout ----------------------------------------------------------------------
     @torch.no_grad()
     def rollout(self, idx: Sequence[int]) -> Rollout:
-        """Sample one response per prompt and score it with the reward function."""
+        """Sample one response per entry of `idx` and score it with the reward function."""
         cfg, tok = self.cfg, self.tokenizer
-        enc = tok([self.prompts[i] for i in idx], return_tensors="pt", padding=True)
+        enc = encode_prompts(tok, [self.prompts[i] for i in idx], return_tensors="pt", padding=True)
         enc = {k: v.to(self.device) for k, v in enc.items()}
         policy = self.unwrapped.policy
         policy.eval()  # no dropout while sampling and scoring
         t0 = time.perf_counter()
-        out = policy.generate(
-            input_ids=enc["input_ids"],
-            attention_mask=enc["attention_mask"],
-            do_sample=True,
-            temperature=cfg.temperature,
-            top_p=cfg.top_p,
-            top_k=0,
-            max_new_tokens=cfg.max_new_tokens,
-            pad_token_id=tok.pad_token_id,
-            eos_token_id=tok.eos_token_id,
-            use_cache=True,  # KV cache: each new token attends to cached keys/values
-            **self.generation_kwargs,
-        )
+        with self._autocast():
+            out = policy.generate(
+                input_ids=enc["input_ids"],
+                attention_mask=enc["attention_mask"],
+                do_sample=True,
+                temperature=cfg.temperature,
+                top_p=cfg.top_p,
+                top_k=0,
+                max_new_tokens=cfg.max_new_tokens,
+                pad_token_id=tok.pad_token_id,
+                eos_token_id=self.stop_ids,
+                use_cache=True,  # KV cache: each new token attends to cached keys/values
+                **self.generation_kwargs,
+            )
         gen_time = time.perf_counter() - t0
         P = enc["input_ids"].shape[1]
         response = out[:, P:]
-        # Response mask: tokens up to and including the first EOS (pad may equal EOS).
-        is_eos = response == tok.eos_token_id
+        # Response mask: tokens up to and including the first end token (pad may equal EOS).
+        is_eos = torch.isin(response, torch.tensor(self.stop_ids, device=response.device))
         after_eos = (is_eos.cumsum(-1) - is_eos.long()) > 0
         response_mask = (~after_eos).long()
         response = torch.where(
@@ -447,8 +508,14 @@ class PPOTrainer:
         R = ro.response_ids.shape[1]
         T = cfg.temperature  # log-probs of the sampling distribution: logits / temperature
 
+        # Critic on the reward's scale from the first step: its bias starts at the mean score.
+        if not self.value_initialised:
+            with torch.no_grad():
+                self.unwrapped.value_head.summary.bias.fill_(float(ro.scores.float().mean()))
+            self.value_initialised = True
+
         # Old log-probs, values and entropy from one no-grad policy pass; reference with adapters off.
-        with torch.no_grad():
+        with torch.no_grad(), self._autocast():
             logits, old_values = self.unwrapped(ro.input_ids, ro.attention_mask, R)
             old_logprobs = logprobs_from_logits(logits / T, ro.response_ids)
             entropy = masked_mean(entropy_from_logits(logits / T), mask)
@@ -469,16 +536,20 @@ class PPOTrainer:
             if cfg.whiten_advantages:
                 advantages = whiten(advantages, mask)
 
-        # Several epochs of minibatch updates on this rollout batch.
+        # Several epochs of minibatch updates on this rollout batch (critic only while warming up).
+        warmup = self.step < cfg.value_warmup_steps
         self.module.train()
         B = ro.input_ids.shape[0]
         stats: dict[str, list[float]] = {k: [] for k in ("pg", "vf", "clip", "akl", "vclip")}
         stop = False
-        for _epoch in range(cfg.ppo_epochs):
+        for _epoch in range(cfg.update_epochs):
             perm = torch.randperm(B)
             for start in range(0, B, cfg.minibatch_size):
                 mb = perm[start : start + cfg.minibatch_size].to(self.device)
-                new_logits, new_values = self.module(ro.input_ids[mb], ro.attention_mask[mb], R)
+                with self._autocast():
+                    new_logits, new_values = self.module(
+                        ro.input_ids[mb], ro.attention_mask[mb], R
+                    )
                 new_logprobs = logprobs_from_logits(new_logits / T, ro.response_ids[mb])
                 pg, clip_frac, approx_kl = policy_loss(
                     new_logprobs, old_logprobs[mb], advantages[mb], mask[mb], cfg.clip_range
@@ -486,7 +557,7 @@ class PPOTrainer:
                 vf, vclip = value_loss(
                     new_values, old_values[mb], returns[mb], mask[mb], cfg.clip_range_value
                 )
-                loss = pg + cfg.vf_coef * vf
+                loss = cfg.vf_coef * vf if warmup else pg + cfg.vf_coef * vf
                 self.optimizer.zero_grad(set_to_none=True)
                 self.accelerator.backward(loss)
                 self.accelerator.clip_grad_norm_(self.module.parameters(), cfg.max_grad_norm)
@@ -498,7 +569,11 @@ class PPOTrainer:
                 ):
                     stats[k].append(v.item())
                 # Early stop: the policy moved too far from the one that sampled the batch.
-                if cfg.approx_kl_stop is not None and float(approx_kl) > cfg.approx_kl_stop:
+                if (
+                    not warmup
+                    and cfg.approx_kl_stop is not None
+                    and float(approx_kl) > cfg.approx_kl_stop
+                ):
                     stop = True
                     break
             if stop:
@@ -520,6 +595,7 @@ class PPOTrainer:
             "kl_per_token": float(kl_tokens.sum() / max(n_tokens, 1.0)),
             "kl_coef": self.kl_ctl.value,
             "entropy": float(entropy),
+            "value_mean": float(masked_mean(old_values, mask)),
             "clip_frac": float(np.mean(stats["clip"])),
             "approx_kl": float(np.mean(stats["akl"])),
             "policy_loss": float(np.mean(stats["pg"])),
@@ -618,6 +694,7 @@ class PPOTrainer:
                     "rng": _rng_state(),
                     "np_rng": self.np_rng.bit_generator.state,
                     "order": list(self._order),
+                    "value_initialised": self.value_initialised,
                     "history": self.history,
                     "samples": self.samples,
                 },
@@ -653,6 +730,7 @@ class PPOTrainer:
         _set_rng_state(state["rng"])
         self.np_rng.bit_generator.state = state["np_rng"]
         self._order = list(state["order"])
+        self.value_initialised = bool(state.get("value_initialised", True))
         self.history, self.samples, self.step = state["history"], state["samples"], state["step"]
         log.info("resumed PPO from %s (step %d)", path, self.step)
         return True

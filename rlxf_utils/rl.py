@@ -1,9 +1,15 @@
 """RL fine-tuning runs: prompts from training contexts, the reward function, PPO (ours), GRPO/RLOO (TRL).
 
-All three algorithms take the same prompts, reward function (calibrated P(MET) of the
-post-processed response), LoRA settings, sampling settings and KL coefficient, and write the
-same layout under `<run_dir>/policy/<algo>/`: `adapter/` (LoRA, safetensors), `train_log.parquet`
-(columns `ppo.LOG_COLUMNS`, NaN where an algorithm has no such quantity) and `samples.jsonl`.
+Like for like: all three start from the same policy (`rl.start_policy`, the SFT policy by
+default, which is also their KL reference: a fresh LoRA on its merged weights, adapters off),
+see the same prompts in the same order (`ppo.prompt_schedule`; TRL reads them unshuffled), answer
+each `num_generations` times, take the same optimiser steps per batch (`update_epochs` passes in
+minibatches of `minibatch_size`; TRL's `num_iterations` and `steps_per_generation`), and run the
+same number of steps with the same reward function (calibrated P(MET) of the post-processed
+response), LoRA settings, sampling settings and mixed precision. Each writes under
+`<run_dir>/policy/<algo>/`: `adapter/` (LoRA, safetensors), `train_log.parquet` (columns
+`ppo.LOG_COLUMNS`, NaN where an algorithm has no such quantity), `samples.jsonl`,
+`settings.json` (its loss settings) and `snapshots/step_XXXXXX/` (the reward-KL frontier).
 """
 
 from __future__ import annotations
@@ -24,13 +30,22 @@ from rlxf_utils.artifacts import ArtifactMissing, RunDir, atomic_path, to_jsonab
 from rlxf_utils.config import PolicyConfig, RLConfig, StudyConfig
 from rlxf_utils.models import (
     apply_lora,
+    autocast,
     build_prompts,
+    encode_prompts,
     generate,
-    load_policy,
+    load_start_policy,
     lora_config,
     postprocess_response,
 )
-from rlxf_utils.ppo import LOG_COLUMNS, PPOTrainer, RewardFn, _atomic_dir, _seed_everything
+from rlxf_utils.ppo import (
+    LOG_COLUMNS,
+    PPOTrainer,
+    RewardFn,
+    _atomic_dir,
+    _seed_everything,
+    prompt_schedule,
+)
 
 __all__ = [
     "CONTEXT_COLUMNS",
@@ -144,9 +159,65 @@ def run_ppo(
     model = apply_lora(base_model, policy.lora)
     trainer = PPOTrainer(
         model, tokenizer, prompts, contexts, reward_fn, rl, output_dir, seed=seed,
-        generation_kwargs=generation_kwargs,
+        generation_kwargs=generation_kwargs, autocast_dtype=policy.autocast,
     )  # fmt: skip
+    write_settings(output_dir, "ppo", rl, {
+        "kl_penalty": "per-token log-ratio to the reference in the reward (beta adaptive)"
+        if rl.adaptive_kl else "per-token log-ratio to the reference in the reward (fixed beta)",
+        "advantage": "GAE over tokens with a learned critic, whitened over the batch",
+        "clip_range": rl.clip_range, "clip_range_value": rl.clip_range_value,
+        "vf_coef": rl.vf_coef, "approx_kl_stop": rl.approx_kl_stop,
+    })  # fmt: skip
     return trainer.train(steps=steps, progress=progress)
+
+
+def write_settings(
+    output_dir: str | Path, algo: str, rl: RLConfig, extra: Mapping[str, Any]
+) -> dict[str, Any]:
+    """`settings.json`: what every algorithm shares (prompts, responses, updates) and its own loss."""
+    out = {
+        "algo": algo,
+        "steps": rl.steps,
+        "prompts_per_step": rl.prompts_per_step,
+        "responses_per_prompt": rl.num_generations,
+        "responses_per_step": rl.batch_size,
+        "optimizer_steps_per_batch": rl.optimizer_steps_per_batch,
+        "update_epochs": rl.update_epochs,
+        "minibatch_size": rl.minibatch_size,
+        "max_new_tokens": rl.max_new_tokens,
+        "temperature": rl.temperature,
+        "learning_rate": rl.learning_rate,
+        "kl_coef_initial": rl.kl_coef,
+        **dict(extra),
+    }
+    Path(output_dir).mkdir(parents=True, exist_ok=True)
+    with atomic_path(Path(output_dir) / "settings.json") as tmp:
+        tmp.write_text(json.dumps(to_jsonable(out), indent=2) + "\n", encoding="utf-8")
+    return out
+
+
+def trl_tokenizer(tokenizer: Any, prompts: Sequence[str]) -> Any:
+    """A tokenizer for TRL that turns our formatted prompts into exactly `encode_prompts`' ids.
+
+    TRL tokenises string prompts with the tokenizer's default special tokens; for a template that
+    already writes BOS (LLaMA-2) that would double it, so such a tokenizer gets `add_bos_token`
+    switched off on a copy. Raises when the ids still differ.
+    """
+    import copy
+
+    sample = list(prompts[:4])
+    want = encode_prompts(tokenizer, sample)["input_ids"]
+    if tokenizer(sample)["input_ids"] == want:
+        return tokenizer
+    tok = copy.deepcopy(tokenizer)
+    if hasattr(tok, "add_bos_token"):
+        tok.add_bos_token = False
+    if tok(sample)["input_ids"] != want:
+        raise ValueError(
+            "TRL would tokenise the prompts differently from PPO and evaluation (special tokens); "
+            "set policy.use_chat_template or use a tokenizer whose BOS can be switched off"
+        )
+    return tok
 
 
 class _GenTimer:
@@ -186,7 +257,7 @@ def run_trl(
     steps: int | None = None,
     generation_kwargs: Mapping[str, Any] | None = None,
 ) -> pd.DataFrame:
-    """GRPO or RLOO through TRL with the same prompts, reward, LoRA, sampling and KL coefficient."""
+    """GRPO or RLOO through TRL with the same prompts, reward, LoRA, sampling, updates and KL coefficient."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("WANDB_DISABLED", "true")
     from datasets import Dataset
@@ -204,15 +275,22 @@ def run_trl(
     output_dir = Path(output_dir)
     steps = steps or rl.steps
     _seed_everything(seed)
+    # The dataset is PPO's prompt schedule laid out step by step and read unshuffled: every
+    # algorithm answers the same prompts at the same step.
+    schedule = prompt_schedule(len(prompts), steps, rl.prompts_per_step, seed)
     rows = [
-        {"prompt": p, **{k: str(c[k]) for k in _CTX_KEYS}}
-        for p, c in zip(prompts, contexts, strict=True)
+        {"prompt": prompts[i], **{k: str(contexts[i][k]) for k in _CTX_KEYS}}
+        for idx in schedule
+        for i in idx
     ]
     dataset = Dataset.from_list(rows)
+    per_batch = rl.optimizer_steps_per_batch
     args = Config(
         output_dir=str(output_dir / "trl"),
-        per_device_train_batch_size=rl.batch_size,  # completions per step = PPO's batch
+        per_device_train_batch_size=rl.minibatch_size,  # completions per optimiser step
+        steps_per_generation=rl.batch_size // rl.minibatch_size,  # generation batch = rl.batch_size
         gradient_accumulation_steps=1,
+        shuffle_dataset=False,
         num_generations=rl.num_generations,
         max_completion_length=rl.max_new_tokens,
         temperature=rl.temperature,
@@ -223,8 +301,8 @@ def run_trl(
         beta=rl.kl_coef,  # KL to the adapter-disabled reference, as in PPO
         epsilon=rl.clip_range,
         max_grad_norm=rl.max_grad_norm,
-        num_iterations=1,
-        max_steps=steps,
+        num_iterations=rl.update_epochs,  # passes over each generation batch, as PPO's epochs
+        max_steps=steps * per_batch,  # TRL counts optimiser steps
         logging_steps=1,
         save_strategy="no",
         report_to="none",
@@ -235,7 +313,7 @@ def run_trl(
         dataloader_num_workers=0,
         remove_unused_columns=False,
         use_cpu=not torch.cuda.is_available(),
-        bf16=policy.dtype == "bfloat16" and torch.cuda.is_available(),
+        bf16=policy.dtype == "bfloat16" and torch.cuda.is_available(),  # autocast: see train()
         lr_scheduler_type="constant",
         warmup_steps=0,
         gradient_checkpointing=rl.gradient_checkpointing,  # TRL defaults to True; PPO matches
@@ -250,21 +328,22 @@ def run_trl(
         def on_log(
             self, args: Any, state: Any, control: Any, logs: dict | None = None, **kw: Any
         ) -> None:
-            if not logs or "reward" not in logs:
+            if not logs or "reward" not in logs:  # only the step that generated logs the reward
                 return
             length = logs.get("completions/mean_length", np.nan)
             kl_tok = logs.get("kl", np.nan)
             gen_t, gen_n = self.timer.take() if self.timer else (np.nan, 0)
-            history.append(
+            history.append(  # noqa: B023 (the callback lives only inside this call)
                 {
                     "algo": algo,
-                    "step": int(state.global_step),
+                    "step": -(-int(state.global_step) // per_batch),  # generation batches
                     "reward_mean": logs.get("reward", np.nan),
                     "reward_std": logs.get("reward_std", np.nan),
                     "kl": kl_tok * length if np.isfinite(kl_tok) else np.nan,
                     "kl_per_token": kl_tok,
                     "kl_coef": rl.kl_coef,
                     "entropy": logs.get("entropy", np.nan),
+                    "value_mean": np.nan,
                     "clip_frac": logs.get("clip_ratio/region_mean", np.nan),
                     "approx_kl": np.nan,
                     "policy_loss": logs.get("loss", np.nan),
@@ -277,18 +356,36 @@ def run_trl(
                 }
             )
 
+    class _SnapshotCallback(TrainerCallback):
+        """Every `checkpoint_every` generation batches: the adapter, for the reward-KL frontier."""
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            step, rest = divmod(int(state.global_step), per_batch)
+            if rest == 0 and step % rl.checkpoint_every == 0 and step < steps:
+                _save_snapshot(trainer, output_dir, step)
+
     cb = _LogCallback()
     trainer = Trainer(
         model=base_model,
         reward_funcs=trl_reward_function(reward_fn, rl.response_postprocess),
         args=args,
         train_dataset=dataset,
-        processing_class=tokenizer,
+        processing_class=trl_tokenizer(tokenizer, prompts),
         peft_config=lora_config(policy.lora),
-        callbacks=[cb],
+        callbacks=[cb, _SnapshotCallback()],
     )
+    write_settings(output_dir, algo, rl, {
+        "kl_penalty": "k3 estimator in the loss, fixed beta" if algo == "grpo"
+        else "sequence log-ratio to the reference subtracted from the reward, fixed beta",
+        "advantage": "group-normalised reward" if algo == "grpo" else "leave-one-out baseline",
+        **{k: getattr(args, k) for k in ("loss_type", "scale_rewards", "normalize_advantages",
+                                         "epsilon", "beta", "num_iterations", "steps_per_generation",
+                                         "per_device_train_batch_size", "mask_truncated_completions")
+           if hasattr(args, k)},
+    })  # fmt: skip
     cb.timer = _GenTimer(trainer.accelerator.unwrap_model(trainer.model), tokenizer.pad_token_id)
-    trainer.train()
+    with autocast(policy.autocast, trainer.accelerator.device):
+        trainer.train()
     frame = pd.DataFrame(history, columns=list(LOG_COLUMNS))
     if trainer.accelerator.is_main_process:
         peft_model = trainer.accelerator.unwrap_model(trainer.model)
@@ -297,7 +394,8 @@ def run_trl(
         with atomic_path(output_dir / "train_log.parquet") as tmp:
             frame.to_parquet(tmp, index=False)
         n = min(4, len(prompts))
-        texts = sample_responses(peft_model, tokenizer, prompts[:n], rl, seed=seed)
+        with autocast(policy.autocast, trainer.accelerator.device):
+            texts = sample_responses(peft_model, tokenizer, prompts[:n], rl, seed=seed)
         scores = reward_fn([dict(c) for c in contexts[:n]], texts)
         samples = [
             {"step": steps, **{k: contexts[i][k] for k in _CTX_KEYS}, "response": texts[i], "reward": float(scores[i])}
@@ -310,6 +408,21 @@ def run_trl(
     return frame
 
 
+def _save_snapshot(trainer: Any, output_dir: Path, step: int) -> None:
+    """The LoRA weights at a generation batch, as `snapshots/step_XXXXXX/adapter_model.safetensors`."""
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    if not trainer.accelerator.is_main_process:
+        return
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    state = {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(model).items()}
+    _atomic_dir(
+        output_dir / "snapshots" / f"step_{step:06d}",
+        lambda d: save_file(state, str(d / "adapter_model.safetensors")),
+    )
+
+
 def run_algorithm(
     algo: str,
     cfg: StudyConfig,
@@ -319,7 +432,7 @@ def run_algorithm(
     progress: bool = True,
     steps: int | None = None,
 ) -> pd.DataFrame:
-    """Load a fresh policy, build prompts from the training contexts and run one algorithm."""
+    """Load the start policy afresh, build prompts from the training contexts and run one algorithm."""
     rd = RunDir(run_dir)
     if contexts is None:
         contexts = load_contexts(rd.root, "train", cfg.rl.max_prompts, cfg.run.seed)
@@ -328,7 +441,7 @@ def run_algorithm(
     if cfg.rl.num_threads is not None:  # on shared cores, 1 thread avoids spin-wait slowdowns
         torch.set_num_threads(cfg.rl.num_threads)
     _seed_everything(cfg.run.seed)
-    model, tok = load_policy(cfg.policy)
+    model, tok = load_start_policy(cfg.policy, cfg.rl.start_policy, rd.root)
     prompts = build_prompts(contexts, tok, cfg.rl.prompt_template, cfg.policy)
     out = rd.root / "policy" / algo
     log.info("%s: %d training prompts -> %s", algo, len(prompts), out)

@@ -1,0 +1,296 @@
+"""Domain fine-tuning (SFT) of the policy before RL: a prompt built from a context -> its description.
+
+The paper's Table 3 compares an LLM before and after "fine-tuning with domain specific
+information"; InstructGPT-style pipelines start RL from such a supervised policy. Two LoRA
+adapters are trained on the same base model:
+
+* `sft`: every outcome (MET and Non-MET): the domain policy, the start of every RL algorithm and
+  its KL reference;
+* `sft_met`: MET rows only: supervised learning from experience, the baseline RL must beat.
+
+Data: only rows the RL stage may see, i.e. rows of the reward protocol's *training* split (never
+its validation or test rows) whose country is an RL training country (never a held-out one).
+The prompt is exactly the RL prompt (`models.build_prompts`, tokenised by `encode_prompts`); the
+target is the historical description followed by the end token; the loss is on the target
+only. A lean loop (length-sorted batches, left padding so only the tail's logits are computed,
+bf16 autocast when `policy.autocast` says so) rather than TRL's `SFTTrainer`: see `bench/rl.py`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from rlxf_utils.artifacts import RunDir
+from rlxf_utils.config import SFTConfig, StudyConfig
+from rlxf_utils.models import (
+    apply_lora,
+    autocast,
+    build_prompts,
+    encode_prompts,
+    eos_ids,
+    load_policy,
+)
+from rlxf_utils.ppo import _atomic_dir, _seed_everything
+
+__all__ = [
+    "SFT_POLICIES",
+    "SFTExample",
+    "build_examples",
+    "eligible_rows",
+    "heldout_rows",
+    "response_loss",
+    "run_sft_stage",
+    "train_sft",
+]
+
+log = logging.getLogger(__name__)
+
+#: The supervised policies and which outcomes each learns from.
+SFT_POLICIES: dict[str, str] = {"sft": "all", "sft_met": "met"}
+
+
+@dataclass
+class SFTExample:
+    """One training pair as token ids: the formatted prompt and the target (ending in EOS)."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+
+
+# ---------------------------------------------------------------------------------------------
+# Data: rows the RL stage may see
+# ---------------------------------------------------------------------------------------------
+def eligible_rows(
+    labelled: pd.DataFrame,
+    splits: Mapping[str, Mapping[str, Sequence[int]]],
+    contexts: pd.DataFrame,
+    protocol: str,
+    outcomes: str = "all",
+) -> pd.DataFrame:
+    """Rows of `protocol`'s training split whose country is an RL training country.
+
+    `outcomes='met'` keeps MET rows only. Validation and test rows of the reward protocol, and
+    every row of a held-out (eval) country, are never returned.
+    """
+    if protocol not in splits:
+        raise KeyError(f"data/splits.json has no protocol {protocol!r}; found {sorted(splits)}")
+    train_countries = set(contexts.loc[contexts["split"] == "train", "country"])
+    ids = set(splits[protocol]["train"])
+    rows = labelled[labelled["row_id"].isin(ids) & labelled["country"].isin(train_countries)]
+    if outcomes == "met":
+        rows = rows[rows["y"] == 1]
+    elif outcomes != "all":
+        raise ValueError(f"outcomes={outcomes!r}; expected 'all' or 'met'")
+    return rows.reset_index(drop=True)
+
+
+def heldout_rows(
+    labelled: pd.DataFrame, contexts: pd.DataFrame, max_rows: int | None, seed: int
+) -> pd.DataFrame:
+    """Historical descriptions of held-out (eval) countries: never seen by SFT or RL."""
+    eval_countries = set(contexts.loc[contexts["split"] == "eval", "country"])
+    rows = labelled[labelled["country"].isin(eval_countries)]
+    if max_rows is not None and len(rows) > max_rows:
+        rows = rows.sample(n=max_rows, random_state=seed)
+    return rows.reset_index(drop=True)
+
+
+def build_examples(
+    rows: pd.DataFrame,
+    tokenizer: Any,
+    model: Any,
+    template: str,
+    policy_cfg: Any,
+    max_response_tokens: int,
+) -> tuple[list[SFTExample], int]:
+    """Token ids of (RL prompt of the row's context, description + end token); and how many
+    rows were left out because their target is longer than `max_response_tokens`."""
+    prompts = build_prompts(rows.to_dict("records"), tokenizer, template, policy_cfg)
+    p_ids = encode_prompts(tokenizer, prompts)["input_ids"]
+    texts = [" ".join(str(t).split()) for t in rows["description"]]
+    r_ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    end = int(tokenizer.eos_token_id) if tokenizer.eos_token_id is not None else None
+    stop = eos_ids(model, tokenizer)
+    end = end if end is not None else min(stop)
+    out, dropped = [], 0
+    for p, r in zip(p_ids, r_ids, strict=True):
+        target = [*r, end]
+        if len(target) > max_response_tokens:
+            dropped += 1
+            continue
+        out.append(SFTExample(list(p), target))
+    return out, dropped
+
+
+# ---------------------------------------------------------------------------------------------
+# Training
+# ---------------------------------------------------------------------------------------------
+def _batches(examples: Sequence[SFTExample], batch_size: int, rng: np.random.Generator) -> list[list[int]]:
+    """Length-sorted batches (little padding) in shuffled order."""
+    order = sorted(range(len(examples)), key=lambda i: len(examples[i].prompt_ids) + len(examples[i].response_ids))
+    chunks = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+    rng.shuffle(chunks)
+    return chunks
+
+
+def _collate(examples: Sequence[SFTExample], pad_id: int) -> dict[str, torch.Tensor]:
+    """Left-padded prompt + target; `target_mask` marks target tokens; `n_tail` covers all targets."""
+    seqs = [e.prompt_ids + e.response_ids for e in examples]
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(seqs), width), dtype=torch.long)
+    target = torch.zeros((len(seqs), width), dtype=torch.bool)
+    for row, (e, s) in enumerate(zip(examples, seqs, strict=True)):
+        ids[row, width - len(s) :] = torch.tensor(s)
+        attn[row, width - len(s) :] = 1
+        target[row, width - len(e.response_ids) :] = True
+    n_tail = max(len(e.response_ids) for e in examples)
+    return {"input_ids": ids, "attention_mask": attn, "target_mask": target, "n_tail": n_tail}
+
+
+def response_loss(model: Any, batch: Mapping[str, Any]) -> tuple[torch.Tensor, int]:
+    """Mean negative log-likelihood of the target tokens (prompt and padding masked out).
+
+    Left padding puts every target at the end, so only the last `n_tail + 1` positions' logits
+    are computed (`logits_to_keep`): the (B, T, V) tensor over prompt tokens is never built.
+    """
+    ids, attn, tail = batch["input_ids"], batch["attention_mask"], int(batch["n_tail"])
+    position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
+    out = model(
+        input_ids=ids, attention_mask=attn, position_ids=position_ids,
+        logits_to_keep=tail + 1, use_cache=False,
+    )  # fmt: skip
+    logits = out.logits[:, :-1].float()  # predicts positions -tail..-1
+    targets = ids[:, -tail:]
+    mask = batch["target_mask"][:, -tail:]
+    nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
+    nll = nll.view_as(targets) * mask
+    n = int(mask.sum())
+    return nll.sum() / max(n, 1), n
+
+
+def train_sft(
+    model: Any,
+    tokenizer: Any,
+    examples: Sequence[SFTExample],
+    cfg: SFTConfig,
+    autocast_dtype: str | None = None,
+    seed: int = 0,
+    progress: bool = True,
+    desc: str = "SFT",
+) -> pd.DataFrame:
+    """LoRA fine-tuning on `examples` (AdamW, linear warm-up then decay); returns the step log."""
+    if not examples:
+        raise ValueError("SFT has no training examples; check sft.max_examples and the data")
+    _seed_everything(seed)
+    rng = np.random.default_rng(seed)
+    device = next(model.parameters()).device
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    n_batches = math.ceil(len(examples) / cfg.batch_size)
+    total = max(1, math.ceil(n_batches * cfg.epochs))
+    warm = int(total * cfg.warmup_ratio)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: (s + 1) / max(warm, 1) if s < warm else max(0.0, (total - s) / max(total - warm, 1))
+    )
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    rows, step = [], 0
+    model.train()
+    bar = tqdm(total=total, desc=desc, disable=not progress)
+    t_start = time.perf_counter()
+    while step < total:
+        for chunk in _batches(examples, cfg.batch_size, rng):
+            if step >= total:
+                break
+            t0 = time.perf_counter()
+            batch = _collate([examples[i] for i in chunk], pad)
+            batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+            with autocast(autocast_dtype, device):
+                loss, n_tok = response_loss(model, batch)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+            opt.step()
+            sched.step()
+            step += 1
+            dt = time.perf_counter() - t0
+            n_all = int(batch["attention_mask"].sum())
+            rows.append({"step": step, "loss": loss.item(), "target_tokens": n_tok, "tokens": n_all,
+                         "lr": sched.get_last_lr()[0], "step_time_s": dt, "tokens_per_s": n_all / dt})  # fmt: skip
+            bar.update(1)
+            bar.set_postfix(loss=f"{float(loss):.3f}")
+    bar.close()
+    model.eval()
+    log.info("%s: %d steps, %.0f s", desc, step, time.perf_counter() - t_start)
+    return pd.DataFrame(rows)
+
+
+# ---------------------------------------------------------------------------------------------
+# The stage
+# ---------------------------------------------------------------------------------------------
+def run_sft_stage(cfg: StudyConfig, run: RunDir, progress: bool = True) -> pd.DataFrame:
+    """Train `sft` and `sft_met`; write `policy/<name>/{adapter/, train_log.parquet, data.json}`.
+
+    Returns one row per policy: examples used, rows left out for length, steps, time, tokens/s,
+    first and last loss.
+    """
+    from rlxf_utils.data import load_splits
+
+    sc = cfg.sft
+    if sc.num_threads is not None:
+        torch.set_num_threads(sc.num_threads)
+    labelled, splits = load_splits(run)
+    contexts = run.read_parquet("data/contexts.parquet", stage="notebook 01 (data exploration)")
+    summary = []
+    for name, outcomes in SFT_POLICIES.items():
+        rows = eligible_rows(labelled, splits, contexts, cfg.reward.reward_protocol, outcomes)
+        n_eligible = len(rows)
+        limit = sc.max_examples if outcomes == "all" else sc.max_examples_met
+        if limit is not None and len(rows) > limit:
+            rows = rows.sample(n=limit, random_state=cfg.run.seed).reset_index(drop=True)
+        model, tok = load_policy(cfg.policy)
+        examples, dropped = build_examples(
+            rows, tok, model, cfg.rl.prompt_template, cfg.policy, sc.max_response_tokens
+        )
+        model = apply_lora(model, cfg.policy.lora)
+        t0 = time.perf_counter()
+        frame = train_sft(model, tok, examples, sc, cfg.policy.autocast, cfg.run.seed, progress, desc=name)
+        seconds = time.perf_counter() - t0
+        out = run.path(f"policy/{name}")
+        _atomic_dir(out / "adapter", lambda d, m=model: m.save_pretrained(d))
+        run.write_parquet(f"policy/{name}/train_log.parquet", frame.assign(policy=name))
+        info = {
+            "policy": name,
+            "outcomes": outcomes,
+            "eligible_rows": n_eligible,
+            "examples": len(examples),
+            "left_out_too_long": dropped,
+            "met_share": float(rows["y"].mean()) if len(rows) else math.nan,
+            "steps": len(frame),
+            "seconds": seconds,
+            "tokens_per_s": float(frame["tokens"].sum() / frame["step_time_s"].sum()),
+            "loss_first": float(frame["loss"].head(5).mean()),
+            "loss_last": float(frame["loss"].tail(5).mean()),
+            "row_ids": sorted(int(i) for i in rows["row_id"]),
+        }
+        run.write_json(f"policy/{name}/data.json", info)
+        summary.append({k: v for k, v in info.items() if k != "row_ids"})
+        del model
+    return pd.DataFrame(summary)
+
+
+def sft_summary_path(run: RunDir, name: str) -> Path:
+    """Where `run_sft_stage` records what a supervised policy was trained on."""
+    return run.path(f"policy/{name}/data.json")
