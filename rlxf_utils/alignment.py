@@ -1,18 +1,25 @@
 """The alignment-evaluation stage (notebook 04): every policy on the held-out contexts, measured.
 
-Policies: `base` (the starting policy), each trained algorithm (`ppo`, `grpo`, `rloo`; its
-LoRA adapter on the same base weights), `best_of_n` (N base samples per prompt, the reward model
-keeps one), and three references drawn from history for the same contexts: real MET
-descriptions (`history_met`), real Non-MET descriptions (`history_nonmet`) and the paper's
-`random_policy` (real descriptions drawn at random, whatever their context).
+Policies: `base` (the zero-shot model), the supervised `sft` and `sft_met` (LoRA adapters on the
+base), each RL algorithm (`ppo`, `grpo`, `rloo`: LoRA adapters on the start policy, i.e. the base
+with `sft` merged in), `best_of_n` (N start-policy candidates per prompt, drawn independently of
+the start policy's own samples, the reward model keeps one), and three references drawn from
+history for the same contexts: real MET descriptions (`history_met`), real Non-MET descriptions
+(`history_nonmet`) and the paper's `random_policy` (real descriptions drawn at random).
 
-One base model is loaded; adapters are switched on it, and the reference log-probabilities come
-from the same weights with adapters disabled. Every generated policy uses the same prompts,
-sampling settings and seed. Written to the run dir:
+Two sets of weights are loaded (the base and the start policy); adapters are switched on them.
+Every generated response is scored under three models: the policy itself (`logp_policy`), the
+start policy RL was regularised towards (`logp_ref`: KL is measured the same way for every
+policy, sequence-level on its own samples) and the zero-shot base (`logp_base`: the perplexity
+of the outputs, one fixed judge for all). Every generated policy uses the same prompts, sampling
+settings and seed. Gains and paired tests are against the start policy. Written to the run dir:
 
 * `eval/samples.parquet` and `eval/samples.jsonl`: one row per response (context, text, reward,
-  audit reward, log-probs under policy and reference, grounding);
-* `eval/frontier.parquet`: reward, audit reward and KL of every PPO snapshot and final policy;
+  audit reward, log-probs, whether it finished before the cap, grounding);
+* `eval/frontier.parquet`: reward, audit reward and KL of every algorithm's snapshots and final
+  policy, and the best-of-N curve (N = `best_of_n_curve`, KL at its upper bound);
+* `eval/heldout_perplexity.parquet`: perplexity of held-out historical descriptions (MET and
+  Non-MET) under every policy;
 * `eval/historical_index/`: MiniLM embeddings of every labelled MONA description (cached);
 * `eval/summary.json` and tables `eval_*`, figures `eval_*`.
 """
@@ -33,9 +40,17 @@ import torch
 
 from . import evaluation as ev
 from .artifacts import ArtifactMissing, RunDir
-from .models import build_prompts, display_country, generate, load_policy
+from .models import (
+    autocast,
+    build_prompts,
+    display_country,
+    generate,
+    load_policy,
+    load_start_policy,
+)
 from .reward import _device
 from .rl import _CTX_KEYS, load_contexts
+from .sft import SFT_POLICIES, heldout_rows
 
 log = logging.getLogger(__name__)
 
@@ -69,49 +84,90 @@ def _logprobs(model: Any, tok: Any, df: pd.DataFrame, batch_size: int) -> np.nda
 
 
 class PolicySet:
-    """The base policy with every trained adapter loaded beside it; one set of base weights."""
+    """Every evaluated policy on two sets of weights: the base (zero-shot, `sft`, `sft_met`
+    adapters) and the start policy RL began from (the RL adapters; adapters off: the reference)."""
 
     def __init__(self, cfg: Any, run: RunDir, algos: Sequence[str]):
-        # the accelerator when there is one (paper profile: a 7B policy in bf16 on a GPU)
-        self.base, self.tok = load_policy(cfg.policy, device=_device(None))
-        self.model: Any = self.base
-        self.algos = list(algos)
-        for algo in self.algos:
-            path = run.require(f"policy/{algo}/adapter", stage=f"notebook 03 ({algo.upper()})")
-            if not (path / "adapter_config.json").is_file():
-                raise ArtifactMissing(f"{path}: no adapter_config.json; notebook 03 did not finish")
-            from peft import PeftModel
+        from peft import PeftModel
 
-            if self.model is self.base:
-                self.model = PeftModel.from_pretrained(self.base, str(path), adapter_name=algo)
-            else:
-                self.model.load_adapter(str(path), adapter_name=algo)
-        self.model.eval()
+        device = _device(None)  # the accelerator when there is one (paper profile)
+        self.autocast_dtype = cfg.policy.autocast
+        self.start_name = cfg.rl.start_policy
+        self.base, self.tok = load_policy(cfg.policy, device=device)
+        self.algos = list(algos)
+        self.sft_names = list(SFT_POLICIES) if cfg.sft.enabled else []
+
+        def adapter(name: str, stage: str) -> Path:
+            path = run.require(f"policy/{name}/adapter", stage=stage)
+            if not (path / "adapter_config.json").is_file():
+                raise ArtifactMissing(f"{path}: no adapter_config.json; {stage} did not finish")
+            return path
+
+        def attach(model: Any, names: Sequence[str], stage: str) -> Any:
+            for name in names:
+                path = adapter(name, f"{stage} ({name})")
+                if not isinstance(model, PeftModel):
+                    model = PeftModel.from_pretrained(model, str(path), adapter_name=name)
+                else:
+                    model.load_adapter(str(path), adapter_name=name)
+            return model
+
+        on_base = self.sft_names + (self.algos if self.start_name == "base" else [])
+        self.base_model: Any = attach(self.base, on_base, "notebook 03")
+        self.home = {n: self.base_model for n in on_base}
+        if self.start_name == "base":
+            self.start_model = self.base_model
+        else:
+            start, _ = load_start_policy(cfg.policy, self.start_name, run.root, device=device)
+            self.start_model = attach(start, self.algos, "notebook 03")
+            self.home.update({n: self.start_model for n in self.algos})
+        for m in {
+            id(self.base_model): self.base_model,
+            id(self.start_model): self.start_model,
+        }.values():
+            m.eval()
+
+    @property
+    def names(self) -> list[str]:
+        """Generated policies in table order: base, the supervised policies, the RL algorithms."""
+        return ["base", *self.sft_names, *self.algos]
 
     @contextlib.contextmanager
     def use(self, name: str) -> Iterator[Any]:
-        """Context manager yielding the model acting as policy `name` ('base': adapters off)."""
-        if name == "base":
-            if self.model is self.base:
-                yield self.model
+        """The model acting as policy `name` ('base': zero-shot; 'start': RL's reference), under
+        the configured autocast."""
+        with autocast(self.autocast_dtype, self.base.device):
+            if name == "start" and self.start_name != "base":
+                yield from self._disabled(self.start_model)
+            elif name in ("base", "start"):
+                yield from self._disabled(self.base_model)
             else:
-                with self.model.disable_adapter():
-                    yield self.model
-            return
-        self.model.set_adapter(name)
-        yield self.model
+                model = self.home[name]
+                model.set_adapter(name)
+                yield model
+
+    @staticmethod
+    def _disabled(model: Any) -> Iterator[Any]:
+        if hasattr(model, "disable_adapter"):
+            with model.disable_adapter():
+                yield model
+        else:
+            yield model
 
     def reference(self) -> Any:
-        return self.use("base")
+        """RL's KL reference: the start policy (adapters off on its weights)."""
+        return self.use("start")
 
     def load_snapshot(self, algo: str, weights: Path) -> str:
-        """Load a PPO snapshot's adapter weights as adapter 'snapshot' (same config as `algo`)."""
+        """Load a snapshot's adapter weights as adapter 'snapshot' beside `algo` (same config)."""
         from peft import set_peft_model_state_dict
         from safetensors.torch import load_file
 
-        if "snapshot" not in self.model.peft_config:
-            self.model.add_adapter("snapshot", self.model.peft_config[algo])
-        set_peft_model_state_dict(self.model, load_file(str(weights)), adapter_name="snapshot")
+        model = self.home[algo]
+        if "snapshot" not in model.peft_config:
+            model.add_adapter("snapshot", model.peft_config[algo])
+        set_peft_model_state_dict(model, load_file(str(weights)), adapter_name="snapshot")
+        self.home["snapshot"] = model
         return "snapshot"
 
 
@@ -124,13 +180,25 @@ def sampling_kwargs(cfg: Any, progress: bool = True) -> dict[str, Any]:
 
 
 def sample_tuned(pset: PolicySet, name: str, prompts: Sequence[str], k: int, gen_kw: Mapping[str, Any],
-                 logprob_batch: int, desc: str) -> pd.DataFrame:  # fmt: skip
-    """k responses per prompt from adapter `name`, with their log-probs under it and the reference."""
+                 logprob_batch: int, desc: str, judges: bool = True) -> pd.DataFrame:  # fmt: skip
+    """k responses per prompt from policy `name`, with their log-probs under it, under the start
+    policy (`logp_ref`) and under the zero-shot base (`logp_base`); `judges=False` skips the last two."""
     with pset.use(name) as m:
         df = generate(m, pset.tok, prompts, k, desc=desc, **gen_kw)
         df["logp_policy"] = _logprobs(m, pset.tok, df, logprob_batch)
-    with pset.reference() as ref:
-        df["logp_ref"] = _logprobs(ref, pset.tok, df, logprob_batch)
+    if judges:
+        add_judge_logprobs(pset, df, name, logprob_batch)
+    return df
+
+
+def add_judge_logprobs(pset: PolicySet, df: pd.DataFrame, name: str, batch: int) -> pd.DataFrame:
+    """Columns `logp_ref` (start policy) and `logp_base` (zero-shot base) for generated rows."""
+    for col, judge in (("logp_ref", "start"), ("logp_base", "base")):
+        if name == judge or (judge == "start" and name == pset.start_name == "base"):
+            df[col] = df["logp_policy"]
+            continue
+        with pset.use(judge) as m:
+            df[col] = _logprobs(m, pset.tok, df, batch)
     return df
 
 
@@ -185,24 +253,30 @@ def history_references(
 # ---------------------------------------------------------------------------------------------
 
 
-def kl_table(samples: pd.DataFrame, algos: Sequence[str], best_of_n: int) -> pd.DataFrame:
-    """KL(policy || reference) per policy: Monte-Carlo for tuned policies, exact 0 for base,
-    and for best-of-N the analytic bound log N - (N - 1) / N (Stiennon et al. 2020)."""
-    rows = [{"policy": "base", "kl": 0.0, "kl_se": 0.0, "kl_per_token": 0.0, "kl_kind": "exact"}]
-    for algo in algos:
-        g = samples[samples["policy"] == algo]
+def kl_table(samples: pd.DataFrame, generated: Sequence[str], best_of_n: int) -> pd.DataFrame:
+    """KL(policy || start policy) per policy, measured the same way for all: Monte-Carlo over the
+    policy's own samples (sequence level); for best-of-N the upper bound log N - (N - 1) / N."""
+    rows = []
+    for pol in generated:
+        g = samples[samples["policy"] == pol]
         est = ev.kl_estimate(g["logp_policy"], g["logp_ref"], g["n_tokens"])
-        rows.append({"policy": algo, **{k: est[k] for k in ("kl", "kl_se", "kl_per_token")}})
-        rows[-1]["kl_kind"] = "sampled"
-    bound = math.log(best_of_n) - (best_of_n - 1) / best_of_n
-    rows.append({"policy": "best_of_n", "kl": bound, "kl_se": 0.0, "kl_kind": "analytic bound"})
+        rows.append({"policy": pol, **{k: est[k] for k in ("kl", "kl_se", "kl_per_token")},
+                     "kl_kind": "sampled"})  # fmt: skip
+    rows.append({"policy": "best_of_n", "kl": ev.best_of_n_kl_bound(best_of_n), "kl_se": 0.0,
+                 "kl_kind": "upper bound"})  # fmt: skip
     return pd.DataFrame(rows)
 
 
 def summary_table(
-    samples: pd.DataFrame, algos: Sequence[str], best_n: int, n_boot: int, alpha: float, seed: int
+    samples: pd.DataFrame,
+    generated: Sequence[str],
+    start: str,
+    best_n: int,
+    n_boot: int,
+    alpha: float,
+    seed: int,
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """(policy x measures with CIs, paired tests vs base for the reward and the audit reward)."""
+    """(policy x measures with CIs, paired tests vs the start policy for reward and audit reward)."""
     kw = dict(n_boot=n_boot, alpha=alpha, seed=seed)
     rew = ev.summarise_policies(samples, "reward", **kw)
     aud = ev.summarise_policies(samples, "audit_reward", **kw)
@@ -211,15 +285,15 @@ def summary_table(
     )
     paired = pd.concat(
         [
-            ev.paired_table(samples, "base", "reward", **kw).assign(measure="reward"),
-            ev.paired_table(samples, "base", "audit_reward", **kw).assign(measure="audit_reward"),
+            ev.paired_table(samples, start, "reward", **kw).assign(measure="reward"),
+            ev.paired_table(samples, start, "audit_reward", **kw).assign(measure="audit_reward"),
         ],
         ignore_index=True,
     )
     text = ev.text_table(samples)
-    kl = kl_table(samples, algos, best_n)
+    kl = kl_table(samples, generated, best_n)
     ppl = {
-        pol: ev.perplexity(g["logp_ref"], g["n_tokens"])
+        pol: ev.perplexity(g["logp_base"], g["n_tokens"])
         for pol, g in samples.groupby("policy", sort=False)
     }
     out = rew[["policy", "n_prompts", "n_samples", "ave_r", "ci_low", "ci_high"]].rename(
@@ -239,6 +313,8 @@ def summary_table(
         out[f"{prefix}_p_holm"] = out["policy"].map(p["p_wilcoxon_holm"])
     out = out.merge(kl[["policy", "kl", "kl_se", "kl_kind"]], on="policy", how="left")
     out["perplexity"] = out["policy"].map(ppl)
+    fin = samples.dropna(subset=["finished"]).groupby("policy")["finished"].mean()
+    out["finished"] = out["policy"].map(fin.astype(float))
     out = out.merge(text[["policy", "mean_words", "distinct_2", "rep_3"]], on="policy")
     out = out.merge(
         grd[["policy", "ave_r", "ci_low", "ci_high"]].rename(
@@ -249,6 +325,54 @@ def summary_table(
     )
     out["max_sim"] = out["policy"].map(samples.groupby("policy")["max_sim"].mean())
     return out, paired
+
+
+def best_of_n_curve(pool: pd.DataFrame, ns: Sequence[int], n_boot: int, alpha: float,
+                    seed: int) -> tuple[pd.DataFrame, pd.DataFrame]:  # fmt: skip
+    """Expected best-of-N reward per prompt for each N (order statistics over the pool), and the
+    curve: Ave(R) with a bootstrap CI over prompts and KL at its upper bound, per N."""
+    per_prompt = pd.DataFrame(
+        {n: pool.groupby("prompt_id")["reward"].apply(lambda v, n=n: ev.expected_max_of_n(v, n)) for n in ns}
+    )  # fmt: skip
+    rows = []
+    for n in ns:
+        ave, lo, hi = ev.bootstrap_ci(per_prompt[n], n_boot, alpha, seed)
+        rows.append({"algo": "best_of_n", "step": n, "reward": ave, "reward_low": lo, "reward_high": hi,
+                     "audit_reward": np.nan, "kl": ev.best_of_n_kl_bound(n), "kl_se": 0.0,
+                     "source": "best_of_n"})  # fmt: skip
+    return per_prompt, pd.DataFrame(rows)
+
+
+def versus_best_of_n(samples: pd.DataFrame, per_prompt_bon: pd.DataFrame, summary: pd.DataFrame,
+                     algos: Sequence[str], n_boot: int, alpha: float, seed: int) -> pd.DataFrame:  # fmt: skip
+    """Each RL policy against the best-of-N curve at its own KL (the RLGF paper's Figure 2 test).
+
+    The curve's reward at the policy's KL is interpolated linearly in KL between the two nearest
+    N (per prompt); beyond the largest N the largest N is used and `beyond_curve` says so. The
+    difference is averaged over prompts and bootstrapped over prompts.
+    """
+    ns = sorted(per_prompt_bon.columns)
+    kls = np.array([ev.best_of_n_kl_bound(n) for n in ns])
+    rows = []
+    for algo in algos:
+        r = summary.set_index("policy").loc[algo]
+        kl = float(max(r["kl"], 0.0))
+        j = int(np.searchsorted(kls, kl))
+        if j == 0:
+            curve = per_prompt_bon[ns[0]]
+        elif j >= len(ns):
+            curve = per_prompt_bon[ns[-1]]
+        else:
+            w = (kl - kls[j - 1]) / (kls[j] - kls[j - 1])
+            curve = (1 - w) * per_prompt_bon[ns[j - 1]] + w * per_prompt_bon[ns[j]]
+        own = samples[samples["policy"] == algo].groupby("prompt_id")["reward"].mean()
+        diff = (own - curve).dropna()
+        d, lo, hi = ev.bootstrap_ci(diff, n_boot, alpha, seed)
+        rows.append({"policy": algo, "kl": kl, "ave_r": float(own.mean()),
+                     "best_of_n_at_kl": float(curve.loc[diff.index].mean()), "diff": d,
+                     "diff_low": lo, "diff_high": hi, "beyond_curve": bool(j >= len(ns)),
+                     "verdict": "above" if lo > 0 else ("below" if hi < 0 else "not distinguishable")})  # fmt: skip
+    return pd.DataFrame(rows)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -278,11 +402,11 @@ def plot_distributions(samples: pd.DataFrame, order: Sequence[str]) -> Any:
     return fig
 
 
-def plot_gains(summary: pd.DataFrame) -> Any:
-    """Gain over base under the training reward and under the audit reward, with 95% CIs."""
+def plot_gains(summary: pd.DataFrame, start: str = "base") -> Any:
+    """Gain over the start policy under the training reward and the audit reward, with 95% CIs."""
     import matplotlib.pyplot as plt
 
-    s = summary[summary["policy"] != "base"].reset_index(drop=True)
+    s = summary[summary["policy"] != start].reset_index(drop=True)
     x = np.arange(len(s))
     fig, ax = plt.subplots(figsize=(8, 3.6))
     ax.bar(
@@ -297,7 +421,8 @@ def plot_gains(summary: pd.DataFrame) -> Any:
     ax.axhline(0, color="black", lw=0.8)
     ax.set_xticks(x, s["policy"], rotation=20, ha="right")
     ax.set(
-        ylabel="mean P(MET) minus base", title="Gain over the starting policy (95% CI over prompts)"
+        ylabel=f"mean P(MET) minus {start}",
+        title="Gain over the starting policy (95% CI over prompts)",
     )
     ax.legend()
     ax.grid(axis="y", alpha=0.3)
@@ -305,19 +430,30 @@ def plot_gains(summary: pd.DataFrame) -> Any:
     return fig
 
 
-def plot_frontier(frontier: pd.DataFrame) -> Any:
-    """Reward against KL to the reference: PPO snapshots along training and final policies.
+def plot_frontier(frontier: pd.DataFrame, start: str = "base") -> Any:
+    """Reward against KL to the start policy: each algorithm's snapshots and final policy, and the
+    best-of-N curve from the start policy (RLGF paper, Figure 2).
 
-    Each algorithm's line starts at the base policy (step 0, KL 0); bars are 95% CIs over prompts,
-    so a rise smaller than them is not evidence of alignment.
+    Each algorithm's line starts at the start policy (step 0); bars are 95% CIs over prompts, so a
+    rise smaller than them is not evidence of alignment. Best-of-N sits at its KL upper bound.
     """
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    base = frontier[frontier["algo"] == "base"]
-    ax.plot(base["kl"], base["reward"], "ks", label="base")
-    for algo, g in frontier[frontier["algo"] != "base"].groupby("algo", sort=False):
-        g = pd.concat([base, g]).sort_values("step")
+    fig, ax = plt.subplots(figsize=(7, 4.4))
+    origin = frontier[(frontier["algo"] == start) & (frontier["step"] == 0)]
+    ax.plot(origin["kl"], origin["reward"], "ks", label=f"start ({start})")
+    bon = frontier[frontier["algo"] == "best_of_n"].sort_values("step")
+    if not bon.empty:
+        ax.errorbar(bon["kl"], bon["reward"], yerr=_ci_err(bon, "reward", "reward_low", "reward_high"),
+                    fmt="--", color="gray", capsize=2, label="best-of-N (KL upper bound)")  # fmt: skip
+        for r in bon.itertuples():
+            ax.annotate(f"N={r.step}", (r.kl, r.reward), fontsize=7, color="gray", xytext=(3, -10),
+                        textcoords="offset points")  # fmt: skip
+    others = frontier[
+        ~frontier["algo"].isin([start, "best_of_n"]) & (frontier["source"] != "reference")
+    ]
+    for algo, g in others.groupby("algo", sort=False):
+        g = pd.concat([origin, g]).sort_values("step")
         err = _ci_err(
             g.fillna({"reward_low": g["reward"], "reward_high": g["reward"]}),
             "reward",
@@ -329,9 +465,27 @@ def plot_frontier(frontier: pd.DataFrame) -> Any:
             ax.annotate(
                 str(r.step), (r.kl, r.reward), fontsize=7, xytext=(4, 4), textcoords="offset points"
             )
-    ax.set(xlabel="KL(policy || reference), nats per response", ylabel="Ave(R) on held-out prompts")
-    ax.set_title("Reward-KL frontier (labels: training step; bars: 95% CI)")
+    ax.set(xlabel=f"KL(policy || {start}), nats per response", ylabel="Ave(R) on held-out prompts")
+    ax.set_title("Reward-KL frontier (labels: training step or N; bars: 95% CI)")
     ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def plot_heldout_perplexity(ppl: pd.DataFrame) -> Any:
+    """Perplexity of held-out historical MET and Non-MET descriptions under each policy (log scale)."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.4))
+    x = np.arange(len(ppl))
+    ax.bar(x - 0.2, ppl["ppl_met"], 0.4, label="MET descriptions")
+    ax.bar(x + 0.2, ppl["ppl_nonmet"], 0.4, label="Non-MET descriptions")
+    ax.set_yscale("log")
+    ax.set_xticks(x, ppl["policy"], rotation=20, ha="right")
+    ax.set(ylabel="perplexity per token (log scale)",
+           title="Held-out historical descriptions under each policy")  # fmt: skip
+    ax.grid(axis="y", alpha=0.3)
     ax.legend()
     fig.tight_layout()
     return fig
@@ -403,28 +557,34 @@ def frontier_points(
     cfg: Any,
     progress: bool = True,
 ) -> pd.DataFrame:
-    """Reward, audit reward and KL of every PPO snapshot (evenly thinned to the configured count)."""
+    """Reward, audit reward and KL of every algorithm's snapshots (evenly thinned to the
+    configured count); the final policies are measured with the full sample count elsewhere."""
     ec, rl = cfg.evaluation, cfg.rl
-    snaps = sorted(run.path("policy/ppo/snapshots").glob("step_*/adapter_model.safetensors"))
-    if ec.frontier_max_checkpoints and len(snaps) > ec.frontier_max_checkpoints:
-        keep = np.linspace(0, len(snaps) - 1, ec.frontier_max_checkpoints).round().astype(int)
-        snaps = [snaps[i] for i in sorted(set(keep))]
     rows = []
-    for path in snaps:
-        step = int(path.parent.name.split("_")[1])
-        if step >= rl.steps:  # the final policy is measured with the full sample count already
-            continue
-        name = pset.load_snapshot("ppo", path)
-        df = sample_tuned(pset, name, prompts, ec.frontier_samples_per_prompt, sampling_kwargs(cfg, progress),
-                          ec.logprob_batch_size, desc=f"PPO step {step}")  # fmt: skip
-        add_rewards(df, contexts, reward_model, audit_model, rl.reward_batch_size)
-        ave, lo, hi = ev.bootstrap_ci(
-            df.groupby("prompt_id")["reward"].mean(), ec.n_boot, ec.alpha, cfg.run.seed
+    for algo in pset.algos:
+        snaps = sorted(
+            run.path(f"policy/{algo}/snapshots").glob("step_*/adapter_model.safetensors")
         )
-        kl = ev.kl_estimate(df["logp_policy"], df["logp_ref"], df["n_tokens"])
-        rows.append({"algo": "ppo", "step": step, "reward": ave, "reward_low": lo, "reward_high": hi,
-                     "audit_reward": df["audit_reward"].mean(), "kl": kl["kl"], "kl_se": kl["kl_se"],
-                     "source": "snapshot"})  # fmt: skip
+        if ec.frontier_max_checkpoints and len(snaps) > ec.frontier_max_checkpoints:
+            keep = np.linspace(0, len(snaps) - 1, ec.frontier_max_checkpoints).round().astype(int)
+            snaps = [snaps[i] for i in sorted(set(keep))]
+        for path in snaps:
+            step = int(path.parent.name.split("_")[1])
+            if step >= rl.steps:
+                continue
+            name = pset.load_snapshot(algo, path)
+            df = sample_tuned(pset, name, prompts, ec.frontier_samples_per_prompt, sampling_kwargs(cfg, progress),
+                              ec.logprob_batch_size, desc=f"{algo} step {step}", judges=False)  # fmt: skip
+            with pset.reference() as ref:
+                df["logp_ref"] = _logprobs(ref, pset.tok, df, ec.logprob_batch_size)
+            add_rewards(df, contexts, reward_model, audit_model, rl.reward_batch_size)
+            ave, lo, hi = ev.bootstrap_ci(
+                df.groupby("prompt_id")["reward"].mean(), ec.n_boot, ec.alpha, cfg.run.seed
+            )
+            kl = ev.kl_estimate(df["logp_policy"], df["logp_ref"], df["n_tokens"])
+            rows.append({"algo": algo, "step": step, "reward": ave, "reward_low": lo, "reward_high": hi,
+                         "audit_reward": df["audit_reward"].mean(), "kl": kl["kl"], "kl_se": kl["kl_se"],
+                         "source": "snapshot"})  # fmt: skip
     return pd.DataFrame(rows)
 
 
@@ -447,7 +607,7 @@ def table3(pset: PolicySet, contexts: Sequence[Mapping[str, Any]], labelled: pd.
         for c, sc in items
     ]
     rows = []
-    for name in ["base", *pset.algos]:
+    for name in pset.names:
         with pset.use(name) as m:
             df = generate(
                 m, pset.tok, prompts, 1, desc=f"Table 3 {name}", **sampling_kwargs(cfg, False)
@@ -458,6 +618,30 @@ def table3(pset: PolicySet, contexts: Sequence[Mapping[str, Any]], labelled: pd.
             rows.append({"country": c, "econ_descriptor": sc.econ_descriptor, "prompt": p, "policy": name,
                          "response": text, "reward": float(rr), "audit_reward": float(aa)})  # fmt: skip
     return pd.DataFrame(rows)
+
+
+def heldout_perplexity(pset: PolicySet, rows: pd.DataFrame, template: str, cfg: Any,
+                       batch: int) -> pd.DataFrame:  # fmt: skip
+    """Perplexity of held-out historical descriptions (+ end token) after their context's RL
+    prompt, under every generated policy: MET and Non-MET rows separately, and all together.
+
+    The rows are of held-out (eval) countries, which neither SFT nor RL saw; a policy that writes
+    MONA conditions finds them far likelier than the zero-shot base does.
+    """
+    prompts = build_prompts(rows.to_dict("records"), pset.tok, template, cfg.policy)
+    texts = [" ".join(str(t).split()) for t in rows["description"]]
+    y = rows["y"].to_numpy()
+    out = []
+    for name in pset.names:
+        with pset.use(name) as m:
+            lp, n = ev.sequence_logprobs(m, pset.tok, prompts, texts, batch_size=batch,
+                                         append_eos=True, padding_side="left")  # fmt: skip
+        rec = {"policy": name, "rows": len(rows)}
+        for label, sel in (("met", y == 1), ("nonmet", y == 0), ("all", np.ones_like(y, bool))):
+            rec[f"ppl_{label}"] = ev.perplexity(lp[sel], n[sel]) if sel.any() else math.nan
+            rec[f"nll_{label}"] = float(-lp[sel].sum() / n[sel].sum()) if sel.any() else math.nan
+        out.append(rec)
+    return pd.DataFrame(out)
 
 
 def run_evaluation_stage(cfg: Any, run: RunDir, progress: bool = True) -> EvalStage:
@@ -478,36 +662,36 @@ def run_evaluation_stage(cfg: Any, run: RunDir, progress: bool = True) -> EvalSt
     labelled = labelled.reset_index(drop=True)
     algos = list(rl.algorithm)
     pset = PolicySet(cfg, run, algos)
+    start = pset.start_name
     prompts = build_prompts(contexts, pset.tok, rl.prompt_template, cfg.policy)
     gen_kw = sampling_kwargs(cfg, progress)
     k = ec.samples_per_prompt
-    # base: max(k, N) samples; the first k are `base`, the first N feed best-of-N
-    with pset.use("base") as m:
-        base = generate(m, pset.tok, prompts, max(k, ec.best_of_n), desc="base", **gen_kw)
-        base["logp_ref"] = _logprobs(m, pset.tok, base, ec.logprob_batch_size)
-    base["logp_policy"] = base["logp_ref"]
-    frames = [base.assign(policy="base")]
-    for algo in algos:
-        df = sample_tuned(pset, algo, prompts, k, gen_kw, ec.logprob_batch_size, desc=algo)
-        frames.append(df.assign(policy=algo))
+    frames = [
+        sample_tuned(pset, name, prompts, k, gen_kw, ec.logprob_batch_size, desc=name).assign(policy=name)
+        for name in pset.names
+    ]  # fmt: skip
     gen = add_rewards(pd.concat(frames, ignore_index=True), contexts, reward_model, audit_model,
                       rl.reward_batch_size)  # fmt: skip
-    pool = gen[(gen["policy"] == "base") & (gen["sample_id"] < ec.best_of_n)]
-    best = ev.best_of_n_frame(pool, "reward", ("prompt_id",)).assign(
-        policy="best_of_n", sample_id=0
-    )
-    best["logp_policy"] = np.nan  # best-of-N has no tractable density; its KL is bounded below
-    gen = pd.concat(
-        [gen[(gen["policy"] != "base") | (gen["sample_id"] < k)], best], ignore_index=True
-    )
+    # Best-of-N candidates: a separate draw from the start policy (another seed), so best-of-N is
+    # never compared with the very samples it was selected from.
+    n_pool = max(max(ec.best_of_n_curve), ec.best_of_n)
+    pool = sample_tuned(pset, start, prompts, n_pool, {**gen_kw, "seed": cfg.run.seed + 1},
+                        ec.logprob_batch_size, desc="best-of-N pool", judges=False)  # fmt: skip
+    add_rewards(pool, contexts, reward_model, audit_model, rl.reward_batch_size)
+    best = ev.best_of_n_frame(pool[pool["sample_id"] < ec.best_of_n], "reward", ("prompt_id",))
+    best = best.assign(policy="best_of_n", sample_id=0)
+    add_judge_logprobs(pset, best, start, ec.logprob_batch_size)
+    best["logp_policy"] = np.nan  # best-of-N has no tractable density; its KL is bounded above
+    gen = pd.concat([gen, best], ignore_index=True)
 
     hist = history_references(labelled, contexts, k, cfg.run.seed)
-    with pset.reference() as ref:
+    with pset.use("base") as m:
         lp, n_tok = ev.sequence_logprobs(
-            ref, pset.tok, [prompts[i] for i in hist["prompt_id"]], hist["response"].tolist(),
+            m, pset.tok, [prompts[i] for i in hist["prompt_id"]], hist["response"].tolist(),
             batch_size=ec.logprob_batch_size, append_eos=True, padding_side="left",
         )  # fmt: skip
-    hist["logp_ref"], hist["n_tokens"], hist["logp_policy"] = lp, n_tok, np.nan
+    hist["logp_base"], hist["n_tokens"] = lp, n_tok
+    hist["logp_policy"] = hist["logp_ref"] = np.nan
     add_rewards(hist, contexts, reward_model, audit_model, rl.reward_batch_size)
 
     samples = pd.concat([gen, hist], ignore_index=True)
@@ -520,44 +704,62 @@ def run_evaluation_stage(cfg: Any, run: RunDir, progress: bool = True) -> EvalSt
     )
     for key in (*_CTX_KEYS, "econ_area"):
         samples[key] = [contexts[i][key] for i in samples["prompt_id"]]
-    order = ["base", *algos, "best_of_n", *HISTORY_POLICIES]
+    order = [*pset.names, "best_of_n", *HISTORY_POLICIES]
     samples["policy"] = pd.Categorical(samples["policy"], categories=order, ordered=True)
     samples = samples.sort_values(["policy", "prompt_id", "sample_id"]).reset_index(drop=True)
     samples["policy"] = samples["policy"].astype(str)
 
-    summary, paired = summary_table(samples, algos, ec.best_of_n, ec.n_boot, ec.alpha, cfg.run.seed)
+    summary, paired = summary_table(samples, pset.names, start, ec.best_of_n, ec.n_boot, ec.alpha,
+                                    cfg.run.seed)  # fmt: skip
+    per_prompt_bon, curve = best_of_n_curve(pool, sorted(set(ec.best_of_n_curve)), ec.n_boot,
+                                            ec.alpha, cfg.run.seed)  # fmt: skip
+    vs_bon = versus_best_of_n(
+        samples, per_prompt_bon, summary, algos, ec.n_boot, ec.alpha, cfg.run.seed
+    )
     final = []
-    for algo in ["base", *algos]:
-        r = summary[summary.policy == algo].iloc[0]
-        final.append({"algo": algo, "step": 0 if algo == "base" else rl.steps, "reward": r["ave_r"],
+    for name in pset.names:
+        r = summary[summary.policy == name].iloc[0]
+        final.append({"algo": name, "step": rl.steps if name in algos else 0, "reward": r["ave_r"],
                       "reward_low": r["ave_r_low"], "reward_high": r["ave_r_high"], "audit_reward": r["audit"],
-                      "kl": r["kl"], "kl_se": r["kl_se"], "source": "final"})  # fmt: skip
+                      "kl": r["kl"], "kl_se": r["kl_se"],
+                      "source": "final" if name in algos or name == start else "reference"})  # fmt: skip
     snaps = (
         frontier_points(pset, run, prompts, contexts, reward_model, audit_model, cfg, progress)
-        if ec.frontier and "ppo" in algos
+        if ec.frontier
         else pd.DataFrame()
     )
-    frontier = pd.concat([pd.DataFrame(final), snaps], ignore_index=True)
+    frontier = pd.concat([pd.DataFrame(final), snaps, curve], ignore_index=True)
+    held = heldout_rows(
+        labelled, run.read_parquet("data/contexts.parquet"), ec.heldout_rows, cfg.run.seed
+    )
+    ppl = heldout_perplexity(pset, held, rl.prompt_template, cfg, ec.logprob_batch_size)
     t3 = table3(pset, contexts, labelled, reward_model, audit_model, cfg)
-    stage = _write(run, samples, summary, paired, frontier, t3, algos, order, cfg)
+    extra = {
+        "eval_vs_best_of_n": vs_bon,
+        "eval_heldout_perplexity": ppl,
+        "eval_best_of_n_curve": curve,
+    }
+    stage = _write(run, samples, summary, paired, frontier, t3, algos, order, cfg, start, extra)
     return stage
 
 
 def _write(run: RunDir, samples: pd.DataFrame, summary: pd.DataFrame, paired: pd.DataFrame,
-           frontier: pd.DataFrame, t3: pd.DataFrame, algos: list[str], order: list[str], cfg: Any) -> EvalStage:  # fmt: skip
+           frontier: pd.DataFrame, t3: pd.DataFrame, algos: list[str], order: list[str], cfg: Any,
+           start: str, extra: dict[str, pd.DataFrame]) -> EvalStage:  # fmt: skip
     import matplotlib.pyplot as plt
 
     keep = [c for c in samples.columns if c not in ("prompt_ids", "response_ids")]
     run.write_parquet("eval/samples.parquet", samples[keep])
     run.write_jsonl("eval/samples.jsonl", samples[keep].to_dict("records"))
     run.write_parquet("eval/frontier.parquet", frontier)
+    run.write_parquet("eval/heldout_perplexity.parquet", extra["eval_heldout_perplexity"])
     shown = (
         samples[samples["sample_id"] == 0]
         .groupby("policy", sort=False)
         .head(cfg.evaluation.show_samples)[["policy", "country", "econ_descriptor", "response", "reward", "audit_reward"]]
     )  # fmt: skip
     hacking = summary.loc[
-        summary["policy"].isin(algos + ["best_of_n"]), ["policy", "gain", "audit_gain"]
+        summary["policy"].isin([*algos, "sft_met", "best_of_n"]), ["policy", "gain", "audit_gain"]
     ].copy()
     hacking["gap"] = hacking["gain"] - hacking["audit_gain"]
     tables = {
@@ -585,13 +787,15 @@ def _write(run: RunDir, samples: pd.DataFrame, summary: pd.DataFrame, paired: pd
         "eval_frontier": frontier,
         "eval_table3": t3,
         "eval_samples_shown": shown,
+        **extra,
     }
     for name, df in tables.items():
         run.write_table(name, df)
     for name, fig in (
         ("eval_reward_distributions", plot_distributions(samples, order)),
-        ("eval_gains", plot_gains(summary)),
-        ("eval_frontier", plot_frontier(frontier)),
+        ("eval_gains", plot_gains(summary, start)),
+        ("eval_frontier", plot_frontier(frontier, start)),
+        ("eval_heldout_perplexity", plot_heldout_perplexity(extra["eval_heldout_perplexity"])),
         ("eval_grounding", plot_grounding(summary)),
     ):
         run.write_figure(name, fig)
@@ -601,6 +805,11 @@ def _write(run: RunDir, samples: pd.DataFrame, summary: pd.DataFrame, paired: pd
         "eval/summary.json",
         {
             "algorithms": algos,
+            "start_policy": start,
+            "policies": [p for p in order if p in set(samples["policy"])],
+            "best_of_n_curve": sorted(set(cfg.evaluation.best_of_n_curve)),
+            "vs_best_of_n": extra["eval_vs_best_of_n"].to_dict("records"),
+            "heldout_perplexity": extra["eval_heldout_perplexity"].to_dict("records"),
             "n_prompts": int(samples.loc[samples.policy == "base", "prompt_id"].nunique()),
             "samples_per_prompt": cfg.evaluation.samples_per_prompt,
             "best_of_n": cfg.evaluation.best_of_n,

@@ -136,7 +136,6 @@ class SFTConfig(Section):
     warmup_ratio: float = Field(default=0.05, ge=0.0, lt=1.0)
     weight_decay: float = Field(default=0.0, ge=0.0)
     max_grad_norm: float = Field(default=1.0, gt=0.0)
-    heldout_max_rows: int | None = Field(default=400, gt=0)  # held-out descriptions for perplexity
     num_threads: int | None = Field(default=None, gt=0)
 
 
@@ -291,13 +290,17 @@ class EvaluationConfig(Section):
 
     max_prompts: int | None = Field(default=48, gt=0)  # held-out contexts evaluated (null: all)
     samples_per_prompt: int = Field(default=4, ge=1)  # k responses per prompt and policy
-    best_of_n: int = Field(default=4, ge=2)  # N base samples per prompt, the reward model keeps one
+    best_of_n: int = Field(default=4, ge=2)  # the best-of-N policy row: N start-policy samples
+    # the best-of-N curve of the reward-KL frontier: N candidates per prompt, drawn from the start
+    # policy independently of the samples it is compared with (a pool of max(N) per prompt)
+    best_of_n_curve: list[int] = Field(default_factory=lambda: [1, 2, 4, 8, 16], min_length=1)
+    heldout_rows: int | None = Field(default=300, gt=0)  # held-out descriptions for perplexity
     batch_size: int = Field(default=16, gt=0)  # generation batch
     logprob_batch_size: int = Field(default=16, gt=0)
     n_boot: int = Field(default=2000, ge=100)
     alpha: float = Field(default=0.05, gt=0.0, lt=0.5)
     grounding_k: int = Field(default=10, ge=1)  # nearest historical conditions per response
-    frontier: bool = True  # score every PPO snapshot for the reward-KL frontier
+    frontier: bool = True  # score every algorithm's snapshots for the reward-KL frontier
     frontier_samples_per_prompt: int = Field(default=1, ge=1)
     frontier_max_checkpoints: int | None = Field(default=None, gt=0)  # evenly spaced subset
     table3_countries: int = Field(default=2, ge=1)

@@ -353,7 +353,9 @@ def text_table(
 # ---------------------------------------------------------------------------------------------
 
 
-def _as_ids(tokenizer: Any, item: str | Sequence[int], add_special_tokens: bool | None) -> list[int]:
+def _as_ids(
+    tokenizer: Any, item: str | Sequence[int], add_special_tokens: bool | None
+) -> list[int]:
     if isinstance(item, str):
         if add_special_tokens is None:  # a prompt: tokenised exactly as the policy saw it
             from .models import encode_prompts
@@ -529,6 +531,27 @@ def best_of_n_frame(
     r = df[reward_col].astype(float).fillna(-np.inf)
     idx = r.groupby([df[c] for c in group_cols], sort=False, observed=True).idxmax()
     return df.loc[idx.to_numpy()].reset_index(drop=True)
+
+
+def expected_max_of_n(values: Sequence[float] | np.ndarray, n: int) -> float:
+    """E[max of n draws without replacement] from `values` (a pool of m >= n candidates).
+
+    The unbiased order-statistics estimator: with the pool sorted ascending, the i-th smallest
+    (1-based) is the maximum of a random n-subset with probability C(i-1, n-1) / C(m, n). It uses
+    every candidate instead of one arbitrary subset, so the best-of-N curve is far less noisy.
+    """
+    x = np.sort(np.asarray(values, dtype=float))
+    m = len(x)
+    if not 1 <= n <= m:
+        raise ValueError(f"best-of-{n} needs a pool of at least {n} candidates, got {m}")
+    i = np.arange(1, m + 1)
+    w = np.array([math.comb(int(k) - 1, n - 1) for k in i], dtype=float) / math.comb(m, n)
+    return float((w * x).sum())
+
+
+def best_of_n_kl_bound(n: int) -> float:
+    """log N - (N - 1) / N: an upper bound on KL(best-of-N || base) (Beirami et al. 2024)."""
+    return math.log(n) - (n - 1) / n
 
 
 # ---------------------------------------------------------------------------------------------

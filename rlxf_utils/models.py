@@ -210,7 +210,9 @@ def build_prompts(
     ]
 
 
-def encode_prompts(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str], **kwargs: Any) -> Any:
+def encode_prompts(
+    tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str], **kwargs: Any
+) -> Any:
     """Token ids of formatted prompts, identical in SFT, PPO, TRL and evaluation.
 
     A chat template already writes every special token (LLaMA-2's emits BOS itself), so a prompt

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import random
 import shutil
@@ -547,9 +546,7 @@ class PPOTrainer:
             for start in range(0, B, cfg.minibatch_size):
                 mb = perm[start : start + cfg.minibatch_size].to(self.device)
                 with self._autocast():
-                    new_logits, new_values = self.module(
-                        ro.input_ids[mb], ro.attention_mask[mb], R
-                    )
+                    new_logits, new_values = self.module(ro.input_ids[mb], ro.attention_mask[mb], R)
                 new_logprobs = logprobs_from_logits(new_logits / T, ro.response_ids[mb])
                 pg, clip_frac, approx_kl = policy_loss(
                     new_logprobs, old_logprobs[mb], advantages[mb], mask[mb], cfg.clip_range

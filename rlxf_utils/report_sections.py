@@ -150,16 +150,21 @@ def rl_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], dic
     stage = "notebook 03_ppo_finetuning"
     summ = run.read_table("rl_summary", stage)
     samples = run.read_table("rl_samples_before_after", stage)
+    algo_settings = run.read_table("rl_algorithm_settings", stage)
+    sft = run.read_table("sft_summary", stage) if params["sft"]["enabled"] else pd.DataFrame()
     rl, pol = params["rl"], params["policy"]
     settings = pd.DataFrame(
         [
             ("policy", pol["model"] if pol["model"] != "embedded" else "SmolLM2-135M-Instruct (embedded)"),
             ("LoRA rank / alpha / targets", f"{pol['lora']['rank']} / {pol['lora']['alpha']} / {', '.join(pol['lora']['target_modules'])}"),
-            ("steps x responses per step", f"{rl['steps']} x {rl['batch_size']}"),
+            ("start policy (and KL reference)", rl["start_policy"]),
+            ("steps x prompts x responses per prompt", f"{rl['steps']} x {rl['batch_size'] // rl['num_generations']} x {rl['num_generations']}"),
             ("max new tokens, temperature, top-p", f"{rl['max_new_tokens']}, {rl['temperature']}, {rl['top_p']}"),
             ("learning rate", f"{rl['learning_rate']:g}"),
-            ("KL coefficient (initial), adaptive, target", f"{rl['kl_coef']:g}, {rl['adaptive_kl']}, {rl['target_kl']:g}"),
-            ("PPO epochs, minibatch, clip (policy / value)", f"{rl['ppo_epochs']}, {rl['minibatch_size']}, {rl['clip_range']} / {rl['clip_range_value']}"),
+            ("KL coefficient (initial), PPO adaptive, target, K_beta", f"{rl['kl_coef']:g}, {rl['adaptive_kl']}, {rl['target_kl']:g}, {rl['kl_adapt_rate']:g}"),
+            ("update epochs x minibatches (optimiser steps per batch, every algorithm)", f"{rl['update_epochs']} x {rl['batch_size'] // rl['minibatch_size']}"),
+            ("PPO clip (policy / value), value coefficient", f"{rl['clip_range']} / {rl['clip_range_value'] if rl['clip_range_value'] is not None else 'none'}, {rl['vf_coef']:g}"),
+            ("mixed precision", pol.get("autocast") or "none (fp32)"),
             ("GAE gamma / lambda", f"{rl['gamma']} / {rl['lam']}"),
             ("training prompts", "all training contexts" if rl["max_prompts"] is None else str(rl["max_prompts"])),
         ],
@@ -169,6 +174,19 @@ def rl_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], dic
         response=samples["response"].map(_short), country=samples["country"].map(display_country)
     )[["policy", "country", "econ_descriptor", "response", "reward"]]
     rows = summ.set_index("algorithm")
+    ppo_sentence = ""
+    if "PPO" in rows.index:
+        r = rows.loc["PPO"]
+        ev_word = "positive" if r["explained_variance_last_third"] > 0 else "not positive"
+        if rl["adaptive_kl"]:
+            beta = (f"β, adapted towards {rl['target_kl']:g} nats with K_β = {rl['kl_adapt_rate']:g}, moved from "
+                    f"{r['beta_first']:.4f} to {r['beta_last']:.4f}")  # fmt: skip
+        else:
+            beta = f"β stayed fixed at {r['beta_first']:.4f}"
+        ppo_sentence = (
+            f"PPO's critic explained {ev_word} variance of the returns over the last third of its steps "
+            f"(mean {r['explained_variance_last_third']:.2f}); {beta}"
+        )
     moves = []
     for algo, r in rows.iterrows():
         d = r["reward_last"] - r["reward_first"]
@@ -183,13 +201,35 @@ def rl_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], dic
         "batch_size": str(rl["batch_size"]),
         "moves": "; ".join(moves),
         "template": " ".join(rl["prompt_template"].split()),
+        "ppo_sentence": ppo_sentence or "PPO did not run",
+        "prompts_per_step": str(rl["batch_size"] // rl["num_generations"]),
+        "num_generations": str(rl["num_generations"]),
+        "opt_steps": str(rl["update_epochs"] * (rl["batch_size"] // rl["minibatch_size"])),
+        "start_policy": rl["start_policy"],
+        "sft_sentence": _sft_sentence(sft),
     }
     includes = {
+        "rl_algorithm_settings.md": markdown_table(algo_settings),
+        "sft_summary.md": markdown_table(sft, floatfmt=".3f")
+        if not sft.empty
+        else "SFT was not run.",
         "rl_settings.md": markdown_table(settings),
         "rl_summary.md": markdown_table(summ, floatfmt=".3f"),
         "rl_samples.md": markdown_table(shown),
     }
     return variables, includes
+
+
+def _sft_sentence(sft: pd.DataFrame) -> str:
+    if sft.empty:
+        return "No supervised stage ran: RL started from the zero-shot model"
+    parts = [
+        f"`{r['policy']}` on {int(r['examples'])} {'MET ' if r['outcomes'] == 'met' else ''}descriptions "
+        f"({int(r['steps'])} steps, {r['seconds']:.0f} s, {r['tokens_per_s']:.0f} tokens/s; loss "
+        f"{r['loss_first']:.2f} to {r['loss_last']:.2f})"
+        for _, r in sft.iterrows()
+    ]
+    return "The supervised stage trained " + " and ".join(parts)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -202,6 +242,9 @@ def eval_section(run: RunDir, alpha: float = 0.05) -> tuple[dict[str, Any], dict
     paired = run.read_table("eval_paired", stage)
     t3 = run.read_table("eval_table3", stage)
     algos = meta["algorithms"]
+    start = meta.get("start_policy", "base")
+    vs_bon = pd.DataFrame(meta.get("vs_best_of_n", []))
+    ppl = pd.DataFrame(meta.get("heldout_perplexity", []))
 
     def gain_cell(r: pd.Series, col: str) -> str:
         if pd.isna(r.get(col)):
@@ -213,14 +256,15 @@ def eval_section(run: RunDir, alpha: float = 0.05) -> tuple[dict[str, Any], dict
         rows.append({
             "policy": pol, "prompts": int(r["n_prompts"]),
             "Ave(R) [95% CI]": ci(r["ave_r"], r["ave_r_low"], r["ave_r_high"]),
-            "gain vs base": gain_cell(r, "gain"),
+            f"gain vs {start}": gain_cell(r, "gain"),
             "audit [95% CI]": ci(r["audit"], r["audit_low"], r["audit_high"]),
             "audit gain": gain_cell(r, "audit_gain"),
         })  # fmt: skip
         cost.append({
             "policy": pol,
-            "KL (nats)": "·" if pd.isna(r["kl"]) else (f"≤ {r['kl']:.2f}" if r["kl_kind"] == "analytic bound" else f"{r['kl']:.2f}"),
+            "KL (nats)": "·" if pd.isna(r["kl"]) else (f"≤ {r['kl']:.2f}" if r["kl_kind"] == "upper bound" else f"{r['kl']:.2f}"),
             "perplexity": f"{r['perplexity']:.1f}",
+            "finished": "·" if pd.isna(r.get("finished")) else f"{r['finished']:.0%}",
             "words": f"{r['mean_words']:.1f}",
             "distinct-2": f3(r["distinct_2"]),
             "rep-3": f3(r["rep_3"]),
@@ -255,7 +299,7 @@ def eval_section(run: RunDir, alpha: float = 0.05) -> tuple[dict[str, Any], dict
             else "did not significantly change"
         )
         sentences.append(
-            f"{algo.upper()} {verb} Ave(R) on the held-out prompts (from {f3(s.loc['base', 'ave_r'])} to "
+            f"{algo.upper()} {verb} Ave(R) on the held-out prompts (from {f3(s.loc[start, 'ave_r'])} for {start} to "
             f"{ci(r['ave_r'], r['ave_r_low'], r['ave_r_high'])}; paired gain {r['gain']:+.3f}, Holm-adjusted "
             f"Wilcoxon p = {pval(r['gain_p_holm'])}) and {a_verb} the audit model's reward ({r['audit_gain']:+.3f}, "
             f"p = {pval(r['audit_gain_p_holm'])}), at a KL of {r['kl']:.2f} nats to the starting policy"
@@ -280,6 +324,30 @@ def eval_section(run: RunDir, alpha: float = 0.05) -> tuple[dict[str, Any], dict
         )
     b = s.loc["best_of_n"]
     g = s.dropna(subset=["grounded_met"])
+    bon_sentences = []
+    for _, r in vs_bon.iterrows():
+        where = {
+            "above": "above",
+            "below": "below",
+            "not distinguishable": "not distinguishable from",
+        }[r["verdict"]]
+        bon_sentences.append(
+            f"{r['policy'].upper()} ({f3(r['ave_r'])} at {r['kl']:.2f} nats) lies {where} the best-of-N curve "
+            f"({f3(r['best_of_n_at_kl'])} at the same KL{', beyond its largest N' if r['beyond_curve'] else ''}; "
+            f"difference {ci(r['diff'], r['diff_low'], r['diff_high'])})"
+        )  # fmt: skip
+    ppl_md = "No held-out perplexity was measured."
+    ppl_sentence = ""
+    if not ppl.empty:
+        ppl_md = markdown_table(
+            ppl[["policy", "rows", "ppl_met", "ppl_nonmet", "ppl_all"]].rename(
+                columns={"ppl_met": "MET", "ppl_nonmet": "Non-MET", "ppl_all": "all"}
+            ),
+            floatfmt=".1f",
+        )
+        pp = ppl.set_index("policy")
+        ppl_sentence = "; ".join(f"{p} {pp.loc[p, 'ppl_all']:.1f}" for p in pp.index)
+    fin = s["finished"].dropna() if "finished" in s else pd.Series(dtype=float)
     variables = {
         "n_prompts": str(meta["n_prompts"]),
         "k": str(meta["samples_per_prompt"]),
@@ -289,6 +357,14 @@ def eval_section(run: RunDir, alpha: float = 0.05) -> tuple[dict[str, Any], dict
         "history_sentence": hist_sentence,
         "random_policy": f3(hist.get("random_policy", float("nan"))),
         "base_ave_r": f3(s.loc["base", "ave_r"]),
+        "start": start,
+        "start_ave_r": f3(s.loc[start, "ave_r"]),
+        "bon_sentences": "; ".join(bon_sentences)
+        if bon_sentences
+        else "No RL algorithm was compared with best-of-N",
+        "bon_curve": ", ".join(str(n) for n in meta.get("best_of_n_curve", [])),
+        "ppl_sentence": ppl_sentence,
+        "finished_sentence": "; ".join(f"{p} {v:.0%}" for p, v in fin.items()),
         "best_ave_r": f3(b["ave_r"]),
         "best_gain": f"{b['gain']:+.3f}",
         "best_audit_gain": f"{b['audit_gain']:+.3f}",
@@ -300,6 +376,7 @@ def eval_section(run: RunDir, alpha: float = 0.05) -> tuple[dict[str, Any], dict
         "eval_cost.md": cost_md,
         "eval_paired.md": markdown_table(pt),
         "eval_table3.md": t3_md,
+        "eval_heldout_perplexity.md": ppl_md,
     }
 
 

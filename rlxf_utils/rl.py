@@ -458,28 +458,41 @@ def read_logs(run_dir: str | Path, algos: Sequence[str]) -> pd.DataFrame:
     return pd.concat(frames, ignore_index=True)
 
 
+def load_named_policy(cfg: StudyConfig, run_dir: str | Path, name: str) -> tuple[Any, Any]:
+    """A policy of this run by name: 'base' (zero-shot), 'sft' / 'sft_met' (LoRA on the base) or
+    an RL algorithm (LoRA on the start policy)."""
+    from rlxf_utils.models import load_policy, load_policy_with_adapter
+
+    rd = RunDir(run_dir)
+    if name == "base":
+        return load_policy(cfg.policy)
+    adapter = rd.require(f"policy/{name}/adapter", "notebook 03")
+    if name in ("sft", "sft_met"):
+        return load_policy_with_adapter(cfg.policy, adapter)
+    from peft import PeftModel
+
+    model, tok = load_start_policy(cfg.policy, cfg.rl.start_policy, rd.root)
+    model = PeftModel.from_pretrained(model, str(adapter))
+    model.eval()
+    return model, tok
+
+
 def before_after_samples(
     cfg: StudyConfig,
     run_dir: str | Path,
     contexts: Sequence[Mapping[str, Any]],
     reward_fn: RewardFn,
-    algos: Sequence[str],
+    policies: Sequence[str],
     n: int = 4,
 ) -> pd.DataFrame:
-    """Responses to the same `n` training prompts from the starting policy and each trained one."""
-    from rlxf_utils.models import load_policy_with_adapter
-
+    """Responses to the same `n` training prompts from each named policy, with their rewards."""
     ctx = [dict(c) for c in contexts[:n]]
     rows: list[dict[str, Any]] = []
-    for name in ["base", *algos]:
-        adapter = (
-            None
-            if name == "base"
-            else RunDir(run_dir).require(f"policy/{name}/adapter", "notebook 03")
-        )
-        model, tok = load_policy_with_adapter(cfg.policy, adapter)
+    for name in policies:
+        model, tok = load_named_policy(cfg, run_dir, name)
         prompts = build_prompts(ctx, tok, cfg.rl.prompt_template, cfg.policy)
-        texts = sample_responses(model, tok, prompts, cfg.rl, seed=cfg.run.seed)
+        with autocast(cfg.policy.autocast):
+            texts = sample_responses(model, tok, prompts, cfg.rl, seed=cfg.run.seed)
         scores = reward_fn(ctx, texts)
         for c, t, s in zip(ctx, texts, scores, strict=True):
             rows.append(
@@ -488,19 +501,42 @@ def before_after_samples(
     return pd.DataFrame(rows)
 
 
+def settings_table(run_dir: str | Path, algos: Sequence[str]) -> pd.DataFrame:
+    """Each algorithm's `settings.json` side by side (rows: settings; columns: algorithms)."""
+    rd = RunDir(run_dir)
+    cols = {a: rd.read_json(f"policy/{a}/settings.json", stage="notebook 03") for a in algos}
+    keys = list(dict.fromkeys(k for c in cols.values() for k in c if k != "algo"))
+    return pd.DataFrame(
+        [{"setting": k, **{a.upper(): _cell(c.get(k)) for a, c in cols.items()}} for k in keys]
+    )
+
+
+def _cell(v: Any) -> str:
+    if v is None:
+        return "·"
+    return f"{v:g}" if isinstance(v, float) else str(v)
+
+
 def training_curves_figure(logs: pd.DataFrame) -> Any:
-    """Reward and KL-to-reference per step, one line per algorithm."""
+    """Per step and algorithm: reward, KL to the start policy, PPO's critic (explained variance)
+    and the KL coefficient beta."""
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-    for algo, g in logs.groupby("algo", sort=False):
-        axes[0].plot(g["step"], g["reward_mean"], marker=".", label=algo.upper())
-        axes[1].plot(g["step"], g["kl"], marker=".", label=algo.upper())
-    axes[0].set(xlabel="step", ylabel="mean reward  P(MET)", title="Reward")
-    axes[1].set(xlabel="step", ylabel="KL to reference (nats / response)", title="KL")
-    for ax in axes:
+    fig, axes = plt.subplots(1, 4, figsize=(15, 3.6))
+    panels = (
+        ("reward_mean", "mean reward  P(MET)", "Reward"),
+        ("kl", "nats / response", "KL to the start policy"),
+        ("explained_variance", "1 - Var(R - V) / Var(R)", "Critic: explained variance"),
+        ("kl_coef", "beta", "KL coefficient"),
+    )
+    for ax, (col, ylabel, title) in zip(axes, panels, strict=True):
+        for algo, g in logs.groupby("algo", sort=False):
+            if g[col].notna().any():
+                ax.plot(g["step"], g[col], marker=".", label=algo.upper())
+        ax.set(xlabel="step", ylabel=ylabel, title=title)
         ax.grid(alpha=0.3)
-        ax.legend()
+        ax.legend(fontsize=8)
+    axes[2].axhline(0, color="black", lw=0.8)
     fig.tight_layout()
     return fig
 
@@ -517,6 +553,11 @@ def summary_table(logs: pd.DataFrame, window: int = 3) -> pd.DataFrame:
                 "reward_last": g["reward_mean"].tail(window).mean(),
                 "kl_last": g["kl"].tail(window).mean(),
                 "entropy_last": g["entropy"].tail(window).mean(),
+                "explained_variance_last_third": g["explained_variance"]
+                .tail(max(1, len(g) // 3))
+                .mean(),
+                "beta_first": g["kl_coef"].iloc[0],
+                "beta_last": g["kl_coef"].iloc[-1],
                 "step_time_s": g["step_time_s"].median(),
                 "tokens_per_s": g["tokens_per_s"].median(),
             }

@@ -137,9 +137,14 @@ def build_examples(
 # ---------------------------------------------------------------------------------------------
 # Training
 # ---------------------------------------------------------------------------------------------
-def _batches(examples: Sequence[SFTExample], batch_size: int, rng: np.random.Generator) -> list[list[int]]:
+def _batches(
+    examples: Sequence[SFTExample], batch_size: int, rng: np.random.Generator
+) -> list[list[int]]:
     """Length-sorted batches (little padding) in shuffled order."""
-    order = sorted(range(len(examples)), key=lambda i: len(examples[i].prompt_ids) + len(examples[i].response_ids))
+    order = sorted(
+        range(len(examples)),
+        key=lambda i: len(examples[i].prompt_ids) + len(examples[i].response_ids),
+    )
     chunks = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
     rng.shuffle(chunks)
     return chunks
@@ -175,7 +180,9 @@ def response_loss(model: Any, batch: Mapping[str, Any]) -> tuple[torch.Tensor, i
     logits = out.logits[:, :-1].float()  # predicts positions -tail..-1
     targets = ids[:, -tail:]
     mask = batch["target_mask"][:, -tail:]
-    nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
+    nll = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none"
+    )
     nll = nll.view_as(targets) * mask
     n = int(mask.sum())
     return nll.sum() / max(n, 1), n
@@ -203,7 +210,10 @@ def train_sft(
     total = max(1, math.ceil(n_batches * cfg.epochs))
     warm = int(total * cfg.warmup_ratio)
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: (s + 1) / max(warm, 1) if s < warm else max(0.0, (total - s) / max(total - warm, 1))
+        opt,
+        lambda s: (
+            (s + 1) / max(warm, 1) if s < warm else max(0.0, (total - s) / max(total - warm, 1))
+        ),
     )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     rows, step = [], 0
@@ -266,7 +276,9 @@ def run_sft_stage(cfg: StudyConfig, run: RunDir, progress: bool = True) -> pd.Da
         )
         model = apply_lora(model, cfg.policy.lora)
         t0 = time.perf_counter()
-        frame = train_sft(model, tok, examples, sc, cfg.policy.autocast, cfg.run.seed, progress, desc=name)
+        frame = train_sft(
+            model, tok, examples, sc, cfg.policy.autocast, cfg.run.seed, progress, desc=name
+        )
         seconds = time.perf_counter() - t0
         out = run.path(f"policy/{name}")
         _atomic_dir(out / "adapter", lambda d, m=model: m.save_pretrained(d))
@@ -294,3 +306,20 @@ def run_sft_stage(cfg: StudyConfig, run: RunDir, progress: bool = True) -> pd.Da
 def sft_summary_path(run: RunDir, name: str) -> Path:
     """Where `run_sft_stage` records what a supervised policy was trained on."""
     return run.path(f"policy/{name}/data.json")
+
+
+def loss_figure(logs: pd.DataFrame) -> Any:
+    """Training loss (target tokens' mean NLL) per step for each supervised policy."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 3.4))
+    for name, g in logs.groupby("policy", sort=False):
+        ax.plot(g["step"], g["loss"], alpha=0.35)
+        ax.plot(
+            g["step"], g["loss"].rolling(10, min_periods=1).mean(), label=f"{name} (mean of 10)"
+        )
+    ax.set(xlabel="step", ylabel="NLL per target token", title="Domain fine-tuning loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    return fig

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_ppo import tiny_tokenizer
+from tiny import tiny_llama
 
 from rlxf_utils import models
 from rlxf_utils.config import LoraSettings, PolicyConfig
@@ -98,3 +99,40 @@ def test_embedded_cache_gives_identical_logits():
         b = cached(**ids).logits
     assert torch.equal(a, b)
     assert tok.padding_side == "left" and tok.chat_template
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_load_start_policy_merges_the_sft_adapter(tmp_path):
+    """RL's start (and KL reference) is the base with the `sft` adapter folded in."""
+    tok = tiny_tokenizer()
+    tiny_llama(tok, seed=0, init=0.3).save_pretrained(tmp_path / "base")
+    tok.save_pretrained(tmp_path / "base")
+    cfg = PolicyConfig(model=str(tmp_path / "base"))
+    lora = LoraSettings(rank=4, alpha=8, target_modules=["q_proj", "v_proj"])
+    sft = models.apply_lora(tiny_llama(tok, seed=0, init=0.3), lora)
+    torch.manual_seed(1)
+    for name, p in sft.named_parameters():
+        if "lora_B" in name:  # a trained adapter (LoRA starts with B = 0)
+            p.data.normal_(0.0, 0.3)
+    sft.save_pretrained(tmp_path / "run" / "policy" / "sft" / "adapter")
+
+    enc = models.encode_prompts(tok, ["w1 w2 w3", "w4"], return_tensors="pt", padding=True)
+    pos = (enc["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+
+    def logits(m):
+        with torch.no_grad():
+            return m(**enc, position_ids=pos).logits
+
+    start, start_tok = models.load_start_policy(cfg, "sft", tmp_path / "run")
+    base, _ = models.load_start_policy(cfg, "base", tmp_path / "run")
+    assert not hasattr(start, "peft_config") and start_tok.padding_side == "left"
+    want = logits(sft.eval())
+    got = logits(start)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert (want - logits(base)).abs().max() > 1e-2  # the adapter matters
+    # a fresh RL LoRA on the start policy: adapters off is exactly the start policy
+    rl = models.apply_lora(start, LoraSettings(rank=2, alpha=4, target_modules=["q_proj"]))
+    with rl.disable_adapter():
+        torch.testing.assert_close(logits(rl), got, rtol=0, atol=1e-6)
+    with pytest.raises(FileNotFoundError, match="SFT stage"):
+        models.load_start_policy(cfg, "sft", tmp_path / "elsewhere")

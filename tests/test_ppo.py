@@ -9,7 +9,9 @@ import pytest
 import torch
 from tiny import tiny_llama, word_tokenizer
 
-from rlxf_utils.config import LoraSettings, RLConfig
+from rlxf_utils import ppo as ppo_module
+from rlxf_utils.config import PROJECT_ROOT, LoraSettings, RLConfig, load_config
+from rlxf_utils.models import apply_lora, encode_prompts, eos_ids, generate
 from rlxf_utils.ppo import (
     AdaptiveKLController,
     FixedKLController,
@@ -17,6 +19,7 @@ from rlxf_utils.ppo import (
     compute_gae,
     explained_variance,
     policy_loss,
+    prompt_schedule,
     value_loss,
     whiten,
 )
@@ -34,8 +37,6 @@ def tiny_tokenizer():
 
 def tiny_policy(seed: int = 0, lora_rank: int = 8):
     """A 2-layer random Llama with LoRA adapters and the tiny tokenizer."""
-    from rlxf_utils.models import apply_lora
-
     tok = tiny_tokenizer()
     model = tiny_llama(
         tok, seed, init=0.3
@@ -68,7 +69,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def small_cfg(**kw) -> RLConfig:
     base = dict(
         steps=4, batch_size=8, minibatch_size=4, max_new_tokens=8, learning_rate=3e-3,
-        ppo_epochs=2, kl_coef=0.01, sample_every=2, checkpoint_every=2,
+        update_epochs=2, kl_coef=0.01, sample_every=2, checkpoint_every=2,
         response_postprocess="none", num_generations=2, approx_kl_stop=None,
     )  # fmt: skip
     base.update(kw)
@@ -108,13 +109,15 @@ def test_whiten():
 
 
 def test_kl_controller_direction():
-    ctl = AdaptiveKLController(0.1, target=6.0, horizon=100)
-    ctl.update(12.0, n_steps=10)  # KL too high -> stronger penalty
-    assert ctl.value > 0.1
+    ctl = AdaptiveKLController(0.1, target=6.0, rate=0.1)
+    ctl.update(12.0)  # KL too high -> stronger penalty, error clipped at +0.2
+    assert math.isclose(ctl.value, 0.1 * 1.02)
     high = ctl.value
-    ctl.update(1.0, n_steps=10)  # KL too low -> weaker penalty
-    assert ctl.value < high
-    assert math.isclose(AdaptiveKLController(0.1, 6.0, 100).value, 0.1)
+    ctl.update(5.4)  # KL 10% too low -> weaker penalty
+    assert math.isclose(ctl.value, high * (1 - 0.1 * 0.1))
+    ctl.update(6.0)  # on target: unchanged
+    assert math.isclose(ctl.value, high * 0.99)
+    assert math.isclose(AdaptiveKLController(0.1, 6.0).value, 0.1)
     fixed = FixedKLController(0.2)
     fixed.update(100.0, 10)
     assert fixed.value == 0.2
@@ -148,7 +151,7 @@ def test_ppo_raises_toy_reward(tmp_path):
     model, tok = tiny_policy(seed=1)
     prompts, contexts = toy_contexts(16)
     cfg = small_cfg(
-        steps=30, batch_size=16, minibatch_size=8, ppo_epochs=4, learning_rate=1e-2,
+        steps=30, batch_size=16, minibatch_size=8, update_epochs=4, learning_rate=1e-2,
         checkpoint_every=100, kl_coef=0.001, adaptive_kl=False, vf_coef=0.1,
     )  # fmt: skip
     trainer = PPOTrainer(model, tok, prompts, contexts, toy_reward, cfg, tmp_path / "ppo", seed=3)
@@ -199,3 +202,219 @@ def test_resume_matches_uninterrupted(tmp_path):
     final = load_file(str(tmp_path / "full/adapter/adapter_model.safetensors"))
     assert last.keys() == final.keys()
     assert all(torch.equal(last[k], final[k]) for k in last)
+
+
+# -- like for like: the update, the reference, the controller, the critic, prompts, end tokens ----
+def varied_contexts(n: int = 8) -> tuple[list[str], list[dict]]:
+    """Prompts of 1..n words: every batch is left-padded to a different extent."""
+    prompts = [" ".join(WORDS[10 + i : 11 + 2 * i]) for i in range(n)]
+    contexts = [
+        {"country": f"C{i}", "arrangement_type": "SBA", "econ_descriptor": "1.1"} for i in range(n)
+    ]
+    return prompts, contexts
+
+
+def dense_reward(contexts: list[dict], texts: list[str]) -> np.ndarray:
+    """Share of response words among the first 30: varies in every batch, so the policy moves."""
+    low = set(WORDS[:30])
+    return np.array([np.mean([w in low for w in t.split()] or [0.0]) for t in texts], np.float32)
+
+
+def test_first_minibatch_has_ratio_one(tmp_path, monkeypatch):
+    """Before any optimiser step the update's log-probs are the rollout's: ratio 1, no clipping."""
+    calls = []
+
+    def spy(logprobs, old_logprobs, advantages, mask, clip_range):
+        out = policy_loss(logprobs, old_logprobs, advantages, mask, clip_range)
+        log_ratio = ((logprobs - old_logprobs) * mask).abs().max().item()
+        calls.append(
+            {"log_ratio": log_ratio, "clip_frac": out[1].item(), "approx_kl": out[2].item()}
+        )
+        return out
+
+    monkeypatch.setattr(ppo_module, "policy_loss", spy)
+    model, tok = tiny_policy(seed=0)
+    prompts, contexts = varied_contexts(8)
+    # temperature != 1: both passes must divide the logits by it
+    cfg = small_cfg(
+        steps=2,
+        batch_size=8,
+        minibatch_size=4,
+        update_epochs=2,
+        temperature=0.7,
+        learning_rate=1e-2,
+    )
+    tr = PPOTrainer(model, tok, prompts, contexts, dense_reward, cfg, tmp_path, seed=0)
+    for step in range(2):  # step 2: the policy has moved away from the reference
+        idx = tr._next_batch()
+        assert len({len(prompts[i].split()) for i in idx}) > 1  # rows are padded differently
+        calls.clear()
+        tr.train_step()
+        assert len(calls) == 4  # 2 epochs x 2 minibatches
+        first = calls[0]
+        assert first["log_ratio"] < 1e-5, (step, first)
+        assert abs(first["approx_kl"]) < 1e-6 and first["clip_frac"] < 1e-6, (step, first)
+        assert calls[-1]["log_ratio"] > 1e-4  # later minibatches do see a moved policy
+    # ... and the ratio is to the rollout policy, not the reference
+    assert tr.history[-1]["kl"] > 1e-4
+
+
+def test_reference_is_the_starting_policy(tmp_path):
+    """With adapters off, the PPO-trained model computes exactly the model it started from."""
+    import copy
+
+    tok = tiny_tokenizer()
+    base = tiny_llama(tok, seed=1, init=0.3)
+    start = copy.deepcopy(base).eval()
+    lora = LoraSettings(rank=8, alpha=16, target_modules=["q_proj", "v_proj", "o_proj"])
+    model = apply_lora(base, lora)
+    prompts, contexts = toy_contexts(8)
+    cfg = small_cfg(steps=3, learning_rate=1e-2, checkpoint_every=10)
+    tr = PPOTrainer(model, tok, prompts, contexts, dense_reward, cfg, tmp_path / "ppo", seed=0)
+    log = tr.train(progress=False)
+    assert abs(log.kl.iloc[0]) < 1e-5  # step 1: zero-initialised LoRA, the policy is the reference
+    enc = encode_prompts(
+        tok, [*prompts, "w1", "w2 w3 w4 w5 w6 w7"], return_tensors="pt", padding=True
+    )
+    pos = (enc["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+    policy = tr.unwrapped.policy
+    with torch.no_grad():
+        want = start(**enc, position_ids=pos).logits
+        with policy.disable_adapter():
+            ref = policy(**enc, position_ids=pos).logits
+        tuned = policy(**enc, position_ids=pos).logits
+    torch.testing.assert_close(ref, want, rtol=0, atol=1e-6)
+    assert (tuned - want).abs().max() > 1e-3  # training moved the adapters: the check has teeth
+
+
+@pytest.mark.parametrize("profile", ["smoke", "default", "paper"])
+def test_beta_moves_under_shipped_settings(profile):
+    rl = load_config(PROJECT_ROOT / "params" / f"{profile}.yaml").rl
+    if not rl.adaptive_kl:
+        pytest.skip(f"{profile}: fixed beta")
+    up = AdaptiveKLController(rl.kl_coef, rl.target_kl, rl.kl_adapt_rate)
+    down = AdaptiveKLController(rl.kl_coef, rl.target_kl, rl.kl_adapt_rate)
+    for _ in range(10):
+        up.update(2 * rl.target_kl)
+        down.update(0.0)
+    assert up.value > 1.1 * rl.kl_coef, (profile, up.value)
+    assert down.value < rl.kl_coef / 1.1, (profile, down.value)
+
+
+def test_critic_starts_on_the_rewards_scale(tmp_path):
+    model, tok = tiny_policy(seed=0)
+    prompts, contexts = toy_contexts(8)
+
+    def constant(ctx, texts):
+        return np.full(len(texts), 0.7, dtype=np.float32)
+
+    tr = PPOTrainer(model, tok, prompts, contexts, constant, small_cfg(steps=2), tmp_path, seed=0)
+    head = tr.unwrapped.value_head.summary
+    assert not head.weight.any() and head.bias.item() == 0  # zero-initialised
+    row = tr.train_step()
+    assert abs(row["reward_mean"] - 0.7) < 1e-6
+    assert abs(row["value_mean"] - row["reward_mean"]) < 1e-6, row["value_mean"]
+    # the bias is set once: a later batch's scores do not reset it
+    head.bias.data.fill_(0.3)
+    tr.train_step()
+    assert abs(head.bias.item() - 0.7) > 0.1
+
+    # a varying reward: the critic starts at the first batch's mean score
+    model, tok = tiny_policy(seed=1)
+    tr = PPOTrainer(
+        model, tok, prompts, contexts, toy_reward, small_cfg(steps=1), tmp_path / "b", seed=1
+    )
+    row = tr.train_step()
+    assert abs(row["value_mean"] - row["reward_mean"]) < 1e-6
+
+
+def test_critic_warmup_leaves_the_policy_alone(tmp_path):
+    """The value head reads detached hidden states: critic-only steps never move the LoRA policy."""
+    model, tok = tiny_policy(seed=1)
+    prompts, contexts = toy_contexts(8)
+    cfg = small_cfg(steps=2, value_warmup_steps=1, learning_rate=1e-2)
+    tr = PPOTrainer(model, tok, prompts, contexts, dense_reward, cfg, tmp_path, seed=1)
+
+    def lora_state():
+        return {
+            n: p.detach().clone()
+            for n, p in tr.unwrapped.policy.named_parameters()
+            if p.requires_grad
+        }
+
+    before = lora_state()
+    head = tr.unwrapped.value_head.summary.weight.detach().clone()
+    row = tr.train_step()
+    assert row["value_loss"] > 0
+    assert all(torch.equal(before[n], p) for n, p in lora_state().items())
+    assert not torch.equal(head, tr.unwrapped.value_head.summary.weight)  # the critic learned
+    tr.train_step()  # after the warm-up the policy moves
+    assert any(not torch.equal(before[n], p) for n, p in lora_state().items())
+
+
+def test_prompt_schedule_passes_seed_and_prefix():
+    sched = prompt_schedule(5, 10, 2, seed=3)
+    assert len(sched) == 10 and all(len(s) == 2 for s in sched)
+    flat = [i for s in sched for i in s]
+    for p in range(4):  # 20 draws = 4 passes, each over every prompt once
+        assert sorted(flat[5 * p : 5 * p + 5]) == list(range(5))
+    assert flat[:5] != flat[5:10] or flat[5:10] != flat[10:15]  # a new permutation per pass
+    assert sched == prompt_schedule(5, 10, 2, seed=3)
+    assert sched != prompt_schedule(5, 10, 2, seed=4)
+    assert prompt_schedule(5, 17, 2, seed=3)[:10] == sched  # more steps keep the prefix
+
+
+def test_trainer_batch_follows_the_schedule(tmp_path):
+    model, tok = tiny_policy(seed=0)
+    prompts, contexts = toy_contexts(6)
+    cfg = small_cfg(steps=3, batch_size=8, num_generations=2, minibatch_size=4, update_epochs=1)
+    tr = PPOTrainer(model, tok, prompts, contexts, toy_reward, cfg, tmp_path, seed=5)
+    seen = []
+    rollout = tr.rollout
+
+    def spy(idx):
+        seen.append(list(idx))
+        return rollout(idx)
+
+    tr.rollout = spy
+    for _ in range(3):
+        tr.train_step()
+    sched = prompt_schedule(len(prompts), 3, cfg.prompts_per_step, seed=5)
+    assert seen == [[i for i in s for _ in range(2)] for s in sched]
+
+
+def test_rollout_stops_at_the_end_tokens_generate_uses(tmp_path):
+    """A generation config with an extra end id: PPO's mask and `models.generate` both stop there."""
+    model, tok = tiny_policy(seed=0)
+    extra = tok.convert_tokens_to_ids("w3")
+    model.generation_config.eos_token_id = [tok.eos_token_id, extra]
+    stop = {tok.eos_token_id, extra}
+
+    def favour_extra(module, args, output):  # the extra end token ~1 in 4: it ends responses early
+        output = output.clone()
+        output[..., extra] += 3.0
+        return output
+
+    model.base_model.model.lm_head.register_forward_hook(favour_extra)
+    prompts, contexts = toy_contexts(8)
+    cfg = small_cfg(max_new_tokens=10, batch_size=8)
+    tr = PPOTrainer(model, tok, prompts, contexts, toy_reward, cfg, tmp_path, seed=0)
+    assert set(tr.stop_ids) == eos_ids(model, tok) == stop
+    torch.manual_seed(11)
+    ro = tr.rollout(list(range(8)))
+    df = generate(
+        tr.unwrapped.policy, tok, prompts, 1, max_new_tokens=10, temperature=cfg.temperature,
+        top_p=cfg.top_p, postprocess="none", seed=11, batch_size=8, progress=False,
+    )  # fmt: skip
+    R = ro.response_ids.shape[1]
+    stopped_at_extra = 0
+    for row in range(8):
+        kept = ro.response_ids[row][ro.response_mask[row].bool()].tolist()
+        assert ro.response_mask[row].tolist() == [1] * len(kept) + [0] * (R - len(kept))
+        assert not stop & set(kept[:-1])  # no end token before the last kept one
+        if len(kept) < cfg.max_new_tokens:
+            assert kept[-1] in stop
+        stopped_at_extra += kept[-1] == extra
+        assert kept == df.response_ids[row]  # the same samples, trimmed the same way
+        assert df.finished[row] == (kept[-1] in stop)
+    assert stopped_at_extra >= 2  # the extra id did end responses (the test has teeth)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -10,7 +12,7 @@ from tiny import tiny_llama
 
 from rlxf_utils.config import LoraSettings, PolicyConfig
 from rlxf_utils.models import postprocess_response
-from rlxf_utils.ppo import LOG_COLUMNS
+from rlxf_utils.ppo import LOG_COLUMNS, prompt_schedule
 from rlxf_utils.rl import load_contexts, run_trl, trl_reward_function
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -36,6 +38,41 @@ def test_trl_one_step(tmp_path, algo):
     assert (tmp_path / algo / "adapter" / "adapter_model.safetensors").is_file()
     assert (tmp_path / algo / "train_log.parquet").is_file()
     assert (tmp_path / algo / "samples.jsonl").is_file()
+
+
+@pytest.mark.parametrize("algo", ["grpo", "rloo"])
+def test_trl_reads_the_ppo_prompt_schedule(tmp_path, algo):
+    """TRL answers the prompts PPO would, at the same step, each num_generations times."""
+    model, tok = _tiny_base()
+    prompts, contexts = toy_contexts(6)
+    rl = small_cfg(steps=2, batch_size=4, num_generations=2, minibatch_size=4, update_epochs=2)
+    policy = PolicyConfig(lora=LoraSettings(rank=2, alpha=4, target_modules=["q_proj"]))
+    calls = []
+
+    def reward(ctx, texts):
+        calls.append([c["country"] for c in ctx])
+        return toy_reward(ctx, texts)
+
+    log = run_trl(
+        algo,
+        model,
+        tok,
+        prompts,
+        contexts,
+        reward,
+        rl,
+        policy,
+        tmp_path / algo,
+        seed=4,
+        progress=False,
+    )
+    sched = prompt_schedule(len(prompts), rl.steps, rl.prompts_per_step, seed=4)
+    want = [[contexts[i]["country"] for i in s for _ in range(rl.num_generations)] for s in sched]
+    assert calls[: rl.steps] == want  # (then run_trl's after-training samples)
+    assert list(log.step) == [1, 2]
+    settings = json.loads((tmp_path / algo / "settings.json").read_text())
+    assert settings["prompts_per_step"] == 2 and settings["responses_per_prompt"] == 2
+    assert settings["optimizer_steps_per_batch"] == rl.optimizer_steps_per_batch == 2
 
 
 def test_trl_reward_wrapper_passes_context_and_postprocess():
