@@ -399,6 +399,8 @@ class PPOTrainer:
             )
         self.gen = PolicyWithValue(model)
         policy_params = [p for p in self.gen.policy.parameters() if p.requires_grad]
+        self._policy_params = policy_params
+        self._value_params = list(self.gen.value_head.parameters())
         self.optimizer = torch.optim.AdamW(
             [
                 {"params": policy_params, "lr": cfg.learning_rate},
@@ -557,7 +559,9 @@ class PPOTrainer:
                 loss = cfg.vf_coef * vf if warmup else pg + cfg.vf_coef * vf
                 self.optimizer.zero_grad(set_to_none=True)
                 self.accelerator.backward(loss)
-                self.accelerator.clip_grad_norm_(self.module.parameters(), cfg.max_grad_norm)
+                # clipped apart: the critic's gradient never shrinks the policy's step
+                self.accelerator.clip_grad_norm_(self._policy_params, cfg.max_grad_norm)
+                self.accelerator.clip_grad_norm_(self._value_params, cfg.max_grad_norm)
                 self.optimizer.step()
                 for k, v in zip(  # detached scalars for the log
                     ("pg", "vf", "clip", "akl", "vclip"),

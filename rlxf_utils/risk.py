@@ -90,7 +90,7 @@ HISTORY_PREFIX = "history"
 #: Policies of notebook 04 that are neither generated nor historical (a reference).
 NON_GENERATED = frozenset({"random_policy"})
 #: Generated policies that are not tuned by RL (the start and the best-of-N selection of it).
-UNTUNED = frozenset({"base", "best_of_n"})
+UNTUNED = frozenset({"base", "sft", "sft_met", "best_of_n"})
 
 #: Label mappings compared in the label-sensitivity check: MET statuses and statuses dropped.
 LABEL_VARIANTS: dict[str, dict[str, tuple[str, ...]]] = {
@@ -689,6 +689,13 @@ def policy_kind(policy: str, reference: str | None = None) -> str:
     if policy in NON_GENERATED:
         return "random"
     return "generated"
+
+
+def _start_policy(run: Any) -> str:
+    """The policy RL started from, as notebook 04 recorded it (older runs: 'base')."""
+    if run.exists("eval/summary.json"):
+        return str(run.read_json("eval/summary.json").get("start_policy", "base"))
+    return "base"
 
 
 def tuned_policies(policies: Iterable[str]) -> list[str]:
@@ -1767,20 +1774,24 @@ def run_risk_stage(cfg: Any, run: Any, reward_model: Any | None = None) -> RiskS
         summary["length_reward"] = {"length_column": length_col, "by_policy": _json_records(corr)}
         _write_fig(run, "risk_length_reward", plot_length_reward(gs, binned, length_col), figures)
         tuned = tuned_policies(gen)
-        if "base" in set(samples["policy"]) and tuned:
-            ng = rising_ngrams(samples, "base", tuned, 2, rk.top_ngrams)
+        start = _start_policy(run)
+        if start in set(samples["policy"]) and tuned:
+            ng = rising_ngrams(samples, start, tuned, 2, rk.top_ngrams)
             tables["risk_rising_ngrams"] = ng
             summary["rising_ngrams"] = {
                 p: ng.loc[ng["policy"] == p, "ngram"].head(5).tolist() for p in tuned
             }
         else:
-            note = f"no base and tuned policies in eval/samples.parquet (policies: {gen})"
+            note = f"no {start} and tuned policies in eval/samples.parquet (policies: {gen})"
             notes.append(note)
             tables["risk_rising_ngrams"] = _note_table(note)
             summary["rising_ngrams"] = None
 
     if run.exists("eval/frontier.parquet"):
-        gains = checkpoint_gains(run.read_parquet("eval/frontier.parquet"))
+        frontier = run.read_parquet("eval/frontier.parquet")
+        if "source" in frontier:  # the RL start and checkpoints only (not best-of-N or references)
+            frontier = frontier[frontier["source"].isin(["final", "snapshot"])]
+        gains = checkpoint_gains(frontier, base=_start_policy(run))
         if gains.empty:
             note = "eval/frontier.parquet holds no tuned checkpoint (only the base policy)"
             notes.append(note)

@@ -444,11 +444,27 @@ def run_algorithm(
     model, tok = load_start_policy(cfg.policy, cfg.rl.start_policy, rd.root)
     prompts = build_prompts(contexts, tok, cfg.rl.prompt_template, cfg.policy)
     out = rd.root / "policy" / algo
+    # A finished run with the same settings and prompts is reused (the marker is written last).
+    marker = {
+        "rl": cfg.rl.model_dump(mode="json", exclude={"num_threads", "algorithm"}),
+        "policy": cfg.policy.model_dump(mode="json"),
+        "steps": steps or cfg.rl.steps,
+        "seed": cfg.run.seed,
+        "prompts": len(prompts),
+    }
+    done = out / "complete.json"
+    if done.is_file() and json.loads(done.read_text(encoding="utf-8")) == marker:
+        log.info("%s: up to date (%s), not retrained", algo, done)
+        return rd.read_parquet(f"policy/{algo}/train_log.parquet")
     log.info("%s: %d training prompts -> %s", algo, len(prompts), out)
     kw = dict(seed=cfg.run.seed, progress=progress, steps=steps)
     if algo == "ppo":
-        return run_ppo(model, tok, prompts, contexts, reward_fn, cfg.rl, cfg.policy, out, **kw)
-    return run_trl(algo, model, tok, prompts, contexts, reward_fn, cfg.rl, cfg.policy, out, **kw)
+        frame = run_ppo(model, tok, prompts, contexts, reward_fn, cfg.rl, cfg.policy, out, **kw)
+    else:
+        frame = run_trl(algo, model, tok, prompts, contexts, reward_fn, cfg.rl, cfg.policy, out, **kw)
+    with atomic_path(done) as tmp:
+        tmp.write_text(json.dumps(marker, indent=2), encoding="utf-8")
+    return frame
 
 
 def read_logs(run_dir: str | Path, algos: Sequence[str]) -> pd.DataFrame:

@@ -254,7 +254,8 @@ def run_sft_stage(cfg: StudyConfig, run: RunDir, progress: bool = True) -> pd.Da
     """Train `sft` and `sft_met`; write `policy/<name>/{adapter/, train_log.parquet, data.json}`.
 
     Returns one row per policy: examples used, rows left out for length, steps, time, tokens/s,
-    first and last loss.
+    first and last loss. A policy whose adapter and `data.json` exist with the same settings is
+    reused (written last, so an interrupted training never looks finished).
     """
     from rlxf_utils.data import load_splits
 
@@ -265,6 +266,20 @@ def run_sft_stage(cfg: StudyConfig, run: RunDir, progress: bool = True) -> pd.Da
     contexts = run.read_parquet("data/contexts.parquet", stage="notebook 01 (data exploration)")
     summary = []
     for name, outcomes in SFT_POLICIES.items():
+        settings = {
+            "sft": sc.model_dump(mode="json", exclude={"num_threads"}),
+            "policy": cfg.policy.model_dump(mode="json"),
+            "prompt_template": cfg.rl.prompt_template,
+            "reward_protocol": cfg.reward.reward_protocol,
+            "seed": cfg.run.seed,
+        }
+        done = run.path(f"policy/{name}/data.json")
+        if done.is_file() and run.exists(f"policy/{name}/adapter/adapter_config.json"):
+            info = run.read_json(f"policy/{name}/data.json")
+            if info.get("settings") == settings:  # same data, model and settings: reuse
+                log.info("%s: up to date (%s), not retrained", name, done)
+                summary.append({k: v for k, v in info.items() if k not in ("row_ids", "settings")})
+                continue
         rows = eligible_rows(labelled, splits, contexts, cfg.reward.reward_protocol, outcomes)
         n_eligible = len(rows)
         limit = sc.max_examples if outcomes == "all" else sc.max_examples_met
@@ -296,9 +311,10 @@ def run_sft_stage(cfg: StudyConfig, run: RunDir, progress: bool = True) -> pd.Da
             "loss_first": float(frame["loss"].head(5).mean()),
             "loss_last": float(frame["loss"].tail(5).mean()),
             "row_ids": sorted(int(i) for i in rows["row_id"]),
+            "settings": settings,
         }
         run.write_json(f"policy/{name}/data.json", info)
-        summary.append({k: v for k, v in info.items() if k != "row_ids"})
+        summary.append({k: v for k, v in info.items() if k not in ("row_ids", "settings")})
         del model
     return pd.DataFrame(summary)
 

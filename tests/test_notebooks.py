@@ -164,18 +164,23 @@ def test_smoke_study_renders_the_report(tmp_path: Path) -> None:
     assert variables["risk"]["swap_mean_abs_delta"] == f"{hist['mean_abs_delta']:.4f}"
     assert f"by {hist['mean_abs_delta']:.4f} on average" in text
 
-    # GRPO and RLOO (TRL): one step each with this run's real reward model and embedded policy
-    import numpy as np
-
-    from rlxf_utils import rl
-    from rlxf_utils.config import load_config
-    from rlxf_utils.reward import load_reward
-
-    cfg = load_config(ROOT / "params/smoke.yaml")
-    reward_model, _ = load_reward(run_dir / "reward_model")
-    reward_fn = rl.make_reward_fn(reward_model)
-    for algo in ("grpo", "rloo"):
-        log = rl.run_algorithm(algo, cfg, run_dir, reward_fn, progress=False, steps=1)
-        assert len(log) == 1 and 0.0 < log["reward_mean"].iloc[0] < 1.0
-        assert np.isfinite(log["kl"].iloc[0])
-        assert (run_dir / f"policy/{algo}/adapter/adapter_model.safetensors").is_file()
+    # like for like: every algorithm started from sft, saved snapshots and its settings, and
+    # took the same prompts, responses and optimiser steps per batch
+    settings = [
+        json.loads((run_dir / f"policy/{a}/settings.json").read_text())
+        for a in ("ppo", "grpo", "rloo")
+    ]
+    shared = ("prompts_per_step", "responses_per_prompt", "optimizer_steps_per_batch", "steps")
+    assert all(s_[k] == settings[0][k] for s_ in settings for k in shared)
+    for algo in ("ppo", "grpo", "rloo"):
+        assert list((run_dir / f"policy/{algo}/snapshots").glob("step_*/adapter_model.safetensors"))
+    assert (run_dir / "policy/sft/adapter/adapter_model.safetensors").is_file()
+    meta = json.loads((run_dir / "eval/summary.json").read_text())
+    assert meta["start_policy"] == "sft" and {r["policy"] for r in meta["vs_best_of_n"]} == {
+        "ppo",
+        "grpo",
+        "rloo",
+    }
+    frontier = __import__("pandas").read_parquet(run_dir / "eval/frontier.parquet")
+    assert set(frontier["algo"]) >= {"sft", "ppo", "grpo", "rloo", "best_of_n"}
+    assert sorted(frontier.loc[frontier["algo"] == "best_of_n", "step"]) == [1, 2, 4]
