@@ -13,7 +13,8 @@ points (rlxf_utils.rl.run_ppo / run_trl) into a temporary folder, from a freshly
 policy: the run dir's `sft` policy when `<run-dir>/policy/sft/adapter` exists, else the base
 model (recorded as `start_policy`). Prompts: `--contexts` training contexts of the run dir
 (rl.load_contexts, seeded sample), or the 8 CONTEXTS of bench/rl.py when the run dir has no
-data. Torch threads: rl.num_threads, or all cores when null (as the study); `--threads` overrides.
+data. Torch threads: rl.num_threads, or all cores when null (as the study); `--threads` overrides
+(on cores busy with other jobs, `--threads 1`: 2 threads can be many times slower there).
 
 Per algorithm: the reward per step (mean over the step's responses), the gain = mean of the last
 W steps - mean of the first W (W = 3, fewer when steps < 6), and whether it rose by a clear

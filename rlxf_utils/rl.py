@@ -357,11 +357,24 @@ def run_trl(
             )
 
     class _SnapshotCallback(TrainerCallback):
-        """Every `checkpoint_every` generation batches: the adapter, for the reward-KL frontier."""
+        """At the end of each generation batch: its wall time (generation and every optimiser
+        step, as PPO's step time counts them) into the log row; every `checkpoint_every` batches
+        the adapter, for the reward-KL frontier."""
+
+        last = time.perf_counter()
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            self.last = time.perf_counter()
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             step, rest = divmod(int(state.global_step), per_batch)
-            if rest == 0 and step % rl.checkpoint_every == 0 and step < steps:
+            if rest:
+                return
+            now = time.perf_counter()
+            if history and history[-1]["step"] == step:  # noqa: B023
+                history[-1]["step_time_s"] = now - self.last  # noqa: B023
+            self.last = now
+            if step % rl.checkpoint_every == 0 and step < steps:
                 _save_snapshot(trainer, output_dir, step)
 
     cb = _LogCallback()

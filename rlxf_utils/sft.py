@@ -240,7 +240,7 @@ def train_sft(
             rows.append({"step": step, "loss": loss.item(), "target_tokens": n_tok, "tokens": n_all,
                          "lr": sched.get_last_lr()[0], "step_time_s": dt, "tokens_per_s": n_all / dt})  # fmt: skip
             bar.update(1)
-            bar.set_postfix(loss=f"{float(loss):.3f}")
+            bar.set_postfix(loss=f"{rows[-1]['loss']:.3f}")
     bar.close()
     model.eval()
     log.info("%s: %d steps, %.0f s", desc, step, time.perf_counter() - t_start)
