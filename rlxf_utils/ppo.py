@@ -274,9 +274,14 @@ class ValueHead(nn.Module):
         self.summary = nn.Linear(hidden_size, 1)
         nn.init.zeros_(self.summary.weight)
         nn.init.zeros_(self.summary.bias)
+        # Features are layer-normalised and the weighted sum scaled by 1/sqrt(d): one Adam step
+        # then moves a value by about lr * sqrt(d), not lr * d (~0.5 per step at lr 1e-3 on raw
+        # SmolLM2 states, ten times the spread of the rewards it has to predict).
+        self.scale = hidden_size**-0.5
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.summary(hidden.detach().float()).squeeze(-1)
+        h = F.layer_norm(hidden.detach().float(), hidden.shape[-1:])
+        return (F.linear(h, self.summary.weight) * self.scale + self.summary.bias).squeeze(-1)
 
 
 class PolicyWithValue(nn.Module):
