@@ -67,7 +67,11 @@ def test_policy_set_switches_adapters_on_one_base(tmp_path, monkeypatch) -> None
     save_file(zeros, str(run.path("policy/ppo/snapshots/step_000001/adapter_model.safetensors")))
 
     monkeypatch.setattr(alignment, "load_policy", lambda cfg, device=None: _base())
-    cfg = SimpleNamespace(policy=PolicyConfig())
+    cfg = SimpleNamespace(
+        policy=PolicyConfig(),
+        rl=SimpleNamespace(start_policy="base"),
+        sft=SimpleNamespace(enabled=False),
+    )
     pset = alignment.PolicySet(cfg, run, ["ppo"])
     ref, _ = _base()
     ids = torch.tensor([tok("w10 w11 w12")["input_ids"]])
@@ -134,13 +138,16 @@ def _samples(gain: float, n_prompts: int = 30, k: int = 3) -> pd.DataFrame:
                 r = 0.5 + 0.05 * math.sin(p) + shift + rng.normal(0, 0.01)
                 rows.append({"policy": pol, "prompt_id": p, "sample_id": j, "reward": r,
                              "audit_reward": 0.6 + rng.normal(0, 0.01), "logp_policy": -5.0 + shift,
-                             "logp_ref": -5.0, "n_tokens": 5, "response": f"w{p} w{j} text",
+                             "logp_ref": -5.0, "logp_base": -5.0, "n_tokens": 5, "finished": j % 2 == 0,
+                             "response": f"w{p} w{j} text",
                              "grounded_met_rate": 0.6, "max_sim": 0.5})  # fmt: skip
     return pd.DataFrame(rows)
 
 
 def test_summary_table_finds_a_real_gain_and_only_it() -> None:
-    s, paired = alignment.summary_table(_samples(0.1), ["ppo"], 4, n_boot=500, alpha=0.05, seed=0)
+    s, paired = alignment.summary_table(
+        _samples(0.1), ["base", "ppo"], "base", 4, n_boot=500, alpha=0.05, seed=0
+    )
     s = s.set_index("policy")
     assert s.loc["ppo", "gain"] == pytest.approx(0.1, abs=0.01)
     assert s.loc["ppo", "gain_low"] > 0.08 and s.loc["ppo", "gain_p_holm"] < 1e-3
@@ -149,8 +156,11 @@ def test_summary_table_finds_a_real_gain_and_only_it() -> None:
     assert s.loc["base", "kl"] == 0.0
     assert s.loc["best_of_n", "kl"] == pytest.approx(math.log(4) - 3 / 4)
     assert s.loc["base", "perplexity"] == pytest.approx(math.exp(1.0))
+    assert s.loc["ppo", "finished"] == pytest.approx(2 / 3)  # samples 0 and 2 of 3 finished
     assert set(paired["measure"]) == {"reward", "audit_reward"}
-    null, _ = alignment.summary_table(_samples(0.0), ["ppo"], 4, n_boot=500, alpha=0.05, seed=0)
+    null, _ = alignment.summary_table(
+        _samples(0.0), ["base", "ppo"], "base", 4, n_boot=500, alpha=0.05, seed=0
+    )
     assert null.set_index("policy").loc["ppo", "gain_p_holm"] > 0.05
 
 
@@ -158,3 +168,37 @@ def test_display_country() -> None:
     assert models.display_country("GAMBIA, THE") == "Gambia, the"
     assert models.display_country("BOSNIA AND HERZEGOVINA") == "Bosnia and Herzegovina"
     assert models.display_country("MACEDONIA (FYR)") == "Macedonia (FYR)"
+
+
+def test_expected_max_of_n_is_exact_order_statistics() -> None:
+    import itertools
+
+    from rlxf_utils import evaluation as ev
+
+    pool = [0.3, 0.9, 0.1, 0.5, 0.7]
+    for n in (1, 2, 3, 5):
+        subsets = list(itertools.combinations(pool, n))
+        assert ev.expected_max_of_n(pool, n) == pytest.approx(np.mean([max(c) for c in subsets]))
+    assert ev.best_of_n_kl_bound(1) == 0.0
+    with pytest.raises(ValueError, match="pool of at least"):
+        ev.expected_max_of_n(pool, 6)
+
+
+def test_versus_best_of_n_interpolates_in_kl() -> None:
+    from rlxf_utils import evaluation as ev
+
+    per_prompt = pd.DataFrame({1: [0.5] * 20, 2: [0.6] * 20, 4: [0.7] * 20})
+    kl_mid = (ev.best_of_n_kl_bound(2) + ev.best_of_n_kl_bound(4)) / 2
+    samples = pd.DataFrame(
+        {"policy": "ppo", "prompt_id": np.arange(20), "reward": 0.8 + 0.01 * np.sin(np.arange(20))}
+    )
+    summary = pd.DataFrame({"policy": ["ppo"], "kl": [kl_mid]})
+    out = alignment.versus_best_of_n(samples, per_prompt, summary, ["ppo"], 500, 0.05, 0)
+    r = out.iloc[0]
+    assert r["best_of_n_at_kl"] == pytest.approx(0.65)
+    assert r["verdict"] == "above" and not r["beyond_curve"]
+    summary["kl"] = 5.0  # beyond the largest N: compared with N = 4, and flagged
+    r = alignment.versus_best_of_n(
+        samples.assign(reward=0.7), per_prompt, summary, ["ppo"], 500, 0.05, 0
+    ).iloc[0]
+    assert r["beyond_curve"] and r["verdict"] == "not distinguishable"
