@@ -234,7 +234,10 @@ def autocast(dtype: str | None, device: str | torch.device = "cpu") -> Any:
     if dtype is None:
         return contextlib.nullcontext()
     kind = torch.device(device).type
-    return torch.autocast(device_type=kind, dtype=_DTYPES[dtype])
+    # cache_enabled=False: autocast otherwise casts each trainable weight once per context and
+    # reuses the copy, so a whole training loop run inside one context (TRL's train()) would
+    # keep sampling and scoring with the weights it started from
+    return torch.autocast(device_type=kind, dtype=_DTYPES[dtype], cache_enabled=False)
 
 
 _SPECIAL = re.compile(r"<\|[^|>]{1,40}\|>|</?s>")

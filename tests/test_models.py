@@ -136,3 +136,18 @@ def test_load_start_policy_merges_the_sft_adapter(tmp_path):
         torch.testing.assert_close(logits(rl), got, rtol=0, atol=1e-6)
     with pytest.raises(FileNotFoundError, match="SFT stage"):
         models.load_start_policy(cfg, "sft", tmp_path / "elsewhere")
+
+
+def test_autocast_sees_weight_updates_inside_one_context() -> None:
+    """A training loop inside one autocast context (TRL's train()) must use the updated weights."""
+    from rlxf_utils.models import autocast
+
+    lin = torch.nn.Linear(4, 1, bias=False)
+    torch.nn.init.zeros_(lin.weight)
+    x = torch.ones(1, 4)
+    with autocast("bfloat16"):
+        before = lin(x).float().item()
+        with torch.no_grad():
+            lin.weight.add_(1.0)
+        after = lin(x).float().item()
+    assert before == 0.0 and after == 4.0
