@@ -474,7 +474,9 @@ def run_algorithm(
     if algo == "ppo":
         frame = run_ppo(model, tok, prompts, contexts, reward_fn, cfg.rl, cfg.policy, out, **kw)
     else:
-        frame = run_trl(algo, model, tok, prompts, contexts, reward_fn, cfg.rl, cfg.policy, out, **kw)
+        frame = run_trl(
+            algo, model, tok, prompts, contexts, reward_fn, cfg.rl, cfg.policy, out, **kw
+        )
     with atomic_path(done) as tmp:
         tmp.write_text(json.dumps(marker, indent=2), encoding="utf-8")
     return frame
