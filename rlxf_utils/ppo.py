@@ -394,9 +394,8 @@ class PPOTrainer:
         self.generation_kwargs = dict(generation_kwargs or {})  # extra generate() args (benchmarks)
         self.autocast_dtype = autocast_dtype  # 'bfloat16': matmuls in bf16 (rollout and update)
         self.accelerator = accelerator or Accelerator()
-        rank_seed = seed + self.accelerator.process_index  # each process samples its own prompts
+        rank_seed = seed + self.accelerator.process_index  # each process draws its own samples
         _seed_everything(rank_seed)
-        self.np_rng = np.random.default_rng(rank_seed)  # kept for checkpoint compatibility
         self.stop_ids = sorted(eos_ids(model, tokenizer))  # the end tokens evaluation uses
         if cfg.gradient_checkpointing:  # recompute activations in the update: memory for time
             model.gradient_checkpointing_enable(
@@ -409,10 +408,7 @@ class PPOTrainer:
         self.optimizer = torch.optim.AdamW(
             [
                 {"params": policy_params, "lr": cfg.learning_rate},
-                {
-                    "params": list(self.gen.value_head.parameters()),
-                    "lr": cfg.value_learning_rate or cfg.learning_rate,
-                },
+                {"params": self._value_params, "lr": cfg.value_learning_rate or cfg.learning_rate},
             ],
             eps=1e-5,
         )
@@ -425,7 +421,6 @@ class PPOTrainer:
         self.step = 0
         self.history: list[dict[str, Any]] = []
         self.samples: list[dict[str, Any]] = []
-        self._order: list[int] = []
         self.value_initialised = False
         self.schedule: list[list[int]] | None = None  # set by train(): prompts per step
 
@@ -678,7 +673,6 @@ class PPOTrainer:
 
     def save_checkpoint(self) -> Path:
         """Adapter, value head, optimiser, KL controller, RNG states, sampler, logs and step."""
-        from peft import get_peft_model_state_dict
         from safetensors.torch import save_file
 
         root = self.output_dir / "checkpoints"
@@ -687,10 +681,7 @@ class PPOTrainer:
             return target
 
         def write(d: Path) -> None:
-            save_file(
-                {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(self.unwrapped.policy).items()},
-                str(d / "adapter_model.safetensors"),
-            )  # fmt: skip
+            save_file(adapter_state(self.unwrapped.policy), str(d / "adapter_model.safetensors"))
             save_file(_cpu_state(self.unwrapped.value_head), str(d / "value_head.safetensors"))
             torch.save(
                 {
@@ -698,8 +689,6 @@ class PPOTrainer:
                     "optimizer": self.optimizer.state_dict(),
                     "kl_ctl": self.kl_ctl.state_dict(),
                     "rng": _rng_state(),
-                    "np_rng": self.np_rng.bit_generator.state,
-                    "order": list(self._order),
                     "value_initialised": self.value_initialised,
                     "history": self.history,
                     "samples": self.samples,
@@ -734,8 +723,6 @@ class PPOTrainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.kl_ctl.load_state_dict(state["kl_ctl"])
         _set_rng_state(state["rng"])
-        self.np_rng.bit_generator.state = state["np_rng"]
-        self._order = list(state["order"])
         self.value_initialised = bool(state.get("value_initialised", True))
         self.history, self.samples, self.step = state["history"], state["samples"], state["step"]
         log.info("resumed PPO from %s (step %d)", path, self.step)
@@ -747,6 +734,13 @@ class PPOTrainer:
 # ---------------------------------------------------------------------------------------------
 def _ctx(c: Mapping[str, Any]) -> dict[str, Any]:
     return {k: c.get(k) for k in ("country", "arrangement_type", "econ_descriptor")}
+
+
+def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The LoRA weights of a peft model, on the CPU and contiguous (checkpoints and snapshots)."""
+    from peft import get_peft_model_state_dict
+
+    return {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(model).items()}
 
 
 def _cpu_state(module: nn.Module) -> dict[str, torch.Tensor]:

@@ -44,6 +44,7 @@ from rlxf_utils.ppo import (
     RewardFn,
     _atomic_dir,
     _seed_everything,
+    adapter_state,
     prompt_schedule,
 )
 
@@ -423,13 +424,11 @@ def run_trl(
 
 def _save_snapshot(trainer: Any, output_dir: Path, step: int) -> None:
     """The LoRA weights at a generation batch, as `snapshots/step_XXXXXX/adapter_model.safetensors`."""
-    from peft import get_peft_model_state_dict
     from safetensors.torch import save_file
 
     if not trainer.accelerator.is_main_process:
         return
-    model = trainer.accelerator.unwrap_model(trainer.model)
-    state = {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(model).items()}
+    state = adapter_state(trainer.accelerator.unwrap_model(trainer.model))
     _atomic_dir(
         output_dir / "snapshots" / f"step_{step:06d}",
         lambda d: save_file(state, str(d / "adapter_model.safetensors")),
@@ -453,22 +452,23 @@ def run_algorithm(
         raise ValueError("RL must only see split=='train' contexts; held-out contexts were passed")
     if cfg.rl.num_threads is not None:  # on shared cores, 1 thread avoids spin-wait slowdowns
         torch.set_num_threads(cfg.rl.num_threads)
-    _seed_everything(cfg.run.seed)
-    model, tok = load_start_policy(cfg.policy, cfg.rl.start_policy, rd.root)
-    prompts = build_prompts(contexts, tok, cfg.rl.prompt_template, cfg.policy)
     out = rd.root / "policy" / algo
-    # A finished run with the same settings and prompts is reused (the marker is written last).
+    # A finished run with the same settings and prompts is reused (the marker is written last),
+    # checked before the start policy is loaded and merged.
     marker = {
         "rl": cfg.rl.model_dump(mode="json", exclude={"num_threads", "algorithm"}),
         "policy": cfg.policy.model_dump(mode="json"),
         "steps": steps or cfg.rl.steps,
         "seed": cfg.run.seed,
-        "prompts": len(prompts),
+        "prompts": len(contexts),
     }
     done = out / "complete.json"
     if done.is_file() and json.loads(done.read_text(encoding="utf-8")) == marker:
         log.info("%s: up to date (%s), not retrained", algo, done)
         return rd.read_parquet(f"policy/{algo}/train_log.parquet")
+    _seed_everything(cfg.run.seed)
+    model, tok = load_start_policy(cfg.policy, cfg.rl.start_policy, rd.root)
+    prompts = build_prompts(contexts, tok, cfg.rl.prompt_template, cfg.policy)
     log.info("%s: %d training prompts -> %s", algo, len(prompts), out)
     kw = dict(seed=cfg.run.seed, progress=progress, steps=steps)
     if algo == "ppo":
