@@ -369,7 +369,8 @@ def versus_best_of_n(samples: pd.DataFrame, per_prompt_bon: pd.DataFrame, summar
         diff = (own - curve).dropna()
         d, lo, hi = ev.bootstrap_ci(diff, n_boot, alpha, seed)
         rows.append({"policy": algo, "kl": kl, "ave_r": float(own.mean()),
-                     "best_of_n_at_kl": float(curve.loc[diff.index].mean()), "diff": d,
+                     "best_of_n_at_kl": float(curve.loc[diff.index].mean()),
+                     "best_of_n_kl": float(min(kl, kls[-1])), "diff": d,
                      "diff_low": lo, "diff_high": hi, "beyond_curve": bool(j >= len(ns)),
                      "verdict": "above" if lo > 0 else ("below" if hi < 0 else "not distinguishable")})  # fmt: skip
     return pd.DataFrame(rows)

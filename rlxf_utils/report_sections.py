@@ -14,6 +14,7 @@ from typing import Any
 import pandas as pd
 
 from .artifacts import RunDir, fmt_num, fmt_pct, is_present, markdown_table
+from .evaluation import best_of_n_kl_bound
 from .models import display_country
 
 __all__ = ["SECTIONS", "eval_section", "reward_section", "risk_section", "rl_section"]
@@ -325,6 +326,13 @@ def eval_section(run: RunDir, alpha: float = 0.05) -> tuple[dict[str, Any], dict
     b = s.loc["best_of_n"]
     g = s.dropna(subset=["grounded_met"])
     bon_sentences = []
+    curve_end = best_of_n_kl_bound(max(meta.get("best_of_n_curve") or [1]))
+
+    def bon_kl(
+        r: pd.Series,
+    ) -> float:  # the curve's KL the policy was compared at (older runs lack it)
+        return r["best_of_n_kl"] if pd.notna(r.get("best_of_n_kl")) else min(r["kl"], curve_end)
+
     for _, r in vs_bon.iterrows():
         where = {
             "above": "above",
@@ -333,7 +341,8 @@ def eval_section(run: RunDir, alpha: float = 0.05) -> tuple[dict[str, Any], dict
         }[r["verdict"]]
         bon_sentences.append(
             f"{r['policy'].upper()} ({f3(r['ave_r'])} at {r['kl']:.2f} nats) lies {where} the best-of-N curve "
-            f"({f3(r['best_of_n_at_kl'])} at the same KL{', beyond its largest N' if r['beyond_curve'] else ''}; "
+            f"({f3(r['best_of_n_at_kl'])} at {bon_kl(r):.2f} nats"
+            f"{': its KL is beyond the curve, compared with the largest N' if r['beyond_curve'] else ', the same KL'}; "
             f"difference {ci(r['diff'], r['diff_low'], r['diff_high'])})"
         )  # fmt: skip
     ppl_md = "No held-out perplexity was measured."

@@ -197,8 +197,10 @@ def test_versus_best_of_n_interpolates_in_kl() -> None:
     r = out.iloc[0]
     assert r["best_of_n_at_kl"] == pytest.approx(0.65)
     assert r["verdict"] == "above" and not r["beyond_curve"]
+    assert r["best_of_n_kl"] == pytest.approx(kl_mid)
     summary["kl"] = 5.0  # beyond the largest N: compared with N = 4, and flagged
     r = alignment.versus_best_of_n(
         samples.assign(reward=0.7), per_prompt, summary, ["ppo"], 500, 0.05, 0
     ).iloc[0]
     assert r["beyond_curve"] and r["verdict"] == "not distinguishable"
+    assert r["best_of_n_kl"] == pytest.approx(ev.best_of_n_kl_bound(4))  # the curve's end
