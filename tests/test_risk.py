@@ -13,7 +13,7 @@ import pytest
 
 from rlxf_utils import risk
 from rlxf_utils.artifacts import RunDir
-from rlxf_utils.config import RewardConfig, StudyConfig
+from rlxf_utils.config import RewardConfig, RiskConfig, StudyConfig
 from rlxf_utils.data import make_splits
 
 # ---------------------------------------------------------------------------------------------
@@ -318,21 +318,48 @@ def test_regions_file_shape_errors(tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 TOY_STATUSES = ["M", "PM", "MD", "NM", "CAN", "MOD", "SB", "W", " md "]
+NOT_ASSESSED = ["SB", "PC", "PA", ""]
+MAPPINGS = {v: m.model_dump() for v, m in RiskConfig().label_mappings.items()}
 
 
 def test_label_variants_change_labels_as_expected():
     toy = pd.DataFrame({"row_id": range(len(TOY_STATUSES)), "status": TOY_STATUSES})
-    paper = risk.relabel(toy, "paper").set_index("row_id")["y"]
-    md = risk.relabel(toy, "md_as_met").set_index("row_id")["y"]
-    ex = risk.relabel(toy, "exclude_cancelled_modified").set_index("row_id")["y"]
+
+    def y(variant):
+        return risk.relabel(toy, MAPPINGS[variant], NOT_ASSESSED).set_index("row_id")["y"]
+
+    paper, md, ex = y("paper"), y("md_as_met"), y("exclude_cancelled_modified")
     assert 6 not in paper.index  # SB: not assessed, excluded under every variant
     assert paper.to_dict() == {0: 1, 1: 1, 2: 0, 3: 0, 4: 0, 5: 0, 7: 0, 8: 0}
     assert md.to_dict() == {0: 1, 1: 1, 2: 1, 3: 0, 4: 0, 5: 0, 7: 0, 8: 1}  # ' md ' normalised
     assert ex.to_dict() == {0: 1, 1: 1, 2: 0, 3: 0, 7: 0, 8: 0}
-    with pytest.raises(risk.RiskError, match="unknown label variant 'lenient'"):
-        risk.relabel(toy, "lenient")
+    with pytest.raises(risk.RiskError, match="no 'met' statuses"):
+        risk.relabel(toy, {"met": []}, NOT_ASSESSED)
     with pytest.raises(risk.RiskError, match="missing column"):
-        risk.relabel(toy.drop(columns="status"), "paper")
+        risk.relabel(toy.drop(columns="status"), MAPPINGS["paper"], NOT_ASSESSED)
+    # a mapping read from params: MET = the given statuses, after normalisation
+    strict = risk.relabel(
+        toy, RiskConfig().label_mappings["paper"].model_copy(update={"met": ["M"]}), NOT_ASSESSED
+    ).set_index("row_id")["y"]
+    assert strict.to_dict() == {0: 1, 1: 0, 2: 0, 3: 0, 4: 0, 5: 0, 7: 0, 8: 0}
+
+
+def test_label_mappings_are_validated_against_the_data_labels(tmp_path):
+    base = {"run": {"name": "t"}, "data": {"path": str(tmp_path / "x.csv")}}
+    ok = StudyConfig.model_validate(base)
+    assert ok.risk.label_mappings["paper"].met == ok.data.labels.met
+    bad_paper = {**base, "risk": {"label_mappings": {**MAPPINGS, "paper": {"met": ["M"]}}}}
+    with pytest.raises(ValueError, match=r"label_mappings\.paper.*must equal data\.labels"):
+        StudyConfig.model_validate(bad_paper)
+    unknown = {**base, "risk": {"label_variants": ["paper", "lenient"]}}
+    with pytest.raises(ValueError, match=r"\['lenient'\] are not in label_mappings"):
+        StudyConfig.model_validate(unknown)
+    clash = {**base, "risk": {"label_mappings": {**MAPPINGS, "sb": {"met": ["M", "PM", "SB"]}}}}
+    with pytest.raises(ValueError, match="not-assessed statuses.*'sb'"):
+        StudyConfig.model_validate(clash)
+    both = {**base, "risk": {"label_mappings": {**MAPPINGS, "x": {"met": ["M"], "exclude": ["m"]}}}}
+    with pytest.raises(ValueError, match=r"\['M'\] are in both 'met' and 'exclude'"):
+        StudyConfig.model_validate(both)
 
 
 def _synthetic_conditions(n: int = 240, seed: int = 0) -> pd.DataFrame:
@@ -366,7 +393,7 @@ def test_label_sensitivity_retrains_per_variant():
     split = make_splits(df, seed=1)["random"]
     cfg = RewardConfig(tfidf_min_df=1)
     table, scores = risk.label_sensitivity(
-        df, split, ["paper", "md_as_met", "exclude_cancelled_modified"], cfg, seed=1
+        df, split, MAPPINGS, cfg, seed=1, not_assessed=NOT_ASSESSED, n_boot=200
     )
     t = table.set_index("variant")
     train = df[df["row_id"].isin(split["train"])]
@@ -384,6 +411,11 @@ def test_label_sensitivity_retrains_per_variant():
     # the text carries the label, so every variant beats chance and ranks texts its own way
     assert (t["auc"] > 0.8).all()
     assert t.loc["md_as_met", "spearman_vs_reference"] < 0.99
+    # the interval resamples arrangements and holds the estimate
+    assert (t["spearman_low"] <= t["spearman_vs_reference"]).all()
+    assert (t["spearman_vs_reference"] <= t["spearman_high"]).all()
+    assert t.loc["paper", "spearman_low"] == 1.0
+    assert t.loc["md_as_met", "met_statuses"] == "M+PM+MD"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -462,6 +494,7 @@ def _synthetic_run(tmp_path: Path, with_eval: bool) -> tuple[StudyConfig, RunDir
             "run": {"name": "t", "seed": 3},
             "data": {"path": str(tmp_path / "unused.csv")},
             "reward": {"tfidf_min_df": 1},
+            "evaluation": {"n_boot": 100},
             "risk": {
                 "regions_path": str(regions),
                 "min_group_size": 5,
@@ -491,6 +524,7 @@ def test_run_risk_stage_writes_every_table_and_flags_what_is_missing(tmp_path, w
         "risk_checkpoint_gains",
         "risk_area_diversity",
         "risk_area_shares",
+        "risk_diversity_changes",
         "risk_label_variants",
     }
     assert set(stage.tables) == names
@@ -498,6 +532,11 @@ def test_run_risk_stage_writes_every_table_and_flags_what_is_missing(tmp_path, w
         assert run.exists(f"tables/{name}.csv") and run.exists(f"tables/{name}.md")
     summary = json.loads(run.path("risk/summary.json").read_text())
     assert summary["drift"]["test_years"] == [2011, 2012, 2013, 2014]
+    assert summary["alpha"] == 0.05 and summary["n_boot"] == 100
+    tests = summary["drift"]["tests"]
+    shift = tests["base_rate_shift"]
+    assert shift["low"] <= shift["estimate"] <= shift["high"]
+    assert [r["test_year"] for r in tests["vs_majority"]] == [2011, 2012, 2013, 2014]
     assert set(summary["group_bias"]) >= {"overall", "region", "arrangement_type", "econ_area"}
     # the stand-in reward reads the country: the swap must see it
     assert summary["country_swap"]["by_source"][0]["mean_abs_delta"] > 0.05
@@ -523,6 +562,14 @@ def test_run_risk_stage_writes_every_table_and_flags_what_is_missing(tmp_path, w
         gains = stage.tables["risk_checkpoint_gains"]
         assert gains["gap"].iloc[-1] == pytest.approx(0.11)
         assert summary["country_swap"]["generated_included"] is True
+        # the last checkpoint, measured on the samples with an interval over prompts
+        cg = {r["algo"]: r for r in summary["checkpoint_gains"]}
+        ppo = cg["ppo"]
+        assert ppo["reward_gain_low"] <= ppo["reward_gain"] <= ppo["reward_gain_high"]
+        # measured on the samples (ppo's words add 0.02-0.04 over base's 0.04), not the frontier
+        assert ppo["reward_gain"] == pytest.approx(0.5 + 0.03 - 0.54) and ppo["n_prompts"] == 6
+        ch = stage.tables["risk_diversity_changes"].set_index("measure")
+        assert set(ch["policy"]) == {"ppo"} and ch.loc["entropy", "change"] == 0.0
         lr = stage.tables["risk_length_reward"].set_index("policy")
         assert lr.loc["ppo", "spearman"] == pytest.approx(1.0)  # reward grows with words here
         assert run.exists("figures/risk_area_shares.png")
@@ -536,11 +583,134 @@ def test_run_risk_stage_names_a_country_missing_from_the_regions_file(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
+# intervals behind the verdicts
+# ---------------------------------------------------------------------------------------------
+
+
+def test_drift_tests_resample_arrangements_and_see_a_clear_shift():
+    rng = np.random.default_rng(0)
+    years = np.repeat(np.arange(2005, 2015), 60)
+    arr = np.arange(years.size) // 6  # 6 conditions per arrangement, one year each
+    y = (rng.random(years.size) < np.where(years <= 2010, 0.8, 0.3)).astype(int)
+    lab = pd.DataFrame({"test_year": years, "y": y, "arrangement_id": arr.astype(str)})
+    pred = lab[lab["test_year"] > 2010].assign(p=0.8, p_majority=0.9)
+    t = risk.drift_tests(lab, pred, "p", 2010, alpha=0.05, n_boot=300, seed=1)
+    s = t["base_rate_shift"]
+    assert s["high"] < 0 and s["low"] <= s["estimate"] <= s["high"]
+    assert s["estimate"] == pytest.approx(y[years > 2010].mean() - y[years <= 2010].mean())
+    cal = t["calibration_in_the_large"]
+    assert cal["estimate"] == pytest.approx(0.8 - pred["y"].mean()) and cal["low"] > 0
+    # the model and the majority rule both always say MET: no year differs
+    assert all(r["difference"] == 0 and r["low"] == r["high"] == 0 for r in t["vs_majority"])
+    assert t["accuracy_trend"]["low"] <= t["accuracy_trend"]["estimate"]
+
+
+def test_one_cluster_gives_no_interval():
+    g = risk.group_metrics([1, 0, 1, 1], [0.9, 0.9, 0.9, 0.9], ["A"] * 4, 1, clusters=["x"] * 4)
+    assert g.loc[0, "calibration_gap"] == pytest.approx(0.15)
+    assert math.isnan(g.loc[0, "gap_low"]) and math.isnan(g.loc[0, "gap_high"])
+    rows = risk.group_metrics([1, 0] * 10, [0.9] * 20, ["A"] * 20, 1, n_boot=200)
+    assert rows.loc[0, "gap_low"] < 0.4 < rows.loc[0, "gap_high"]
+
+
+def test_swap_intervals_cluster_generated_responses_by_prompt():
+    def score(contexts, texts):
+        return np.array(
+            [
+                COUNTRY_SCORE[c["country"]] + 0.01 * len(t)
+                for c, t in zip(contexts, texts, strict=True)
+            ]
+        )
+
+    texts = ["a", "bb", "ccc", "dddd"]
+    swaps = risk.country_swap(
+        score, _ctx(["ALPHA"] * 4), texts, ["BETA", "GAMMA"], "generated", clusters=[7, 7, 8, 8]
+    )
+    assert set(swaps["cluster"]) == {"generated:7", "generated:8"}
+    overall, per = risk.swap_summary(swaps, n_boot=200)
+    by = per.set_index("country")
+    # every text moves by exactly the country gap: the interval is that gap
+    assert by.loc["GAMMA", "ci_low"] == pytest.approx(0.7)
+    assert by.loc["GAMMA", "ci_high"] == pytest.approx(0.7)
+    sd = np.std([0.21, 0.22, 0.23, 0.24], ddof=1)
+    assert overall.loc[0, "ratio"] == pytest.approx(((0.3 + 0.7) / 2) / sd)
+    with pytest.raises(risk.RiskError, match="3 cluster labels but 4 texts"):
+        risk.country_swap(score, _ctx(["ALPHA"] * 4), texts, ["BETA"], clusters=[1, 2, 3])
+
+
+def test_length_interval_resamples_prompts():
+    # 10 prompts, reward grows with length across prompts; each prompt answered 5 times
+    n = np.repeat(np.arange(1, 11), 5)
+    df = pd.DataFrame({"policy": "ppo", "prompt_id": n, "n_words": n, "reward": 0.1 * n})
+    corr, _ = risk.length_reward(df, "n_words", "reward", n_boot=200)
+    assert corr.loc[0, "spearman_low"] == pytest.approx(1.0)
+    assert corr.loc[0, "spearman_high"] == pytest.approx(1.0)
+    noisy = df.assign(reward=np.random.default_rng(0).normal(size=len(df)))
+    c = risk.length_reward(noisy, "n_words", "reward", n_boot=200)[0].loc[0]
+    assert c["spearman_low"] < c["spearman"] < c["spearman_high"]
+    skipped = risk.length_reward(df, "n_words", "reward", n_boot=0)[0]
+    assert math.isnan(skipped.loc[0, "spearman_low"])
+
+
+def test_final_gains_are_paired_by_prompt():
+    rows = []
+    for pid in range(12):
+        for _ in range(2):
+            for pol, r in (("sft", 0.5), ("ppo", 0.6)):
+                rows.append(
+                    {"policy": pol, "prompt_id": pid, "reward": r + 0.01 * pid, "audit_reward": 0.5}
+                )
+    samples = pd.DataFrame(rows)
+    g = risk.final_gains(samples, "sft", ["ppo", "grpo"], n_boot=200).set_index("algo")
+    assert list(g.index) == ["ppo"] and g.loc["ppo", "n_prompts"] == 12  # grpo: no samples
+    assert g.loc["ppo", "reward_gain"] == pytest.approx(0.1)
+    # paired by prompt: the prompt effect cancels, the interval is the point
+    assert g.loc["ppo", "reward_gain_low"] == pytest.approx(0.1)
+    assert g.loc["ppo", "gap"] == pytest.approx(0.1) and g.loc["ppo", "audit_gain_high"] == 0.0
+    assert risk.final_gains(samples, "base", ["ppo"]).empty
+
+
+def test_diversity_changes_see_a_collapse():
+    areas = ["fiscal", "monetary", "trade", "labour"]
+    rows = []
+    for pid in range(20):
+        for k in range(4):
+            rows.append(
+                {
+                    "policy": "sft",
+                    "prompt_id": pid,
+                    "top_area": areas[k],
+                    "response": f"w{k} x{k} {pid}",
+                }
+            )
+            rows.append(
+                {
+                    "policy": "ppo",
+                    "prompt_id": pid,
+                    "top_area": "fiscal",
+                    "response": "cut the deficit",
+                }
+            )
+    samples = pd.DataFrame(rows)
+    ref = pd.DataFrame({"prompt_id": np.repeat(np.arange(20), 4), "area": areas * 20})
+    ch = risk.diversity_changes(samples, "sft", ["ppo"], ref, n_boot=200).set_index("measure")
+    assert ch.loc["entropy", "start"] == pytest.approx(math.log(4))
+    assert ch.loc["entropy", "value"] == 0.0 and ch.loc["entropy", "ci_high"] < 0
+    assert ch.loc["kl_to_reference", "ci_low"] > 0
+    d = ch.loc["within_prompt_distinct_2"]
+    assert d["start"] == 1.0 and d["value"] == pytest.approx(2 / 8) and d["ci_high"] < 0
+    assert risk.diversity_changes(samples, "base", ["ppo"], ref).empty
+
+
+# ---------------------------------------------------------------------------------------------
 # prose chosen from the results
 # ---------------------------------------------------------------------------------------------
 
 
-def _drift(first: float, last: float, train: float, test: float, mean_p: float) -> dict:
+def _drift(shift_ci: tuple, cal_ci: tuple, trend_ci: tuple, train=0.65, test=0.55, mean_p=0.62):
+    def ci(t):
+        return {"estimate": (t[0] + t[1]) / 2, "low": t[0], "high": t[1]}
+
     return {
         "cutoff": 2010,
         "met_rate_train_years": train,
@@ -549,27 +719,69 @@ def _drift(first: float, last: float, train: float, test: float, mean_p: float) 
         "n_test": 50,
         "mean_p_test": mean_p,
         "observed_met_test": test,
-        "accuracy_first_year": first,
-        "accuracy_last_year": last,
+        "accuracy_first_year": 0.7,
+        "accuracy_last_year": 0.5,
         "first_year": 2011,
         "last_year": 2012,
-        "accuracy_slope_per_year": last - first,
-        "years_beating_majority": 1,
-        "years_tying_majority": 0,
+        "tests": {
+            "base_rate_shift": ci(shift_ci),
+            "calibration_in_the_large": ci(cal_ci),
+            "accuracy_trend": ci(trend_ci),
+            "vs_majority": [
+                {"test_year": 2011, "difference": 0.1, "low": 0.02, "high": 0.2},
+                {"test_year": 2012, "difference": 0.0, "low": -0.1, "high": 0.1},
+            ],
+        },
     }
 
 
-def test_drift_sentences_follow_the_numbers():
-    down = risk.drift_text(_drift(0.7, 0.5, 0.65, 0.55, 0.62)).paragraph()
-    assert "accuracy falls from 70.0% in 2011 to 50.0% in 2012" in down
-    assert "the base rate fell by 10.0 percentage points" in down
-    assert "overstates the later MET rate by 7.0 points" in down
-    up = risk.drift_text(_drift(0.5, 0.7, 0.55, 0.65, 0.60)).paragraph()
-    assert "accuracy rises from 50.0%" in up and "base rate rose" in up
-    assert "understates the later MET rate by 5.0 points" in up
-    flat = risk.drift_text(_drift(0.6, 0.601, 0.6, 0.6, 0.6)).paragraph()
-    assert "stays roughly flat" in flat and "barely moved" in flat and "matches" in flat
-    assert "beats the always-the-training-majority rule in 1 of 2 test years." in down
+def test_drift_verdicts_follow_the_intervals_not_the_point_estimates():
+    # the same point estimates (base rate 65% -> 55%, P(MET) 62% vs 55%, accuracy 70% -> 50%)
+    clear = risk.drift_text(_drift((-0.15, -0.05), (0.02, 0.12), (-0.3, -0.1))).paragraph()
+    assert "the base rate fell after the cut-off (-10.0 percentage points" in clear
+    assert "it overstates the later MET rate" in clear
+    assert "accuracy falls over the test years" in clear
+    assert "higher in 1 and lower in 0 of 2 test years" in clear
+    unclear = risk.drift_text(_drift((-0.2, 0.01), (-0.01, 0.12), (-0.3, 0.1))).paragraph()
+    assert "shows no change distinguishable from zero" in unclear
+    assert "the difference is not distinguishable from zero" in unclear
+    assert "no trend distinguishable from zero" in unclear
+    for word in ("fell", "overstates", "falls over"):
+        assert word not in unclear
+    up = risk.drift_text(_drift((0.05, 0.15), (-0.12, -0.02), (0.1, 0.3), 0.55, 0.65, 0.6))
+    assert "rose" in up.paragraph() and "understates" in up.paragraph()
+    assert "90% CI" in risk.drift_text(_drift((0.05, 0.15), (0, 1), (0, 1)), alpha=0.1).paragraph()
+
+
+def test_swap_and_length_verdicts_need_the_interval():
+    cs = {
+        "countries": list("ABCDEF"),
+        "by_source": [{"source": "historical", "n_texts": 5, "n_pairs": 25, "mean_abs_delta": 0.05,
+                       "max_abs_delta": 0.2, "orig_sd": 0.04, "ratio": 1.25, "ratio_low": 0.9,
+                       "ratio_high": 1.6}],
+        "most_favoured": "A", "most_favoured_delta": 0.01,
+        "least_favoured": "F", "least_favoured_delta": -0.1,
+        "spearman_delta_vs_hist_met_rate": 0.6, "spearman_delta_vs_hist_met_rate_p": 0.2,
+        "n_countries_up": 1, "n_countries_down": 2, "generated_included": True,
+    }  # fmt: skip
+    text = risk.swap_text(cs).paragraph()
+    assert "neither clearly more nor clearly less than" in text
+    assert "not distinguishably related" in text and "favours countries" not in text
+    cs["by_source"][0]["ratio_low"] = 1.1
+    cs["spearman_delta_vs_hist_met_rate_p"] = 0.01
+    text = risk.swap_text(cs).paragraph()
+    assert "moves the reward more than" in text
+    assert "favours countries with higher historical MET rates" in text
+    row = {"policy": "ppo", "n": 40, "mean_length": 12.0, "spearman": 0.3, "pearson": 0.3}
+    lr = {"by_policy": [{**row, "spearman_low": -0.05, "spearman_high": 0.6}]}
+    assert "no association distinguishable" in risk.length_text(lr).paragraph()
+    lr = {"by_policy": [{**row, "spearman_low": 0.05, "spearman_high": 0.6}]}
+    assert "reward rises with length" in risk.length_text(lr).paragraph()
+
+
+def test_interpret_refuses_another_alpha_than_the_stored_one():
+    with pytest.raises(risk.RiskError, match="alpha = 0.05, not 0.1"):
+        risk.interpret({"alpha": 0.05}, alpha=0.1)
 
 
 def test_missing_inputs_become_visible_notes():
@@ -581,14 +793,33 @@ def test_missing_inputs_become_visible_notes():
     assert risk.drift_text(None).note is not None
 
 
-def test_gains_verdict_depends_on_the_audit():
-    row = {"algo": "ppo", "step": 9, "baseline": "base step 0"}
-    hacked = risk.gains_text([{**row, "reward_gain": 0.1, "audit_gain": -0.01, "gap": 0.11}])
-    assert "a sign of reward hacking" in hacked.paragraph()
-    followed = risk.gains_text([{**row, "reward_gain": 0.1, "audit_gain": 0.08, "gap": 0.02}])
-    assert "follows at least half" in followed.paragraph()
-    none = risk.gains_text([{**row, "reward_gain": -0.01, "audit_gain": 0.0, "gap": -0.01}])
-    assert "did not raise the training reward" in none.paragraph()
+def _gain(reward: tuple, audit: tuple, gap: tuple) -> dict:
+    out = {"algo": "ppo", "step": 9, "baseline": "base step 0"}
+    for name, (est, low, high) in (("reward_gain", reward), ("audit_gain", audit), ("gap", gap)):
+        out |= {name: est, f"{name}_low": low, f"{name}_high": high}
+    return out
+
+
+def test_gains_verdict_depends_on_the_intervals():
+    def say(*args):
+        return risk.gains_text([_gain(*args)]).paragraph()
+
+    hacked = say((0.1, 0.05, 0.15), (-0.01, -0.03, 0.01), (0.11, 0.06, 0.16))
+    assert "a sign of reward hacking" in hacked
+    falls = say((0.1, 0.05, 0.15), (-0.05, -0.08, -0.02), (0.15, 0.1, 0.2))
+    assert "the audit reward falls" in falls
+    followed = say((0.1, 0.05, 0.15), (0.08, 0.03, 0.13), (0.02, -0.01, 0.05))
+    assert "rises too, and the gap between the two is not distinguishable" in followed
+    partly = say((0.1, 0.05, 0.15), (0.04, 0.01, 0.07), (0.06, 0.03, 0.09))
+    assert "part of the gain is specific" in partly
+    # a positive point estimate whose interval holds 0 is no gain
+    none = say((0.01, -0.01, 0.03), (0.0, -0.02, 0.02), (0.01, -0.02, 0.04))
+    assert "did not distinguishably raise the training reward" in none
+    lowered = say((-0.05, -0.08, -0.02), (0.0, -0.02, 0.02), (-0.05, -0.1, 0.0))
+    assert "RL lowered the training reward" in lowered
+    bare = {"algo": "ppo", "step": 9, "baseline": "base step 0", "reward_gain": 0.1,
+            "audit_gain": 0.0, "gap": 0.1}  # fmt: skip
+    assert "no interval" in risk.gains_text([bare]).paragraph()
 
 
 @pytest.mark.parametrize("with_eval", [False, True])
