@@ -54,9 +54,14 @@ def bar_counts(table: pd.DataFrame, label_col: str, count_col: str, hue_col: str
 
 
 def rate_bars(
-    rates: pd.DataFrame, column: str, title: str, overall: float | None = None, min_n: int = 1
+    rates: pd.DataFrame,
+    column: str,
+    title: str,
+    overall: float | None = None,
+    min_n: int = 1,
+    alpha: float = 0.05,
 ):
-    """MET rate with Wilson 95% intervals per category (from `data.rate_by`), n on each bar."""
+    """MET rate with Wilson intervals per category (from `data.rate_by` at the same `alpha`)."""
     setup_style()
     r = rates[rates["n"] >= min_n].sort_values("met_rate")
     fig, ax = plt.subplots(figsize=(WIDTH, 0.24 * len(r) + 1.1))
@@ -71,13 +76,13 @@ def rate_bars(
         ax.axvline(overall, color="black", lw=0.8, ls="--", label=f"all conditions {overall:.2f}")
         ax.legend(loc="lower right")
     ax.set_xlim(0, 1)
-    ax.set_xlabel("MET rate (95% Wilson interval)")
+    ax.set_xlabel(f"MET rate ({1 - alpha:.0%} Wilson interval)")
     ax.set_title(title)
     ax.grid(axis="y", visible=False)
     return fig
 
 
-def rate_by_year(rates: pd.DataFrame, title: str, cutoff: int | None = None):
+def rate_by_year(rates: pd.DataFrame, title: str, cutoff: int | None = None, alpha: float = 0.05):
     """MET rate by test year with its interval (line) over the number of conditions (bars)."""
     setup_style()
     fig, ax = plt.subplots(figsize=(WIDTH, 3.0))
@@ -94,7 +99,7 @@ def rate_by_year(rates: pd.DataFrame, title: str, cutoff: int | None = None):
         ax.axvline(cutoff + 0.5, color="black", ls=":", lw=1, label=f"temporal cut-off ({cutoff})")
     ax.set_ylim(0, 1)
     ax.set_xlabel("test year")
-    ax.set_ylabel("MET rate (95% interval)")
+    ax.set_ylabel(f"MET rate ({1 - alpha:.0%} Wilson interval)")
     ax.set_xticks(x)
     ax.tick_params(axis="x", labelrotation=45)
     ax.legend(loc="lower left")

@@ -17,6 +17,7 @@ __all__ = [
     "FORBIDDEN_FIELDS",
     "PAPER_PROMPT_TEMPLATE",
     "build_policy_prompt",
+    "check_no_forbidden",
     "serialize_condition",
     "serialize_frame",
 ]
@@ -60,8 +61,13 @@ def serialize_condition(context: Mapping[str, Any], text: str) -> str:
 
 
 def serialize_frame(df: pd.DataFrame, text_column: str = "description") -> list[str]:
-    """Serialise every row of a conditions table (context columns + `text_column`)."""
+    """Serialise every row of a conditions table (context columns + `text_column`).
+
+    `text_column` naming an outcome field (e.g. `comments`) is refused: it would feed the label
+    to the model (`check_no_forbidden`).
+    """
     cols = [*CONTEXT_FIELDS, text_column]
+    check_no_forbidden(cols)
     missing = [c for c in cols if c not in df.columns]
     if missing:
         raise KeyError(f"table lacks columns {missing}; found {list(df.columns)}")
@@ -103,7 +109,14 @@ def build_policy_prompts(
 
 
 def check_no_forbidden(columns: Sequence[str]) -> None:
-    """Raise if any model-input column is an outcome field (the Comments rule and its kin)."""
+    """Raise if any model-input column is an outcome field (the Comments rule and its kin).
+
+    Called wherever model inputs are assembled from table columns (`serialize_frame`,
+    `reward.run_protocol`), case-insensitively.
+    """
     bad = sorted({c.lower() for c in columns} & FORBIDDEN_FIELDS)
     if bad:
-        raise ValueError(f"outcome fields {bad} must never be model inputs")
+        raise ValueError(
+            f"model-input columns {list(columns)} include outcome fields {bad}; outcome fields "
+            "(prompts.FORBIDDEN_FIELDS) must never be model inputs"
+        )

@@ -54,14 +54,21 @@ def test_cache_root_env(monkeypatch, tmp_path):
     assert models.cache_root().parts[-2:] == (".cache", "models")
 
 
-def test_resolve_policy_source_errors(tmp_path):
+def test_resolve_policy_source_prefers_local_folders(tmp_path, monkeypatch):
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="config.json"):
         models.resolve_policy_source(str(tmp_path / "empty"))
-    assert (
+    # a model folder resolves to its path, with `~` expanded
+    good = tmp_path / "home" / "m"
+    good.mkdir(parents=True)
+    (good / "config.json").write_text("{}")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert models.resolve_policy_source("~/m") == str(good)
+    # a name that exists as a local folder is that folder, not a hub id: it is checked as one
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "meta-llama" / "Llama-2-7b-chat-hf").mkdir(parents=True)
+    with pytest.raises(FileNotFoundError, match="config.json"):
         models.resolve_policy_source("meta-llama/Llama-2-7b-chat-hf")
-        == "meta-llama/Llama-2-7b-chat-hf"
-    )
 
 
 def test_format_prompt_plain_and_chat():

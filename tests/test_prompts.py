@@ -6,7 +6,6 @@ import pytest
 from rlxf_utils.prompts import (
     PAPER_PROMPT_TEMPLATE,
     build_policy_prompt,
-    check_no_forbidden,
     econ_area,
     serialize_condition,
     serialize_frame,
@@ -58,12 +57,20 @@ def test_policy_prompt_is_the_papers_template() -> None:
         build_policy_prompt(CTX, "{nope}")
 
 
-def test_econ_area_and_forbidden() -> None:
+def test_econ_area() -> None:
     assert (
         econ_area("11.4. Anti-corruption legislation/policy")
         == "anti-corruption legislation/policy"
     )
     assert econ_area("Central Bank") == "central Bank"
-    with pytest.raises(ValueError, match="comments"):
-        check_no_forbidden(["description", "Comments"])
-    check_no_forbidden(["country", "description"])
+
+
+def test_model_inputs_refuse_outcome_columns() -> None:
+    """The pipeline's serialiser will not read an outcome column as the condition text."""
+    df = pd.DataFrame(
+        [{**CTX, "description": "Adopt the law.", "Comments": "met on time", "status": "M"}]
+    )
+    assert serialize_frame(df) == [serialize_condition(CTX, "Adopt the law.")]
+    for column in ("Comments", "status"):  # any case
+        with pytest.raises(ValueError, match="outcome fields"):
+            serialize_frame(df, text_column=column)
