@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -191,6 +191,16 @@ def sample_tuned(pset: PolicySet, name: str, prompts: Sequence[str], k: int, gen
     return df
 
 
+def best_of_n_pool(pset: PolicySet, prompts: Sequence[str], n: int, gen_kw: Mapping[str, Any],
+                   logprob_batch: int) -> pd.DataFrame:  # fmt: skip
+    """n candidates per prompt from the start policy for best-of-N, drawn with another seed than
+    the policies' own samples (`gen_kw['seed'] + 1`), so best-of-N is never the maximum of the very
+    samples it is compared with."""
+    kw = {**gen_kw, "seed": int(gen_kw["seed"]) + 1}
+    return sample_tuned(pset, pset.start_name, prompts, n, kw, logprob_batch,
+                        desc="best-of-N pool", judges=False)  # fmt: skip
+
+
 def add_judge_logprobs(pset: PolicySet, df: pd.DataFrame, name: str, batch: int) -> pd.DataFrame:
     """Columns `logp_ref` (start policy) and `logp_base` (zero-shot base) for generated rows."""
     for col, judge in (("logp_ref", "start"), ("logp_base", "base")):
@@ -216,18 +226,33 @@ def add_rewards(df: pd.DataFrame, contexts: Sequence[Mapping[str, Any]], reward_
 
 
 def history_references(
-    labelled: pd.DataFrame, contexts: Sequence[Mapping[str, Any]], k: int, seed: int
+    labelled: pd.DataFrame,
+    contexts: Sequence[Mapping[str, Any]],
+    k: int,
+    seed: int,
+    reference_ids: Collection[int] | None = None,
 ) -> pd.DataFrame:
     """Real descriptions for each held-out context: MET, Non-MET (same context) and random.
 
     Up to k per prompt and kind, drawn without replacement (seeded); a context without MET (or
     Non-MET) history has no row of that kind, so paired tests use only prompts both sides have.
-    `hist_idx` is the row's position in `labelled` (the grounding index order).
+    Only rows whose `row_id` is in `reference_ids` (data/holdout.json's `reference`: rows no
+    reward or audit model trained on) are drawn, the random policy's too. `hist_idx` is the
+    row's position in `labelled` (the grounding index order).
     """
     rng = np.random.default_rng(seed)
     lab = labelled.reset_index(drop=True)
+    allowed = (
+        np.ones(len(lab), bool)
+        if reference_ids is None
+        else lab["row_id"].isin(set(reference_ids)).to_numpy()
+    )
+    if not allowed.any():
+        raise ValueError("no labelled row is a reference row; check data/holdout.json")
     key = lab[list(_CTX_KEYS)].astype(str).agg("\x1f".join, axis=1)
-    groups = {k_: np.asarray(v) for k_, v in lab.groupby(key).indices.items()}
+    groups = {
+        k_: np.asarray(v)[allowed[np.asarray(v)]] for k_, v in lab.groupby(key).indices.items()
+    }
     rows: list[dict[str, Any]] = []
     for pid, c in enumerate(contexts):
         idx = groups.get("\x1f".join(str(c[k_]) for k_ in _CTX_KEYS), np.array([], dtype=int))
@@ -238,7 +263,7 @@ def history_references(
                 {"policy": policy, "prompt_id": pid, "sample_id": j, "hist_idx": int(h)}
                 for j, h in enumerate(pick)
             ]
-        rand = rng.choice(len(lab), size=k, replace=False)
+        rand = rng.choice(np.flatnonzero(allowed), size=k, replace=False)
         rows += [
             {"policy": "random_policy", "prompt_id": pid, "sample_id": j, "hist_idx": int(h)}
             for j, h in enumerate(rand)
@@ -251,6 +276,25 @@ def history_references(
 # ---------------------------------------------------------------------------------------------
 # Summary tables
 # ---------------------------------------------------------------------------------------------
+
+
+def history_contrast(samples: pd.DataFrame, n_boot: int, alpha: float, seed: int) -> dict[str, Any]:
+    """Real MET minus real Non-MET descriptions under the reward and the audit, per prompt, on the
+    prompts that have both, with a cluster (country) bootstrap CI and tests over countries."""
+    out: dict[str, Any] = {}
+    h = samples[samples["policy"].isin(["history_met", "history_nonmet"])]
+    if h.empty:
+        return out
+    for col in ("reward", "audit_reward"):
+        wide = ev.per_prompt_means(h, col).dropna()
+        if wide.shape[1] < 2 or wide.empty:
+            continue
+        cl = ev.prompt_clusters(h, cluster_col="country").loc[wide.index].to_numpy()
+        res = ev.paired_comparison(wide["history_met"].to_numpy(), wide["history_nonmet"].to_numpy(),
+                                   n_boot=n_boot, seed=seed, alpha=alpha, clusters=cl)  # fmt: skip
+        out[col] = {k: res[k] for k in ("n", "n_clusters", "mean_a", "mean_b", "mean_diff", "ci_low",
+                                        "ci_high", "p_wilcoxon")}  # fmt: skip
+    return out
 
 
 def kl_table(samples: pd.DataFrame, generated: Sequence[str], best_of_n: int) -> pd.DataFrame:
@@ -276,8 +320,14 @@ def summary_table(
     alpha: float,
     seed: int,
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """(policy x measures with CIs, paired tests vs the start policy for reward and audit reward)."""
-    kw = dict(n_boot=n_boot, alpha=alpha, seed=seed)
+    """(policy x measures with CIs, paired tests vs the start policy for reward and audit reward).
+
+    Every CI and test treats the prompt's country as the unit (a cluster bootstrap): prompts of
+    one country share it in both the prompt and the reward model's input, so they are not
+    independent. `gap` is the gain under the reward minus the gain under the audit, per prompt.
+    """
+    kw = dict(n_boot=n_boot, alpha=alpha, seed=seed, cluster_col="country")
+    samples = samples.assign(reward_minus_audit=samples["reward"] - samples["audit_reward"])
     rew = ev.summarise_policies(samples, "reward", **kw)
     aud = ev.summarise_policies(samples, "audit_reward", **kw)
     grd = ev.summarise_policies(
@@ -287,6 +337,7 @@ def summary_table(
         [
             ev.paired_table(samples, start, "reward", **kw).assign(measure="reward"),
             ev.paired_table(samples, start, "audit_reward", **kw).assign(measure="audit_reward"),
+            ev.paired_table(samples, start, "reward_minus_audit", **kw).assign(measure="gap"),
         ],
         ignore_index=True,
     )
@@ -296,16 +347,16 @@ def summary_table(
         pol: ev.perplexity(g["logp_base"], g["n_tokens"])
         for pol, g in samples.groupby("policy", sort=False)
     }
-    out = rew[["policy", "n_prompts", "n_samples", "ave_r", "ci_low", "ci_high"]].rename(
-        columns={"ci_low": "ave_r_low", "ci_high": "ave_r_high"}
-    )
+    out = rew[
+        ["policy", "n_prompts", "n_clusters", "n_samples", "ave_r", "ci_low", "ci_high"]
+    ].rename(columns={"ci_low": "ave_r_low", "ci_high": "ave_r_high"})
     out = out.merge(
         aud[["policy", "ave_r", "ci_low", "ci_high"]].rename(
             columns={"ave_r": "audit", "ci_low": "audit_low", "ci_high": "audit_high"}
         ),
         on="policy",
     )
-    for measure, prefix in (("reward", "gain"), ("audit_reward", "audit_gain")):
+    for measure, prefix in (("reward", "gain"), ("audit_reward", "audit_gain"), ("gap", "gap")):
         p = paired[paired["measure"] == measure].set_index("policy")
         out[prefix] = out["policy"].map(p["mean_diff"])
         out[f"{prefix}_low"] = out["policy"].map(p["ci_low"])
@@ -328,28 +379,35 @@ def summary_table(
 
 
 def best_of_n_curve(pool: pd.DataFrame, ns: Sequence[int], n_boot: int, alpha: float,
-                    seed: int) -> tuple[pd.DataFrame, pd.DataFrame]:  # fmt: skip
+                    seed: int, clusters: pd.Series | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:  # fmt: skip
     """Expected best-of-N reward per prompt for each N (order statistics over the pool), and the
-    curve: Ave(R) with a bootstrap CI over prompts and KL at its upper bound, per N."""
+    curve: Ave(R) with a bootstrap CI over prompts (or over `clusters`, a label per prompt_id)
+    and KL at its upper bound log N - (N - 1) / N, per N."""
     per_prompt = pd.DataFrame(
         {n: pool.groupby("prompt_id")["reward"].apply(lambda v, n=n: ev.expected_max_of_n(v, n)) for n in ns}
     )  # fmt: skip
     rows = []
     for n in ns:
-        ave, lo, hi = ev.bootstrap_ci(per_prompt[n], n_boot, alpha, seed)
+        ave, lo, hi = ev.bootstrap_ci(per_prompt[n], n_boot, alpha, seed,
+                                      clusters=_clusters_of(per_prompt.index, clusters))  # fmt: skip
         rows.append({"algo": "best_of_n", "step": n, "reward": ave, "reward_low": lo, "reward_high": hi,
                      "audit_reward": np.nan, "kl": ev.best_of_n_kl_bound(n), "kl_se": 0.0,
                      "source": "best_of_n"})  # fmt: skip
     return per_prompt, pd.DataFrame(rows)
 
 
+def _clusters_of(prompt_ids: pd.Index, clusters: pd.Series | None) -> np.ndarray | None:
+    return None if clusters is None else clusters.loc[prompt_ids].to_numpy()
+
+
 def versus_best_of_n(samples: pd.DataFrame, per_prompt_bon: pd.DataFrame, summary: pd.DataFrame,
-                     algos: Sequence[str], n_boot: int, alpha: float, seed: int) -> pd.DataFrame:  # fmt: skip
+                     algos: Sequence[str], n_boot: int, alpha: float, seed: int,
+                     clusters: pd.Series | None = None) -> pd.DataFrame:  # fmt: skip
     """Each RL policy against the best-of-N curve at its own KL (the RLGF paper's Figure 2 test).
 
     The curve's reward at the policy's KL is interpolated linearly in KL between the two nearest
     N (per prompt); beyond the largest N the largest N is used and `beyond_curve` says so. The
-    difference is averaged over prompts and bootstrapped over prompts.
+    difference is averaged over prompts and bootstrapped over prompts (or `clusters` of them).
     """
     ns = sorted(per_prompt_bon.columns)
     kls = np.array([ev.best_of_n_kl_bound(n) for n in ns])
@@ -367,7 +425,8 @@ def versus_best_of_n(samples: pd.DataFrame, per_prompt_bon: pd.DataFrame, summar
             curve = (1 - w) * per_prompt_bon[ns[j - 1]] + w * per_prompt_bon[ns[j]]
         own = samples[samples["policy"] == algo].groupby("prompt_id")["reward"].mean()
         diff = (own - curve).dropna()
-        d, lo, hi = ev.bootstrap_ci(diff, n_boot, alpha, seed)
+        d, lo, hi = ev.bootstrap_ci(diff, n_boot, alpha, seed,
+                                    clusters=_clusters_of(diff.index, clusters))  # fmt: skip
         rows.append({"policy": algo, "kl": kl, "ave_r": float(own.mean()),
                      "best_of_n_at_kl": float(curve.loc[diff.index].mean()),
                      "best_of_n_kl": float(min(kl, kls[-1])), "diff": d,
@@ -392,7 +451,7 @@ def plot_distributions(samples: pd.DataFrame, order: Sequence[str]) -> Any:
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
     for ax, col, title in (
         (axes[0], "reward", "Reward model"),
-        (axes[1], "audit_reward", "Audit (TF-IDF LR)"),
+        (axes[1], "audit_reward", "Audit (TF-IDF LR, disjoint rows)"),
     ):
         data = [samples.loc[samples["policy"] == p, col].dropna().to_numpy() for p in order]
         ax.boxplot(data, showmeans=True)
@@ -403,8 +462,8 @@ def plot_distributions(samples: pd.DataFrame, order: Sequence[str]) -> Any:
     return fig
 
 
-def plot_gains(summary: pd.DataFrame, start: str = "base") -> Any:
-    """Gain over the start policy under the training reward and the audit reward, with 95% CIs."""
+def plot_gains(summary: pd.DataFrame, start: str = "base", alpha: float = 0.05) -> Any:
+    """Gain over the start policy under the training reward and the audit reward, with CIs."""
     import matplotlib.pyplot as plt
 
     s = summary[summary["policy"] != start].reset_index(drop=True)
@@ -423,7 +482,7 @@ def plot_gains(summary: pd.DataFrame, start: str = "base") -> Any:
     ax.set_xticks(x, s["policy"], rotation=20, ha="right")
     ax.set(
         ylabel=f"mean P(MET) minus {start}",
-        title="Gain over the starting policy (95% CI over prompts)",
+        title=f"Gain over the starting policy ({1 - alpha:.0%} CI, countries resampled)",
     )
     ax.legend()
     ax.grid(axis="y", alpha=0.3)
@@ -431,11 +490,11 @@ def plot_gains(summary: pd.DataFrame, start: str = "base") -> Any:
     return fig
 
 
-def plot_frontier(frontier: pd.DataFrame, start: str = "base") -> Any:
+def plot_frontier(frontier: pd.DataFrame, start: str = "base", alpha: float = 0.05) -> Any:
     """Reward against KL to the start policy: each algorithm's snapshots and final policy, and the
     best-of-N curve from the start policy (RLGF paper, Figure 2).
 
-    Each algorithm's line starts at the start policy (step 0); bars are 95% CIs over prompts, so a
+    Each algorithm's line starts at the start policy (step 0); bars are CIs over countries, so a
     rise smaller than them is not evidence of alignment. Best-of-N sits at its KL upper bound.
     """
     import matplotlib.pyplot as plt
@@ -467,7 +526,7 @@ def plot_frontier(frontier: pd.DataFrame, start: str = "base") -> Any:
                 str(r.step), (r.kl, r.reward), fontsize=7, xytext=(4, 4), textcoords="offset points"
             )
     ax.set(xlabel=f"KL(policy || {start}), nats per response", ylabel="Ave(R) on held-out prompts")
-    ax.set_title("Reward-KL frontier (labels: training step or N; bars: 95% CI)")
+    ax.set_title(f"Reward-KL frontier (labels: training step or N; bars: {1 - alpha:.0%} CI)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -527,7 +586,11 @@ def _score(
     return np.asarray(model.score(ctx, samples["response"].tolist(), batch_size=batch), dtype=float)
 
 
-def _ground(index: ev.HistoricalIndex, df: pd.DataFrame, k: int) -> pd.DataFrame:
+def _ground(
+    index: ev.HistoricalIndex, df: pd.DataFrame, k: int, arrangements: Sequence[str] | None = None
+) -> pd.DataFrame:
+    """Grounding columns; a historical row's neighbours exclude itself and, given `arrangements`
+    (one per index row), every row of its own arrangement."""
     cols = ["grounded_met_rate", "max_sim", "novelty", "top_area"]
     hist = (
         df["hist_idx"].fillna(-1).astype(int).to_numpy()
@@ -541,7 +604,9 @@ def _ground(index: ev.HistoricalIndex, df: pd.DataFrame, k: int) -> pd.DataFrame
         out.loc[gen, cols] = g[cols].to_numpy()
     if (~gen).any():
         h = hist[~gen]
-        g = index.ground_embeddings(index.embeddings[h], k, exclude=h)
+        qg = None if arrangements is None else [arrangements[i] for i in h]
+        g = index.ground_embeddings(index.embeddings[h], k, exclude=h, groups=arrangements,
+                                    query_groups=qg)  # fmt: skip
         out.loc[~gen, cols] = g[cols].to_numpy()
     for c in ("grounded_met_rate", "max_sim", "novelty"):
         out[c] = out[c].astype(float)
@@ -563,25 +628,27 @@ def frontier_points(
     ec, rl = cfg.evaluation, cfg.rl
     rows = []
     for algo in pset.algos:
-        snaps = sorted(
-            run.path(f"policy/{algo}/snapshots").glob("step_*/adapter_model.safetensors")
-        )
+        snaps = [
+            path
+            for path in sorted(
+                run.path(f"policy/{algo}/snapshots").glob("step_*/adapter_model.safetensors")
+            )
+            if int(path.parent.name.split("_")[1]) < rl.steps  # the final policy is measured apart
+        ]
         if ec.frontier_max_checkpoints and len(snaps) > ec.frontier_max_checkpoints:
             keep = np.linspace(0, len(snaps) - 1, ec.frontier_max_checkpoints).round().astype(int)
             snaps = [snaps[i] for i in sorted(set(keep))]
         for path in snaps:
             step = int(path.parent.name.split("_")[1])
-            if step >= rl.steps:
-                continue
             name = pset.load_snapshot(algo, path)
             df = sample_tuned(pset, name, prompts, ec.frontier_samples_per_prompt, sampling_kwargs(cfg, progress),
                               ec.logprob_batch_size, desc=f"{algo} step {step}", judges=False)  # fmt: skip
             with pset.reference() as ref:
                 df["logp_ref"] = _logprobs(ref, pset.tok, df, ec.logprob_batch_size)
             add_rewards(df, contexts, reward_model, audit_model, rl.reward_batch_size)
-            ave, lo, hi = ev.bootstrap_ci(
-                df.groupby("prompt_id")["reward"].mean(), ec.n_boot, ec.alpha, cfg.run.seed
-            )
+            per = df.groupby("prompt_id")["reward"].mean()
+            ave, lo, hi = ev.bootstrap_ci(per, ec.n_boot, ec.alpha, cfg.run.seed,
+                                          clusters=[contexts[i]["country"] for i in per.index])  # fmt: skip
             kl = ev.kl_estimate(df["logp_policy"], df["logp_ref"], df["n_tokens"])
             rows.append({"algo": algo, "step": step, "reward": ave, "reward_low": lo, "reward_high": hi,
                          "audit_reward": df["audit_reward"].mean(), "kl": kl["kl"], "kl_se": kl["kl_se"],
@@ -647,7 +714,7 @@ def heldout_perplexity(pset: PolicySet, rows: pd.DataFrame, template: str, cfg: 
 
 def run_evaluation_stage(cfg: Any, run: RunDir, progress: bool = True) -> EvalStage:
     """Generate, score, ground and compare every policy on the held-out contexts; write it all."""
-    from .data import load_splits
+    from .data import load_holdout, load_splits
     from .reward import load_reward
 
     ec, rl = cfg.evaluation, cfg.rl
@@ -676,8 +743,7 @@ def run_evaluation_stage(cfg: Any, run: RunDir, progress: bool = True) -> EvalSt
     # Best-of-N candidates: a separate draw from the start policy (another seed), so best-of-N is
     # never compared with the very samples it was selected from.
     n_pool = max(max(ec.best_of_n_curve), ec.best_of_n)
-    pool = sample_tuned(pset, start, prompts, n_pool, {**gen_kw, "seed": cfg.run.seed + 1},
-                        ec.logprob_batch_size, desc="best-of-N pool", judges=False)  # fmt: skip
+    pool = best_of_n_pool(pset, prompts, n_pool, gen_kw, ec.logprob_batch_size)
     add_rewards(pool, contexts, reward_model, audit_model, rl.reward_batch_size)
     best = ev.best_of_n_frame(pool[pool["sample_id"] < ec.best_of_n], "reward", ("prompt_id",))
     best = best.assign(policy="best_of_n", sample_id=0)
@@ -685,7 +751,8 @@ def run_evaluation_stage(cfg: Any, run: RunDir, progress: bool = True) -> EvalSt
     best["logp_policy"] = np.nan  # best-of-N has no tractable density; its KL is bounded above
     gen = pd.concat([gen, best], ignore_index=True)
 
-    hist = history_references(labelled, contexts, k, cfg.run.seed)
+    holdout = load_holdout(run)
+    hist = history_references(labelled, contexts, k, cfg.run.seed, holdout["reference"])
     with pset.use("base") as m:
         lp, n_tok = ev.sequence_logprobs(
             m, pset.tok, [prompts[i] for i in hist["prompt_id"]], hist["response"].tolist(),
@@ -701,7 +768,7 @@ def run_evaluation_stage(cfg: Any, run: RunDir, progress: bool = True) -> EvalSt
         labelled["y"].to_numpy(), labelled["econ_area"].astype(str).tolist(), ev.minilm_encoder(str(pset.base.device)),
     )  # fmt: skip
     samples[["grounded_met_rate", "max_sim", "novelty", "top_area"]] = _ground(
-        index, samples, ec.grounding_k
+        index, samples, ec.grounding_k, labelled["arrangement_id"].astype(str).tolist()
     )
     for key in (*_CTX_KEYS, "econ_area"):
         samples[key] = [contexts[i][key] for i in samples["prompt_id"]]
@@ -712,10 +779,11 @@ def run_evaluation_stage(cfg: Any, run: RunDir, progress: bool = True) -> EvalSt
 
     summary, paired = summary_table(samples, pset.names, start, ec.best_of_n, ec.n_boot, ec.alpha,
                                     cfg.run.seed)  # fmt: skip
+    country = pd.Series([c["country"] for c in contexts])  # the bootstrap's cluster, per prompt
     per_prompt_bon, curve = best_of_n_curve(pool, sorted(set(ec.best_of_n_curve)), ec.n_boot,
-                                            ec.alpha, cfg.run.seed)  # fmt: skip
+                                            ec.alpha, cfg.run.seed, country)  # fmt: skip
     vs_bon = versus_best_of_n(
-        samples, per_prompt_bon, summary, algos, ec.n_boot, ec.alpha, cfg.run.seed
+        samples, per_prompt_bon, summary, algos, ec.n_boot, ec.alpha, cfg.run.seed, country
     )
     final = []
     for name in pset.names:
@@ -760,9 +828,10 @@ def _write(run: RunDir, samples: pd.DataFrame, summary: pd.DataFrame, paired: pd
         .head(cfg.evaluation.show_samples)[["policy", "country", "econ_descriptor", "response", "reward", "audit_reward"]]
     )  # fmt: skip
     hacking = summary.loc[
-        summary["policy"].isin([*algos, "sft_met", "best_of_n"]), ["policy", "gain", "audit_gain"]
-    ].copy()
-    hacking["gap"] = hacking["gain"] - hacking["audit_gain"]
+        summary["policy"].isin([*algos, "sft_met", "best_of_n"]),
+        ["policy", "gain", "gain_low", "gain_high", "audit_gain", "audit_gain_low",
+         "audit_gain_high", "gap", "gap_low", "gap_high", "gap_p_holm"],
+    ].copy()  # fmt: skip
     tables = {
         "eval_summary": summary,
         "eval_paired": paired[
@@ -771,6 +840,7 @@ def _write(run: RunDir, samples: pd.DataFrame, summary: pd.DataFrame, paired: pd
                 "policy",
                 "vs",
                 "n",
+                "n_clusters",
                 "mean_a",
                 "mean_b",
                 "mean_diff",
@@ -794,8 +864,8 @@ def _write(run: RunDir, samples: pd.DataFrame, summary: pd.DataFrame, paired: pd
         run.write_table(name, df)
     for name, fig in (
         ("eval_reward_distributions", plot_distributions(samples, order)),
-        ("eval_gains", plot_gains(summary, start)),
-        ("eval_frontier", plot_frontier(frontier, start)),
+        ("eval_gains", plot_gains(summary, start, cfg.evaluation.alpha)),
+        ("eval_frontier", plot_frontier(frontier, start, cfg.evaluation.alpha)),
         ("eval_heldout_perplexity", plot_heldout_perplexity(extra["eval_heldout_perplexity"])),
         ("eval_grounding", plot_grounding(summary)),
     ):
@@ -814,6 +884,12 @@ def _write(run: RunDir, samples: pd.DataFrame, summary: pd.DataFrame, paired: pd
             "n_prompts": int(samples.loc[samples.policy == "base", "prompt_id"].nunique()),
             "samples_per_prompt": cfg.evaluation.samples_per_prompt,
             "best_of_n": cfg.evaluation.best_of_n,
+            "alpha": cfg.evaluation.alpha,
+            "cluster": "country",
+            "history_contrast": history_contrast(
+                samples, cfg.evaluation.n_boot, cfg.evaluation.alpha, cfg.run.seed
+            ),
+            "reference_rows": int(samples["hist_idx"].notna().sum()),
             "summary": rec.reset_index().to_dict("records"),
         },
     )

@@ -18,6 +18,7 @@ __all__ = [
     "ConfigError",
     "DataConfig",
     "EvaluationConfig",
+    "ForensicConfig",
     "LoraSettings",
     "PolicyConfig",
     "RLConfig",
@@ -269,6 +270,43 @@ class RewardConfig(Section):
         return self
 
 
+ForensicVariant = Literal[
+    "description", "paper_input", "staff_comments", "dates", "arrangement_id", "combined"
+]
+
+
+class ForensicConfig(Section):
+    """Forensic arm of notebook 02 (never feeds RL): the paper's 82% with inputs it forbids.
+
+    TF-IDF + LR per input variant (seconds each) and the encoder for `encoder_variants` (minutes
+    each on CPU) on `protocol`'s split, scored with bootstrap CIs at `evaluation.alpha`.
+    """
+
+    enabled: bool = True
+    protocol: Literal["random", "grouped", "temporal"] = "random"  # the paper's: random 20%
+    variants: list[ForensicVariant] = Field(
+        default_factory=lambda: [
+            "description", "paper_input", "staff_comments", "dates", "arrangement_id", "combined"
+        ],
+        min_length=1,
+    )  # fmt: skip
+    encoder_variants: list[ForensicVariant] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _variants(self) -> ForensicConfig:
+        for key in ("variants", "encoder_variants"):
+            values = getattr(self, key)
+            dup = sorted({v for v in values if values.count(v) > 1})
+            if dup:
+                raise ValueError(f"{key} lists {dup} more than once; list each variant once")
+        if "paper_input" not in self.variants:
+            raise ValueError(
+                "variants must include 'paper_input': the paper-allowed baseline every forbidden "
+                f"input is read against (got {self.variants})"
+            )
+        return self
+
+
 class Table3Scenario(Section):
     """One of the paper's Table 3 completion prompts; `{country}` is filled from held-out contexts."""
 
@@ -325,6 +363,33 @@ class EvaluationConfig(Section):
     num_threads: int | None = Field(default=None, gt=0)
 
 
+class LabelMapping(Section):
+    """One reading of MONA statuses for the label-sensitivity check: MET statuses, statuses dropped."""
+
+    met: list[str] = Field(min_length=1)
+    exclude: list[str] = Field(default_factory=list)
+
+    @field_validator("met", "exclude")
+    @classmethod
+    def _upper(cls, v: list[str]) -> list[str]:
+        return [s.strip().upper() for s in v]
+
+    @model_validator(mode="after")
+    def _disjoint(self) -> LabelMapping:
+        both = set(self.met) & set(self.exclude)
+        if both:
+            raise ValueError(f"status codes {sorted(both)} are in both 'met' and 'exclude'")
+        return self
+
+
+def _default_label_mappings() -> dict[str, LabelMapping]:
+    return {
+        "paper": LabelMapping(met=["M", "PM"]),
+        "md_as_met": LabelMapping(met=["M", "PM", "MD"]),
+        "exclude_cancelled_modified": LabelMapping(met=["M", "PM"], exclude=["CAN", "MOD"]),
+    }
+
+
 class RiskConfig(Section):
     """Risk measurements (notebook 05)."""
 
@@ -337,10 +402,28 @@ class RiskConfig(Section):
     swap_countries: int = Field(default=12, ge=2)  # countries swapped in
     length_bins: int = Field(default=5, ge=2)
     top_ngrams: int = Field(default=15, ge=1)
-    label_variants: list[Literal["paper", "md_as_met", "exclude_cancelled_modified"]] = Field(
+    # name -> mapping; 'paper' is the reference and must equal data.labels (its met, nothing dropped)
+    label_mappings: dict[str, LabelMapping] = Field(default_factory=_default_label_mappings)
+    label_variants: list[str] = Field(  # names in label_mappings, compared in this order
         default_factory=lambda: ["paper", "md_as_met", "exclude_cancelled_modified"], min_length=2
     )
     label_model: Literal["tfidf"] = "tfidf"  # retrained per label variant (cheap, see notebook 05)
+
+    @model_validator(mode="after")
+    def _variants_known(self) -> RiskConfig:
+        unknown = [v for v in self.label_variants if v not in self.label_mappings]
+        if unknown:
+            raise ValueError(
+                f"label_variants {unknown} are not in label_mappings "
+                f"(defined: {sorted(self.label_mappings)}); add a mapping with 'met' and 'exclude'"
+            )
+        if len(set(self.label_variants)) != len(self.label_variants):
+            raise ValueError(f"label_variants lists a name twice: {self.label_variants}")
+        if "paper" not in self.label_mappings:
+            raise ValueError(
+                "label_mappings needs a 'paper' mapping (the reference, = data.labels)"
+            )
+        return self
 
 
 class StudyConfig(Section):
@@ -354,6 +437,7 @@ class StudyConfig(Section):
     rl: RLConfig = Field(default_factory=RLConfig)
     evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
     risk: RiskConfig = Field(default_factory=RiskConfig)
+    forensic: ForensicConfig = Field(default_factory=ForensicConfig)
     source: Path | None = Field(default=None, exclude=True)
 
     def resolved(self) -> dict[str, Any]:
@@ -364,6 +448,26 @@ class StudyConfig(Section):
     def _start_exists(self) -> StudyConfig:
         if self.rl.start_policy == "sft" and not self.sft.enabled:
             raise ValueError("rl.start_policy is 'sft' but sft.enabled is false")
+        return self
+
+    @model_validator(mode="after")
+    def _paper_mapping_is_the_data_labels(self) -> StudyConfig:
+        paper = self.risk.label_mappings["paper"]
+        if set(paper.met) != set(self.data.labels.met) or paper.exclude:
+            raise ValueError(
+                f"risk.label_mappings.paper (met {paper.met}, exclude {paper.exclude}) must equal "
+                f"data.labels (met {self.data.labels.met}, exclude [])"
+            )
+        clash = {
+            name: sorted(set(m.met) & set(self.data.labels.not_assessed))
+            for name, m in self.risk.label_mappings.items()
+            if set(m.met) & set(self.data.labels.not_assessed)
+        }
+        if clash:
+            raise ValueError(
+                f"risk.label_mappings count not-assessed statuses (data.labels.not_assessed) as "
+                f"MET: {clash}"
+            )
         return self
 
 

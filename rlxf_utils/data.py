@@ -31,9 +31,11 @@ __all__ = [
     "MonaTable",
     "build_contexts",
     "label_statuses",
+    "load_holdout",
     "load_mona",
     "make_splits",
     "near_duplicates_across",
+    "nest_evaluation_holdout",
     "normalise_status",
     "subsample_arrangements",
 ]
@@ -577,6 +579,78 @@ def make_splits(
     return out
 
 
+def nest_evaluation_holdout(
+    labelled: pd.DataFrame,
+    splits: dict[str, dict[str, list[int]]],
+    protocol: str,
+    eval_countries: Iterable[str],
+    seed: int,
+    validation_fraction: float = 0.1,
+) -> tuple[dict[str, dict[str, list[int]]], dict[str, Any]]:
+    """Nest the RL evaluation inside the reward protocol's test split; carve a disjoint audit slice.
+
+    RL is evaluated on the contexts of held-out countries, and its history references (real MET
+    and Non-MET descriptions) come from those countries. So that neither the reward model nor the
+    audit model ever trained on a reference, every row of an evaluation country moves from the
+    reward protocol's train/val into its test part (whole countries, hence whole arrangements: the
+    grouped protocol stays grouped). The rest of that test part, the held-out rows of training
+    countries, trains the audit model, split by arrangement into `audit_train` / `audit_val`; it
+    shares no row with the reward model's training data. Returns (new splits, holdout), holdout
+    holding row_id lists `reference`, `audit_train`, `audit_val` and the country list.
+    """
+    if protocol not in splits:
+        raise DataError(
+            f"reward.reward_protocol is {protocol!r} but the splits are {sorted(splits)}"
+        )
+    held = sorted({str(c) for c in eval_countries})
+    country = labelled.set_index("row_id")["country"].astype(str)
+    in_eval = set(country.index[country.isin(held)].tolist())
+    sp = splits[protocol]
+    nested = {
+        "train": [i for i in sp["train"] if i not in in_eval],
+        "val": [i for i in sp["val"] if i not in in_eval],
+        "test": sorted(set(sp["test"]) | in_eval),
+    }
+    audit = np.array([i for i in nested["test"] if i not in in_eval], dtype=np.int64)
+    arr = labelled.set_index("row_id").loc[audit, "arrangement_id"].astype(str).to_numpy()
+    audit_train, audit_val = _grouped_take(
+        audit, arr, validation_fraction, np.random.default_rng(seed + 4)
+    )
+    holdout = {
+        "reward_protocol": protocol,
+        "eval_countries": held,
+        "reference": sorted(in_eval),
+        "audit_train": audit_train,
+        "audit_val": audit_val,
+    }
+    for name in ("train", "val"):
+        if not nested[name]:
+            raise DataError(
+                f"reward protocol {protocol!r} has no {name} rows once the evaluation countries "
+                "are held out; lower data.splits.context_eval_fraction"
+            )
+    for name in ("reference", "audit_train"):
+        if not holdout[name]:
+            raise DataError(
+                f"the evaluation holdout has no {name!r} rows ({len(labelled)} labelled rows); "
+                "check data.splits.test_fraction and context_eval_fraction"
+            )
+    out = dict(splits)
+    out[protocol] = nested
+    return out, holdout
+
+
+def load_holdout(run: Any) -> dict[str, Any]:
+    """`data/holdout.json` (see `nest_evaluation_holdout`), written by notebook 01."""
+    h = run.read_json("data/holdout.json", "notebook 01_data_exploration")
+    missing = [k for k in ("reference", "audit_train", "audit_val", "eval_countries") if k not in h]
+    if missing:
+        raise DataError(
+            f"{run.path('data/holdout.json')}: fields {missing} missing; rerun notebook 01"
+        )
+    return h
+
+
 def near_duplicates_across(
     train_texts: list[str], test_texts: list[str], threshold: float = 0.9
 ) -> dict[str, float]:
@@ -674,13 +748,15 @@ class DataStage:
     contexts: pd.DataFrame
     duplicates: pd.DataFrame
     subsampled_from: int | None = None
+    holdout: dict[str, Any] = field(default_factory=dict)
 
 
 def run_data_stage(cfg: Any, run: Any) -> DataStage:
     """Load, label, (sub)sample, split and build contexts; write them to the run dir.
 
     `cfg` is a `StudyConfig`, `run` a `RunDir`. Writes `data/conditions.parquet`,
-    `data/splits.json`, `data/contexts.parquet`, `data/load_report.json`.
+    `data/splits.json`, `data/holdout.json` (nest_evaluation_holdout), `data/contexts.parquet`,
+    `data/load_report.json`.
     """
     d = cfg.data
     table = load_mona(
@@ -697,6 +773,15 @@ def run_data_stage(cfg: Any, run: Any) -> DataStage:
     splits = make_splits(
         labelled, cfg.run.seed, s.test_fraction, s.validation_fraction, s.temporal_cutoff_year
     )
+    contexts = build_contexts(labelled, cfg.run.seed, s.context_eval_fraction)
+    splits, holdout = nest_evaluation_holdout(
+        labelled,
+        splits,
+        cfg.reward.reward_protocol,
+        contexts.loc[contexts["split"] == "eval", "country"].unique(),
+        cfg.run.seed,
+        s.validation_fraction,
+    )
     by_id = labelled.set_index("row_id")["description"]
     dup_rows = []
     for protocol, parts in splits.items():
@@ -708,16 +793,18 @@ def run_data_stage(cfg: Any, run: Any) -> DataStage:
         )
         dup_rows.append({"protocol": protocol, **res})
     duplicates = pd.DataFrame(dup_rows)
-    contexts = build_contexts(labelled, cfg.run.seed, s.context_eval_fraction)
     run.write_parquet("data/conditions.parquet", conditions)
     run.write_json("data/splits.json", splits)
+    run.write_json("data/holdout.json", holdout)
     run.write_parquet("data/contexts.parquet", contexts)
     report = table.report.as_dict()
     report["subsampled_from"] = subsampled_from
     report["rows_used"] = len(conditions)
     report["labelled_used"] = len(labelled)
     run.write_json("data/load_report.json", report)
-    return DataStage(table, conditions, labelled, splits, contexts, duplicates, subsampled_from)
+    return DataStage(
+        table, conditions, labelled, splits, contexts, duplicates, subsampled_from, holdout
+    )
 
 
 def load_splits(run: Any) -> tuple[pd.DataFrame, dict[str, dict[str, list[int]]]]:

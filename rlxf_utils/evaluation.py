@@ -36,6 +36,8 @@ __all__ = [
     "best_of_n",
     "best_of_n_frame",
     "bootstrap_ci",
+    "ci_verdict",
+    "cluster_bootstrap",
     "distinct_n",
     "entropy",
     "holm",
@@ -46,6 +48,7 @@ __all__ = [
     "paired_comparison",
     "paired_table",
     "per_prompt_means",
+    "prompt_clusters",
     "perplexity",
     "repetition_rate",
     "sequence_logprobs",
@@ -72,17 +75,27 @@ def bootstrap_ci(
     alpha: float = 0.05,
     seed: int = 0,
     chunk: int = 2_000_000,
+    clusters: Sequence[Hashable] | np.ndarray | None = None,
 ) -> tuple[float, float, float]:
     """Percentile bootstrap of the mean: (mean, low, high) at level 1 - alpha; NaNs are dropped.
 
-    Resampling is vectorised in chunks of at most `chunk` drawn indices, so memory stays bounded
-    for large inputs; the result depends only on (values, n_boot, alpha, seed).
+    With `clusters` (one label per value, e.g. the prompt's country), whole clusters are
+    resampled and each resample's statistic is the mean of the values it holds: values that
+    share a cluster are correlated, and treating them as independent makes the interval too
+    narrow. Resampling is vectorised in chunks of at most `chunk` drawn indices, so memory stays
+    bounded; the result depends only on (values, clusters, n_boot, alpha, seed).
     """
     if not 0 < alpha < 1:
         raise ValueError(f"alpha must lie in (0, 1); got {alpha}")
     if n_boot < 1:
         raise ValueError(f"n_boot must be >= 1; got {n_boot}")
     x = np.asarray(list(values) if not isinstance(values, np.ndarray) else values, dtype=float)
+    if clusters is not None:
+        g = np.asarray(list(clusters) if not isinstance(clusters, np.ndarray) else clusters)
+        if g.shape != x.shape:
+            raise ValueError(f"clusters need one label per value; got {g.shape} for {x.shape}")
+        keep = ~np.isnan(x)
+        return _cluster_bootstrap_mean(x[keep], g[keep], n_boot, alpha, seed, chunk)
     x = x[~np.isnan(x)]
     n = x.size
     if n == 0:
@@ -99,6 +112,81 @@ def bootstrap_ci(
         means[start:stop] = x[idx].mean(axis=1)
     low, high = np.quantile(means, [alpha / 2, 1 - alpha / 2])
     return (mean, float(low), float(high))
+
+
+def _cluster_bootstrap_mean(
+    x: np.ndarray, g: np.ndarray, n_boot: int, alpha: float, seed: int, chunk: int
+) -> tuple[float, float, float]:
+    if x.size == 0:
+        return (math.nan, math.nan, math.nan)
+    _, inv = np.unique(g, return_inverse=True)
+    sums = np.bincount(inv, weights=x)
+    counts = np.bincount(inv).astype(float)
+    c = sums.size
+    mean = float(x.mean())
+    if c == 1:
+        return (mean, mean, mean)
+    rng = np.random.default_rng(seed)
+    rows = max(1, chunk // c)
+    means = np.empty(n_boot)
+    for start in range(0, n_boot, rows):
+        stop = min(n_boot, start + rows)
+        idx = rng.integers(0, c, size=(stop - start, c))
+        means[start:stop] = sums[idx].sum(axis=1) / counts[idx].sum(axis=1)
+    low, high = np.quantile(means, [alpha / 2, 1 - alpha / 2])
+    return (mean, float(low), float(high))
+
+
+def cluster_bootstrap(
+    stat: Callable[[np.ndarray], float],
+    clusters: Sequence[Hashable] | np.ndarray,
+    n_boot: int = 2000,
+    alpha: float = 0.05,
+    seed: int = 0,
+) -> tuple[float, float, float]:
+    """Percentile bootstrap of any statistic of rows, resampling whole clusters.
+
+    `stat(idx)` computes the statistic on the rows `idx` (indices into the data, repeated when a
+    cluster is drawn twice); it is called once on all rows for the point estimate. Resamples whose
+    statistic is NaN (e.g. an AUC with one class) are dropped.
+    """
+    if not 0 < alpha < 1:
+        raise ValueError(f"alpha must lie in (0, 1); got {alpha}")
+    g = np.asarray(list(clusters) if not isinstance(clusters, np.ndarray) else clusters)
+    if g.size == 0:
+        return (math.nan, math.nan, math.nan)
+    _, inv = np.unique(g, return_inverse=True)
+    members = [np.flatnonzero(inv == j) for j in range(inv.max() + 1)]
+    point = float(stat(np.arange(g.size)))
+    rng = np.random.default_rng(seed)
+    vals = []
+    for _ in range(n_boot):
+        pick = rng.integers(0, len(members), size=len(members))
+        v = stat(np.concatenate([members[j] for j in pick]))
+        if not math.isnan(v):
+            vals.append(v)
+    if not vals:
+        return (point, math.nan, math.nan)
+    low, high = np.quantile(vals, [alpha / 2, 1 - alpha / 2])
+    return (point, float(low), float(high))
+
+
+def ci_verdict(
+    low: float,
+    high: float,
+    above: str = "higher",
+    below: str = "lower",
+    neither: str = "not distinguishable",
+) -> str:
+    """The verdict word a confidence interval supports: `above` when it lies above zero, `below`
+    when below, `neither` when it covers zero or is missing. Never the sign of a point estimate."""
+    if low is None or high is None or math.isnan(low) or math.isnan(high):
+        return neither
+    if low > 0:
+        return above
+    if high < 0:
+        return below
+    return neither
 
 
 def _rank_biserial(diff: np.ndarray) -> float:
@@ -118,6 +206,7 @@ def paired_comparison(
     n_boot: int = 2000,
     seed: int = 0,
     alpha: float = 0.05,
+    clusters: Sequence[Hashable] | np.ndarray | None = None,
 ) -> dict[str, float]:
     """Compare two policies on the same prompts (aligned per-prompt mean rewards), a minus b.
 
@@ -126,11 +215,18 @@ def paired_comparison(
     matched-pairs rank-biserial correlation. Pairs with a NaN on either side are dropped
     (`n_dropped`). Degenerate cases are answered, not raised: all differences zero gives
     p = 1 and d_z = 0; a constant non-zero difference gives p = 0 and d_z = +/-inf.
+
+    With `clusters` (one label per prompt, e.g. its country) the CI resamples whole clusters and
+    the tests run on per-cluster mean differences (`n_clusters` units), since prompts of one
+    cluster are not independent.
     """
     a = np.asarray(per_prompt_a, dtype=float)
     b = np.asarray(per_prompt_b, dtype=float)
     if a.shape != b.shape or a.ndim != 1:
         raise ValueError(f"per-prompt arrays must be 1-d and aligned; got {a.shape} vs {b.shape}")
+    g = None if clusters is None else np.asarray(clusters)
+    if g is not None and g.shape != a.shape:
+        raise ValueError(f"clusters need one label per prompt; got {g.shape} for {a.shape}")
     keep = ~(np.isnan(a) | np.isnan(b))
     a, b = a[keep], b[keep]
     diff = a - b
@@ -141,8 +237,17 @@ def paired_comparison(
         "mean_a": float(a.mean()) if n else math.nan,
         "mean_b": float(b.mean()) if n else math.nan,
     }
-    mean_diff, low, high = bootstrap_ci(diff, n_boot=n_boot, alpha=alpha, seed=seed)
+    if g is not None:
+        g = g[keep]
+    mean_diff, low, high = bootstrap_ci(diff, n_boot=n_boot, alpha=alpha, seed=seed, clusters=g)
     out.update(mean_diff=mean_diff, ci_low=low, ci_high=high)
+    if g is not None:
+        # the tests' units are the clusters: mean difference per cluster
+        frame = pd.DataFrame({"g": g, "a": a, "b": b}).groupby("g", sort=True).mean()
+        a, b = frame["a"].to_numpy(), frame["b"].to_numpy()
+        diff = a - b
+        n = int(diff.size)
+        out["n_clusters"] = n
     if n < 2:
         out.update(t_stat=math.nan, p_ttest=math.nan, p_wilcoxon=math.nan, cohens_dz=math.nan)
         out["rank_biserial"] = _rank_biserial(diff) if n else math.nan
@@ -201,6 +306,25 @@ def per_prompt_means(
     return wide[order]
 
 
+def prompt_clusters(
+    df: pd.DataFrame, prompt_col: str = "prompt_id", cluster_col: str | None = None
+) -> pd.Series | None:
+    """The cluster label of each prompt (index: prompt), or None without `cluster_col`.
+
+    Raises when a prompt carries two labels: a cluster must contain whole prompts.
+    """
+    if cluster_col is None:
+        return None
+    if cluster_col not in df.columns:
+        raise KeyError(f"cluster column {cluster_col!r} not in {list(df.columns)}")
+    per = df.groupby(prompt_col, sort=True, observed=True)[cluster_col]
+    if (per.nunique(dropna=False) > 1).any():
+        raise ValueError(
+            f"{cluster_col!r} varies within a prompt; clusters must hold whole prompts"
+        )
+    return per.first()
+
+
 def paired_table(
     df: pd.DataFrame,
     base: str = "base",
@@ -210,24 +334,28 @@ def paired_table(
     n_boot: int = 2000,
     seed: int = 0,
     alpha: float = 0.05,
+    cluster_col: str | None = None,
 ) -> pd.DataFrame:
     """Every policy vs `base` on their shared prompts, with Holm adjustment across policies.
 
     Rewards are averaged within each (policy, prompt) first; each comparison uses only the
     prompts both policies were scored on. Holm is applied separately to the t-test and the
-    Wilcoxon p-values (columns `p_ttest_holm`, `p_wilcoxon_holm`).
+    Wilcoxon p-values (columns `p_ttest_holm`, `p_wilcoxon_holm`). With `cluster_col` (a column
+    constant within a prompt, e.g. country) CIs and tests treat that cluster as the unit.
     """
     wide = per_prompt_means(df, reward_col, policy_col, prompt_col)
     if base not in wide.columns:
         raise KeyError(f"base policy {base!r} not in {list(wide.columns)}")
+    cl = prompt_clusters(df, prompt_col, cluster_col)
     rows = []
     for pol in wide.columns:
         if pol == base:
             continue
         pair = wide[[pol, base]].dropna()
         res = paired_comparison(
-            pair[pol].to_numpy(), pair[base].to_numpy(), n_boot=n_boot, seed=seed, alpha=alpha
-        )
+            pair[pol].to_numpy(), pair[base].to_numpy(), n_boot=n_boot, seed=seed, alpha=alpha,
+            clusters=None if cl is None else cl.loc[pair.index].to_numpy(),
+        )  # fmt: skip
         rows.append({"policy": pol, "vs": base, **res})
     table = pd.DataFrame(rows)
     if table.empty:
@@ -245,24 +373,32 @@ def summarise_policies(
     n_boot: int = 2000,
     alpha: float = 0.05,
     seed: int = 0,
+    cluster_col: str | None = None,
 ) -> pd.DataFrame:
     """Per-policy Ave(R) with a percentile-bootstrap CI that resamples prompts, not samples.
 
     Samples drawn for one prompt share its context and are correlated, so resampling them as if
-    independent would make the interval too narrow; the prompt is the unit. Ave(R) is the mean
-    over prompts of the per-prompt mean reward (each prompt weighs the same), which equals the
-    plain sample mean when every prompt has the same number of samples.
+    independent would make the interval too narrow; the prompt is the unit, or with
+    `cluster_col` (e.g. country, constant within a prompt) the cluster of prompts. Ave(R) is the
+    mean over prompts of the per-prompt mean reward (each prompt weighs the same), which equals
+    the plain sample mean when every prompt has the same number of samples.
     """
     wide = per_prompt_means(df, reward_col, policy_col, prompt_col)
     counts = df.groupby(policy_col, sort=False, observed=True)[reward_col].agg(["count", "std"])
+    cl = prompt_clusters(df, prompt_col, cluster_col)
     rows = []
     for pol in wide.columns:
-        vals = wide[pol].dropna().to_numpy()
-        mean, low, high = bootstrap_ci(vals, n_boot=n_boot, alpha=alpha, seed=seed)
+        col = wide[pol].dropna()
+        vals = col.to_numpy()
+        mean, low, high = bootstrap_ci(
+            vals, n_boot=n_boot, alpha=alpha, seed=seed,
+            clusters=None if cl is None else cl.loc[col.index].to_numpy(),
+        )  # fmt: skip
         rows.append(
             {
                 "policy": pol,
                 "n_prompts": int(vals.size),
+                "n_clusters": int(vals.size if cl is None else cl.loc[col.index].nunique()),
                 "n_samples": int(counts.loc[pol, "count"]),
                 "ave_r": mean,
                 "ci_low": low,
@@ -797,12 +933,20 @@ class HistoricalIndex:
         return area_distribution(self.areas)
 
     def neighbours(
-        self, query_embeddings: np.ndarray, k: int = 10, exclude: Sequence[int] | None = None
+        self,
+        query_embeddings: np.ndarray,
+        k: int = 10,
+        exclude: Sequence[int] | None = None,
+        groups: Sequence[Hashable] | None = None,
+        query_groups: Sequence[Hashable | None] | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """Indices and cosine similarities of the k nearest historical rows, nearest first.
 
         `exclude[i]` (a historical row index, or -1 for none) is never a neighbour of query i:
-        a historical condition grounded against history must not find itself.
+        a historical condition grounded against history must not find itself. With `groups` (one
+        label per historical row, e.g. the arrangement) and `query_groups` (one per query, None
+        for none), no row of query i's group is its neighbour either: MONA repeats a condition
+        across the reviews of one arrangement, and those copies would ground it on itself.
         """
         q = _normalise(query_embeddings)
         if q.shape[1] != self.embeddings.shape[1]:
@@ -812,6 +956,17 @@ class HistoricalIndex:
             raise ValueError(
                 f"exclude needs one entry per query; got {excl.shape} for {q.shape[0]}"
             )
+        gmask = None
+        if groups is not None and query_groups is not None:
+            if len(groups) != len(self) or len(query_groups) != q.shape[0]:
+                raise ValueError(
+                    f"groups need one label per historical row ({len(self)}) and query_groups one "
+                    f"per query ({q.shape[0]}); got {len(groups)} and {len(query_groups)}"
+                )
+            codes = {g: j for j, g in enumerate(dict.fromkeys(groups))}
+            icode = np.array([codes[g] for g in groups], dtype=np.int64)
+            qcode = np.array([codes.get(g, -1) if g is not None else -1 for g in query_groups])
+            gmask = (icode, qcode)
         k = max(1, min(int(k), len(self) - (excl is not None)))
         idx = np.empty((q.shape[0], k), dtype=np.int64)
         sim = np.empty((q.shape[0], k), dtype=np.float32)
@@ -821,6 +976,9 @@ class HistoricalIndex:
                 rows = np.arange(s.shape[0])
                 e = excl[start : start + 1024]
                 s[rows[e >= 0], e[e >= 0]] = -np.inf
+            if gmask is not None:
+                qc = gmask[1][start : start + 1024]
+                s[(gmask[0][None, :] == qc[:, None]) & (qc[:, None] >= 0)] = -np.inf
             part = (
                 np.argpartition(-s, k - 1, axis=1)[:, :k]
                 if k < s.shape[1]
@@ -834,10 +992,15 @@ class HistoricalIndex:
         return idx, sim
 
     def ground_embeddings(
-        self, query_embeddings: np.ndarray, k: int = 10, exclude: Sequence[int] | None = None
+        self,
+        query_embeddings: np.ndarray,
+        k: int = 10,
+        exclude: Sequence[int] | None = None,
+        groups: Sequence[Hashable] | None = None,
+        query_groups: Sequence[Hashable | None] | None = None,
     ) -> pd.DataFrame:
-        """`ground` for already-embedded responses (`exclude`: see `neighbours`)."""
-        idx, sim = self.neighbours(query_embeddings, k, exclude)
+        """`ground` for already-embedded responses (`exclude`, `groups`: see `neighbours`)."""
+        idx, sim = self.neighbours(query_embeddings, k, exclude, groups, query_groups)
         w = np.clip(sim.astype(float), 0.0, None)
         met = self.met[idx]
         w_ok = np.where(np.isnan(met), 0.0, w)

@@ -142,11 +142,15 @@ def build_sources(run: RunDir, build: Path, src: Path = REPORT_SRC) -> dict[str,
     )
     from . import report_sections as rs
 
-    variables = {"run": _manifest_variables(run), "data": _data_variables(run)}
+    variables = {
+        "run": _manifest_variables(run),
+        "data": {**_data_variables(run), **rs.data_section(run)},
+    }
     params = run.read_json("manifest.json", stage="rlxf run")["params"]
     includes: dict[str, str] = {}
     for key, (vals, files) in (
         ("reward", rs.reward_section(run)),
+        ("forensic", rs.forensic_section(run, params)),
         ("rl", rs.rl_section(run, params)),
         ("eval", rs.eval_section(run, params.get("evaluation", {}).get("alpha", 0.05))),
         ("risk", rs.risk_section(run)),

@@ -9,15 +9,25 @@ depends on a result, e.g. whether a test rejected) and compact markdown tables w
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pandas as pd
 
-from .artifacts import RunDir, fmt_num, fmt_pct, is_present, markdown_table
-from .evaluation import best_of_n_kl_bound
+from .artifacts import ArtifactMissing, RunDir, fmt_num, fmt_pct, is_present, markdown_table
+from .evaluation import best_of_n_kl_bound, ci_verdict
 from .models import display_country
 
-__all__ = ["SECTIONS", "eval_section", "reward_section", "risk_section", "rl_section"]
+__all__ = [
+    "SECTIONS",
+    "data_section",
+    "eval_section",
+    "forensic_section",
+    "forensic_verdict",
+    "reward_section",
+    "risk_section",
+    "rl_section",
+]
 
 PAPER_CLAIM = 0.82  # the paper's reported accuracy / precision / recall / F1 ("surpassing 82%")
 
@@ -47,101 +57,351 @@ def listing(items: list[str]) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
+# 01 data
+# ---------------------------------------------------------------------------------------------
+def data_section(run: RunDir) -> dict[str, Any]:
+    """The data section's tested sentences (notebook 01's `rates.data_findings`) and its level."""
+    s = run.read_json("data/summary.json", stage="notebook 01_data_exploration")
+    f = s.get("findings")
+    if not f:
+        raise ArtifactMissing(
+            f"{run.path('data/summary.json')}: field 'findings' missing; rerun notebook 01_data_exploration"
+        )
+    return {
+        "level": f["level"],
+        "trend_sentence": f["trend_sentence"],
+        "shift_sentence": f["shift_sentence"],
+        "area_sentence": f["area_sentence"],
+        "arrangement_type_sentence": f["arrangement_type_sentence"],
+    }
+
+
+# ---------------------------------------------------------------------------------------------
 # 02 reward model
 # ---------------------------------------------------------------------------------------------
+REWARD_LABELS = {"majority": "majority class", "tfidf": "TF-IDF + LR", "encoder": "fine-tuned encoder",
+                 "context_only": "context only", "text_only": "text only"}  # fmt: skip
+
+
+def _paper_verdict(m: pd.DataFrame, lvl: str) -> str:
+    """Whether any model's intervals lie above the paper's 82% on all four measures."""
+    four = ["accuracy", "precision", "recall", "f1"]
+    cand = m[m["model"].isin(["tfidf", "encoder"])]
+    above = cand[cand.apply(lambda r: all(r[f"{k}_low"] > PAPER_CLAIM for k in four), axis=1)]
+    short = cand[cand.apply(lambda r: any(r[f"{k}_high"] < PAPER_CLAIM for k in four), axis=1)]
+    if len(above):
+        who = listing([f"{REWARD_LABELS[r.model]} ({r.protocol})" for r in above.itertuples()])
+        return (
+            f"the paper's {PAPER_CLAIM:.0%} on accuracy, precision, recall and F1 is reached, with "
+            f"every {lvl} interval above it, by {who}"
+        )
+    best = cand.loc[cand["accuracy"].idxmax()]
+    return (
+        f"no model's {lvl} intervals lie above the paper's {PAPER_CLAIM:.0%} on all of accuracy, "
+        f"precision, recall and F1 under any protocol, and {len(short)} of {len(cand)} fall "
+        f"significantly short of it on at least one; the best accuracy is "
+        f"{pct(best['accuracy'])} [{pct(best['accuracy_low'])}, {pct(best['accuracy_high'])}] "
+        f"({REWARD_LABELS[best['model']]}, {best['protocol']})"
+    )
+
+
+def _by_verdict(rows: pd.DataFrame, phrases: dict[str, str], what: str) -> str:
+    """'<phrase> under the a and b protocols and <phrase> under c' from per-protocol verdicts."""
+    parts = []
+    for verdict, phrase in phrases.items():
+        ps = rows.loc[rows["verdict"] == verdict, "protocol"].tolist()
+        if ps:
+            parts.append(f"{phrase} under the {listing(ps)} protocol{'s' if len(ps) > 1 else ''}")
+    return f"{what} {listing(parts)}" if parts else f"{what}: no comparison was made"
+
+
 def reward_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
+    """Variables and tables of notebook 02: every verdict is read from a bootstrap interval."""
     stage = "notebook 02_reward_model"
     meta = run.read_json("reward/metrics.json", stage=stage)
+    missing = [k for k in ("alpha", "comparisons", "protocol_differences") if k not in meta]
+    if missing:
+        raise ArtifactMissing(
+            f"{run.path('reward/metrics.json')}: fields {missing} missing; rerun {stage}"
+        )
+    alpha = meta["alpha"]
+    lvl = f"{1 - alpha:.0%}"
     m = pd.DataFrame(meta["metrics"])
     cal = pd.DataFrame(meta["calibration"])
+    comp = pd.DataFrame(meta["comparisons"])
+    pdiff = pd.DataFrame(meta["protocol_differences"])
     src, proto = meta["reward_source"], meta["reward_protocol"]
     main = "encoder" if src == "encoder" else "tfidf"
-    protocols = list(dict.fromkeys(m["protocol"]))
-    acc = m.pivot(index="protocol", columns="model", values="accuracy").loc[protocols]
-    has_enc = "encoder" in acc.columns
+    has_enc = "encoder" in set(m["model"])
 
     rows = []
-    for p in protocols:
-        g = m[m["protocol"] == p].set_index("model")
-        for model, label in (
-            ("majority", "majority class"),
-            ("tfidf", "TF-IDF + LR"),
-            ("encoder", "fine-tuned encoder"),
-        ):
-            if model in g.index:
-                r = g.loc[model]
-                rows.append({"protocol": p, "model": label, "accuracy": r["accuracy"], "precision": r["precision"],
-                             "recall": r["recall"], "F1": r["f1"], "macro-F1": r["macro_f1"], "AUC": r["roc_auc"],
-                             "Brier": r["brier"], "ECE": r["ece"]})  # fmt: skip
+    for r in m[m["model"].isin(["majority", "tfidf", "encoder"])].itertuples():
+        rows.append({"protocol": r.protocol, "model": REWARD_LABELS[r.model], "accuracy": r.accuracy,
+                     "precision": r.precision, "recall": r.recall, "F1": r.f1, "macro-F1": r.macro_f1,
+                     "AUC": r.roc_auc, "Brier": r.brier, "ECE": r.ece})  # fmt: skip
     metrics_md = markdown_table(pd.DataFrame(rows))
 
-    best_acc = float(acc.drop(columns=["context_only", "text_only"], errors="ignore").max().max())
-    reached = [p for p in protocols if (m[(m.protocol == p) & m.model.isin(["tfidf", "encoder"])][["accuracy", "precision", "recall", "f1"]] > PAPER_CLAIM).all(axis=1).any()]  # fmt: skip
-    paper_verdict = (
-        f"no model reaches the paper's {PAPER_CLAIM:.0%} on all four measures under any protocol; the best accuracy is {pct(best_acc)}"
-        if not reached
-        else f"the paper's {PAPER_CLAIM:.0%} on all four measures is reached under the {listing(reached)} protocol(s)"
-    )
+    def interval(d: pd.Series, scale: float = 1.0, digits: int = 3) -> str:
+        return (f"{scale * d['diff']:+.{digits}f} [{scale * d['diff_low']:+.{digits}f}, "
+                f"{scale * d['diff_high']:+.{digits}f}]")  # fmt: skip
+
+    acc = comp[comp["measure"] == "accuracy"]
     if has_enc:
-        wins = [p for p in protocols if acc.loc[p, "encoder"] > acc.loc[p, "tfidf"]]
-        enc_vs = (
-            "the fine-tuned encoder is more accurate than TF-IDF + LR under every protocol"
-            if len(wins) == len(protocols)
-            else "TF-IDF + LR is at least as accurate as the fine-tuned encoder under every protocol"
-            if not wins
-            else f"the fine-tuned encoder is more accurate than TF-IDF + LR only under the {listing(wins)} protocol(s)"
-        )
+        enc_vs = _by_verdict(
+            acc,
+            {"higher": "more accurate", "lower": "less accurate", "not distinguishable": "not distinguishable in accuracy"},
+            "against TF-IDF + LR, the fine-tuned encoder is",
+        )  # fmt: skip
+        enc_vs += f" (paired {lvl} bootstrap intervals of the accuracy difference)"
     else:
         enc_vs = "no encoder was trained in this run"
+    pm = pdiff[pdiff["model"] == main] if len(pdiff) else pdiff
+    if len(pm):
+        protocol_sentence = _by_verdict(
+            pm,
+            {"lower": "falls", "higher": "rises", "not distinguishable": "does not change significantly"},
+            f"Against the {pm['reference'].iloc[0]} split, the {REWARD_LABELS[main]}'s test accuracy",
+        ) + " (" + "; ".join(f"{r.protocol} {100 * r.diff:+.1f} points [{100 * r.diff_low:+.1f}, {100 * r.diff_high:+.1f}]"
+                             for r in pm.itertuples()) + ")"  # fmt: skip
+    else:
+        protocol_sentence = (
+            "Only one protocol was run, so accuracy is not compared across protocols"
+        )
+
     cal_main = cal[(cal["protocol"] == proto) & (cal["model"] == main)].iloc[0]
+    cal_word = {"lower": "lowered", "higher": "raised"}.get(
+        cal_main["ece_verdict"], "did not significantly change"
+    )
     cal_md = markdown_table(
-        cal[["protocol", "model", "temperature", "test_ece_before", "test_ece_after", "test_brier_before", "test_brier_after"]]
-        .rename(columns={"test_ece_before": "ECE before", "test_ece_after": "ECE after",
-                         "test_brier_before": "Brier before", "test_brier_after": "Brier after"})
+        pd.DataFrame(
+            {
+                "protocol": cal["protocol"],
+                "model": cal["model"].map(REWARD_LABELS),
+                "T": cal["temperature"].map(lambda x: f"{x:.2f}"),
+                "offset": cal["offset"].map(lambda x: f"{x:+.2f}"),
+                "calibration rows": cal["n_calibration"].astype(int),
+                f"ECE before [{lvl} CI]": [ci(a, b, c) for a, b, c in zip(cal.test_ece_before, cal.test_ece_before_low, cal.test_ece_before_high, strict=True)],
+                f"ECE after [{lvl} CI]": [ci(a, b, c) for a, b, c in zip(cal.test_ece_after, cal.test_ece_after_low, cal.test_ece_after_high, strict=True)],
+                f"after − before [{lvl} CI]": [ci(a - b, lo, hi) for a, b, lo, hi in zip(cal.test_ece_after, cal.test_ece_before, cal.ece_diff_low, cal.ece_diff_high, strict=True)],
+                "Brier before": cal["test_brier_before"].map(f3),
+                "Brier after": cal["test_brier_after"].map(f3),
+            }
+        )
     )  # fmt: skip
-    wc = m[m["protocol"] == proto].set_index("model")
+    within = m[m["model"].isin(["tfidf", "encoder", "context_only", "text_only"])]
     within_md = markdown_table(
-        m[m["model"].isin(["tfidf", "encoder", "context_only", "text_only"])][
-            ["protocol", "model", "roc_auc", "auc_within_country", "auc_within_area"]
-        ].rename(columns={"roc_auc": "AUC", "auc_within_country": "AUC within country", "auc_within_area": "AUC within area"})
+        pd.DataFrame(
+            {
+                "protocol": within["protocol"],
+                "model": within["model"].map(REWARD_LABELS),
+                f"AUC [{lvl} CI]": [ci(r.roc_auc, r.roc_auc_low, r.roc_auc_high) for r in within.itertuples()],
+                **{
+                    f"within {name} [{lvl} CI]": [
+                        ci(getattr(r, f"auc_within_{stem}"), getattr(r, f"auc_within_{stem}_low"), getattr(r, f"auc_within_{stem}_high"))
+                        for r in within.itertuples()
+                    ]
+                    for stem, name in (("country", "country"), ("area", "area"), ("context", "context"))
+                },
+            }
+        )
     )  # fmt: skip
-    ctx_auc, txt_auc = wc.loc["context_only", "roc_auc"], wc.loc["text_only", "roc_auc"]
-    timing = meta.get("timing", {}).get(proto, {})
+    tests_md = markdown_table(
+        pd.DataFrame(
+            {
+                "protocol": comp["protocol"],
+                "comparison": comp["comparison"],
+                "measure": comp["measure"].map({"accuracy": "accuracy", "roc_auc": "AUC", "ece": "ECE"}),
+                "a": comp["value_a"].map(f3),
+                "b": comp["value_b"].map(f3),
+                f"a − b [{lvl} CI]": [interval(r) for _, r in comp.iterrows()],
+                "verdict": comp["verdict"],
+            }
+        )
+    )  # fmt: skip
+
+    wc = m[m["protocol"] == proto].set_index("model")
     mm = wc.loc[main]
+    t_vs_c = comp[(comp["protocol"] == proto) & (comp["comparison"] == "text only vs context only")]
+    if len(t_vs_c):
+        r = t_vs_c.iloc[0]
+        reads_text = {
+            "higher": "the text alone ranks conditions better than the context fields alone",
+            "lower": "the context fields alone rank conditions better than the text alone, so much of the reward is a prior over contexts",
+        }.get(r["verdict"], "the text alone and the context fields alone cannot be told apart")  # fmt: skip
+        reads_text += f" (AUC difference {interval(r)}, {lvl} CI)"
+    else:
+        reads_text = "the probes were not compared"
+    timing = meta.get("timing", {}).get(proto, {})
+
+    def auc_ci(stem: str) -> str:
+        return ci(
+            mm[f"auc_within_{stem}"], mm[f"auc_within_{stem}_low"], mm[f"auc_within_{stem}_high"]
+        )
+
     variables = {
         "source": "fine-tuned encoder" if src == "encoder" else "TF-IDF + logistic regression",
         "protocol": proto,
-        "paper_verdict": paper_verdict,
+        "level": lvl,
+        "calibration_share": f"{meta.get('calibration_share', 0.5):.0%}",
+        "paper_verdict": _paper_verdict(m, lvl),
         "encoder_vs_tfidf": enc_vs,
+        "protocol_sentence": protocol_sentence,
         "main_accuracy": pct(mm["accuracy"]),
+        "main_accuracy_ci": f"[{pct(mm['accuracy_low'])}, {pct(mm['accuracy_high'])}]",
         "main_auc": f3(mm["roc_auc"]),
         "main_f1": f3(mm["f1"]),
         "majority_accuracy": pct(wc.loc["majority", "accuracy"]),
         "temperature": f"{cal_main['temperature']:.2f}",
+        "offset": f"{cal_main['offset']:+.2f}",
         "ece_before": f3(cal_main["test_ece_before"]),
         "ece_after": f3(cal_main["test_ece_after"]),
+        "ece_diff_ci": f"[{cal_main['ece_diff_low']:+.3f}, {cal_main['ece_diff_high']:+.3f}]",
         "brier_before": f3(cal_main["test_brier_before"]),
         "brier_after": f3(cal_main["test_brier_after"]),
-        "calibration_verdict": "lowered"
-        if cal_main["test_ece_after"] < cal_main["test_ece_before"]
-        else "did not lower",
-        "context_only_auc": f3(ctx_auc),
-        "text_only_auc": f3(txt_auc),
-        "within_country_auc": f3(mm["auc_within_country"]),
-        "within_area_auc": f3(mm["auc_within_area"]),
-        "reads_text": (
-            "the text alone carries more signal than the context fields alone"
-            if txt_auc > ctx_auc
-            else "the context fields alone carry at least as much signal as the text, so much of the reward is a prior over contexts"
-        ),
-        "encoder_train_s": f"{timing.get('encoder_train_s', float('nan')):.0f}",
-        "score_texts_per_s": f"{timing.get('encoder_score_texts_per_s', float('nan')):.0f}",
+        "calibration_verdict": cal_word,
+        "context_only_auc": f3(wc.loc["context_only", "roc_auc"]),
+        "text_only_auc": f3(wc.loc["text_only", "roc_auc"]),
+        "within_country_auc": auc_ci("country"),
+        "within_area_auc": auc_ci("area"),
+        "within_context_auc": auc_ci("context"),
+        "within_context_groups": str(int(mm["n_context_groups"])),
+        "reads_text": reads_text,
+        "encoder_train_s": f"{timing.get('encoder_train_s', math.nan):.0f}",
+        "score_texts_per_s": f"{timing.get('encoder_score_texts_per_s', math.nan):.0f}",
     }
     return variables, {
         "reward_metrics.md": metrics_md,
         "reward_calibration.md": cal_md,
         "reward_within.md": within_md,
+        "reward_tests.md": tests_md,
     }
+
+
+# ---------------------------------------------------------------------------------------------
+# 02 reward model: the forensic arm (inputs the paper's protocol forbids; never feeds RL)
+# ---------------------------------------------------------------------------------------------
+FORENSIC_MEASURES = (("accuracy", "accuracy"), ("precision", "precision"), ("recall", "recall"), ("f1", "F1"))  # fmt: skip
+MODEL_NAMES = {
+    "tfidf": "TF-IDF + LR",
+    "encoder": "fine-tuned encoder",
+    "majority": "majority class",
+}
+
+
+def claim_position(row: pd.Series, claim: float) -> str:
+    """'above' if every measure's CI lies above the claim, 'below' if any lies below it, else
+    'indistinguishable': read from the intervals, never from the point estimates."""
+    words = [ci_verdict(row[f"{m}_low"] - claim, row[f"{m}_high"] - claim, "above", "below", "neither")
+             for m, _ in FORENSIC_MEASURES]  # fmt: skip
+    if "below" in words:
+        return "below"
+    return "above" if all(w == "above" for w in words) else "indistinguishable"
+
+
+def forensic_verdict(table: pd.DataFrame, claim: float, alpha: float) -> str:
+    """What the forensic arm says about how a figure above the paper's claim could arise.
+
+    A variant *reaches* the claim when the {1-alpha} CI of each of accuracy, precision, recall and
+    F1 lies above it (the paper claims all four), *falls short* when any CI lies below it.
+    """
+    lvl = f"{1 - alpha:.0%}"
+    t = table[table["model"] != "majority"].copy()
+    t["position"] = [claim_position(r, claim) for _, r in t.iterrows()]
+
+    def name(r: pd.Series) -> str:
+        return f"{r['variant']} ({MODEL_NAMES.get(r['model'], r['model'])})"
+
+    def acc(r: pd.Series) -> str:
+        return (
+            f"accuracy {pct(r['accuracy'])} [{pct(r['accuracy_low'])}, {pct(r['accuracy_high'])}]"
+        )
+
+    allowed, forbidden = t[t["allowed_by_protocol"]], t[~t["allowed_by_protocol"]]
+    parts = []
+    for label, g in (
+        ("the inputs the paper allows", allowed),
+        ("inputs the protocol forbids", forbidden),
+    ):
+        if g.empty:
+            continue
+        up = g[g["position"] == "above"]
+        short = g[g["position"] == "below"]
+        mid = g[g["position"] == "indistinguishable"]
+        bits = []
+        if len(up):
+            bits.append(f"{listing([f'{name(r)}, {acc(r)}' for _, r in up.iterrows()])} "
+                        f"{'reaches' if len(up) == 1 else 'reach'} it on all four measures")  # fmt: skip
+        if len(short):
+            best = short.loc[short["accuracy"].idxmax()]
+            bits.append(f"{listing([name(r) for _, r in short.iterrows()])} "
+                        f"{'falls' if len(short) == 1 else 'fall'} short of it on at least one measure "
+                        f"(best: {name(best)}, {acc(best)})")  # fmt: skip
+        if len(mid):
+            bits.append(f"{listing([name(r) for _, r in mid.iterrows()])} cannot be told apart from it "
+                        f"on at least one measure and {'lies' if len(mid) == 1 else 'lie'} below it on none")  # fmt: skip
+        parts.append(f"with {label}, {'; '.join(bits)}")
+    up_allowed = allowed["position"].eq("above").any()
+    up_forbidden = forbidden[forbidden["position"] == "above"]
+    if up_allowed:
+        concl = (f"a figure above {claim:.0%} is reachable here with the paper's own inputs, so this "
+                 "arm does not show that it needs forbidden ones")  # fmt: skip
+    elif len(up_forbidden) and not allowed.empty and allowed["position"].eq("below").all():
+        concl = (f"in this run a figure above {claim:.0%} arises only when the model sees "
+                 f"{listing(sorted(set(up_forbidden['variant'])))} inputs, which the paper's protocol "
+                 "forbids (staff Comments are written after the assessment and often state its outcome), "
+                 "and never from the paper's own inputs")  # fmt: skip
+    elif len(up_forbidden):
+        concl = (f"only inputs the protocol forbids ({listing(sorted(set(up_forbidden['variant'])))}) "
+                 f"reach {claim:.0%} on all four measures; the paper's own inputs are not shown to fall short")  # fmt: skip
+    else:
+        concl = f"no input variant, allowed or forbidden, reaches {claim:.0%} on all four measures"
+    return (f"Against the paper's claim of more than {claim:.0%} on accuracy, precision, recall and F1 "
+            f"({lvl} bootstrap intervals over test conditions): " + "; ".join(parts) + f". So {concl}.")  # fmt: skip
+
+
+def forensic_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """The forensic arm's table and verdict, or a note that the arm was off in this run."""
+    fc = params.get("forensic", {})
+    if not fc.get("enabled", False):
+        note = (
+            "The forensic arm was not run (`forensic.enabled` is false in this run's parameters)."
+        )
+        empty = markdown_table(pd.DataFrame([{"variant": "not run", "model": "", "accuracy": ""}]))
+        return {"verdict": note, "protocol": "n/a", "claim": "n/a", "seconds": "n/a",
+                "fields": "n/a", "encoder_note": ""}, {"reward_forensic.md": empty}  # fmt: skip
+    stage = "notebook 02_reward_model (forensic arm)"
+    table = run.read_parquet("reward/forensic.parquet", stage)
+    meta = run.read_json("reward/forensic.json", stage)
+    claim, alpha = float(meta["paper_claim"]), float(meta["alpha"])
+    lvl = f"{1 - alpha:.0%}"
+    rows = []
+    for _, r in table.iterrows():
+        row = {"inputs": r["variant"], "model": MODEL_NAMES.get(r["model"], r["model"]),
+               "paper allows": "yes" if r["allowed_by_protocol"] else "no"}  # fmt: skip
+        for m, label in (*FORENSIC_MEASURES, ("roc_auc", "AUC")):
+            row[f"{label} [{lvl} CI]"] = ci(r[m], r[f"{m}_low"], r[f"{m}_high"])
+        row[f"vs {claim:.0%}"] = "·" if r["model"] == "majority" else claim_position(r, claim)
+        rows.append(row)
+    fields = meta["fields_read"]
+    vintage = fields.get("mona_2002_vintage", {})
+    read = [*fields.get("staff_comments", [])[:1], *[c for c in vintage.values() if c]]
+    enc = [v for v in meta.get("encoder_variants", [])]
+    variables = {
+        "verdict": forensic_verdict(table, claim, alpha),
+        "protocol": meta["protocol"],
+        "claim": f"{claim:.0%}",
+        "claim_source": meta["paper_claim_source"],
+        "seconds": f"{meta['stage_seconds']:.0f}",
+        "fields": ", ".join(f"`{c}`" for c in read),
+        "n_test": str(meta["n_test"]),
+        "encoder_note": (
+            f"The fine-tuned encoder was also trained on {listing(enc)}."
+            if enc
+            else "The encoder family was not run on the forensic inputs in this profile "
+            "(`forensic.encoder_variants` is empty: minutes per variant on CPU)."
+        ),
+    }
+    return variables, {"reward_forensic.md": markdown_table(pd.DataFrame(rows))}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -178,7 +438,9 @@ def rl_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], dic
     ppo_sentence = ""
     if "PPO" in rows.index:
         r = rows.loc["PPO"]
-        ev_word = "positive" if r["explained_variance_last_third"] > 0 else "not positive"
+        ev_word = ci_verdict(r.get("explained_variance_low", math.nan),
+                             r.get("explained_variance_high", math.nan),
+                             "positive", "negative", "no clearly positive")  # fmt: skip
         if rl["adaptive_kl"]:
             beta = (f"β, adapted towards {rl['target_kl']:g} nats with K_β = {rl['kl_adapt_rate']:g}, moved from "
                     f"{r['beta_first']:.4f} to {r['beta_last']:.4f}")  # fmt: skip
@@ -186,7 +448,8 @@ def rl_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], dic
             beta = f"β stayed fixed at {r['beta_first']:.4f}"
         ppo_sentence = (
             f"PPO's critic explained {ev_word} variance of the returns over the last third of its steps "
-            f"(mean {r['explained_variance_last_third']:.2f}); {beta}"
+            f"(mean {r['explained_variance_last_third']:.2f}, t interval over those steps "
+            f"[{r.get('explained_variance_low', math.nan):.2f}, {r.get('explained_variance_high', math.nan):.2f}]); {beta}"
         )
     moves = []
     for algo, r in rows.iterrows():
@@ -245,6 +508,8 @@ def eval_section(run: RunDir, alpha: float = 0.05) -> tuple[dict[str, Any], dict
     algos = meta["algorithms"]
     start = meta.get("start_policy", "base")
     vs_bon = pd.DataFrame(meta.get("vs_best_of_n", []))
+    alpha = meta.get("alpha", alpha)
+    lvl = f"{1 - alpha:.0%}"
     ppl = pd.DataFrame(meta.get("heldout_perplexity", []))
 
     def gain_cell(r: pd.Series, col: str) -> str:
@@ -256,10 +521,11 @@ def eval_section(run: RunDir, alpha: float = 0.05) -> tuple[dict[str, Any], dict
     for pol, r in s.iterrows():
         rows.append({
             "policy": pol, "prompts": int(r["n_prompts"]),
-            "Ave(R) [95% CI]": ci(r["ave_r"], r["ave_r_low"], r["ave_r_high"]),
+            f"Ave(R) [{lvl} CI]": ci(r["ave_r"], r["ave_r_low"], r["ave_r_high"]),
             f"gain vs {start}": gain_cell(r, "gain"),
-            "audit [95% CI]": ci(r["audit"], r["audit_low"], r["audit_high"]),
+            f"audit [{lvl} CI]": ci(r["audit"], r["audit_low"], r["audit_high"]),
             "audit gain": gain_cell(r, "audit_gain"),
+            f"reward − audit gap [{lvl} CI]": "·" if pd.isna(r.get("gap")) else ci(r["gap"], r["gap_low"], r["gap_high"]),
         })  # fmt: skip
         cost.append({
             "policy": pol,
@@ -269,19 +535,19 @@ def eval_section(run: RunDir, alpha: float = 0.05) -> tuple[dict[str, Any], dict
             "words": f"{r['mean_words']:.1f}",
             "distinct-2": f3(r["distinct_2"]),
             "rep-3": f3(r["rep_3"]),
-            "grounded MET [95% CI]": ci(r["grounded_met"], r["grounded_low"], r["grounded_high"]),
+            f"grounded MET [{lvl} CI]": ci(r["grounded_met"], r["grounded_low"], r["grounded_high"]),
             "max similarity": f3(r["max_sim"]),
         })  # fmt: skip
     summary_md = markdown_table(pd.DataFrame(rows))
     cost_md = markdown_table(pd.DataFrame(cost))
     pt = paired.assign(
         **{
-            "difference [95% CI]": [ci(a, b, c) for a, b, c in zip(paired.mean_diff, paired.ci_low, paired.ci_high, strict=True)],
+            f"difference [{lvl} CI]": [ci(a, b, c) for a, b, c in zip(paired.mean_diff, paired.ci_low, paired.ci_high, strict=True)],
             "d_z": paired["cohens_dz"].map(lambda x: f"{x:.2f}"),
             "p (t, Holm)": paired["p_ttest_holm"].map(pval),
             "p (Wilcoxon, Holm)": paired["p_wilcoxon_holm"].map(pval),
         }
-    )[["measure", "policy", "n", "difference [95% CI]", "d_z", "p (t, Holm)", "p (Wilcoxon, Holm)"]]  # fmt: skip
+    )[["measure", "policy", "n", "n_clusters", f"difference [{lvl} CI]", "d_z", "p (t, Holm)", "p (Wilcoxon, Holm)"]]  # fmt: skip
     t3_md = markdown_table(
         t3.assign(
             prompt=t3["prompt"].map(lambda x: _short(x, 70)), response=t3["response"].map(_short)
@@ -305,19 +571,34 @@ def eval_section(run: RunDir, alpha: float = 0.05) -> tuple[dict[str, Any], dict
             f"Wilcoxon p = {pval(r['gain_p_holm'])}) and {a_verb} the audit model's reward ({r['audit_gain']:+.3f}, "
             f"p = {pval(r['audit_gain_p_holm'])}), at a KL of {r['kl']:.2f} nats to the starting policy"
         )
+        gap_word = ci_verdict(r.get("gap_low", math.nan), r.get("gap_high", math.nan),
+                              "larger than", "smaller than", "not distinguishable from")  # fmt: skip
         concl.append(
-            f"{algo.upper()} {verb} the reward it was trained on and {a_verb} the independent audit reward"
+            f"{algo.upper()} {verb} the reward it was trained on and {a_verb} the disjoint-rows audit "
+            f"reward (its reward gain {gap_word} its audit gain)"
         )
     hist = {
         p: s.loc[p, "ave_r"]
         for p in ("history_met", "history_nonmet", "random_policy")
         if p in s.index
     }
-    if "history_met" in hist and "history_nonmet" in hist:
-        order = "above" if hist["history_met"] > hist["history_nonmet"] else "not above"
+    hc = meta.get("history_contrast", {})
+    if "history_met" in hist and "history_nonmet" in hist and hc.get("reward"):
+        parts = []
+        for col, who in (("reward", "the reward model"), ("audit_reward", "the audit model")):
+            h = hc.get(col)
+            if not h:
+                continue
+            word = ci_verdict(
+                h["ci_low"], h["ci_high"], "above", "below", "not distinguishably apart from"
+            )
+            parts.append(f"{who} places what was met {word} what was not "
+                         f"(difference {ci(h['mean_diff'], h['ci_low'], h['ci_high'])})")  # fmt: skip
         hist_sentence = (
-            f"Real MET descriptions for the same contexts score {f3(hist['history_met'])} and real Non-MET ones "
-            f"{f3(hist['history_nonmet'])}: the reward model places what was met {order} what was not"
+            f"Real MET descriptions for the same contexts, from rows neither model trained on, score "
+            f"{f3(hist['history_met'])} and real Non-MET ones {f3(hist['history_nonmet'])}; on the "
+            f"{hc['reward']['n']} prompts ({hc['reward']['n_clusters']} countries) that have both, "
+            + " and ".join(parts)
         )
     else:
         hist_sentence = (
@@ -359,6 +640,7 @@ def eval_section(run: RunDir, alpha: float = 0.05) -> tuple[dict[str, Any], dict
     fin = s["finished"].dropna() if "finished" in s else pd.Series(dtype=float)
     variables = {
         "n_prompts": str(meta["n_prompts"]),
+        "level": lvl,
         "k": str(meta["samples_per_prompt"]),
         "best_n": str(meta["best_of_n"]),
         "algo_sentences": "; ".join(sentences) if sentences else "No RL algorithm was evaluated",
@@ -399,4 +681,4 @@ def risk_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
     return report_content(run)
 
 
-SECTIONS = ("reward", "rl", "eval", "risk")
+SECTIONS = ("reward", "forensic", "rl", "eval", "risk")

@@ -5,10 +5,15 @@ serialisation (`rlxf_utils.prompts.serialize_condition`):
 
 - `RewardModel`: a BERT-family encoder (default the embedded all-MiniLM-L6-v2) fine-tuned with
   the transformers `Trainer` (class weighting, warm-up, length-grouped batches with dynamic
-  padding, frozen embeddings, early stopping on the validation slice), then temperature-scaled
-  on that slice so P(MET) means what it says.
-- `TfidfAuditModel`: TF-IDF + logistic regression (scikit-learn), trained on the same split; an
-  independent check on the encoder, stored without pickle (vocabulary JSON + arrays in npz).
+  padding, frozen embeddings, early stopping on the *selection* half of the validation slice),
+  then Platt-scaled on its *calibration* half (rows that did not choose the checkpoint) so P(MET)
+  means what it says.
+- `TfidfAuditModel`: TF-IDF + logistic regression (scikit-learn), stored without pickle
+  (vocabulary JSON + arrays in npz). Per protocol it is the encoder's baseline, trained on the
+  same split. The audit that checks RL is another instance trained on a disjoint slice
+  (`data/holdout.json`'s `audit_train`: the reward protocol's held-out rows of training
+  countries), so it shares no row with the reward model; it is a different model family trained
+  on different rows, yet on the same kind of data, so it can share the data's spurious cues.
 
 Layout of `reward_model/` in a run dir (what `save_reward_bundle` writes, `load_reward` reads)::
 
@@ -16,17 +21,19 @@ Layout of `reward_model/` in a run dir (what `save_reward_bundle` writes, `load_
       bundle.json            {"kind": "rlxf-reward-bundle", "reward_source": "encoder"|"tfidf",
                               "protocol": "grouped", ...}; which scorer feeds RL
       encoder/               the fine-tuned encoder (RewardModel.save)
-        rlxf_reward.json     kind marker, format version, max length, encoder name, temperature
+        rlxf_reward.json     kind marker, format version, max length, encoder name, temperature, offset
         model.safetensors    weights (safetensors only; no pickle is ever read)
         config.json          transformers model config
         tokenizer.json ...   tokenizer files
-        calibration.json     temperature, ECE/Brier/NLL before and after (validation slice)
+        calibration.json     Platt scale (as a temperature) and offset, ECE/Brier/NLL before and after
+                             (calibration half of the validation slice)
         metrics.json         validation/test metrics and training log
-      audit/                 the TF-IDF + LR audit model (TfidfAuditModel.save)
-        rlxf_audit.json      kind marker, vectoriser parameters, vocabulary, temperature, metrics
+      audit/                 the disjoint-rows TF-IDF + LR audit model (TfidfAuditModel.save)
+        rlxf_audit.json      kind marker, vectoriser parameters, vocabulary, temperature, offset, metrics
         arrays.npz           idf, coefficients, intercept (np.load with allow_pickle=False)
+      tfidf/                 the protocol's TF-IDF model, only when reward_source is 'tfidf'
 
-`load_reward(dir)` returns (reward, audit): the scorer `bundle.json` names, and the other one.
+`load_reward(dir)` returns (reward, audit): the scorer `bundle.json` names, and the audit.
 """
 
 from __future__ import annotations
@@ -46,7 +53,13 @@ import pandas as pd
 from sklearn import metrics as skm
 
 from rlxf_utils.artifacts import atomic_path, to_jsonable
-from rlxf_utils.prompts import CONTEXT_FIELDS, serialize_condition, serialize_frame
+from rlxf_utils.prompts import (
+    CONTEXT_FIELDS,
+    check_no_forbidden,
+    serialize_condition,
+    serialize_frame,
+)
+from rlxf_utils.reward_stats import protocol_differences, protocol_statistics, within_group_auc
 
 if TYPE_CHECKING:  # heavy imports stay lazy so that `import rlxf_utils.reward` is cheap
     import torch
@@ -63,7 +76,7 @@ __all__ = [
     "classification_metrics",
     "confusion_frame",
     "expected_calibration_error",
-    "fit_temperature",
+    "fit_platt",
     "load_reward",
     "most_confident_errors",
     "per_area_accuracy",
@@ -77,6 +90,7 @@ __all__ = [
     "within_context_table",
     "save_reward_bundle",
     "serialize_inputs",
+    "split_validation",
     "train_encoder",
     "train_tfidf",
     "within_group_auc",
@@ -101,7 +115,10 @@ class RewardModelError(ValueError):
 # --------------------------------------------------------------------------------------------
 # inputs
 # --------------------------------------------------------------------------------------------
-#: Calibration measures reported before and after temperature scaling.
+#: Share of the validation slice held out of checkpoint selection to fit the calibration.
+CALIBRATION_SHARE = 0.5
+
+#: Calibration measures reported before and after Platt scaling.
 _CAL_KEYS = ("ece_before", "ece_after", "brier_before", "brier_after", "nll_before", "nll_after")
 
 
@@ -225,60 +242,58 @@ def prior_bias(y: Sequence[int], cfg: RewardConfig) -> float:
     return math.log(pi / (1 - pi))
 
 
-def fit_temperature(margin: np.ndarray, y: np.ndarray) -> float:
-    """Temperature T minimising the NLL of sigmoid(margin / T) on held-out labels (Guo et al. 2017).
+def fit_platt(margin: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """Platt scaling P(MET) = sigmoid(margin / T + offset) fitted by NLL on held-out labels.
 
-    `margin` is the logit of P(MET) (logit_MET - logit_nonMET for a 2-way head). T is searched on
-    log scale in [0.05, 20] with a bounded scalar minimiser, so the result is deterministic.
+    Returns (T, offset). Platt (Platt 1999) rather than temperature scaling alone (Guo et al.
+    2017): the offset also repairs a prior that the class-weighting correction (`prior_bias`) and
+    early stopping leave off, which a temperature, rescaling around zero, cannot. With the
+    calibration half's hundreds of rows two parameters are well determined. T is kept in
+    [0.05, 20] and the offset in [-10, 10]; L-BFGS-B from (T=1, offset=0) is deterministic.
     """
-    from scipy.optimize import minimize_scalar
+    from scipy.optimize import minimize
 
     margin = np.asarray(margin, dtype=float)
     y = np.asarray(y, dtype=float)
     if len(y) == 0 or len(np.unique(y)) < 2:
-        log.warning(
-            "temperature scaling skipped: the validation slice has %d rows and one class", len(y)
-        )
-        return 1.0
+        log.warning("Platt scaling skipped: the calibration rows (%d) hold one class", len(y))
+        return 1.0, 0.0
+    sign = 2.0 * y - 1.0
 
-    def nll(log_t: float) -> float:
-        z = margin / math.exp(log_t)
-        # log(1 + exp(-z)) for y=1, log(1 + exp(z)) for y=0, numerically stable
-        return float(np.mean(np.logaddexp(0.0, np.where(y == 1, -z, z))))
+    def nll(theta: np.ndarray) -> tuple[float, np.ndarray]:
+        a, b = math.exp(theta[0]), theta[1]
+        z = a * margin + b
+        loss = float(np.mean(np.logaddexp(0.0, -sign * z)))
+        g = -sign * _sigmoid(-sign * z)  # d loss / d z per row
+        return loss, np.array([a * float(np.mean(g * margin)), float(np.mean(g))])
 
-    res = minimize_scalar(
-        nll, bounds=(math.log(0.05), math.log(20.0)), method="bounded", options={"xatol": 1e-5}
+    res = minimize(
+        nll,
+        np.zeros(2),
+        jac=True,
+        method="L-BFGS-B",
+        bounds=[(math.log(1 / 20.0), math.log(1 / 0.05)), (-10.0, 10.0)],
     )
-    return float(math.exp(res.x))
+    return float(math.exp(-res.x[0])), float(res.x[1])
 
 
 def calibration_report(
-    margin: np.ndarray, y: np.ndarray, temperature: float, n_bins: int = 10
+    margin: np.ndarray,
+    y: np.ndarray,
+    temperature: float,
+    offset: float = 0.0,
+    n_bins: int = 10,
 ) -> dict[str, float]:
-    """ECE, Brier and NLL of P(MET) before (T=1) and after temperature scaling."""
+    """ECE, Brier and NLL of P(MET) before (sigmoid(margin)) and after Platt scaling."""
     before = classification_metrics(y, _sigmoid(margin), n_bins=n_bins)
-    after = classification_metrics(y, _sigmoid(margin / temperature), n_bins=n_bins)
+    after = classification_metrics(y, _sigmoid(margin / temperature + offset), n_bins=n_bins)
     return {
         "temperature": temperature,
+        "offset": offset,
         "n": before["n"],
         **{f"{k}_before": before[k] for k in ("ece", "brier", "nll")},
         **{f"{k}_after": after[k] for k in ("ece", "brier", "nll")},
     }
-
-
-def within_group_auc(y: np.ndarray, p: np.ndarray, groups: Sequence[Any]) -> tuple[float, int]:
-    """Mean ROC-AUC within groups that hold both labels, and how many groups that is.
-
-    It asks whether the score ranks conditions *within* one country (or one economic area), i.e.
-    whether it reads the text rather than a per-context base rate.
-    """
-    frame = pd.DataFrame(
-        {"y": np.asarray(y, dtype=int), "p": np.asarray(p, dtype=float), "g": list(groups)}
-    )
-    aucs = [
-        skm.roc_auc_score(g.y, g.p) for _, g in frame.groupby("g", sort=True) if g.y.nunique() == 2
-    ]
-    return (float(np.mean(aucs)) if aucs else float("nan")), len(aucs)
 
 
 # --------------------------------------------------------------------------------------------
@@ -297,7 +312,11 @@ def _device(device: str | None) -> torch.device:
 
 
 class RewardModel:
-    """A fine-tuned sequence classifier plus its temperature: `score` returns calibrated P(MET)."""
+    """A fine-tuned sequence classifier plus its Platt calibration: `score` returns calibrated P(MET).
+
+    Calibrated P(MET) = sigmoid(margin / temperature + offset), where margin is the classifier's
+    logit shifted by `bias` (the prior correction of class-weighted training).
+    """
 
     def __init__(
         self,
@@ -307,16 +326,21 @@ class RewardModel:
         temperature: float = 1.0,
         meta: dict[str, Any] | None = None,
         bias: float = 0.0,
+        offset: float = 0.0,
     ):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.max_length = int(max_length)
         self.temperature = float(temperature)
         self.bias = float(bias)  # prior correction added to the logit (class-weighted training)
+        self.offset = float(offset)  # Platt offset, added after dividing by the temperature
         self.meta: dict[str, Any] = dict(meta or {})
 
     def __repr__(self) -> str:
-        return f"RewardModel(encoder={self.meta.get('encoder')!r}, T={self.temperature:.3f}, device={self.device})"
+        return (
+            f"RewardModel(encoder={self.meta.get('encoder')!r}, T={self.temperature:.3f}, "
+            f"offset={self.offset:+.3f}, device={self.device})"
+        )
 
     @property
     def device(self) -> torch.device:
@@ -330,7 +354,7 @@ class RewardModel:
     def margins_texts(
         self, texts: Sequence[str], batch_size: int = 64, progress: bool = False
     ) -> np.ndarray:
-        """Logit of P(MET) before temperature scaling (prior-corrected): length-sorted batches, dynamic padding."""
+        """Logit of P(MET) before calibration (prior-corrected): length-sorted batches, dynamic padding."""
         import torch
 
         texts = list(texts)
@@ -365,8 +389,10 @@ class RewardModel:
         progress: bool = False,
     ) -> np.ndarray:
         """Calibrated P(MET) for already-serialised inputs (see `serialize_inputs`)."""
-        t = self.temperature if calibrated else 1.0
-        return _sigmoid(self.margins_texts(texts, batch_size, progress) / t)
+        margin = self.margins_texts(texts, batch_size, progress)
+        if not calibrated:
+            return _sigmoid(margin)
+        return _sigmoid(margin / self.temperature + self.offset)
 
     def score(
         self,
@@ -391,6 +417,7 @@ class RewardModel:
             "max_length": self.max_length,
             "temperature": self.temperature,
             "bias": self.bias,
+            "offset": self.offset,
             **{k: v for k, v in self.meta.items() if k not in {"kind", "format_version"}},
         }
         _write_json(path / "rlxf_reward.json", marker)
@@ -434,7 +461,16 @@ class RewardModel:
                 f"{path / 'config.json'}: num_labels is {model.config.num_labels}; expected 2 (Non-MET, MET)"
             )
         model.to(_device(device))
-        meta = {k: v for k, v in marker.items() if k not in {"max_length", "temperature", "bias"}}
+        offset = marker.get("offset", 0.0)  # folders written before Platt scaling have none
+        if not isinstance(offset, int | float) or not math.isfinite(offset):
+            raise RewardModelError(
+                f"{path / 'rlxf_reward.json'}: field 'offset' must be a finite number, got {offset!r}"
+            )
+        meta = {
+            k: v
+            for k, v in marker.items()
+            if k not in {"max_length", "temperature", "bias", "offset"}
+        }
         return cls(
             model,
             tokenizer,
@@ -442,6 +478,7 @@ class RewardModel:
             temperature,
             meta,
             float(marker.get("bias", 0.0)),
+            float(offset),
         )
 
 
@@ -516,12 +553,17 @@ def train_encoder(
     seed: int,
     work_dir: str | Path | None = None,
     model_factory: Callable[[], tuple[Any, Any]] | None = None,
+    cal_texts: Sequence[str] | None = None,
+    cal_y: Sequence[int] | None = None,
 ) -> tuple[RewardModel, pd.DataFrame]:
     """Fine-tune a 2-label classifier with `Trainer`, keep the best validation epoch, calibrate it.
 
-    Returns the calibrated `RewardModel` and the training log (one row per evaluation). When
-    `cfg.learning_rate_grid` lists several rates, each is trained and the best on the validation
-    slice (by `cfg.selection_metric`) is kept. `model_factory` (tests) returns (model, tokenizer).
+    `val_*` choose the checkpoint (and the learning rate when `cfg.learning_rate_grid` lists
+    several, by `cfg.selection_metric`); `cal_*`, rows that took no part in that choice, fit the
+    Platt calibration (`fit_platt`) when `cfg.calibrate`. Without `cal_*` the model is returned
+    uncalibrated: calibrating on the rows that chose the checkpoint would reuse them. Returns the
+    `RewardModel` and the training log (one row per evaluation). `model_factory` (tests) returns
+    (model, tokenizer).
     """
     rates = list(cfg.learning_rate_grid) or [cfg.learning_rate]
     best: tuple[float, Any, Any, pd.DataFrame, float] | None = None
@@ -545,13 +587,18 @@ def train_encoder(
         {"encoder": cfg.encoder, "learning_rate": lr, "seed": seed},
         prior_bias(train_y, cfg),
     )
-    margin = rm.margins_texts(val_texts, cfg.score_batch_size)
-    temperature = fit_temperature(margin, np.asarray(val_y)) if cfg.calibrate else 1.0
-    rm.temperature = temperature
-    rm.meta["calibration"] = {
-        "slice": "validation",
-        **calibration_report(margin, np.asarray(val_y), temperature, cfg.ece_bins),
-    }
+    if cfg.calibrate and cal_texts is not None and cal_y is not None and len(cal_y):
+        margin = rm.margins_texts(cal_texts, cfg.score_batch_size)
+        rm.temperature, rm.offset = fit_platt(margin, np.asarray(cal_y))
+        rm.meta["calibration"] = {
+            "slice": "calibration",
+            "method": "platt",
+            **calibration_report(
+                margin, np.asarray(cal_y), rm.temperature, rm.offset, cfg.ece_bins
+            ),
+        }
+    else:
+        rm.meta["calibration"] = {"slice": "none", "method": "none", "temperature": 1.0}
     return rm, train_log
 
 
@@ -736,6 +783,7 @@ class TfidfAuditModel:
         intercept: float,
         temperature: float = 1.0,
         meta: dict[str, Any] | None = None,
+        offset: float = 0.0,
     ):
         from sklearn.feature_extraction.text import TfidfVectorizer
 
@@ -745,6 +793,7 @@ class TfidfAuditModel:
         self.coef = np.asarray(coef, dtype=np.float64).ravel()
         self.intercept = float(intercept)
         self.temperature = float(temperature)
+        self.offset = float(offset)  # Platt offset, added after dividing by the temperature
         self.meta: dict[str, Any] = dict(meta or {})
         if not (len(self.vocabulary) == len(self.idf) == len(self.coef)):
             raise RewardModelError(
@@ -754,7 +803,10 @@ class TfidfAuditModel:
         self._vec.idf_ = self.idf
 
     def __repr__(self) -> str:
-        return f"TfidfAuditModel(features={len(self.vocabulary)}, T={self.temperature:.3f})"
+        return (
+            f"TfidfAuditModel(features={len(self.vocabulary)}, T={self.temperature:.3f}, "
+            f"offset={self.offset:+.3f})"
+        )
 
     def margins_texts(self, texts: Sequence[str]) -> np.ndarray:
         """Uncalibrated logit of P(MET) for serialised texts."""
@@ -765,7 +817,10 @@ class TfidfAuditModel:
         self, texts: Sequence[str], batch_size: int | None = None, calibrated: bool = True
     ) -> np.ndarray:
         """Calibrated P(MET) for already-serialised inputs (`batch_size` accepted for interface parity)."""
-        return _sigmoid(self.margins_texts(texts) / (self.temperature if calibrated else 1.0))
+        margin = self.margins_texts(texts)
+        if not calibrated:
+            return _sigmoid(margin)
+        return _sigmoid(margin / self.temperature + self.offset)
 
     def score(
         self,
@@ -788,6 +843,7 @@ class TfidfAuditModel:
             "format_version": FORMAT_VERSION,
             "vectorizer_params": self.vectorizer_params,
             "temperature": self.temperature,
+            "offset": self.offset,
             "meta": self.meta,
             "vocabulary": self.vocabulary,
         }
@@ -825,6 +881,7 @@ class TfidfAuditModel:
             float(intercept[0]),
             marker["temperature"],
             marker.get("meta"),
+            float(marker.get("offset", 0.0)),
         )
 
 
@@ -837,7 +894,11 @@ def train_tfidf(
     seed: int,
     calibrate: bool | None = None,
 ) -> TfidfAuditModel:
-    """Fit TF-IDF + logistic regression (class weighting as the encoder's), temperature-scale on val."""
+    """Fit TF-IDF + logistic regression (class weighting as the encoder's), Platt-scale on val.
+
+    `val_*` serve only the calibration (nothing is selected on them), so they may be the same
+    calibration rows as the encoder's.
+    """
     from sklearn.feature_extraction.text import TfidfVectorizer
     from sklearn.linear_model import LogisticRegression
 
@@ -869,11 +930,13 @@ def train_tfidf(
     do_cal = cfg.calibrate if calibrate is None else calibrate
     if do_cal and val_texts is not None and val_y is not None and len(val_y):
         margin = model.margins_texts(val_texts)
-        t = fit_temperature(margin, np.asarray(val_y))
-        model.temperature = t
+        model.temperature, model.offset = fit_platt(margin, np.asarray(val_y))
         model.meta["calibration"] = {
-            "slice": "validation",
-            **calibration_report(margin, np.asarray(val_y), t, cfg.ece_bins),
+            "slice": "calibration",
+            "method": "platt",
+            **calibration_report(
+                margin, np.asarray(val_y), model.temperature, model.offset, cfg.ece_bins
+            ),
         }
     return model
 
@@ -886,18 +949,20 @@ class ProtocolResult:
     """Everything one split protocol produced: test predictions, metrics, calibration, models."""
 
     protocol: str
-    predictions: (
-        pd.DataFrame
-    )  # one row per test condition: ids, context, y, p_<model>, p_<model>_raw
-    metrics: pd.DataFrame  # one row per model
-    calibration: (
-        pd.DataFrame
-    )  # per calibrated model: temperature, ECE/Brier/NLL before/after on val and test
+    # one row per test condition: ids, context, y, p_<model>, p_<model>_raw
+    predictions: pd.DataFrame
+    # one row per model: point metrics, `<metric>_low/_high` and within-group AUCs with CIs
+    metrics: pd.DataFrame
+    # per calibrated model: Platt T and offset, ECE/Brier/NLL before/after on the calibration
+    # half and on test, test ECE intervals and the paired test of after - before
+    calibration: pd.DataFrame
     train_log: pd.DataFrame
     timing: dict[str, float]
     encoder: RewardModel | None = None
     audit: TfidfAuditModel | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    # paired bootstrap comparisons on this protocol's test rows (reward_stats.COMPARISONS)
+    comparisons: pd.DataFrame = field(default_factory=pd.DataFrame)
 
 
 def _take(conditions: pd.DataFrame, ids: Sequence[int], where: str) -> pd.DataFrame:
@@ -915,6 +980,37 @@ def _take(conditions: pd.DataFrame, ids: Sequence[int], where: str) -> pd.DataFr
     return out
 
 
+def split_validation(
+    val: pd.DataFrame, protocol: str, seed: int, share: float = CALIBRATION_SHARE
+) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Split a validation slice into (selection, calibration) halves, the protocol's way.
+
+    The grouped protocol keeps whole arrangements on one side (`data._grouped_take`); the others
+    stratify by label (`data._stratified_take`). The selection half picks the checkpoint, the
+    calibration half, which took no part in that choice, fits Platt scaling.
+    """
+    from rlxf_utils.data import _grouped_take, _stratified_take
+
+    if not 0 < share < 1:
+        raise ValueError(f"calibration share must lie in (0, 1); got {share}")
+    ids = val["row_id"].to_numpy()
+    rng = np.random.default_rng(seed + 11)
+    if protocol == "grouped":
+        rest, taken = _grouped_take(ids, val["arrangement_id"].astype(str).to_numpy(), share, rng)
+    else:
+        rest, taken = _stratified_take(ids, val["y"].astype(int).to_numpy(), share, rng)
+    if not rest or not taken:
+        raise ValueError(
+            f"splits.json {protocol}.val: {len(val)} rows cannot be split into a selection and a "
+            f"calibration half ({len(rest)} / {len(taken)}); raise data.splits.validation_fraction"
+        )
+    by_id = val.set_index("row_id", drop=False)
+    return (
+        by_id.loc[rest].reset_index(drop=True),
+        by_id.loc[taken].reset_index(drop=True),
+    )
+
+
 def run_protocol(
     conditions: pd.DataFrame,
     splits: Mapping[str, Mapping[str, Sequence[int]]],
@@ -923,8 +1019,20 @@ def run_protocol(
     seed: int,
     train_encoder_model: bool = True,
     model_factory: Callable[[], tuple[Any, Any]] | None = None,
+    alpha: float = 0.05,
+    n_boot: int = 2000,
+    text_column: str = "description",
+    boot_seed: int | None = None,
 ) -> ProtocolResult:
-    """Train encoder + TF-IDF audit + context-only/text-only probes on one protocol; score its test set."""
+    """Train encoder + TF-IDF audit + context-only/text-only probes on one protocol; score its test set.
+
+    The validation slice is split (`split_validation`): its selection half early-stops the
+    encoder, its calibration half fits both models' Platt scaling. Test metrics carry bootstrap
+    intervals at level 1 - `alpha` (`reward_stats.protocol_statistics`, seeded by `boot_seed`,
+    default `seed`). `text_column` is the
+    condition text the models read; an outcome column there is refused (`check_no_forbidden`).
+    """
+    check_no_forbidden([*CONTEXT_FIELDS, text_column])
     if protocol not in splits:
         raise KeyError(f"splits.json has no protocol {protocol!r}; found {sorted(splits)}")
     sp = splits[protocol]
@@ -934,9 +1042,18 @@ def run_protocol(
     tr = _take(conditions, sp["train"], f"{protocol}.train")
     va = _take(conditions, sp["val"], f"{protocol}.val")
     te = _take(conditions, sp["test"], f"{protocol}.test")
-    ytr, yva, yte = (d["y"].astype(int).to_numpy() for d in (tr, va, te))
-    xtr, xva, xte = serialize_frame(tr), serialize_frame(va), serialize_frame(te)
-    log.info("protocol %s: train %d, val %d, test %d", protocol, len(tr), len(va), len(te))
+    sel, cal = split_validation(va, protocol, seed)
+    ytr, ysel, ycal, yte = (d["y"].astype(int).to_numpy() for d in (tr, sel, cal, te))
+    xtr, xsel, xcal, xte = (serialize_frame(d, text_column) for d in (tr, sel, cal, te))
+    log.info(
+        "protocol %s: train %d, val %d (selection %d, calibration %d), test %d",
+        protocol,
+        len(tr),
+        len(va),
+        len(sel),
+        len(cal),
+        len(te),
+    )
 
     keep = [
         "row_id",
@@ -956,20 +1073,11 @@ def run_protocol(
     pred["p_majority"] = float(ytr.mean())
 
     t0 = time.perf_counter()
-    audit = train_tfidf(xtr, ytr, xva, yva, cfg, seed)
+    audit = train_tfidf(xtr, ytr, xcal, ycal, cfg, seed)
     timing["tfidf_train_s"] = time.perf_counter() - t0
     pred["p_tfidf_raw"] = audit.score_texts(xte, calibrated=False)
     pred["p_tfidf"] = audit.score_texts(xte)
-    cal_rows.append(
-        _cal_row(
-            "tfidf",
-            audit.meta.get("calibration", {}),
-            audit.margins_texts(xte),
-            yte,
-            audit.temperature,
-            cfg.ece_bins,
-        )
-    )
+    cal_rows.append(_cal_row("tfidf", audit, audit.margins_texts(xte), yte, cfg.ece_bins))
 
     # probes: context fields alone, text alone (uncalibrated TF-IDF LR; they answer "what carries signal")
     ctx_only = train_tfidf(
@@ -985,16 +1093,16 @@ def run_protocol(
         [serialize_condition(r, "") for r in te.to_dict("records")]
     )
     txt_only = train_tfidf(
-        tr["description"].fillna("").tolist(), ytr, None, None, cfg, seed, calibrate=False
+        tr[text_column].fillna("").tolist(), ytr, None, None, cfg, seed, calibrate=False
     )
-    pred["p_text_only"] = txt_only.score_texts(te["description"].fillna("").tolist())
+    pred["p_text_only"] = txt_only.score_texts(te[text_column].fillna("").tolist())
 
     encoder = None
     train_log = pd.DataFrame()
     if train_encoder_model:
         t0 = time.perf_counter()
         encoder, train_log = train_encoder(
-            xtr, ytr, xva, yva, cfg, seed, model_factory=model_factory
+            xtr, ytr, xsel, ysel, cfg, seed, model_factory=model_factory, cal_texts=xcal, cal_y=ycal
         )
         timing["encoder_train_s"] = time.perf_counter() - t0
         timing["encoder_epochs_run"] = float(train_log["epoch"].max()) if len(train_log) else 0.0
@@ -1002,32 +1110,30 @@ def run_protocol(
         margin = encoder.margins_texts(xte, cfg.score_batch_size)
         timing["encoder_score_texts_per_s"] = len(xte) / max(time.perf_counter() - t0, 1e-9)
         pred["p_encoder_raw"] = _sigmoid(margin)
-        pred["p_encoder"] = _sigmoid(margin / encoder.temperature)
-        cal_rows.append(
-            _cal_row(
-                "encoder",
-                encoder.meta.get("calibration", {}),
-                margin,
-                yte,
-                encoder.temperature,
-                cfg.ece_bins,
-            )
-        )
+        pred["p_encoder"] = _sigmoid(margin / encoder.temperature + encoder.offset)
+        cal_rows.append(_cal_row("encoder", encoder, margin, yte, cfg.ece_bins))
 
     models = ["majority", "tfidf", "context_only", "text_only"] + (
         ["encoder"] if encoder is not None else []
     )
+    calibrated = [m for m in ("tfidf", "encoder") if f"p_{m}_raw" in pred]
+    stats_table, comparisons, acc_reps = protocol_statistics(
+        pred,
+        models + [f"{m}_raw" for m in calibrated],
+        n_boot=n_boot,
+        alpha=alpha,
+        seed=seed if boot_seed is None else boot_seed,
+        n_bins=cfg.ece_bins,
+    )
+    by_model = stats_table.set_index("model")
     mrows = []
     for name in models:
         m = classification_metrics(yte, pred[f"p_{name}"].to_numpy(), n_bins=cfg.ece_bins)
-        m["auc_within_country"], m["n_countries"] = within_group_auc(
-            yte, pred[f"p_{name}"], te["country"]
-        )
-        m["auc_within_area"], m["n_areas"] = within_group_auc(
-            yte, pred[f"p_{name}"], te["econ_descriptor"]
-        )
-        mrows.append({"protocol": protocol, "model": name, **m})
+        mrows.append({"protocol": protocol, "model": name, **m, **by_model.loc[name].to_dict()})
     metrics = pd.DataFrame(mrows)
+    calibration = pd.DataFrame(cal_rows)
+    if len(calibration):
+        calibration = _with_ece_test(calibration, by_model, comparisons)
     if encoder is not None:
         encoder.meta.update(
             {
@@ -1039,25 +1145,72 @@ def run_protocol(
         {"protocol": protocol, "test_metrics": metrics.set_index("model").loc["tfidf"].to_dict()}
     )
     return ProtocolResult(
-        protocol, pred, metrics, pd.DataFrame(cal_rows), train_log, timing, encoder, audit
+        protocol,
+        pred,
+        metrics,
+        calibration,
+        train_log,
+        timing,
+        encoder,
+        audit,
+        extra={
+            "accuracy_replicates": acc_reps,
+            "n_selection": len(sel),
+            "n_calibration": len(cal),
+        },
+        comparisons=comparisons.assign(protocol=protocol)[["protocol", *comparisons.columns]]
+        if len(comparisons)
+        else comparisons,
     )
 
 
 def _cal_row(
     model: str,
-    val_cal: Mapping[str, Any],
+    scorer: RewardModel | TfidfAuditModel,
     test_margin: np.ndarray,
     yte: np.ndarray,
-    t: float,
     n_bins: int,
 ) -> dict[str, Any]:
-    test_cal = calibration_report(test_margin, yte, t, n_bins)
+    """One calibration-table row: Platt parameters, measures on the calibration half and on test."""
+    fit = scorer.meta.get("calibration", {})
+    test_cal = calibration_report(test_margin, yte, scorer.temperature, scorer.offset, n_bins)
     return {
         "model": model,
-        "temperature": t,
-        **{f"val_{k}": val_cal.get(k, float("nan")) for k in _CAL_KEYS},
+        "method": fit.get("method", "none"),
+        "temperature": scorer.temperature,
+        "offset": scorer.offset,
+        "n_calibration": fit.get("n", 0),
+        **{f"cal_{k}": fit.get(k, float("nan")) for k in _CAL_KEYS},
         **{f"test_{k}": test_cal[k] for k in _CAL_KEYS},
     }
+
+
+def _with_ece_test(
+    calibration: pd.DataFrame, stats: pd.DataFrame, comparisons: pd.DataFrame
+) -> pd.DataFrame:
+    """Add test-ECE intervals before/after and the paired interval of (after - before)."""
+    out = calibration.copy()
+    for col in ("test_ece_before_low", "test_ece_before_high", "test_ece_after_low",
+                "test_ece_after_high", "ece_diff_low", "ece_diff_high"):  # fmt: skip
+        out[col] = float("nan")
+    out["ece_verdict"] = "not tested"
+    for i, r in out.iterrows():
+        m = r["model"]
+        if m in stats.index and f"{m}_raw" in stats.index:
+            out.loc[i, "test_ece_after_low"] = stats.loc[m, "ece_low"]
+            out.loc[i, "test_ece_after_high"] = stats.loc[m, "ece_high"]
+            out.loc[i, "test_ece_before_low"] = stats.loc[f"{m}_raw", "ece_low"]
+            out.loc[i, "test_ece_before_high"] = stats.loc[f"{m}_raw", "ece_high"]
+        c = (
+            comparisons[(comparisons["a"] == m) & (comparisons["measure"] == "ece")]
+            if len(comparisons)
+            else []
+        )
+        if len(c):
+            out.loc[i, "ece_diff_low"] = c["diff_low"].iloc[0]
+            out.loc[i, "ece_diff_high"] = c["diff_high"].iloc[0]
+            out.loc[i, "ece_verdict"] = c["verdict"].iloc[0]
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -1179,12 +1332,88 @@ def plot_confusion(results: Sequence[ProtocolResult], model: str = "encoder") ->
 # --------------------------------------------------------------------------------------------
 # the bundle that feeds RL
 # --------------------------------------------------------------------------------------------
-def save_reward_bundle(path: str | Path, result: ProtocolResult, reward_source: str) -> Path:
-    """Write `reward_model/` (see the module docstring): encoder, audit and `bundle.json`."""
+def train_disjoint_audit(
+    labelled: pd.DataFrame, holdout: Mapping[str, Any], cfg: RewardConfig, seed: int
+) -> TfidfAuditModel:
+    """The audit model of RL: TF-IDF + LR on `holdout['audit_train']`, calibrated on `audit_val`.
+
+    Those rows are the reward protocol's held-out rows of RL training countries: the reward model
+    never trained on them and RL's history references (evaluation countries) are not among them.
+    """
+    tr = _take(labelled, holdout["audit_train"], "holdout.audit_train")
+    va = _take(labelled, holdout["audit_val"], "holdout.audit_val")
+    if tr["y"].nunique() < 2:
+        raise ValueError(
+            "data/holdout.json audit_train holds one class only; cannot train the audit"
+        )
+    audit = train_tfidf(
+        serialize_frame(tr), tr["y"].astype(int).to_numpy(), serialize_frame(va),
+        va["y"].astype(int).to_numpy(), cfg, seed,
+    )  # fmt: skip
+    audit.meta.update(
+        {"trained_on": "data/holdout.json:audit_train", "n_train": len(tr), "n_val": len(va)}
+    )
+    return audit
+
+
+def reference_check_table(
+    labelled: pd.DataFrame,
+    holdout: Mapping[str, Any],
+    chosen: ProtocolResult,
+    audit: TfidfAuditModel,
+    n_boot: int,
+    alpha: float,
+    seed: int,
+) -> pd.DataFrame:
+    """AUC of the reward model, the protocol's TF-IDF and the disjoint audit on the reference rows.
+
+    The reference rows (evaluation countries) are in the reward protocol's test split and outside
+    the audit's rows, so this is every scorer on data none of them trained on; the CI resamples
+    arrangements (a condition repeats across one arrangement's reviews).
+    """
+    from sklearn.metrics import roc_auc_score
+
+    from .evaluation import cluster_bootstrap
+
+    pred = chosen.predictions.set_index("row_id")
+    ref = [i for i in holdout["reference"] if i in pred.index]
+    if len(ref) != len(holdout["reference"]):
+        raise ValueError(
+            "data/holdout.json reference rows are not all in the reward protocol's test split; "
+            "rerun notebook 01 so the splits are nested"
+        )
+    rows = _take(labelled, ref, "holdout.reference")
+    y = rows["y"].astype(int).to_numpy()
+    scores = {
+        f"{m} (protocol train rows)": pred.loc[ref, f"p_{m}"].to_numpy()
+        for m in ("encoder", "tfidf")
+        if f"p_{m}" in pred.columns
+    }
+    scores["audit (disjoint rows)"] = audit.score_texts(serialize_frame(rows))
+    arr = rows["arrangement_id"].astype(str).to_numpy()
+    out = []
+    for name, p in scores.items():
+
+        def auc(idx: np.ndarray, p: np.ndarray = p) -> float:
+            return float(roc_auc_score(y[idx], p[idx])) if len(np.unique(y[idx])) == 2 else math.nan
+
+        a, lo, hi = cluster_bootstrap(auc, arr, n_boot, alpha, seed)
+        out.append({"model": name, "rows": len(y), "met_share": float(y.mean()),
+                    "mean_p": float(np.mean(p)), "auc": a, "auc_low": lo, "auc_high": hi})  # fmt: skip
+    return pd.DataFrame(out)
+
+
+def save_reward_bundle(
+    path: str | Path, result: ProtocolResult, reward_source: str, audit: TfidfAuditModel
+) -> Path:
+    """Write `reward_model/` (see the module docstring): the scorer, the audit and `bundle.json`.
+
+    `audit` is the disjoint-rows audit (`train_disjoint_audit`), never the protocol's own TF-IDF.
+    """
     if reward_source not in ("encoder", "tfidf"):
         raise ValueError(f"reward_source must be 'encoder' or 'tfidf', got {reward_source!r}")
-    if result.audit is None:
-        raise ValueError(f"protocol {result.protocol!r} has no audit model to save")
+    if reward_source == "tfidf" and result.audit is None:
+        raise ValueError(f"reward_source is 'tfidf' but protocol {result.protocol!r} trained none")
     if reward_source == "encoder" and result.encoder is None:
         raise ValueError(
             f"reward_source is 'encoder' but protocol {result.protocol!r} trained no encoder"
@@ -1200,7 +1429,9 @@ def save_reward_bundle(path: str | Path, result: ProtocolResult, reward_source: 
             "timing": result.timing,
         }
         result.encoder.save(path / "encoder", extra_json={"metrics.json": metrics})
-    result.audit.save(path / "audit")
+    audit.save(path / "audit")
+    if reward_source == "tfidf":
+        result.audit.save(path / "tfidf")
     _write_json(
         path / "bundle.json",
         {
@@ -1209,7 +1440,9 @@ def save_reward_bundle(path: str | Path, result: ProtocolResult, reward_source: 
             "reward_source": reward_source,
             "protocol": result.protocol,
             "encoder": "encoder" if result.encoder is not None else None,
+            "tfidf": "tfidf" if reward_source == "tfidf" else None,
             "audit": "audit",
+            "audit_trained_on": audit.meta.get("trained_on"),
         },
     )
     return path
@@ -1218,19 +1451,22 @@ def save_reward_bundle(path: str | Path, result: ProtocolResult, reward_source: 
 def load_reward(
     path: str | Path, device: str | None = None
 ) -> tuple[RewardModel | TfidfAuditModel, RewardModel | TfidfAuditModel | None]:
-    """Load `reward_model/`: (the scorer that feeds RL, the other one as an audit, or None)."""
+    """Load `reward_model/`: (the scorer that feeds RL, the disjoint-rows audit)."""
     path = Path(path)
     bundle = _read_marker(path, "bundle.json", BUNDLE_KIND)
-    enc = RewardModel.load(path / bundle["encoder"], device) if bundle.get("encoder") else None
     audit = TfidfAuditModel.load(path / bundle["audit"])
     if bundle.get("reward_source") == "encoder":
-        if enc is None:
+        if not bundle.get("encoder"):
             raise RewardModelError(
                 f"{path / 'bundle.json'}: reward_source is 'encoder' but no encoder folder is named"
             )
-        return enc, audit
+        return RewardModel.load(path / bundle["encoder"], device), audit
     if bundle.get("reward_source") == "tfidf":
-        return audit, enc
+        if not bundle.get("tfidf"):
+            raise RewardModelError(
+                f"{path / 'bundle.json'}: reward_source is 'tfidf' but no 'tfidf' folder is named"
+            )
+        return TfidfAuditModel.load(path / bundle["tfidf"]), audit
     raise RewardModelError(
         f"{path / 'bundle.json'}: field 'reward_source' is {bundle.get('reward_source')!r}; expected 'encoder' or 'tfidf'"
     )
@@ -1258,17 +1494,27 @@ class RewardStage:
 
 
 def within_context_table(results: Sequence[ProtocolResult]) -> pd.DataFrame:
-    """Overall AUC next to AUC within country / within economic area, and the two probes' AUCs."""
-    cols = [
-        "protocol",
-        "model",
-        "roc_auc",
-        "auc_within_country",
-        "n_countries",
-        "auc_within_area",
-        "n_areas",
-    ]
+    """Overall AUC next to pair-weighted AUC within country / economic area / full context, with CIs."""
+    cols = ["protocol", "model", "roc_auc", "roc_auc_low", "roc_auc_high"]
+    for stem in ("country", "area", "context"):
+        cols += [
+            f"auc_within_{stem}",
+            f"auc_within_{stem}_low",
+            f"auc_within_{stem}_high",
+            f"n_{stem}_groups",
+            f"n_{stem}_pairs",
+        ]
     return pd.concat([r.metrics[cols] for r in results], ignore_index=True)
+
+
+def comparison_tables(
+    results: Sequence[ProtocolResult], alpha: float
+) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(paired comparisons within each protocol, accuracy of each protocol against the first)."""
+    within = pd.concat([r.comparisons for r in results], ignore_index=True)
+    reps = {r.protocol: r.extra.get("accuracy_replicates", {}) for r in results}
+    points = {r.protocol: r.metrics.set_index("model")["accuracy"].to_dict() for r in results}
+    return within, protocol_differences(reps, points, alpha)
 
 
 def run_reward_stage(
@@ -1282,20 +1528,34 @@ def run_reward_stage(
     `reward_model/` (module docstring), `reward/metrics.json`, `reward/predictions_<protocol>.parquet`,
     tables `reward_*` and figures `reward_reliability`, `reward_confusion`.
     """
-    from rlxf_utils.data import load_splits
+    from rlxf_utils.data import load_holdout, load_splits
 
     rc = cfg.reward
+    alpha, n_boot = cfg.evaluation.alpha, cfg.evaluation.n_boot
     configure_threads(rc.num_threads)
     labelled, splits = load_splits(run)
     results = []
-    for protocol in rc.protocols:
+    for i, protocol in enumerate(rc.protocols):
         res = run_protocol(
-            labelled, splits, protocol, rc, cfg.run.seed, model_factory=model_factory
+            labelled,
+            splits,
+            protocol,
+            rc,
+            cfg.run.seed,
+            model_factory=model_factory,
+            alpha=alpha,
+            n_boot=n_boot,
+            boot_seed=cfg.run.seed + i,  # independent bootstrap draws per protocol
         )
         run.write_parquet(f"reward/predictions_{protocol}.parquet", res.predictions)
         results.append(res)
     chosen = next(r for r in results if r.protocol == rc.reward_protocol)
-    reward_dir = save_reward_bundle(run.path("reward_model"), chosen, rc.reward_source)
+    holdout = load_holdout(run)
+    audit = train_disjoint_audit(labelled, holdout, rc, cfg.run.seed)
+    reward_dir = save_reward_bundle(run.path("reward_model"), chosen, rc.reward_source, audit)
+    reference_check = reference_check_table(
+        labelled, holdout, chosen, audit, cfg.evaluation.n_boot, cfg.evaluation.alpha, cfg.run.seed
+    )
 
     metrics = pd.concat([r.metrics for r in results], ignore_index=True)
     calibration = pd.concat(
@@ -1305,6 +1565,7 @@ def run_reward_stage(
         [r.train_log.assign(protocol=r.protocol) for r in results], ignore_index=True
     )
     main = "encoder" if chosen.encoder is not None else "tfidf"
+    comparisons, protocol_diffs = comparison_tables(results, alpha)
     tables = {
         "reward_accuracy_vs_paper": accuracy_table(results),
         "reward_metrics": metrics,
@@ -1312,6 +1573,9 @@ def run_reward_stage(
             ["protocol", *[c for c in calibration.columns if c != "protocol"]]
         ],
         "reward_within_context": within_context_table(results),
+        "reward_comparisons": comparisons,
+        "reward_protocol_differences": protocol_diffs,
+        "reward_reference_check": reference_check,
         "reward_confident_errors": most_confident_errors(chosen.predictions, main, k=10),
         "reward_per_area": per_area_accuracy(chosen.predictions),
         "reward_train_log": train_log,
@@ -1324,8 +1588,13 @@ def run_reward_stage(
         {
             "reward_source": rc.reward_source,
             "reward_protocol": rc.reward_protocol,
+            "alpha": alpha,
+            "n_boot": n_boot,
+            "calibration_share": CALIBRATION_SHARE,
             "metrics": metrics.to_dict("records"),
             "calibration": calibration.to_dict("records"),
+            "comparisons": comparisons.to_dict("records"),
+            "protocol_differences": protocol_diffs.to_dict("records"),
             "timing": {r.protocol: r.timing for r in results},
         },
     )

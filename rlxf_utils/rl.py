@@ -572,10 +572,20 @@ def training_curves_figure(logs: pd.DataFrame) -> Any:
     return fig
 
 
-def summary_table(logs: pd.DataFrame, window: int = 3) -> pd.DataFrame:
-    """Per algorithm: reward at the start and end (mean of `window` steps), final KL, step time."""
+def summary_table(logs: pd.DataFrame, window: int = 3, alpha: float = 0.05) -> pd.DataFrame:
+    """Per algorithm: reward at the start and end (mean of `window` steps), final KL, step time,
+    and the critic's explained variance over the last third of the steps with a t interval at
+    1 - alpha over those steps (so "positive" is read from the interval, not the mean)."""
+    from scipy import stats
+
     rows = []
     for algo, g in logs.groupby("algo", sort=False):
+        ev_tail = g["explained_variance"].tail(max(1, len(g) // 3)).dropna().to_numpy(float)
+        if ev_tail.size > 1 and ev_tail.std(ddof=1) > 0:
+            half = stats.t.ppf(1 - alpha / 2, ev_tail.size - 1) * stats.sem(ev_tail)
+            ev_low, ev_high = ev_tail.mean() - half, ev_tail.mean() + half
+        else:
+            ev_low = ev_high = float(ev_tail.mean()) if ev_tail.size else float("nan")
         rows.append(
             {
                 "algorithm": algo.upper(),
@@ -584,9 +594,9 @@ def summary_table(logs: pd.DataFrame, window: int = 3) -> pd.DataFrame:
                 "reward_last": g["reward_mean"].tail(window).mean(),
                 "kl_last": g["kl"].tail(window).mean(),
                 "entropy_last": g["entropy"].tail(window).mean(),
-                "explained_variance_last_third": g["explained_variance"]
-                .tail(max(1, len(g) // 3))
-                .mean(),
+                "explained_variance_last_third": float(ev_tail.mean()) if ev_tail.size else np.nan,
+                "explained_variance_low": ev_low,
+                "explained_variance_high": ev_high,
                 "beta_first": g["kl_coef"].iloc[0],
                 "beta_last": g["kl_coef"].iloc[-1],
                 "step_time_s": g["step_time_s"].median(),

@@ -105,6 +105,7 @@ def _labelled() -> pd.DataFrame:
             "econ_descriptor": ["1.1"] * 6,
             "description": ["a met 1", "a met 2", "a met 3", "a not", "b met", "b met 2"],
             "y": [1, 1, 1, 0, 1, 1],
+            "row_id": [10, 11, 12, 13, 14, 15],
         }
     )
 
@@ -129,6 +130,46 @@ def test_history_references_match_context_and_label() -> None:
     assert h.equals(alignment.history_references(lab, ctx, k=2, seed=0))  # seeded
 
 
+def test_history_references_draw_only_reference_rows() -> None:
+    lab = _labelled()
+    ctx = [
+        {"country": "A", "arrangement_type": "SBA", "econ_descriptor": "1.1"},
+        {"country": "B", "arrangement_type": "SBA", "econ_descriptor": "1.1"},
+    ]
+    reference = [11, 13, 15]  # rows no reward or audit model trained on
+    h = alignment.history_references(lab, ctx, k=3, seed=0, reference_ids=reference)
+    assert set(lab.loc[h.hist_idx, "row_id"]) <= set(reference)  # random policy included
+    assert len(h[h.policy == "random_policy"]) == 6
+    counts = h.groupby(["policy", "prompt_id"]).size().to_dict()
+    assert counts[("history_met", 0)] == 1 and counts[("history_nonmet", 0)] == 1
+    assert counts[("history_met", 1)] == 1
+    with pytest.raises(ValueError, match="reference row"):
+        alignment.history_references(lab, ctx, k=1, seed=0, reference_ids=[999])
+
+
+def test_best_of_n_pool_is_drawn_apart_from_the_compared_samples() -> None:
+    from contextlib import contextmanager
+
+    model, tok = _base()
+
+    @contextmanager
+    def use(name):
+        yield model
+
+    pset = SimpleNamespace(use=use, tok=tok, start_name="sft")
+    prompts = ["w10 w11 w12", "w13", "w14 w15"]
+    kw = dict(max_new_tokens=8, temperature=1.0, top_p=1.0, postprocess="none", progress=False,
+              seed=7, batch_size=4)  # fmt: skip
+    own = alignment.sample_tuned(pset, "sft", prompts, 3, kw, 4, desc="sft", judges=False)
+    pool = alignment.best_of_n_pool(pset, prompts, 3, kw, 4)
+    for pid in range(len(prompts)):
+        a = {tuple(r) for r in own.loc[own.prompt_id == pid, "response_ids"]}
+        b = {tuple(r) for r in pool.loc[pool.prompt_id == pid, "response_ids"]}
+        assert a.isdisjoint(b)  # another seed: no candidate is one of the compared samples
+    again = alignment.best_of_n_pool(pset, prompts, 3, kw, 4)
+    assert again["response_ids"].tolist() == pool["response_ids"].tolist()  # still seeded
+
+
 def _samples(gain: float, n_prompts: int = 30, k: int = 3) -> pd.DataFrame:
     rng = np.random.default_rng(0)
     rows = []
@@ -139,7 +180,7 @@ def _samples(gain: float, n_prompts: int = 30, k: int = 3) -> pd.DataFrame:
                 rows.append({"policy": pol, "prompt_id": p, "sample_id": j, "reward": r,
                              "audit_reward": 0.6 + rng.normal(0, 0.01), "logp_policy": -5.0 + shift,
                              "logp_ref": -5.0, "logp_base": -5.0, "n_tokens": 5, "finished": j % 2 == 0,
-                             "response": f"w{p} w{j} text",
+                             "response": f"w{p} w{j} text", "country": f"C{p % 10}",
                              "grounded_met_rate": 0.6, "max_sim": 0.5})  # fmt: skip
     return pd.DataFrame(rows)
 
@@ -150,14 +191,17 @@ def test_summary_table_finds_a_real_gain_and_only_it() -> None:
     )
     s = s.set_index("policy")
     assert s.loc["ppo", "gain"] == pytest.approx(0.1, abs=0.01)
-    assert s.loc["ppo", "gain_low"] > 0.08 and s.loc["ppo", "gain_p_holm"] < 1e-3
+    # 10 countries: the exact Wilcoxon p is at least 2 / 2**10, times 2 for Holm
+    assert s.loc["ppo", "gain_low"] > 0.08 and s.loc["ppo", "gain_p_holm"] < 0.01
     assert abs(s.loc["ppo", "audit_gain"]) < 0.01 and s.loc["ppo", "audit_gain_p_holm"] > 0.05
     assert s.loc["ppo", "kl"] == pytest.approx(0.1)  # logp_policy - logp_ref
     assert s.loc["base", "kl"] == 0.0
     assert s.loc["best_of_n", "kl"] == pytest.approx(math.log(4) - 3 / 4)
     assert s.loc["base", "perplexity"] == pytest.approx(math.exp(1.0))
     assert s.loc["ppo", "finished"] == pytest.approx(2 / 3)  # samples 0 and 2 of 3 finished
-    assert set(paired["measure"]) == {"reward", "audit_reward"}
+    assert set(paired["measure"]) == {"reward", "audit_reward", "gap"}
+    assert s.loc["ppo", "gap"] == pytest.approx(0.1, abs=0.01) and s.loc["ppo", "gap_low"] > 0
+    assert (paired["n_clusters"] == 10).all()  # tests run over the 10 countries, not 30 prompts
     null, _ = alignment.summary_table(
         _samples(0.0), ["base", "ppo"], "base", 4, n_boot=500, alpha=0.05, seed=0
     )

@@ -16,6 +16,7 @@ from rlxf_utils.data import (
     load_mona,
     make_splits,
     near_duplicates_across,
+    nest_evaluation_holdout,
     normalise_status,
     rate_by,
     subsample_arrangements,
@@ -340,6 +341,32 @@ def test_contexts_held_out_by_country(full) -> None:
     assert tr and ev and not (tr & ev)
     assert ctx["n"].sum() == len(full.labelled)
     assert np.allclose(ctx["met_rate"], ctx["n_met"] / ctx["n"])
+
+
+@pytest.mark.parametrize("protocol", ["grouped", "random", "temporal"])
+def test_evaluation_holdout_is_unseen_by_reward_and_audit(splits, protocol) -> None:
+    lab, sp = splits
+    ctx = build_contexts(lab, seed=1, eval_fraction=0.2)
+    held = ctx.loc[ctx["split"] == "eval", "country"].unique()
+    nested, h = nest_evaluation_holdout(lab, sp, protocol, held, seed=1)
+    country = lab.set_index("row_id")["country"]
+    reward_rows = set(nested[protocol]["train"]) | set(nested[protocol]["val"])
+    audit_rows = set(h["audit_train"]) | set(h["audit_val"])
+    ref = set(h["reference"])
+    # the leak checks: references are rows neither model trained on; the audit shares no row
+    assert ref and not (ref & reward_rows) and not (ref & audit_rows)
+    assert audit_rows and not (audit_rows & reward_rows)
+    assert ref == set(country.index[country.isin(held)])  # every row of the evaluation countries
+    assert ref <= set(nested[protocol]["test"]) and audit_rows <= set(nested[protocol]["test"])
+    assert set(country.loc[list(reward_rows)]).isdisjoint(held)
+    arr = lab.set_index("row_id")["arrangement_id"]
+    assert not (set(arr.loc[h["audit_train"]]) & set(arr.loc[h["audit_val"]]))
+    others = [p for p in sp if p != protocol]
+    assert all(nested[p] == sp[p] for p in others)  # only the reward protocol is nested
+    if protocol == "grouped":  # still a grouped split
+        assert not (set(arr.loc[list(reward_rows)]) & set(arr.loc[nested[protocol]["test"]]))
+    with pytest.raises(DataError, match="reward_protocol"):
+        nest_evaluation_holdout(lab, sp, "nope", held, seed=1)
 
 
 def test_rate_by_wilson_interval() -> None:

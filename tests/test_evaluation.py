@@ -360,6 +360,63 @@ def test_grounding_excludes_the_row_itself() -> None:
         index.ground_embeddings(emb, k=1, exclude=[0])
 
 
+def test_grounding_excludes_the_rows_own_group() -> None:
+    texts, met, areas = _toy_corpus()
+    index = HistoricalIndex.build(texts, met, areas, toy_encode)
+    groups = ["arr1", "arr1", "arr2", "arr3", "arr3", "arr4"]
+    emb = index.embeddings[[0]]
+    same = index.ground_embeddings(emb, k=1, exclude=[0])
+    assert same["nearest_idx"].tolist() == [1]  # its twin in the same arrangement
+    out = index.ground_embeddings(emb, k=1, exclude=[0], groups=groups, query_groups=["arr1"])
+    assert out["nearest_idx"].tolist() == [2]  # "tax bank": the nearest outside arrangement arr1
+    none = index.ground_embeddings(emb, k=1, exclude=[0], groups=groups, query_groups=[None])
+    assert none["nearest_idx"].tolist() == [1]
+    with pytest.raises(ValueError, match="one label per historical row"):
+        index.ground_embeddings(emb, k=1, groups=groups[:2], query_groups=["arr1"])
+
+
+def test_cluster_bootstrap_widens_the_interval_for_correlated_values() -> None:
+    from rlxf_utils.evaluation import bootstrap_ci, cluster_bootstrap
+
+    rng = np.random.default_rng(0)
+    centres = rng.normal(0, 1, 12)
+    values = np.repeat(centres, 10) + rng.normal(0, 0.01, 120)  # 12 countries x 10 prompts
+    clusters = np.repeat(np.arange(12), 10)
+    m0, lo0, hi0 = bootstrap_ci(values, 1000, 0.05, 0)
+    m1, lo1, hi1 = bootstrap_ci(values, 1000, 0.05, 0, clusters=clusters)
+    assert m0 == pytest.approx(m1)
+    assert (hi1 - lo1) > 2.5 * (hi0 - lo0)  # ~sqrt(10) wider: 12 units, not 120
+    m2, lo2, hi2 = bootstrap_ci(centres, 1000, 0.05, 0)  # the cluster means themselves
+    assert (hi1 - lo1) == pytest.approx(hi2 - lo2, rel=0.25)
+    p, lo, hi = cluster_bootstrap(lambda idx: float(values[idx].mean()), clusters, 1000, 0.05, 0)
+    assert p == pytest.approx(m1) and (hi - lo) == pytest.approx(hi1 - lo1, rel=0.25)
+    with pytest.raises(ValueError, match="one label per value"):
+        bootstrap_ci(values, 10, 0.05, 0, clusters=clusters[:5])
+
+
+def test_paired_comparison_tests_over_clusters() -> None:
+    from rlxf_utils.evaluation import paired_comparison
+
+    rng = np.random.default_rng(1)
+    shift = np.repeat(rng.normal(0.02, 0.05, 6), 8)  # 6 clusters, 8 prompts each, shared shift
+    a = 0.5 + shift + rng.normal(0, 0.001, 48)
+    b = np.full(48, 0.5)
+    flat = paired_comparison(a, b, n_boot=500, seed=0)
+    clus = paired_comparison(a, b, n_boot=500, seed=0, clusters=np.repeat(np.arange(6), 8))
+    assert clus["n_clusters"] == 6 and clus["n"] == 48  # prompts; the tests use 6 units
+    assert clus["p_ttest"] > flat["p_ttest"]  # 6 units carry less evidence than 48
+    assert clus["ci_high"] - clus["ci_low"] > flat["ci_high"] - flat["ci_low"]
+
+
+def test_ci_verdict_reads_the_interval_not_the_estimate() -> None:
+    from rlxf_utils.evaluation import ci_verdict
+
+    assert ci_verdict(0.01, 0.2) == "higher"
+    assert ci_verdict(-0.3, -0.01) == "lower"
+    assert ci_verdict(-0.01, 0.5) == "not distinguishable"
+    assert ci_verdict(float("nan"), 0.5, neither="n/a") == "n/a"
+
+
 def test_grounding_all_dissimilar_is_nan() -> None:
     index = HistoricalIndex(np.array([[1.0, 0.0], [0.0, 1.0]]), [1, 0], ["a", "b"])
     out = index.ground_embeddings(np.array([[-1.0, -1.0]]), k=2)

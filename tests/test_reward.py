@@ -15,7 +15,7 @@ from sklearn.linear_model import LogisticRegression
 
 from rlxf_utils import reward as R
 from rlxf_utils.config import RewardConfig
-from rlxf_utils.prompts import FORBIDDEN_FIELDS, serialize_frame
+from rlxf_utils.prompts import serialize_frame
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -102,10 +102,12 @@ def test_serialisation_is_shared_and_excludes_outcome_fields():
     assert texts == serialize_frame(df)
     records = df.to_dict("records")  # whole rows, outcome fields included, must not leak
     assert R.serialize_inputs(records, df["description"].tolist()) == texts
-    for t in texts:
-        assert "SECRET-OUTCOME-NOTE" not in t
-        assert " NM" not in t
-    assert {"status", "comments", "y"} <= FORBIDDEN_FIELDS
+    # flipping every outcome field leaves the model input unchanged, while a context field does not
+    flipped = df.assign(
+        status=np.where(df["status"] == "M", "NM", "M"), comments="other", y=1 - df["y"]
+    )
+    assert R.serialize_inputs(flipped.to_dict("records"), df["description"].tolist()) == texts
+    assert R.serialize_inputs(df.assign(country="CHILE"), df["description"].tolist()) != texts
     with pytest.raises(ValueError, match="one text per context"):
         R.serialize_inputs(df, df["description"].tolist()[:-1])
     with pytest.raises(KeyError, match="country"):
@@ -130,22 +132,33 @@ def test_metrics_agree_with_sklearn():
     y2 = np.array([1, 0, 0, 0, 1, 1, 1, 0])
     p2 = np.array([0.2, 0.2, 0.2, 0.2, 0.9, 0.9, 0.9, 0.9])
     assert R.expected_calibration_error(y2, p2, n_bins=10) == pytest.approx(0.5 * 0.05 + 0.5 * 0.15)
-    auc, n = R.within_group_auc(y, p, np.repeat(["a", "b"], 250))
-    expected = np.mean([skm.roc_auc_score(y[:250], p[:250]), skm.roc_auc_score(y[250:], p[250:])])
-    assert (auc, n) == (pytest.approx(expected), 2)
 
 
-def test_temperature_scaling_lowers_nll_on_overconfident_scores():
+def test_platt_scaling_undoes_overconfidence_and_a_shifted_prior():
     rng = np.random.default_rng(2)
     z = rng.normal(0, 1.5, 4000)
     y = (rng.random(4000) < 1 / (1 + np.exp(-z))).astype(int)
-    margin = 4.0 * z  # four times too confident
-    t = R.fit_temperature(margin, y)
-    assert 3.0 < t < 5.0
-    rep = R.calibration_report(margin, y, t)
+    margin = 4.0 * z + 1.5  # four times too confident and shifted towards MET
+    t, offset = R.fit_platt(margin, y)
+    assert 3.5 < t < 4.5 and offset == pytest.approx(-1.5 / t, abs=0.1)
+    rep = R.calibration_report(margin, y, t, offset)
     assert rep["nll_after"] < rep["nll_before"] - 0.05
-    assert rep["ece_after"] < rep["ece_before"]
+    assert rep["ece_after"] < rep["ece_before"] / 3
     assert rep["brier_after"] < rep["brier_before"]
+    assert R.fit_platt(margin, np.ones_like(y)) == (1.0, 0.0)  # one class: nothing to fit
+
+
+def test_validation_split_keeps_arrangements_whole_and_classes_stratified():
+    df = _synthetic_conditions(200, seed=4)
+    sel, cal = R.split_validation(df, "grouped", seed=0)
+    assert set(sel["row_id"]).isdisjoint(cal["row_id"]) and len(sel) + len(cal) == len(df)
+    assert set(sel["arrangement_id"]).isdisjoint(cal["arrangement_id"])
+    assert 0.35 < len(cal) / len(df) < 0.65
+    sel, cal = R.split_validation(df, "random", seed=0)
+    y = df["y"].astype(int)
+    assert abs(int(cal["y"].sum()) - y.sum() / 2) <= 1 and abs(len(cal) - len(df) / 2) <= 1
+    with pytest.raises(ValueError, match="selection and a calibration half"):
+        R.split_validation(df.iloc[:1], "random", seed=0)
 
 
 def test_prior_bias_undoes_balanced_weighting():
@@ -161,10 +174,11 @@ def test_tiny_bert_trains_saves_reloads_and_scores_identically(tmp_path: Path):
     factory = _tiny_factory(texts)
     cfg = _cfg()
     rm, log = R.train_encoder(
-        texts[:160], y[:160], texts[160:200], y[160:200], cfg, seed=7, model_factory=factory
-    )
+        texts[:160], y[:160], texts[160:180], y[160:180], cfg, seed=7, model_factory=factory,
+        cal_texts=texts[180:200], cal_y=y[180:200],
+    )  # fmt: skip
     assert len(log) >= 1 and {"epoch", "val_roc_auc", "train_seconds"} <= set(log.columns)
-    assert rm.temperature > 0 and "calibration" in rm.meta
+    assert rm.meta["calibration"]["slice"] == "calibration" and rm.meta["calibration"]["n"] == 20
     p = rm.score(df.iloc[200:], df["description"].iloc[200:].tolist(), batch_size=7)
     assert p.shape == (40,) and np.all((p > 0) & (p < 1))
     assert skm.roc_auc_score(y[200:], p) > 0.8  # the signal word is learnable in a few steps
@@ -177,6 +191,7 @@ def test_tiny_bert_trains_saves_reloads_and_scores_identically(tmp_path: Path):
     assert again.temperature == pytest.approx(rm.temperature) and again.bias == pytest.approx(
         rm.bias
     )
+    assert again.offset == pytest.approx(rm.offset) and rm.offset != 0.0
     np.testing.assert_allclose(again.score_texts(texts[200:], batch_size=7), p, atol=1e-6)
 
 
@@ -280,14 +295,54 @@ def test_run_protocol_and_bundle(tmp_path: Path):
     assert table.loc[0, "majority"] == pytest.approx(
         max(res.predictions["y"].mean(), 1 - res.predictions["y"].mean())
     )
-    R.save_reward_bundle(tmp_path / "reward_model", res, "tfidf")
-    reward, other = R.load_reward(tmp_path / "reward_model")
-    assert isinstance(reward, R.TfidfAuditModel) and isinstance(other, R.RewardModel)
+    # both models are Platt-scaled on the calibration half only, which chose no checkpoint
+    va = df.set_index("row_id", drop=False).loc[ids[150:180]].reset_index(drop=True)
+    sel, cal = R.split_validation(va, "random", seed=0)
+    assert (res.extra["n_selection"], res.extra["n_calibration"]) == (len(sel), len(cal))
+    y_cal = cal["y"].astype(int).to_numpy()
+    for scorer in (res.encoder, res.audit):
+        t, off = R.fit_platt(scorer.margins_texts(serialize_frame(cal)), y_cal)
+        assert scorer.temperature == pytest.approx(t, rel=1e-5)
+        assert scorer.offset == pytest.approx(off, abs=1e-5)
+    cal_row = res.calibration.set_index("model").loc["encoder"]
+    assert cal_row["n_calibration"] == len(cal) and cal_row["method"] == "platt"
+    assert cal_row["ece_verdict"] in {"higher", "lower", "not distinguishable"}
+    assert cal_row["ece_diff_low"] <= cal_row["ece_diff_high"]
+    # every metric carries an interval; comparisons are paired on the same test rows
+    m = res.metrics.set_index("model")
+    assert ((m["accuracy_low"] <= m["accuracy"]) & (m["accuracy"] <= m["accuracy_high"])).all()
+    assert m.loc["majority", "auc_within_context"] == pytest.approx(0.5)  # a constant ranks nothing
+    assert {"encoder vs TF-IDF", "encoder calibrated vs raw"} <= set(res.comparisons["comparison"])
+    # an outcome column as the text the models read is refused before anything is trained
+    with pytest.raises(ValueError, match="outcome fields"):
+        R.run_protocol(df, splits, "random", cfg, seed=0, text_column="comments")
+    # the disjoint-rows audit: trained on held-out rows only (data/holdout.json)
+    df.loc[df["row_id"] < 180, "description"] += " rewardonly"  # a token only training rows carry
+    h = {"reference": ids[180:210], "audit_train": ids[210:232], "audit_val": ids[232:]}
+    audit = R.train_disjoint_audit(df, h, cfg, seed=0)
+    assert audit.meta["n_train"] == 22 and audit.meta["trained_on"].endswith("audit_train")
+    assert not any("rewardonly" in w for w in audit.vocabulary)  # never saw a reward row
+    R.save_reward_bundle(tmp_path / "reward_model", res, "encoder", audit)
+    reward, aud = R.load_reward(tmp_path / "reward_model")
+    assert isinstance(reward, R.RewardModel) and isinstance(aud, R.TfidfAuditModel)
     np.testing.assert_allclose(
-        other.score(df.iloc[180:], df["description"].iloc[180:].tolist()),
+        reward.score(df.iloc[180:], df["description"].iloc[180:].str.replace(" rewardonly", "").tolist()),
         res.predictions["p_encoder"],
         atol=1e-5,
-    )
+    )  # fmt: skip
+    texts = df["description"].iloc[180:].tolist()
+    np.testing.assert_allclose(aud.score(df.iloc[180:], texts), audit.score(df.iloc[180:], texts))
+    R.save_reward_bundle(tmp_path / "tfidf_bundle", res, "tfidf", audit)
+    reward, aud = R.load_reward(tmp_path / "tfidf_bundle")
+    assert reward.meta["n_train"] == 150 and aud.meta["n_train"] == 22  # scorer vs audit
+    check = R.reference_check_table(df, h, res, audit, n_boot=100, alpha=0.1, seed=0)
+    assert list(check["model"]) == [
+        "encoder (protocol train rows)", "tfidf (protocol train rows)", "audit (disjoint rows)"
+    ]  # fmt: skip
+    assert (check["rows"] == 30).all() and check["auc"].between(0, 1).all()
+    assert (check["auc_low"] <= check["auc"]).all() and (check["auc"] <= check["auc_high"]).all()
+    with pytest.raises(ValueError, match="nested"):
+        R.reference_check_table(df, {**h, "reference": ids[:10]}, res, audit, 10, 0.1, 0)
     bad = {"random": {"train": [999_999], "val": [], "test": []}}
     with pytest.raises(KeyError, match="random.train"):
         R.run_protocol(df, bad, "random", cfg, seed=0, train_encoder_model=False)
@@ -316,3 +371,58 @@ def test_freeze_layers_beyond_depth_is_a_clear_error():
             0,
             model_factory=_tiny_factory(texts),
         )
+
+
+def test_report_reward_section_words_follow_the_intervals(tmp_path: Path):
+    """The report's reward verdicts are read from the interval verdicts, never from point estimates."""
+    from rlxf_utils.artifacts import ArtifactMissing, RunDir
+    from rlxf_utils.report_sections import reward_section
+
+    df = _synthetic_conditions(240, seed=6)
+    ids = df["row_id"].tolist()
+    splits = {
+        p: {"train": ids[:150], "val": ids[150:180], "test": ids[180:]}
+        for p in ("random", "grouped")
+    }
+    cfg = _cfg(protocols=["random", "grouped"], reward_protocol="grouped", reward_source="tfidf")
+    results = [
+        R.run_protocol(df, splits, p, cfg, 0, train_encoder_model=False, n_boot=200, boot_seed=i)
+        for i, p in enumerate(("random", "grouped"))
+    ]
+    comparisons, diffs = R.comparison_tables(results, alpha=0.05)
+    calibration = pd.concat([r.calibration.assign(protocol=r.protocol) for r in results])
+    run = RunDir(tmp_path / "run")
+    meta = {
+        "reward_source": "tfidf", "reward_protocol": "grouped", "alpha": 0.1, "n_boot": 200,
+        "metrics": pd.concat([r.metrics for r in results]).to_dict("records"),
+        "comparisons": comparisons.to_dict("records"),
+        "protocol_differences": diffs.to_dict("records"),
+    }  # fmt: skip
+    words = {
+        "lower": "lowered",
+        "higher": "raised",
+        "not distinguishable": "did not significantly change",
+    }
+    for verdict, word in words.items():
+        cal = calibration.assign(ece_verdict=verdict)
+        run.write_json("reward/metrics.json", {**meta, "calibration": cal.to_dict("records")})
+        variables, tables = reward_section(run)
+        assert variables["calibration_verdict"] == word
+    assert variables["level"] == "90%" and "90% CI" in tables["reward_tests.md"]
+    assert "no encoder was trained" in variables["encoder_vs_tfidf"]
+    moves = {
+        "lower": "falls",
+        "higher": "rises",
+        "not distinguishable": "does not change significantly",
+    }
+    for verdict, move in moves.items():
+        d = diffs.assign(verdict=verdict).to_dict("records")
+        run.write_json(
+            "reward/metrics.json",
+            {**meta, "calibration": cal.to_dict("records"), "protocol_differences": d},
+        )
+        sentence = reward_section(run)[0]["protocol_sentence"]
+        assert f"test accuracy {move} under the grouped protocol" in sentence
+    run.write_json("reward/metrics.json", {k: v for k, v in meta.items() if k != "comparisons"})
+    with pytest.raises(ArtifactMissing, match="comparisons"):
+        reward_section(run)

@@ -10,6 +10,7 @@ import pytest
 from test_ppo import small_cfg, tiny_tokenizer, toy_contexts, toy_reward
 from tiny import tiny_llama
 
+from rlxf_utils import rl
 from rlxf_utils.config import LoraSettings, PolicyConfig
 from rlxf_utils.models import postprocess_response
 from rlxf_utils.ppo import LOG_COLUMNS, prompt_schedule
@@ -129,3 +130,17 @@ def test_profiles_use_the_papers_template():
         cfg = load_config(PROJECT_ROOT / "params" / f"{name}.yaml")
         assert cfg.rl.prompt_template == PAPER_PROMPT_TEMPLATE
         assert cfg.rl.algorithm
+
+
+def test_summary_table_reads_the_critic_from_an_interval() -> None:
+    def logs(ev: list[float]) -> pd.DataFrame:
+        n = len(ev)
+        return pd.DataFrame({"algo": "ppo", "step": range(1, n + 1), "reward_mean": 0.5, "kl": 1.0,
+                             "entropy": 2.0, "explained_variance": ev, "kl_coef": 0.05,
+                             "step_time_s": 1.0, "tokens_per_s": 10.0})  # fmt: skip
+
+    clear = rl.summary_table(logs([-1.0] * 6 + [0.30, 0.32, 0.31]), alpha=0.05).iloc[0]
+    assert clear["explained_variance_last_third"] == pytest.approx(0.31)
+    assert 0 < clear["explained_variance_low"] < 0.31 < clear["explained_variance_high"]
+    noisy = rl.summary_table(logs([0.0] * 6 + [0.5, -0.4, 0.3]), alpha=0.05).iloc[0]
+    assert noisy["explained_variance_last_third"] > 0 > noisy["explained_variance_low"]
