@@ -24,6 +24,7 @@ __all__ = [
     "eval_section",
     "forensic_section",
     "forensic_verdict",
+    "reference_check",
     "reward_section",
     "risk_section",
     "rl_section",
@@ -269,12 +270,44 @@ def reward_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
         "encoder_train_s": f"{timing.get('encoder_train_s', math.nan):.0f}",
         "score_texts_per_s": f"{timing.get('encoder_score_texts_per_s', math.nan):.0f}",
     }
+    ref_sentence, ref_md = reference_check(run, lvl)
+    variables["reference_sentence"] = ref_sentence
     return variables, {
         "reward_metrics.md": metrics_md,
         "reward_calibration.md": cal_md,
         "reward_within.md": within_md,
         "reward_tests.md": tests_md,
+        "reward_reference_check.md": ref_md,
     }
+
+
+def reference_check(run: RunDir, lvl: str) -> tuple[str, str]:
+    """Every scorer's AUC on the reference rows (evaluation countries), which none trained on."""
+    stage = "notebook 02_reward_model"
+    holdout = run.read_json("data/holdout.json", "notebook 01_data_exploration")
+    t = run.read_table("reward_reference_check", stage)
+    md = markdown_table(
+        t.assign(**{f"AUC [{lvl} CI]": [ci(r.auc, r.auc_low, r.auc_high) for r in t.itertuples()]})[
+            ["model", "rows", "met_share", "mean_p", f"AUC [{lvl} CI]"]
+        ],
+        floatfmt=".3f",
+    )
+    parts = [
+        f"{r.model} {ci(r.auc, r.auc_low, r.auc_high)}, "
+        + ci_verdict(
+            r.auc_low - 0.5, r.auc_high - 0.5, "above", "below", "not distinguishable from"
+        )
+        + " chance"
+        for r in t.itertuples()
+    ]
+    sentence = (
+        f"The {len(holdout['eval_countries'])} evaluation countries' {len(holdout['reference'])} rows "
+        f"sit inside the {holdout['reward_protocol']} protocol's test split, and the audit model "
+        f"trains on {len(holdout['audit_train'])} other held-out rows (calibrated on "
+        f"{len(holdout['audit_val'])}), so no reference that evaluation scores was seen by either "
+        f"model. On those rows the AUC is: " + "; ".join(parts)
+    )
+    return sentence, md
 
 
 # ---------------------------------------------------------------------------------------------
