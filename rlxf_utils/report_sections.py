@@ -284,6 +284,8 @@ def reward_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
 def reference_check(run: RunDir, lvl: str) -> tuple[str, str]:
     """Every scorer's AUC on the reference rows (evaluation countries), which none trained on."""
     stage = "notebook 02_reward_model"
+    if not run.path("data/holdout.json").exists():
+        return "This run has no evaluation holdout (data/holdout.json); rerun notebook 01", ""
     holdout = run.read_json("data/holdout.json", "notebook 01_data_exploration")
     t = run.read_table("reward_reference_check", stage)
     md = markdown_table(
