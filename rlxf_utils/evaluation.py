@@ -19,6 +19,7 @@ import hashlib
 import json
 import logging
 import math
+import numbers
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -36,6 +37,7 @@ __all__ = [
     "best_of_n",
     "best_of_n_frame",
     "bootstrap_ci",
+    "ci_sign",
     "ci_verdict",
     "cluster_bootstrap",
     "distinct_n",
@@ -97,21 +99,7 @@ def bootstrap_ci(
         keep = ~np.isnan(x)
         return _cluster_bootstrap_mean(x[keep], g[keep], n_boot, alpha, seed, chunk)
     x = x[~np.isnan(x)]
-    n = x.size
-    if n == 0:
-        return (math.nan, math.nan, math.nan)
-    mean = float(x.mean())
-    if n == 1:
-        return (mean, mean, mean)
-    rng = np.random.default_rng(seed)
-    rows = max(1, chunk // n)
-    means = np.empty(n_boot)
-    for start in range(0, n_boot, rows):
-        stop = min(n_boot, start + rows)
-        idx = rng.integers(0, n, size=(stop - start, n))
-        means[start:stop] = x[idx].mean(axis=1)
-    low, high = np.quantile(means, [alpha / 2, 1 - alpha / 2])
-    return (mean, float(low), float(high))
+    return _resampled_means(x, x, np.ones(x.size), n_boot, alpha, seed, chunk)
 
 
 def _cluster_bootstrap_mean(
@@ -122,7 +110,23 @@ def _cluster_bootstrap_mean(
     _, inv = np.unique(g, return_inverse=True)
     sums = np.bincount(inv, weights=x)
     counts = np.bincount(inv).astype(float)
+    return _resampled_means(x, sums, counts, n_boot, alpha, seed, chunk)
+
+
+def _resampled_means(
+    x: np.ndarray,
+    sums: np.ndarray,
+    counts: np.ndarray,
+    n_boot: int,
+    alpha: float,
+    seed: int,
+    chunk: int,
+) -> tuple[float, float, float]:
+    """(mean of x, percentile CI) resampling units with replacement; each unit carries the sum and
+    count of its values (one value per unit for the plain bootstrap, a cluster's otherwise)."""
     c = sums.size
+    if c == 0:
+        return (math.nan, math.nan, math.nan)
     mean = float(x.mean())
     if c == 1:
         return (mean, mean, mean)
@@ -180,13 +184,14 @@ def ci_verdict(
 ) -> str:
     """The verdict word a confidence interval supports: `above` when it lies above zero, `below`
     when below, `neither` when it covers zero or is missing. Never the sign of a point estimate."""
-    if low is None or high is None or math.isnan(low) or math.isnan(high):
-        return neither
-    if low > 0:
-        return above
-    if high < 0:
-        return below
-    return neither
+    return {1: above, -1: below, 0: neither}[ci_sign(low, high)]
+
+
+def ci_sign(low: Any, high: Any) -> int:
+    """+1 when the interval lies above 0, -1 below, 0 when it holds 0 or a bound is missing."""
+    if not all(isinstance(v, numbers.Real) and not math.isnan(v) for v in (low, high)):
+        return 0
+    return 1 if low > 0 else -1 if high < 0 else 0
 
 
 def _rank_biserial(diff: np.ndarray) -> float:

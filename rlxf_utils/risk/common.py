@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-from ..evaluation import bootstrap_ci, cluster_bootstrap
+from ..evaluation import bootstrap_ci, ci_sign, cluster_bootstrap
 from ..reward import classification_metrics
 
 #: Policies of notebook 04 whose names start with this are historical conditions, not generated.
@@ -145,11 +145,7 @@ def stat_ci(
     return est if _n_clusters(g) >= 2 else (est[0], math.nan, math.nan)
 
 
-def sign_of(low: Any, high: Any) -> int:
-    """+1 when the interval lies above 0, -1 below, 0 when it holds 0 or is missing."""
-    if not all(isinstance(v, int | float) and not math.isnan(v) for v in (low, high)):
-        return 0
-    return 1 if low > 0 else -1 if high < 0 else 0
+sign_of = ci_sign  # +1 / -1 / 0 from an interval: one rule for the whole study (evaluation)
 
 
 def clusters_of(df: pd.DataFrame, column: str = "arrangement_id") -> np.ndarray:

@@ -18,6 +18,7 @@ import pandas as pd
 from ..artifacts import fmt_num as _num
 from ..artifacts import fmt_pct as _pct
 from ..artifacts import is_present as _ok
+from ..evaluation import ci_verdict
 from .common import RiskError, missing_note, sign_of
 
 
@@ -47,9 +48,7 @@ def level(alpha: float) -> str:
     return f"{1 - alpha:.0%}"
 
 
-def word(low: Any, high: Any, up: str, down: str, unclear: str) -> str:
-    """`up` when the interval lies above 0, `down` when below, `unclear` when it holds 0."""
-    return {1: up, -1: down, 0: unclear}[sign_of(low, high)]
+word = ci_verdict  # (low, high, up, down, unclear): the verdict word an interval supports
 
 
 def _ci(low: Any, high: Any, alpha: float, digits: int = 3, scale: float = 1.0) -> str:
