@@ -21,7 +21,11 @@ __all__ = [
     "ForensicConfig",
     "LoraSettings",
     "PolicyConfig",
+    "ALGORITHM_LABELS",
+    "RLGF_ALGORITHMS",
     "RLConfig",
+    "RLGFConfig",
+    "algorithm_label",
     "RewardConfig",
     "RiskConfig",
     "RunConfig",
@@ -140,6 +144,25 @@ class SFTConfig(Section):
     num_threads: int | None = Field(default=None, gt=0)
 
 
+#: How each policy is named in tables, figures and prose (RL ids as in params' rl.algorithm).
+ALGORITHM_LABELS: dict[str, str] = {
+    "ppo": "PPO",
+    "grpo": "GRPO",
+    "rloo": "RLOO",
+    "ppo_pp": "PPO++",
+    "aggrevated": "AggreVaTeD",
+    "lols": "LOLS",
+    "d2lols": "D²LOLS",
+}
+#: The RL-with-guided-feedback algorithms (rlxf_utils.rlgf): they need the guide policy.
+RLGF_ALGORITHMS: tuple[str, ...] = ("ppo_pp", "aggrevated", "lols", "d2lols")
+
+
+def algorithm_label(name: str) -> str:
+    """Display name of a policy or algorithm id ('d2lols' -> 'D²LOLS'); other names unchanged."""
+    return ALGORITHM_LABELS.get(name, name)
+
+
 class RLConfig(Section):
     """RL fine-tuning of the policy against the reward model: PPO (ours), GRPO and RLOO (TRL).
 
@@ -149,8 +172,8 @@ class RLConfig(Section):
     same number of steps with the same sampling settings.
     """
 
-    algorithm: list[Literal["ppo", "grpo", "rloo"]] = Field(
-        default_factory=lambda: ["ppo"], min_length=1
+    algorithm: list[Literal["ppo", "grpo", "rloo", "ppo_pp", "aggrevated", "lols", "d2lols"]] = (
+        Field(default_factory=lambda: ["ppo"], min_length=1)
     )
     start_policy: Literal["sft", "base"] = "sft"  # the policy RL starts from and its KL reference
     prompt_template: str = (
@@ -225,6 +248,41 @@ class RLConfig(Section):
     def optimizer_steps_per_batch(self) -> int:
         """Gradient updates taken on each batch of responses (every algorithm)."""
         return self.update_epochs * (self.batch_size // self.minibatch_size)
+
+
+class RLGFConfig(Section):
+    """RL with guided feedback (Chang et al., 2023): PPO++, AggreVaTeD, LOLS and D²LOLS on our PPO.
+
+    Each response is split at a switch point h: with probability `beta_*` of the scheme,
+    h ~ Uniform{1..L-1} on the roll-in policy's response of length L, else h = 0. PPO++: the
+    guide writes the prefix, the policy the rest; AggreVaTeD: the policy writes the prefix, the
+    guide the rest (with a second critic for the guide's value). Defaults are the authors' IMDB
+    settings (`Cornell-RL/tril`, `cfgs/alg/*.yaml`), the experiment closest to ours.
+    """
+
+    guide: Literal["sft_met", "sft", "base"] = (
+        "sft_met"  # the guide policy (sft_met: SFT on what was met)
+    )
+    guide_top_p: float = Field(
+        default=0.92, gt=0.0, le=1.0
+    )  # the guide's nucleus sampling (authors: 0.92)
+    guide_temperature: float = Field(default=1.0, gt=0.0)
+    beta_ppo_pp: float = Field(
+        default=0.6, ge=0.0, le=1.0
+    )  # P(guide roll-in) per sample in PPO++ (IMDB 0.6)
+    beta_aggrevated: float = Field(
+        default=0.8, ge=0.0, le=1.0
+    )  # P(policy roll-in) per sample in AggreVaTeD (IMDB 0.8)
+    beta_lols: float = Field(
+        default=0.8, ge=0.0, le=1.0
+    )  # both schemes' beta inside LOLS (authors: 0.8)
+    tau: float = Field(default=0.8, ge=0.0, le=1.0)  # LOLS: P(PPO++) per iteration, else AggreVaTeD
+    switch_fraction: float = Field(
+        default=0.4, ge=0.0, le=1.0
+    )  # D²LOLS: AggreVaTeD for the first 40% of steps (IMDB: 20 of 50)
+    mle_coef: float = Field(
+        default=0.1, ge=0.0
+    )  # eta: MLE on historical MET descriptions of the step's contexts (authors: 0.1)
 
 
 class RewardConfig(Section):
@@ -435,6 +493,7 @@ class StudyConfig(Section):
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     sft: SFTConfig = Field(default_factory=SFTConfig)
     rl: RLConfig = Field(default_factory=RLConfig)
+    rlgf: RLGFConfig = Field(default_factory=RLGFConfig)
     evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
     risk: RiskConfig = Field(default_factory=RiskConfig)
     forensic: ForensicConfig = Field(default_factory=ForensicConfig)
@@ -448,6 +507,12 @@ class StudyConfig(Section):
     def _start_exists(self) -> StudyConfig:
         if self.rl.start_policy == "sft" and not self.sft.enabled:
             raise ValueError("rl.start_policy is 'sft' but sft.enabled is false")
+        guided = [a for a in self.rl.algorithm if a in RLGF_ALGORITHMS]
+        if guided and self.rlgf.guide != "base" and not self.sft.enabled:
+            raise ValueError(
+                f"rl.algorithm {guided} needs the guide rlgf.guide={self.rlgf.guide!r}, "
+                "which the SFT stage trains, but sft.enabled is false"
+            )
         return self
 
     @model_validator(mode="after")

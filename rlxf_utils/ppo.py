@@ -52,6 +52,7 @@ __all__ = [
     "LOG_COLUMNS",
     "AdaptiveKLController",
     "FixedKLController",
+    "ForcedPrefix",
     "PPOTrainer",
     "PolicyWithValue",
     "RewardFn",
@@ -90,6 +91,8 @@ LOG_COLUMNS: tuple[str, ...] = (
     "value_loss",
     "explained_variance",
     "response_length",
+    "scheme",
+    "learner_share",
     "tokens_per_s",
     "gen_time_s",
     "step_time_s",
@@ -285,12 +288,20 @@ class ValueHead(nn.Module):
 
 
 class PolicyWithValue(nn.Module):
-    """LoRA policy and value head as one module, so `accelerate`/DDP wraps and syncs both."""
+    """LoRA policy and value head(s) as one module, so `accelerate`/DDP wraps and syncs them all.
 
-    def __init__(self, policy: nn.Module):
+    `value_head` is the policy's critic; `extra_heads` adds more critics on the same features
+    (RLGF's AggreVaTeD: `guide_value_head`, the guide's value V^{pi_g}).
+    """
+
+    def __init__(self, policy: nn.Module, extra_heads: Sequence[str] = ()):
         super().__init__()
         self.policy = policy
         self.value_head = ValueHead(policy.config.hidden_size)
+        self.head_names = ("value_head", *extra_heads)
+        with torch.random.fork_rng(devices=[]):  # zero-initialised: draws nothing from the stream
+            for name in extra_heads:
+                setattr(self, name, ValueHead(policy.config.hidden_size))
 
     def forward(
         self,
@@ -298,8 +309,10 @@ class PolicyWithValue(nn.Module):
         attention_mask: torch.Tensor,
         n_response: int,
         with_values: bool = True,
+        critic: str = "value_head",
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits predicting the last `n_response` tokens (B, R, V) and values at those states (B, R)."""
+        """Logits predicting the last `n_response` tokens (B, R, V) and `critic`'s values at those
+        states (B, R)."""
         # Left padding: positions count only real tokens, as in generation.
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         out = self.policy(
@@ -314,7 +327,31 @@ class PolicyWithValue(nn.Module):
         if not with_values:
             return logits, None
         hidden = out.hidden_states[-1][:, -(n_response + 1) : -1]
-        return logits, self.value_head(hidden)
+        return logits, getattr(self, critic)(hidden)
+
+
+class ForcedPrefix:
+    """A logits processor that forces response i's first `lengths[i]` tokens to `ids[i]`.
+
+    RLGF's roll-in: the roll-out policy continues a prefix another policy wrote, token for token.
+    Every other token gets -inf (so temperature and top-p, applied after it, keep the forced one);
+    positions past the prefix are left to the model.
+    """
+
+    def __init__(self, ids: torch.Tensor, lengths: torch.Tensor, prompt_length: int):
+        self.ids, self.lengths, self.prompt_length = ids, lengths, int(prompt_length)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        t = input_ids.shape[1] - self.prompt_length  # index of the token being chosen
+        if t >= self.ids.shape[1]:
+            return scores
+        force = (self.lengths.to(scores.device) > t).nonzero().squeeze(-1)
+        if force.numel():
+            forced = self.ids[:, t].to(scores.device)[force]
+            scores = scores.clone()
+            scores[force] = -float("inf")
+            scores[force, forced] = 0.0
+        return scores
 
 
 @dataclass
@@ -329,6 +366,27 @@ class Rollout:
     texts: list[str]
     scores: torch.Tensor  # (B,)
     gen_time: float
+    # Guided feedback (rlxf_utils.rlgf): which tokens the learner sampled (the policy gradient
+    # acts on them only), which tokens the critic regresses on, and which critic; None: all.
+    learner_mask: torch.Tensor | None = None  # (B, R)
+    value_mask: torch.Tensor | None = None  # (B, R)
+    critic: str = "value_head"
+    scheme: str = "ppo"
+
+
+@dataclass
+class Prepared:
+    """What the update needs from a rollout: old log-probs and values, advantages, returns, masks."""
+
+    mask: torch.Tensor  # (B, R) response tokens
+    pg_mask: torch.Tensor  # (B, R) tokens the policy gradient acts on
+    vf_mask: torch.Tensor  # (B, R) tokens the critic is fitted on
+    old_logprobs: torch.Tensor
+    old_values: torch.Tensor
+    advantages: torch.Tensor
+    returns: torch.Tensor
+    kl_tokens: torch.Tensor
+    entropy: torch.Tensor
 
 
 def prompt_schedule(n_prompts: int, steps: int, per_step: int, seed: int) -> list[list[int]]:
@@ -361,6 +419,10 @@ class PPOTrainer:
     `samples.jsonl`, `checkpoints/step_XXXXXX/` (the last two kept) and
     `snapshots/step_XXXXXX/adapter_model.safetensors` (every checkpoint's adapter, for the frontier).
     """
+
+    #: critics besides the policy's own `value_head` (subclasses: rlgf.GuidedPPOTrainer)
+    extra_heads: tuple[str, ...] = ()
+    algo: str = "ppo"
 
     def __init__(
         self,
@@ -401,10 +463,12 @@ class PPOTrainer:
             model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False}
             )
-        self.gen = PolicyWithValue(model)
+        self.gen = PolicyWithValue(model, self.extra_heads)
         policy_params = [p for p in self.gen.policy.parameters() if p.requires_grad]
         self._policy_params = policy_params
-        self._value_params = list(self.gen.value_head.parameters())
+        self._value_params = [
+            p for name in self.gen.head_names for p in getattr(self.gen, name).parameters()
+        ]
         self.optimizer = torch.optim.AdamW(
             [
                 {"params": policy_params, "lr": cfg.learning_rate},
@@ -421,7 +485,8 @@ class PPOTrainer:
         self.step = 0
         self.history: list[dict[str, Any]] = []
         self.samples: list[dict[str, Any]] = []
-        self.value_initialised = False
+        self.total_steps = cfg.steps
+        self.value_initialised: set[str] = set()  # critics whose bias is set (first batch's mean)
         self.schedule: list[list[int]] | None = None  # set by train(): prompts per step
 
     # -- helpers -------------------------------------------------------------------------------
@@ -447,31 +512,44 @@ class PPOTrainer:
 
     # -- phase 1: rollout ----------------------------------------------------------------------
     @torch.no_grad()
-    def rollout(self, idx: Sequence[int]) -> Rollout:
-        """Sample one response per entry of `idx` and score it with the reward function."""
-        cfg, tok = self.cfg, self.tokenizer
-        enc = encode_prompts(tok, [self.prompts[i] for i in idx], return_tensors="pt", padding=True)
-        enc = {k: v.to(self.device) for k, v in enc.items()}
-        policy = self.unwrapped.policy
-        policy.eval()  # no dropout while sampling and scoring
-        t0 = time.perf_counter()
+    def sample(
+        self,
+        model: nn.Module,
+        enc: Mapping[str, torch.Tensor],
+        temperature: float,
+        top_p: float,
+        prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sample a response per prompt of `enc` from `model`; returns (response ids padded after
+        the first end token, response mask up to and including it).
+
+        `prefix` = (ids (B, H), lengths (B,)): the first `lengths[i]` tokens of response i are
+        forced to `ids[i]` (RLGF's roll-in, continued exactly by the roll-out policy).
+        """
+        from transformers import LogitsProcessorList
+
+        tok = self.tokenizer
+        processors = None
+        if prefix is not None and int(prefix[1].max()) > 0:
+            processors = LogitsProcessorList(
+                [ForcedPrefix(prefix[0], prefix[1], enc["input_ids"].shape[1])]
+            )
         with self._autocast():
-            out = policy.generate(
+            out = model.generate(
                 input_ids=enc["input_ids"],
                 attention_mask=enc["attention_mask"],
                 do_sample=True,
-                temperature=cfg.temperature,
-                top_p=cfg.top_p,
+                temperature=temperature,
+                top_p=top_p,
                 top_k=0,
-                max_new_tokens=cfg.max_new_tokens,
+                max_new_tokens=self.cfg.max_new_tokens,
                 pad_token_id=tok.pad_token_id,
                 eos_token_id=self.stop_ids,
                 use_cache=True,  # KV cache: each new token attends to cached keys/values
+                logits_processor=processors,
                 **self.generation_kwargs,
             )
-        gen_time = time.perf_counter() - t0
-        P = enc["input_ids"].shape[1]
-        response = out[:, P:]
+        response = out[:, enc["input_ids"].shape[1] :]
         # Response mask: tokens up to and including the first end token (pad may equal EOS).
         is_eos = torch.isin(response, torch.tensor(self.stop_ids, device=response.device))
         after_eos = (is_eos.cumsum(-1) - is_eos.long()) > 0
@@ -479,7 +557,18 @@ class PPOTrainer:
         response = torch.where(
             response_mask.bool(), response, torch.full_like(response, tok.pad_token_id)
         )
-        texts = tok.batch_decode(response, skip_special_tokens=True)
+        return response, response_mask
+
+    def encode(self, idx: Sequence[int]) -> dict[str, torch.Tensor]:
+        """Left-padded prompt ids of contexts `idx` on the trainer's device."""
+        enc = encode_prompts(
+            self.tokenizer, [self.prompts[i] for i in idx], return_tensors="pt", padding=True
+        )
+        return {k: v.to(self.device) for k, v in enc.items()}
+
+    def score(self, idx: Sequence[int], response: torch.Tensor) -> tuple[list[str], torch.Tensor]:
+        """Post-processed texts of `response` and their reward-model scores."""
+        texts = self.tokenizer.batch_decode(response, skip_special_tokens=True)
         cleaned = [postprocess_response(t, self.cfg.response_postprocess) for t in texts]
         scores = np.asarray(
             self.reward_fn([self.contexts[i] for i in idx], cleaned), dtype=np.float32
@@ -488,36 +577,50 @@ class PPOTrainer:
             raise ValueError(
                 f"reward_fn returned shape {scores.shape} / non-finite values; expected {len(idx)} finite floats"
             )
+        return cleaned, torch.as_tensor(scores, device=self.device)
+
+    @torch.no_grad()
+    def rollout(self, idx: Sequence[int]) -> Rollout:
+        """Sample one response per entry of `idx` and score it with the reward function."""
+        enc = self.encode(idx)
+        policy = self.unwrapped.policy
+        policy.eval()  # no dropout while sampling and scoring
+        t0 = time.perf_counter()
+        response, response_mask = self.sample(policy, enc, self.cfg.temperature, self.cfg.top_p)
+        gen_time = time.perf_counter() - t0
+        texts, scores = self.score(idx, response)
         return Rollout(
             context_idx=list(idx),
             input_ids=torch.cat([enc["input_ids"], response], 1),
             attention_mask=torch.cat([enc["attention_mask"], response_mask], 1),
             response_ids=response,
             response_mask=response_mask,
-            texts=cleaned,
-            scores=torch.as_tensor(scores, device=self.device),
+            texts=texts,
+            scores=scores,
             gen_time=gen_time,
         )
 
-    # -- phase 2: one PPO step ------------------------------------------------------------------
-    def train_step(self) -> dict[str, Any]:
-        """Rollout, score, compute advantages and run the PPO epochs; returns the step's log row."""
+    # -- phase 2: advantages ------------------------------------------------------------------
+    @torch.no_grad()
+    def prepare(self, ro: Rollout) -> Prepared:
+        """Old log-probs, values and entropy from one no-grad policy pass, the reference's
+        log-probs with adapters off, per-token rewards and GAE with the rollout's critic."""
         cfg = self.cfg
-        t_start = time.perf_counter()
-        ro = self.rollout(self._next_batch())
         mask = ro.response_mask.float()
+        pg_mask = mask if ro.learner_mask is None else mask * ro.learner_mask.float()
+        vf_mask = mask if ro.value_mask is None else mask * ro.value_mask.float()
         R = ro.response_ids.shape[1]
         T = cfg.temperature  # log-probs of the sampling distribution: logits / temperature
 
-        # Critic on the reward's scale from the first step: its bias starts at the mean score.
-        if not self.value_initialised:
-            with torch.no_grad():
-                self.unwrapped.value_head.summary.bias.fill_(float(ro.scores.float().mean()))
-            self.value_initialised = True
+        # Critic on the reward's scale from its first batch: its bias starts at the mean score.
+        if ro.critic not in self.value_initialised:
+            getattr(self.unwrapped, ro.critic).summary.bias.fill_(float(ro.scores.float().mean()))
+            self.value_initialised.add(ro.critic)
 
-        # Old log-probs, values and entropy from one no-grad policy pass; reference with adapters off.
-        with torch.no_grad(), self._autocast():
-            logits, old_values = self.unwrapped(ro.input_ids, ro.attention_mask, R)
+        with self._autocast():
+            logits, old_values = self.unwrapped(
+                ro.input_ids, ro.attention_mask, R, critic=ro.critic
+            )
             old_logprobs = logprobs_from_logits(logits / T, ro.response_ids)
             entropy = masked_mean(entropy_from_logits(logits / T), mask)
             del logits
@@ -528,16 +631,31 @@ class PPOTrainer:
             ref_logprobs = logprobs_from_logits(ref_logits / T, ro.response_ids)
             del ref_logits
 
-            # Per-token reward: KL penalty on every token, the reward-model score on the last one.
-            kl_tokens = (old_logprobs - ref_logprobs) * mask
-            rewards = -self.kl_ctl.value * kl_tokens
-            last = (mask.sum(1).long() - 1).clamp(min=0)
-            rewards[torch.arange(len(last)), last] += ro.scores
-            advantages, returns = compute_gae(rewards, old_values * mask, mask, cfg.gamma, cfg.lam)
-            if cfg.whiten_advantages:
-                advantages = whiten(advantages, mask)
+        # Per-token reward: KL penalty on every token, the reward-model score on the last one.
+        kl_tokens = (old_logprobs - ref_logprobs) * mask
+        rewards = -self.kl_ctl.value * kl_tokens
+        last = (mask.sum(1).long() - 1).clamp(min=0)
+        rewards[torch.arange(len(last)), last] += ro.scores
+        advantages, returns = compute_gae(rewards, old_values * mask, mask, cfg.gamma, cfg.lam)
+        if cfg.whiten_advantages and pg_mask.sum() > 1:  # over the tokens the gradient acts on
+            advantages = whiten(advantages, pg_mask)
+        return Prepared(
+            mask=mask, pg_mask=pg_mask, vf_mask=vf_mask, old_logprobs=old_logprobs,
+            old_values=old_values, advantages=advantages * pg_mask, returns=returns,
+            kl_tokens=kl_tokens, entropy=entropy,
+        )  # fmt: skip
 
-        # Several epochs of minibatch updates on this rollout batch (critic only while warming up).
+    def extra_loss(self, ro: Rollout, mb: torch.Tensor) -> torch.Tensor | None:
+        """A loss added to each minibatch's (none in PPO; RLGF: the MLE term on references)."""
+        return None
+
+    # -- phase 3: the update --------------------------------------------------------------------
+    def update(self, ro: Rollout, pp: Prepared) -> dict[str, list[float]]:
+        """Several epochs of shuffled minibatches: clipped surrogate on `pg_mask`, value loss on
+        `vf_mask` (critic only while warming up), early stop on the approximate KL."""
+        cfg = self.cfg
+        R = ro.response_ids.shape[1]
+        T = cfg.temperature
         warmup = self.step < cfg.value_warmup_steps
         self.module.train()
         B = ro.input_ids.shape[0]
@@ -548,15 +666,22 @@ class PPOTrainer:
             for start in range(0, B, cfg.minibatch_size):
                 mb = perm[start : start + cfg.minibatch_size].to(self.device)
                 with self._autocast():
-                    new_logits, new_values = self.module(ro.input_ids[mb], ro.attention_mask[mb], R)
+                    new_logits, new_values = self.module(
+                        ro.input_ids[mb], ro.attention_mask[mb], R, critic=ro.critic
+                    )
                 new_logprobs = logprobs_from_logits(new_logits / T, ro.response_ids[mb])
                 pg, clip_frac, approx_kl = policy_loss(
-                    new_logprobs, old_logprobs[mb], advantages[mb], mask[mb], cfg.clip_range
-                )
+                    new_logprobs, pp.old_logprobs[mb], pp.advantages[mb], pp.pg_mask[mb],
+                    cfg.clip_range,
+                )  # fmt: skip
                 vf, vclip = value_loss(
-                    new_values, old_values[mb], returns[mb], mask[mb], cfg.clip_range_value
-                )
+                    new_values, pp.old_values[mb], pp.returns[mb], pp.vf_mask[mb],
+                    cfg.clip_range_value,
+                )  # fmt: skip
                 loss = cfg.vf_coef * vf if warmup else pg + cfg.vf_coef * vf
+                extra = None if warmup else self.extra_loss(ro, mb)
+                if extra is not None:
+                    loss = loss + extra
                 self.optimizer.zero_grad(set_to_none=True)
                 self.accelerator.backward(loss)
                 # clipped apart: the critic's gradient never shrinks the policy's step
@@ -580,36 +705,48 @@ class PPOTrainer:
             if stop:
                 break
         self.module.eval()
+        return stats
+
+    def train_step(self) -> dict[str, Any]:
+        """Rollout, score, compute advantages and run the PPO epochs; returns the step's log row."""
+        t_start = time.perf_counter()
+        ro = self.rollout(self._next_batch())
+        pp = self.prepare(ro)
+        stats = self.update(ro, pp)
 
         # KL to the reference: summed over tokens, averaged over responses; drives the controller.
-        kl_seq = float(kl_tokens.sum(1).mean())
+        B = ro.input_ids.shape[0]
+        mask = pp.mask
+        kl_seq = float(pp.kl_tokens.sum(1).mean())
         self.kl_ctl.update(kl_seq, B)
         n_tokens = float(mask.sum())
         step_time = time.perf_counter() - t_start
         scores = ro.scores.float()
         row = {
-            "algo": "ppo",
+            "algo": self.algo,
             "step": self.step + 1,
             "reward_mean": float(scores.mean()),
             "reward_std": float(scores.std()) if B > 1 else 0.0,
             "kl": kl_seq,
-            "kl_per_token": float(kl_tokens.sum() / max(n_tokens, 1.0)),
+            "kl_per_token": float(pp.kl_tokens.sum() / max(n_tokens, 1.0)),
             "kl_coef": self.kl_ctl.value,
-            "entropy": float(entropy),
-            "value_mean": float(masked_mean(old_values, mask)),
+            "entropy": float(pp.entropy),
+            "value_mean": float(masked_mean(pp.old_values, pp.vf_mask)),
             "clip_frac": float(np.mean(stats["clip"])),
             "approx_kl": float(np.mean(stats["akl"])),
             "policy_loss": float(np.mean(stats["pg"])),
             "value_loss": float(np.mean(stats["vf"])),
-            "explained_variance": explained_variance(old_values, returns, mask),
+            "explained_variance": explained_variance(pp.old_values, pp.returns, pp.vf_mask),
             "response_length": n_tokens / B,
+            "scheme": ro.scheme,
+            "learner_share": float(pp.pg_mask.sum() / max(n_tokens, 1.0)),
             "tokens_per_s": n_tokens / max(ro.gen_time, 1e-9),
             "gen_time_s": ro.gen_time,
             "step_time_s": step_time,
         }
         self.step += 1
         self.history.append(row)
-        if self.step == 1 or self.step % cfg.sample_every == 0:
+        if self.step == 1 or self.step % self.cfg.sample_every == 0:
             for i, text, s in list(zip(ro.context_idx, ro.texts, scores.tolist(), strict=True))[
                 : self.n_samples
             ]:
@@ -628,16 +765,17 @@ class PPOTrainer:
     ) -> pd.DataFrame:
         """Run until `steps` (default rl.steps), resuming from the last checkpoint; returns the log."""
         steps = steps or self.cfg.steps
+        self.total_steps = steps  # schedules that depend on the run's length (RLGF's D²LOLS)
         if resume:
             self.load_checkpoint()
-        bar = tqdm(total=steps, initial=self.step, desc="PPO", disable=not progress)
+        bar = tqdm(total=steps, initial=self.step, desc=self.algo, disable=not progress)
         while self.step < steps:
             row = self.train_step()
             bar.update(1)
             bar.set_postfix(reward=f"{row['reward_mean']:.3f}", kl=f"{row['kl']:.2f}")
             log.info(
-                "ppo step %d: reward %.4f kl %.3f beta %.4f entropy %.3f %.1fs",
-                self.step, row["reward_mean"], row["kl"], row["kl_coef"], row["entropy"], row["step_time_s"],
+                "%s step %d: reward %.4f kl %.3f beta %.4f entropy %.3f %.1fs",
+                self.algo, self.step, row["reward_mean"], row["kl"], row["kl_coef"], row["entropy"], row["step_time_s"],
             )  # fmt: skip
             if self.step % self.cfg.checkpoint_every == 0 or self.step == steps:
                 self.save_checkpoint()
@@ -659,8 +797,9 @@ class PPOTrainer:
 
         self.output_dir.mkdir(parents=True, exist_ok=True)
         _atomic_dir(self.output_dir / "adapter", lambda d: self.unwrapped.policy.save_pretrained(d))
-        with atomic_path(self.output_dir / "value_head.safetensors") as tmp:
-            save_file(_cpu_state(self.unwrapped.value_head), str(tmp))
+        for name in self.unwrapped.head_names:  # value_head.safetensors (+ guide_value_head...)
+            with atomic_path(self.output_dir / f"{name}.safetensors") as tmp:
+                save_file(_cpu_state(getattr(self.unwrapped, name)), str(tmp))
         with atomic_path(self.output_dir / "train_log.parquet") as tmp:
             self.log_frame().to_parquet(tmp, index=False)
         with atomic_path(self.output_dir / "samples.jsonl") as tmp:
@@ -682,14 +821,15 @@ class PPOTrainer:
 
         def write(d: Path) -> None:
             save_file(adapter_state(self.unwrapped.policy), str(d / "adapter_model.safetensors"))
-            save_file(_cpu_state(self.unwrapped.value_head), str(d / "value_head.safetensors"))
+            for name in self.unwrapped.head_names:
+                save_file(_cpu_state(getattr(self.unwrapped, name)), str(d / f"{name}.safetensors"))
             torch.save(
                 {
                     "step": self.step,
                     "optimizer": self.optimizer.state_dict(),
                     "kl_ctl": self.kl_ctl.state_dict(),
                     "rng": _rng_state(),
-                    "value_initialised": self.value_initialised,
+                    "value_initialised": sorted(self.value_initialised),
                     "history": self.history,
                     "samples": self.samples,
                 },
@@ -718,14 +858,20 @@ class PPOTrainer:
         set_peft_model_state_dict(
             self.unwrapped.policy, load_file(str(path / "adapter_model.safetensors"))
         )
-        self.unwrapped.value_head.load_state_dict(load_file(str(path / "value_head.safetensors")))
+        for name in self.unwrapped.head_names:
+            getattr(self.unwrapped, name).load_state_dict(
+                load_file(str(path / f"{name}.safetensors"))
+            )
         state = torch.load(path / "state.pt", weights_only=False)
         self.optimizer.load_state_dict(state["optimizer"])
         self.kl_ctl.load_state_dict(state["kl_ctl"])
         _set_rng_state(state["rng"])
-        self.value_initialised = bool(state.get("value_initialised", True))
+        init = state.get("value_initialised", True)
+        self.value_initialised = (
+            set(init) if isinstance(init, (list, tuple, set)) else {"value_head"} if init else set()
+        )
         self.history, self.samples, self.step = state["history"], state["samples"], state["step"]
-        log.info("resumed PPO from %s (step %d)", path, self.step)
+        log.info("resumed %s from %s (step %d)", self.algo, path, self.step)
         return True
 
 

@@ -27,7 +27,7 @@ import pandas as pd
 import torch
 
 from rlxf_utils.artifacts import ArtifactMissing, RunDir, atomic_path, to_jsonable
-from rlxf_utils.config import PolicyConfig, RLConfig, StudyConfig
+from rlxf_utils.config import RLGF_ALGORITHMS, PolicyConfig, RLConfig, StudyConfig
 from rlxf_utils.models import (
     apply_lora,
     autocast,
@@ -458,6 +458,7 @@ def run_algorithm(
     marker = {
         "rl": cfg.rl.model_dump(mode="json", exclude={"num_threads", "algorithm"}),
         "policy": cfg.policy.model_dump(mode="json"),
+        **({"rlgf": cfg.rlgf.model_dump(mode="json")} if algo in RLGF_ALGORITHMS else {}),
         "steps": steps or cfg.rl.steps,
         "seed": cfg.run.seed,
         "prompts": len(contexts),
@@ -473,6 +474,10 @@ def run_algorithm(
     kw = dict(seed=cfg.run.seed, progress=progress, steps=steps)
     if algo == "ppo":
         frame = run_ppo(model, tok, prompts, contexts, reward_fn, cfg.rl, cfg.policy, out, **kw)
+    elif algo in RLGF_ALGORITHMS:
+        from rlxf_utils.rlgf import run_rlgf
+
+        frame = run_rlgf(algo, cfg, rd.root, model, tok, prompts, contexts, reward_fn, out, **kw)
     else:
         frame = run_trl(
             algo, model, tok, prompts, contexts, reward_fn, cfg.rl, cfg.policy, out, **kw

@@ -1,0 +1,266 @@
+"""RLGF (PPO++, AggreVaTeD, LOLS, D²LOLS) on tiny models: masks, forced prefixes, PPO equivalence,
+the guide's critic, schedules and exact resume."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_ppo import (
+    WORDS,
+    dense_reward,
+    small_cfg,
+    tiny_policy,
+    tiny_tokenizer,
+    toy_contexts,
+    varied_contexts,
+)
+from tiny import tiny_llama
+
+from rlxf_utils import ppo as ppo_module
+from rlxf_utils.config import RLGF_ALGORITHMS, RLGFConfig
+from rlxf_utils.ppo import PPOTrainer
+from rlxf_utils.rlgf import (
+    AGGREVATED,
+    PPO_PP,
+    GuidedPPOTrainer,
+    ownership_masks,
+    scheme_at,
+    switch_points,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def tiny_guide(seed: int = 7):
+    """A different random model on the same tokenizer: its samples differ from the policy's."""
+    return tiny_llama(tiny_tokenizer(), seed, init=0.3).eval()
+
+
+def guided(algo, tmp_path, rlgf=None, references=None, seed=0, **cfg_kw):
+    model, tok = tiny_policy(seed=0)
+    prompts, contexts = varied_contexts(8)
+    cfg = small_cfg(**{"steps": 4, "batch_size": 8, "minibatch_size": 4, **cfg_kw})
+    rlgf = rlgf or RLGFConfig(mle_coef=0.0)
+    return GuidedPPOTrainer(
+        algo, model, tiny_guide(), tok, prompts, contexts, dense_reward, cfg, rlgf, tmp_path,
+        references=references, seed=seed,
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# Draws and masks
+# ---------------------------------------------------------------------------------------------
+def test_switch_points_follow_the_paper():
+    rng = np.random.default_rng(0)
+    lengths = np.array([0, 1, 2, 5, 48] * 400)
+    h = switch_points(lengths, np.ones(len(lengths), bool), rng)
+    assert (h[lengths < 2] == 0).all()  # too short to split
+    for n in (2, 5, 48):
+        got = h[lengths == n]
+        assert got.min() == 1 and got.max() == n - 1  # Uniform{1..L-1}
+    assert (switch_points(lengths, np.zeros(len(lengths), bool), rng) == 0).all()
+
+
+def test_ownership_masks_split_at_h():
+    h = torch.tensor([0, 2, 4])
+    learner, critic = ownership_masks(h, 4, PPO_PP)
+    assert learner.tolist() == [[1, 1, 1, 1], [0, 0, 1, 1], [0, 0, 0, 0]]
+    assert critic.tolist() == learner.tolist()
+    learner, critic = ownership_masks(h, 4, AGGREVATED)
+    assert learner.tolist() == [[0, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1]]
+    assert critic.tolist() == [[1, 1, 1, 1], [0, 0, 1, 1], [0, 0, 0, 0]]
+    with pytest.raises(ValueError, match="scheme"):
+        ownership_masks(h, 4, "ppo")
+
+
+def test_schemes_per_algorithm():
+    rg = RLGFConfig(tau=0.8, switch_fraction=0.4)
+    assert [scheme_at("d2lols", s, 10, rg, 0) for s in range(10)] == [AGGREVATED] * 4 + [PPO_PP] * 6
+    assert {scheme_at("ppo_pp", s, 10, rg, 0) for s in range(10)} == {PPO_PP}
+    assert {scheme_at("aggrevated", s, 10, rg, 0) for s in range(10)} == {AGGREVATED}
+    lols = [scheme_at("lols", s, 2000, rg, 3) for s in range(2000)]
+    assert abs(lols.count(PPO_PP) / 2000 - 0.8) < 0.04  # PPO++ with probability tau
+    assert lols == [scheme_at("lols", s, 2000, rg, 3) for s in range(2000)]  # reproducible
+    with pytest.raises(ValueError, match="not an RLGF algorithm"):
+        scheme_at("ppo", 0, 10, rg, 0)
+
+
+def test_forced_prefix_is_reproduced_token_for_token(tmp_path):
+    tr = guided("ppo_pp", tmp_path)
+    enc = tr.encode(list(range(8)))
+    ids, mask = tr.sample(tr.guide, enc, 1.0, 1.0)
+    h = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7]).clamp(max=mask.sum(1) - 1).clamp(min=0)
+    out, out_mask = tr.sample(tr.unwrapped.policy, enc, 1.0, 1.0, prefix=(ids, h))
+    for i in range(8):
+        assert out[i, : h[i]].tolist() == ids[i, : h[i]].tolist()
+    # ... and the roll-out goes its own way after the prefix (a different model samples it)
+    assert any(out[i, h[i] :].tolist() != ids[i, h[i] :].tolist() for i in range(8))
+
+
+# ---------------------------------------------------------------------------------------------
+# PPO++ with beta = 0 is PPO
+# ---------------------------------------------------------------------------------------------
+def test_ppo_pp_with_beta_zero_is_ppo(tmp_path, monkeypatch):
+    """No switch is ever drawn: same samples, same losses, same parameters as PPO."""
+    losses: dict[str, list[float]] = {"ppo": [], "ppo_pp": []}
+    real = ppo_module.policy_loss
+    current = []
+
+    def spy(*a, **k):
+        out = real(*a, **k)
+        losses[current[0]].append(out[0].item())
+        return out
+
+    monkeypatch.setattr(ppo_module, "policy_loss", spy)
+    prompts, contexts = varied_contexts(8)
+    cfg = small_cfg(steps=2, batch_size=8, minibatch_size=4, learning_rate=1e-2)
+    model, tok = tiny_policy(seed=0)
+    current[:] = ["ppo"]
+    ppo = PPOTrainer(model, tok, prompts, contexts, dense_reward, cfg, tmp_path / "a", seed=3)
+    ppo.train(progress=False)
+    model, tok = tiny_policy(seed=0)
+    current[:] = ["ppo_pp"]
+    rg = RLGFConfig(beta_ppo_pp=0.0, mle_coef=0.0)
+    pp = GuidedPPOTrainer(
+        "ppo_pp", model, tiny_guide(), tok, prompts, contexts, dense_reward, cfg, rg,
+        tmp_path / "b", seed=3,
+    )  # fmt: skip
+    pp.train(progress=False)
+    assert len(losses["ppo"]) == 8 and losses["ppo"] == losses["ppo_pp"]
+    a, b = ppo.log_frame(), pp.log_frame()
+    cols = ["reward_mean", "kl", "policy_loss", "value_loss", "explained_variance", "entropy"]
+    np.testing.assert_array_equal(a[cols].to_numpy(), b[cols].to_numpy())
+    assert (b["learner_share"] == 1.0).all() and (b["scheme"] == PPO_PP).all()
+    for (n, p1), (_, p2) in zip(
+        ppo.unwrapped.policy.named_parameters(), pp.unwrapped.policy.named_parameters(), strict=True
+    ):
+        assert torch.equal(p1, p2), n
+
+
+# ---------------------------------------------------------------------------------------------
+# Gradient ownership and the guide's critic
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("algo", [PPO_PP, AGGREVATED])
+def test_policy_gradient_acts_on_the_learners_tokens_only(tmp_path, algo):
+    """Per-token gradients of the surrogate w.r.t. the log-probs vanish outside the learner mask."""
+    rg = RLGFConfig(beta_ppo_pp=1.0, beta_aggrevated=1.0, mle_coef=0.0)
+    tr = guided(algo, tmp_path, rlgf=rg, max_new_tokens=8)
+    ro = tr.rollout(tr._next_batch())
+    pp = tr.prepare(ro)
+    owned = pp.pg_mask.bool()
+    assert owned.any() and (~owned & pp.mask.bool()).any()  # both owners wrote tokens
+    R = ro.response_ids.shape[1]
+    logits, _ = tr.module(ro.input_ids, ro.attention_mask, R, critic=ro.critic)
+    logp = ppo_module.logprobs_from_logits(logits, ro.response_ids)
+    logp.retain_grad()
+    loss, _, _ = ppo_module.policy_loss(logp, pp.old_logprobs, pp.advantages, pp.pg_mask, 0.2)
+    loss.backward()
+    assert (logp.grad[~owned] == 0).all()
+    assert (logp.grad[owned] != 0).any()
+    # the learner's tokens are the roll-out's (PPO++) or the roll-in's (AggreVaTeD)
+    first_owned = owned.float().argmax(1)
+    if algo == PPO_PP:
+        assert (first_owned[owned.any(1)] >= 1).all()  # the guide wrote at least one token first
+    else:
+        assert owned[:, 0][owned.any(1)].all()  # the policy wrote the prefix
+
+
+def test_aggrevated_trains_the_guide_critic_on_guide_tokens_only(tmp_path):
+    rg = RLGFConfig(beta_aggrevated=1.0, mle_coef=0.0)
+    tr = guided(AGGREVATED, tmp_path, rlgf=rg)
+    policy_head = {k: v.clone() for k, v in tr.unwrapped.value_head.state_dict().items()}
+    guide_head = {k: v.clone() for k, v in tr.unwrapped.guide_value_head.state_dict().items()}
+    ro = tr.rollout(tr._next_batch())
+    assert ro.critic == "guide_value_head" and ro.scheme == AGGREVATED
+    pp = tr.prepare(ro)
+    guide_tokens = ro.response_mask.bool() & (ro.learner_mask == 0)
+    assert torch.equal(pp.vf_mask.bool(), guide_tokens)
+    # the value loss is blind to returns on the learner's tokens
+    R = ro.response_ids.shape[1]
+    _, values = tr.module(ro.input_ids, ro.attention_mask, R, critic=ro.critic)
+    shifted = pp.returns + 100.0 * (~guide_tokens).float()
+    a, _ = ppo_module.value_loss(values, pp.old_values, pp.returns, pp.vf_mask, None)
+    b, _ = ppo_module.value_loss(values, pp.old_values, shifted, pp.vf_mask, None)
+    assert torch.equal(a, b)
+    tr.update(ro, pp)
+    after = tr.unwrapped.guide_value_head.state_dict()
+    assert any(not torch.equal(guide_head[k], after[k]) for k in after)  # V_g learned
+    for k, v in tr.unwrapped.value_head.state_dict().items():  # the policy's critic did not
+        assert torch.equal(policy_head[k], v), k
+
+
+def test_guided_steps_move_the_policy_and_log_their_scheme(tmp_path):
+    rg = RLGFConfig(switch_fraction=0.5, mle_coef=0.0)
+    tr = guided("d2lols", tmp_path, rlgf=rg, steps=4)
+    before = [p.clone() for p in tr._policy_params]
+    log = tr.train(progress=False)
+    assert log["scheme"].tolist() == [AGGREVATED, AGGREVATED, PPO_PP, PPO_PP]
+    assert ((log["learner_share"] > 0) & (log["learner_share"] <= 1)).all()
+    assert any(not torch.equal(a, b) for a, b in zip(before, tr._policy_params, strict=True))
+    for f in (
+        "adapter/adapter_config.json",
+        "value_head.safetensors",
+        "guide_value_head.safetensors",
+    ):
+        assert (tmp_path / f).is_file(), f
+
+
+def test_mle_term_pulls_towards_the_references(tmp_path):
+    """eta > 0 adds eta * NLL of a reference of the minibatch's contexts; contexts without one add none."""
+    tok = tiny_tokenizer()
+    ref = tok(" ".join(WORDS[40:44]), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    refs = [[ref]] + [[] for _ in range(7)]
+    tr = guided(PPO_PP, tmp_path, rlgf=RLGFConfig(mle_coef=0.5), references=refs)
+    ro = tr.rollout([0, 0, 1, 1, 2, 2, 3, 3])
+    loss = tr.extra_loss(ro, torch.tensor([0, 1]))
+    assert loss is not None and loss.item() > 0
+    assert tr.extra_loss(ro, torch.tensor([2, 3, 4])) is None  # no references there
+    from rlxf_utils.sft import SFTExample, _collate, response_loss
+
+    batch = _collate([SFTExample(tr._prompt(0), ref)], tok.pad_token_id)
+    nll, _ = response_loss(tr.unwrapped.policy, batch)
+    assert loss.item() == pytest.approx(0.5 * nll.item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("algo", RLGF_ALGORITHMS)
+def test_resume_matches_uninterrupted(tmp_path, algo):
+    prompts, contexts = toy_contexts(8)
+    cfg = small_cfg(steps=4, checkpoint_every=2)
+    rg = RLGFConfig(switch_fraction=0.5, tau=0.5, mle_coef=0.1)
+    tok = tiny_tokenizer()
+    ref = tok(" ".join(WORDS[40:44]), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    refs = [[ref] if i % 2 else [] for i in range(8)]
+
+    def run(out, interrupt_at=None):
+        model, tok = tiny_policy(seed=0)
+        tr = GuidedPPOTrainer(
+            algo, model, tiny_guide(), tok, prompts, contexts, dense_reward, cfg, rg, out,
+            references=refs, seed=5,
+        )  # fmt: skip
+
+        def cb(step, row):
+            if step == interrupt_at:
+                raise KeyboardInterrupt
+
+        try:
+            tr.train(progress=False, callback=cb)
+        except KeyboardInterrupt:
+            model, tok = tiny_policy(seed=0)
+            tr = GuidedPPOTrainer(
+                algo, model, tiny_guide(), tok, prompts, contexts, dense_reward, cfg, rg, out,
+                references=refs, seed=5,
+            )  # fmt: skip
+            tr.train(progress=False)
+        return tr
+
+    full = run(tmp_path / "full")
+    resumed = run(tmp_path / "cut", interrupt_at=3)  # after the checkpoint at step 2
+    drop = ["tokens_per_s", "gen_time_s", "step_time_s"]
+    a, b = full.log_frame().drop(columns=drop), resumed.log_frame().drop(columns=drop)
+    assert a["scheme"].tolist() == b["scheme"].tolist()
+    np.testing.assert_allclose(a.select_dtypes("number"), b.select_dtypes("number"), rtol=1e-5)
+    for (n, p1), (_, p2) in zip(
+        full.unwrapped.named_parameters(), resumed.unwrapped.named_parameters(), strict=True
+    ):
+        assert torch.allclose(p1, p2, atol=1e-6), n
