@@ -580,16 +580,7 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> St
     `overrides` is a nested dict merged over the YAML (used by tests and the CLI).
     """
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"{path}: parameters file not found")
-    try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
-    if raw is None:
-        raise ConfigError(f"{path}: the file is empty; expected a mapping with 'run' and 'data'")
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: expected a mapping at the top level, got {type(raw).__name__}")
+    raw = _read_profile(path)
     if overrides:
         raw = _deep_merge(raw, overrides)
     try:
@@ -602,6 +593,33 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> St
     )
     cfg.source = path.resolve()
     return cfg
+
+
+def _read_profile(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """A parameters file as a dict; `extends: other.yaml` (relative to the file) is read first and
+    this file's keys are merged over it, section by section (a profile lists only its changes)."""
+    if not path.is_file():
+        raise ConfigError(f"{path}: parameters file not found")
+    if path.resolve() in seen:
+        chain = " -> ".join(str(p) for p in (*seen, path.resolve()))
+        raise ConfigError(f"{path}: 'extends' loops back on itself ({chain})")
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if raw is None:
+        raise ConfigError(f"{path}: the file is empty; expected a mapping with 'run' and 'data'")
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level, got {type(raw).__name__}")
+    parent = raw.pop("extends", None)
+    if parent is None:
+        return raw
+    if not isinstance(parent, str):
+        raise ConfigError(f"{path}: key 'extends': expected a parameters file name, got {parent!r}")
+    base_path = (path.resolve().parent / parent).resolve()
+    if not base_path.is_file():
+        raise ConfigError(f"{path}: key 'extends': file not found at {base_path}")
+    return _deep_merge(_read_profile(base_path, (*seen, path.resolve())), raw)
 
 
 def _resolve_file(params: Path, key: str, value: Path, expected: str) -> Path:

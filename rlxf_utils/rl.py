@@ -27,7 +27,13 @@ import pandas as pd
 import torch
 
 from rlxf_utils.artifacts import ArtifactMissing, RunDir, atomic_path, to_jsonable
-from rlxf_utils.config import RLGF_ALGORITHMS, PolicyConfig, RLConfig, StudyConfig
+from rlxf_utils.config import (
+    RLGF_ALGORITHMS,
+    PolicyConfig,
+    RLConfig,
+    StudyConfig,
+    algorithm_label,
+)
 from rlxf_utils.models import (
     apply_lora,
     autocast,
@@ -543,7 +549,10 @@ def settings_table(run_dir: str | Path, algos: Sequence[str]) -> pd.DataFrame:
     cols = {a: rd.read_json(f"policy/{a}/settings.json", stage="notebook 03") for a in algos}
     keys = list(dict.fromkeys(k for c in cols.values() for k in c if k != "algo"))
     return pd.DataFrame(
-        [{"setting": k, **{a.upper(): _cell(c.get(k)) for a, c in cols.items()}} for k in keys]
+        [
+            {"setting": k, **{algorithm_label(a): _cell(c.get(k)) for a, c in cols.items()}}
+            for k in keys
+        ]
     )
 
 
@@ -568,7 +577,7 @@ def training_curves_figure(logs: pd.DataFrame) -> Any:
     for ax, (col, ylabel, title) in zip(axes, panels, strict=True):
         for algo, g in logs.groupby("algo", sort=False):
             if g[col].notna().any():
-                ax.plot(g["step"], g[col], marker=".", label=algo.upper())
+                ax.plot(g["step"], g[col], marker=".", label=algorithm_label(algo))
         ax.set(xlabel="step", ylabel=ylabel, title=title)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
@@ -593,7 +602,7 @@ def summary_table(logs: pd.DataFrame, window: int = 3, alpha: float = 0.05) -> p
             ev_low = ev_high = float(ev_tail.mean()) if ev_tail.size else float("nan")
         rows.append(
             {
-                "algorithm": algo.upper(),
+                "algorithm": algorithm_label(algo),
                 "steps": int(g["step"].max()),
                 "reward_first": g["reward_mean"].head(window).mean(),
                 "reward_last": g["reward_mean"].tail(window).mean(),

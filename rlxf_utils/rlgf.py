@@ -45,6 +45,7 @@ __all__ = [
     "AGGREVATED",
     "GuidedPPOTrainer",
     "met_references",
+    "guidance_table",
     "ownership_masks",
     "run_rlgf",
     "scheme_at",
@@ -316,3 +317,34 @@ def run_rlgf(
         "approx_kl_stop": cfg.rl.approx_kl_stop,
     })  # fmt: skip
     return trainer.train(steps=steps, progress=progress)
+
+
+def guidance_table(logs: Any) -> Any:
+    """Per algorithm and scheme: steps, the learner's share of the response tokens, mean reward,
+    KL and critic explained variance, and the median step time relative to PPO's (when PPO ran).
+
+    `logs`: the stacked training logs (`rl.read_logs`); PPO's rows give the cost baseline.
+    """
+    import pandas as pd
+
+    from rlxf_utils.config import algorithm_label
+
+    ppo_time = logs.loc[logs["algo"] == "ppo", "step_time_s"].median()
+    rows = []
+    for (algo, scheme), g in logs.groupby(["algo", "scheme"], sort=False, dropna=True):
+        rows.append(
+            {
+                "algorithm": algorithm_label(str(algo)),
+                "scheme": {PPO_PP: "PPO++", AGGREVATED: "AggreVaTeD", "ppo": "PPO"}.get(
+                    str(scheme), str(scheme)
+                ),
+                "steps": len(g),
+                "learner_share": g["learner_share"].mean(),
+                "reward_mean": g["reward_mean"].mean(),
+                "kl_last": g["kl"].iloc[-1],
+                "explained_variance": g["explained_variance"].mean(),
+                "step_time_s": g["step_time_s"].median(),
+                "cost_vs_ppo": g["step_time_s"].median() / ppo_time if ppo_time > 0 else np.nan,
+            }
+        )
+    return pd.DataFrame(rows)

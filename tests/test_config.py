@@ -30,8 +30,58 @@ def test_every_profile_validates(profile: Path) -> None:
     assert cfg.resolved()["run"]["name"] == profile.stem
 
 
-def test_profiles_are_the_three_of_the_design() -> None:
-    assert {p.stem for p in PROFILES} == {"smoke", "default", "paper"}
+def test_profiles_are_the_four_of_the_design() -> None:
+    assert {p.stem for p in PROFILES} == {"smoke", "default", "full", "paper"}
+
+
+def test_full_extends_default_and_lists_only_its_changes() -> None:
+    full, default = (
+        load_config(ROOT / "params/full.yaml"),
+        load_config(ROOT / "params/default.yaml"),
+    )
+    assert set(full.rl.algorithm) == {
+        "ppo",
+        "grpo",
+        "rloo",
+        "ppo_pp",
+        "aggrevated",
+        "lols",
+        "d2lols",
+    }
+    assert full.rl.steps > default.rl.steps
+    # everything full.yaml does not name is default.yaml's
+    assert full.reward == default.reward and full.rlgf == default.rlgf and full.sft == default.sft
+    assert full.rl.model_dump(
+        exclude={"algorithm", "steps", "checkpoint_every", "sample_every"}
+    ) == (default.rl.model_dump(exclude={"algorithm", "steps", "checkpoint_every", "sample_every"}))
+
+
+def test_extends_merges_sections_and_reports_loops(tmp_path: Path) -> None:
+    base = write_params(tmp_path, lambda raw: None)
+    child = tmp_path / "child.yaml"
+    child.write_text("extends: p.yaml\nrun: {name: child}\nrl: {steps: 7}\n")
+    cfg = load_config(child)
+    assert cfg.run.name == "child" and cfg.rl.steps == 7
+    assert cfg.run.seed == load_config(base).run.seed  # the rest of `run` comes from the parent
+    assert cfg.rl.algorithm == load_config(base).rl.algorithm
+    loop = tmp_path / "loop.yaml"
+    loop.write_text("extends: loop.yaml\n")
+    with pytest.raises(ConfigError, match="loops back"):
+        load_config(loop)
+    missing = tmp_path / "orphan.yaml"
+    missing.write_text("extends: nowhere.yaml\n")
+    with pytest.raises(ConfigError, match="key 'extends': file not found"):
+        load_config(missing)
+
+
+def test_guided_algorithms_need_the_guide_the_sft_stage_trains(tmp_path: Path) -> None:
+    def mutate(raw):
+        raw["sft"]["enabled"] = False
+        raw["rl"]["start_policy"] = "base"
+        raw["rl"]["algorithm"] = ["ppo", "d2lols"]
+
+    with pytest.raises(ConfigError, match="needs the guide"):
+        load_config(write_params(tmp_path, mutate))
 
 
 def test_unknown_key_names_file_key_and_allowed(tmp_path: Path) -> None:
