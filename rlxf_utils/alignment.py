@@ -21,7 +21,9 @@ settings and seed. Gains and paired tests are against the start policy. Written 
 * `eval/heldout_perplexity.parquet`: perplexity of held-out historical descriptions (MET and
   Non-MET) under every policy;
 * `eval/historical_index/`: MiniLM embeddings of every labelled MONA description (cached);
-* `eval/summary.json` and tables `eval_*`, figures `eval_*`.
+* `eval/summary.json` and tables `eval_*`, figures `eval_*`; among them the RLGF paper's
+  evaluation (`rlgf_eval`): tables `eval_rlgf`, `eval_prompt_difficulty`, `eval_easy_hard`,
+  `eval_guidance` and figures `eval_reward_perplexity`, `eval_easy_hard`.
 """
 
 from __future__ import annotations
@@ -39,7 +41,9 @@ import pandas as pd
 import torch
 
 from . import evaluation as ev
+from . import rlgf_eval
 from .artifacts import ArtifactMissing, RunDir
+from .config import algorithm_label
 from .models import (
     autocast,
     build_prompts,
@@ -520,7 +524,9 @@ def plot_frontier(frontier: pd.DataFrame, start: str = "base", alpha: float = 0.
             "reward_low",
             "reward_high",
         )
-        ax.errorbar(g["kl"], g["reward"], yerr=err, fmt="-o", capsize=3, label=algo.upper())
+        ax.errorbar(
+            g["kl"], g["reward"], yerr=err, fmt="-o", capsize=3, label=algorithm_label(algo)
+        )
         for r in g.itertuples():
             ax.annotate(
                 str(r.step), (r.kl, r.reward), fontsize=7, xytext=(4, 4), textcoords="offset points"
@@ -807,6 +813,10 @@ def run_evaluation_stage(cfg: Any, run: RunDir, progress: bool = True) -> EvalSt
         "eval_vs_best_of_n": vs_bon,
         "eval_heldout_perplexity": ppl,
         "eval_best_of_n_curve": curve,
+        # the RLGF paper's table, easy vs hard prompts and the guidance verdicts (rlgf_eval)
+        **rlgf_eval.rlgf_tables(
+            samples, summary, ppl, labelled, algos, start, ec.n_boot, ec.alpha, cfg.run.seed
+        ),  # fmt: skip
     }
     stage = _write(run, samples, summary, paired, frontier, t3, algos, order, cfg, start, extra)
     return stage
@@ -868,6 +878,7 @@ def _write(run: RunDir, samples: pd.DataFrame, summary: pd.DataFrame, paired: pd
         ("eval_frontier", plot_frontier(frontier, start, cfg.evaluation.alpha)),
         ("eval_heldout_perplexity", plot_heldout_perplexity(extra["eval_heldout_perplexity"])),
         ("eval_grounding", plot_grounding(summary)),
+        *rlgf_eval.rlgf_figures(extra, start, cfg.evaluation.alpha).items(),
     ):
         run.write_figure(name, fig)
         plt.close(fig)

@@ -153,6 +153,7 @@ def build_sources(run: RunDir, build: Path, src: Path = REPORT_SRC) -> dict[str,
         ("forensic", rs.forensic_section(run, params)),
         ("rl", rs.rl_section(run, params)),
         ("eval", rs.eval_section(run, params.get("evaluation", {}).get("alpha", 0.05))),
+        ("rlgf", rs.rlgf_section(run, params)),
         ("risk", rs.risk_section(run)),
     ):
         variables[key] = vals
@@ -171,7 +172,40 @@ def build_sources(run: RunDir, build: Path, src: Path = REPORT_SRC) -> dict[str,
     figs = run.root / "figures"
     if figs.is_dir():
         shutil.copytree(figs, build / "figures")
+    placeholder_figures(build / "figures", OPTIONAL_FIGURES)
     return variables
+
+
+#: Figures that a run dir older than their stage's code lacks: figure -> stage that writes it.
+#: The report shows a placeholder naming the stage instead of failing on such a run.
+OPTIONAL_FIGURES = {
+    "eval_reward_perplexity": "notebook 04_evaluation",
+    "eval_easy_hard": "notebook 04_evaluation",
+}
+
+
+def placeholder_figures(folder: Path, figures: dict[str, str]) -> list[str]:
+    """Write `<name>.png` for every figure of `figures` that `folder` lacks: a blank panel saying
+    which stage writes it. Returns the names written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    for name, stage in figures.items():
+        target = folder / f"{name}.png"
+        if target.exists():
+            continue
+        folder.mkdir(parents=True, exist_ok=True)
+        fig, ax = plt.subplots(figsize=(6, 1.2))
+        ax.axis("off")
+        ax.text(0.5, 0.5, f"Not in this run directory: rerun {stage} to draw {name}.",
+                ha="center", va="center", fontsize=9)  # fmt: skip
+        fig.savefig(target, dpi=100)
+        plt.close(fig)
+        written.append(name)
+    return written
 
 
 # --------------------------------------------------------------------------------------------

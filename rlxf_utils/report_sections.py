@@ -15,6 +15,7 @@ from typing import Any
 import pandas as pd
 
 from .artifacts import ArtifactMissing, RunDir, fmt_num, fmt_pct, is_present, markdown_table
+from .config import RLGF_ALGORITHMS, algorithm_label
 from .evaluation import best_of_n_kl_bound, ci_verdict
 from .models import display_country
 
@@ -28,6 +29,7 @@ __all__ = [
     "reward_section",
     "risk_section",
     "rl_section",
+    "rlgf_section",
 ]
 
 PAPER_CLAIM = 0.82  # the paper's reported accuracy / precision / recall / F1 ("surpassing 82%")
@@ -601,7 +603,7 @@ def eval_section(run: RunDir, alpha: float = 0.05) -> tuple[dict[str, Any], dict
             else "did not significantly change"
         )
         sentences.append(
-            f"{algo.upper()} {verb} Ave(R) on the held-out prompts (from {f3(s.loc[start, 'ave_r'])} for {start} to "
+            f"{algorithm_label(algo)} {verb} Ave(R) on the held-out prompts (from {f3(s.loc[start, 'ave_r'])} for {start} to "
             f"{ci(r['ave_r'], r['ave_r_low'], r['ave_r_high'])}; paired gain {r['gain']:+.3f}, Holm-adjusted "
             f"Wilcoxon p = {pval(r['gain_p_holm'])}) and {a_verb} the audit model's reward ({r['audit_gain']:+.3f}, "
             f"p = {pval(r['audit_gain_p_holm'])}), at a KL of {r['kl']:.2f} nats to the starting policy"
@@ -609,7 +611,7 @@ def eval_section(run: RunDir, alpha: float = 0.05) -> tuple[dict[str, Any], dict
         gap_word = ci_verdict(r.get("gap_low", math.nan), r.get("gap_high", math.nan),
                               "larger than", "smaller than", "not distinguishable from")  # fmt: skip
         concl.append(
-            f"{algo.upper()} {verb} the reward it was trained on and {a_verb} the disjoint-rows audit "
+            f"{algorithm_label(algo)} {verb} the reward it was trained on and {a_verb} the disjoint-rows audit "
             f"reward (its reward gain {gap_word} its audit gain)"
         )
     hist = {
@@ -656,7 +658,7 @@ def eval_section(run: RunDir, alpha: float = 0.05) -> tuple[dict[str, Any], dict
             "not distinguishable": "not distinguishable from",
         }[r["verdict"]]
         bon_sentences.append(
-            f"{r['policy'].upper()} ({f3(r['ave_r'])} at {r['kl']:.2f} nats) lies {where} the best-of-N curve "
+            f"{algorithm_label(r['policy'])} ({f3(r['ave_r'])} at {r['kl']:.2f} nats) lies {where} the best-of-N curve "
             f"({f3(r['best_of_n_at_kl'])} at {bon_kl(r):.2f} nats"
             f"{': its KL is beyond the curve, compared with the largest N' if r['beyond_curve'] else ', the same KL'}; "
             f"difference {ci(r['diff'], r['diff_low'], r['diff_high'])})"
@@ -707,6 +709,134 @@ def eval_section(run: RunDir, alpha: float = 0.05) -> tuple[dict[str, Any], dict
 
 
 # ---------------------------------------------------------------------------------------------
+# 04 evaluation: RL with guided feedback (the RLGF paper's table, Figures 2 and 3, verdicts)
+# ---------------------------------------------------------------------------------------------
+RLGF_TABLES = ("eval_rlgf", "eval_easy_hard", "eval_guidance")
+
+
+def _note_table(text: str) -> str:
+    """A one-cell table standing in for one the run lacks (captions and cross-references hold)."""
+    return markdown_table(pd.DataFrame({"note": [text]}))
+
+
+def rlgf_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """The RLGF section: the paper's table, easy vs hard prompts and the two verdicts (does
+    guidance beat PPO, does RL beat `sft_met`), read from notebook 04's tables; every verb comes
+    from an interval (`rlgf_eval.guidance_sentences`). A run without a guided algorithm says which
+    algorithms ran; a run dir older than these tables says so instead of failing."""
+    from . import rlgf_eval
+
+    stage = "notebook 04_evaluation"
+    meta = run.read_json("eval/summary.json", stage=stage)
+    algos = list(meta.get("algorithms", params.get("rl", {}).get("algorithm", [])))
+    start = meta.get("start_policy", "base")
+    alpha = meta.get("alpha", params.get("evaluation", {}).get("alpha", 0.05))
+    lvl = f"{1 - alpha:.0%}"
+    ran = [algorithm_label(a) for a in algos]
+    guided = [algorithm_label(a) for a in algos if a in RLGF_ALGORITHMS]
+    if guided:
+        ran_sentence = (
+            f"This run trained {listing(ran)}; the guided {'ones are' if len(guided) > 1 else 'one is'} "
+            f"{listing(guided)}, with `{params.get('rlgf', {}).get('guide', 'sft_met')}` as the guide"
+        )
+    else:
+        ran_sentence = f"This run trained {listing(ran)}; none of them is guided"
+    variables: dict[str, Any] = {"level": lvl, "start": start, "ran_sentence": ran_sentence}
+    words = {"arrangement_type": "arrangement type", "econ_descriptor": "economic descriptor"}
+
+    def key_words(keys: Any) -> str:
+        return " × ".join(words.get(k, k) for k in keys)
+
+    key = key_words(rlgf_eval.CONTEXT_KEYS)
+    missing = [t for t in RLGF_TABLES if not run.exists(f"tables/{t}.csv")]
+    if missing:
+        note = (
+            f"This run directory predates the RLGF evaluation (no {', '.join(f'tables/{t}.csv' for t in missing)}); "
+            f"rerun {stage} to produce it"
+        )
+        short = f"Not in this run directory, which predates the RLGF evaluation (rerun {stage})"
+        variables.update(guidance_sentence=short, rl_vs_sft_met_sentence=short,
+                         easy_hard_sentence=short, context_key=key, median="n/a")  # fmt: skip
+        text = _note_table(note)
+        return variables, {
+            "rlgf_table.md": text,
+            "rlgf_guidance.md": text,
+            "rlgf_easy_hard.md": text,
+        }
+
+    table = run.read_table("eval_rlgf", stage)
+    easy_hard = run.read_table("eval_easy_hard", stage)
+    guidance = run.read_table("eval_guidance", stage)
+    verdicts = rlgf_eval.guidance_sentences(guidance, algos, alpha)
+    variables.update(
+        guidance_sentence=verdicts["guidance"],
+        rl_vs_sft_met_sentence=verdicts["rl_vs_sft_met"],
+        easy_hard_sentence=rlgf_eval.easy_hard_sentences(easy_hard, start, alpha, preamble=False),
+    )
+    diff = run.read_table("eval_prompt_difficulty", stage) if run.exists(
+        "tables/eval_prompt_difficulty.csv") else pd.DataFrame()  # fmt: skip
+    variables["context_key"] = (
+        key_words(str(diff["context_key"].iloc[0]).split(" × ")) if len(diff) else key
+    )
+    variables["median"] = f3(easy_hard["median_met_rate"].iloc[0]) if len(easy_hard) else "n/a"
+
+    def kl_cell(r: pd.Series) -> str:
+        if not is_present(r["kl"]):
+            return "·"
+        return f"≤ {r['kl']:.2f}" if r["kl_kind"] == "upper bound" else f"{r['kl']:.2f}"
+
+    rows = [
+        {"policy": r["label"], f"Ave(R) [{lvl} CI]": ci(r["ave_r"], r["ave_r_low"], r["ave_r_high"]),
+         f"audit [{lvl} CI]": ci(r["audit"], r["audit_low"], r["audit_high"]), "KL (nats)": kl_cell(r),
+         "output perplexity": f"{r['output_ppl']:.1f}" if is_present(r["output_ppl"]) else "·",
+         "MET perplexity": f"{r['met_ppl']:.1f}" if is_present(r["met_ppl"]) else "·",
+         "distinct-2": f3(r["distinct_2"]),
+         "finished": f"{r['finished']:.0%}" if is_present(r["finished"]) else "·"}
+        for _, r in table.iterrows()
+    ]  # fmt: skip
+    table_md = markdown_table(pd.DataFrame(rows))
+    if easy_hard.empty:
+        eh_md = _note_table(
+            "Every held-out prompt's context has the same historical MET rate: no split"
+        )
+    else:
+        eh = easy_hard.assign(
+            half=easy_hard["half"].replace({"hard_minus_easy": "hard − easy"}),
+            **{
+                f"Ave(R) [{lvl} CI]": [ci(a, b, c) for a, b, c in zip(easy_hard.ave_r, easy_hard.ave_r_low, easy_hard.ave_r_high, strict=True)],
+                f"gain over {start} [{lvl} CI]": [ci(a, b, c) if is_present(a) else "·" for a, b, c in zip(easy_hard.gain, easy_hard.gain_low, easy_hard.gain_high, strict=True)],
+                "verdict": easy_hard["gain_verdict"].fillna(""),
+            },
+        )  # fmt: skip
+        eh_md = markdown_table(
+            eh[["label", "half", "n_prompts", "n_countries", f"Ave(R) [{lvl} CI]",
+                f"gain over {start} [{lvl} CI]", "verdict"]].rename(
+                columns={"label": "policy", "n_prompts": "prompts", "n_countries": "countries"})
+        )  # fmt: skip
+    if guidance.empty:
+        g_md = _note_table(f"No comparison was made: {verdicts['guidance']}")
+    else:
+        g = guidance.assign(
+            question=guidance["question"].map(rlgf_eval.QUESTIONS),
+            measure=guidance["measure"].map(rlgf_eval.MEASURES),
+            policy=guidance["policy"].map(algorithm_label),
+            versus=guidance["versus"].map(algorithm_label),
+            **{f"difference [{lvl} CI]": [ci(a, b, c) for a, b, c in zip(guidance["diff"], guidance["low"], guidance["high"], strict=True)],
+               "p (Wilcoxon, Holm)": guidance["p_holm"].map(pval)},
+        )  # fmt: skip
+        g_md = markdown_table(
+            g[["question", "measure", "policy", "versus", "n", "n_clusters",
+               f"difference [{lvl} CI]", "verdict", "p (Wilcoxon, Holm)"]].rename(
+                columns={"n": "prompts", "n_clusters": "countries"})
+        )  # fmt: skip
+    return variables, {
+        "rlgf_table.md": table_md,
+        "rlgf_guidance.md": g_md,
+        "rlgf_easy_hard.md": eh_md,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
 # 05 risks
 # ---------------------------------------------------------------------------------------------
 def risk_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
@@ -716,4 +846,4 @@ def risk_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
     return report_content(run)
 
 
-SECTIONS = ("reward", "forensic", "rl", "eval", "risk")
+SECTIONS = ("reward", "forensic", "rl", "eval", "rlgf", "risk")

@@ -248,3 +248,390 @@ def test_versus_best_of_n_interpolates_in_kl() -> None:
     ).iloc[0]
     assert r["beyond_curve"] and r["verdict"] == "not distinguishable"
     assert r["best_of_n_kl"] == pytest.approx(ev.best_of_n_kl_bound(4))  # the curve's end
+
+
+# ---------------------------------------------------------------------------------------------
+# The RLGF paper's evaluation (rlgf_eval) and its report section
+# ---------------------------------------------------------------------------------------------
+
+ALGOS = ["ppo", "ppo_pp", "grpo", "d2lols"]
+
+
+def _rlgf_samples(shift: dict[str, float], n_prompts: int = 40, k: int = 2,
+                  hard_shift: dict[str, float] | None = None) -> pd.DataFrame:  # fmt: skip
+    """Rewards 0.5 + a policy's shift (+ `hard_shift` on odd, i.e. hard, prompts); prompt p is
+    of country C{(p // 2) % 10}, so every country holds easy and hard prompts. `d2lols` differs
+    from `ppo` by a per-country amount that averages to zero: its interval must cross zero."""
+    rng = np.random.default_rng(1)
+    hard_shift = hard_shift or {}
+    rows = []
+    for p in range(n_prompts):
+        c = (p // 2) % 10
+        base = 0.5 + 0.03 * math.sin(p)
+        for pol in [*shift, "best_of_n"]:
+            for j in range(1 if pol == "best_of_n" else k):
+                r = base + shift.get(pol, 0.05) + (hard_shift.get(pol, 0.0) if p % 2 else 0.0)
+                if pol == "d2lols":
+                    r = base + shift["ppo"] + 0.01 * (c - 4.5)
+                if pol == "grpo":  # no gain on average, but not the same everywhere
+                    r += 0.01 * (c - 4.5)
+                rows.append({"policy": pol, "prompt_id": p, "sample_id": j, "reward": r + rng.normal(0, 0.002),
+                             "audit_reward": 0.6 + rng.normal(0, 0.01), "logp_policy": -5.0 - shift.get(pol, 0.0),
+                             "logp_ref": -5.0, "logp_base": -5.0 - 2 * shift.get(pol, 0.0), "n_tokens": 5,
+                             "finished": j == 0, "response": f"w{p} w{j} {pol}", "country": f"C{c}",
+                             "arrangement_type": "SBA", "econ_descriptor": f"d{p}",
+                             "grounded_met_rate": 0.6, "max_sim": 0.5})  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def _history(n_prompts: int = 40) -> pd.DataFrame:
+    """Four conditions per context: 3 MET on even prompts (easy), 1 MET on odd ones (hard)."""
+    rows = []
+    for p in range(n_prompts):
+        for i in range(4):
+            rows.append({"country": f"C{(p // 2) % 10}", "arrangement_type": "SBA",
+                         "econ_descriptor": f"d{p}", "y": int(i < (3 if p % 2 == 0 else 1))})  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+SHIFT = {
+    "base": 0.0,
+    "sft": 0.0,
+    "sft_met": 0.04,
+    "ppo": 0.05,
+    "ppo_pp": 0.15,
+    "grpo": 0.0,
+    "d2lols": 0.05,
+}
+
+
+def _rlgf_inputs(**kw):
+    samples = _rlgf_samples(SHIFT, **kw)
+    pols = [p for p in SHIFT]
+    summary, _ = alignment.summary_table(samples, pols, "sft", 4, n_boot=300, alpha=0.05, seed=0)
+    ppl = pd.DataFrame({"policy": pols, "ppl_met": [40.0, 12.0, 11.0, 13.0, 12.5, 14.0, 12.8],
+                        "ppl_nonmet": 20.0, "ppl_all": 15.0})  # fmt: skip
+    return samples, summary, ppl
+
+
+def test_rlgf_table_assembles_the_summary_in_the_papers_order() -> None:
+    from rlxf_utils import rlgf_eval
+
+    samples, summary, ppl = _rlgf_inputs()
+    shuffled = summary.sample(frac=1.0, random_state=3)  # the table's order is its own
+    t = rlgf_eval.rlgf_table(shuffled, ppl, ALGOS)
+    assert t["policy"].tolist() == ["base", "sft", "sft_met", *ALGOS, "best_of_n"]
+    assert t["label"].tolist() == ["zero-shot (base)", "sft", "sft_met", "PPO", "PPO++", "GRPO",
+                                   "D²LOLS", "best-of-N"]  # fmt: skip
+    assert t.set_index("policy")["kind"].to_dict() == {
+        "base": "zero-shot", "sft": "supervised", "sft_met": "supervised", "ppo": "RL",
+        "ppo_pp": "RL, guided", "grpo": "RL", "d2lols": "RL, guided", "best_of_n": "best-of-N"}  # fmt: skip
+    s, tt = summary.set_index("policy"), t.set_index("policy")
+    for col in ("ave_r", "ave_r_low", "ave_r_high", "audit", "audit_low", "audit_high", "kl",
+                "distinct_2", "finished"):  # fmt: skip
+        assert np.allclose(tt[col], s.loc[tt.index, col], equal_nan=True), col
+    assert np.allclose(tt["output_ppl"], s.loc[tt.index, "perplexity"])  # under the zero-shot model
+    # logp_base -5.3 over 5 tokens
+    assert tt.loc["ppo_pp", "output_ppl"] == pytest.approx(math.exp(5.3 / 5))
+    assert tt.loc["ppo_pp", "met_ppl"] == 12.5 and math.isnan(tt.loc["best_of_n", "met_ppl"])
+    assert tt.loc["best_of_n", "kl_kind"] == "upper bound"
+    # a run without sft_met and with the algorithms in another order
+    t2 = rlgf_eval.rlgf_table(summary[summary.policy != "sft_met"], None, ["grpo", "ppo"])
+    assert t2["policy"].tolist() == ["base", "sft", "grpo", "ppo", "best_of_n"]
+    assert t2["met_ppl"].isna().all()
+
+
+def test_median_split_keeps_ties_together_and_refuses_no_split() -> None:
+    from rlxf_utils.rlgf_eval import median_split
+
+    med, half = median_split([1.0, 1.0, 1.0, 1.0, 0.5, 0.3])
+    assert med == 1.0 and half.tolist() == ["easy"] * 4 + ["hard"] * 2  # ties: the balancing side
+    med, half = median_split([0.2, 0.5, 0.5, 0.5, 0.9])
+    assert med == 0.5 and half.tolist() == [
+        "hard",
+        "hard",
+        "hard",
+        "hard",
+        "easy",
+    ]  # as close: hard
+    med, half = median_split([0.1, 0.5, 0.5, 0.5, 0.5, 0.9, 0.95])
+    # ties easy: 6 vs 1; ties hard: 2 vs 5, closer; the four equal rates stay together
+    assert half.tolist() == ["hard"] * 5 + ["easy"] * 2
+    _, half = median_split([0.7, 0.7, 0.7])
+    assert half.tolist() == [None, None, None]  # one half would be empty: no split
+    _, half = median_split([0.2, math.nan, 0.8])
+    assert half.tolist() == ["hard", None, "easy"]
+
+
+def test_prompt_difficulty_reads_each_contexts_history() -> None:
+    from rlxf_utils.rlgf_eval import prompt_difficulty
+
+    samples = _rlgf_samples(SHIFT)
+    lab = _history()
+    lab = pd.concat([lab, pd.DataFrame([{"country": "C9", "arrangement_type": "SBA",
+                                          "econ_descriptor": "elsewhere", "y": 0}])])  # fmt: skip
+    d = prompt_difficulty(samples[samples.policy == "sft"], lab).set_index("prompt_id")
+    assert len(d) == 40 and (d["n_history"] == 4).all()
+    assert d.loc[0, "met_rate"] == 0.75 and d.loc[1, "met_rate"] == 0.25
+    assert d.loc[0, "met_rate_smoothed"] == pytest.approx(4 / 6)  # (3 + 1) / (4 + 2)
+    assert (d.loc[d.index % 2 == 0, "half"] == "easy").all()
+    assert (d.loc[d.index % 2 == 1, "half"] == "hard").all()
+    # a prompt whose context has no history: smoothed rate 1/2, in whichever half the median puts it
+    d2 = prompt_difficulty(samples[samples.policy == "sft"], lab[lab.econ_descriptor != "d3"])
+    assert d2.set_index("prompt_id").loc[3, ["n_history", "met_rate_smoothed"]].tolist() == [0, 0.5]
+
+
+def test_easy_hard_table_finds_a_gain_only_on_hard_prompts() -> None:
+    from rlxf_utils.rlgf_eval import easy_hard_table, prompt_difficulty
+
+    samples = _rlgf_samples(SHIFT, hard_shift={"grpo": 0.1})
+    d = prompt_difficulty(samples[samples.policy == "sft"], _history())
+    t = easy_hard_table(
+        samples, d, ["base", "sft", "sft_met", "grpo", "best_of_n"], "sft", 400, 0.05, 0
+    )
+    g = t[t.policy == "grpo"].set_index("half")
+    assert (
+        g.loc["hard", "gain"] == pytest.approx(0.1, abs=0.005)
+        and g.loc["hard", "gain_verdict"] == "higher"
+    )
+    assert (
+        abs(g.loc["easy", "gain"]) < 0.005
+        and g.loc["easy", "gain_verdict"] == "not distinguishable"
+    )
+    assert g.loc["hard_minus_easy", "gain"] == pytest.approx(0.1, abs=0.005)
+    assert g.loc["hard_minus_easy", "gain_low"] > 0  # a country holds prompts of both halves
+    assert g.loc["easy", "n_prompts"] == 20 and g.loc["easy", "n_countries"] == 10
+    assert g.loc["hard", "ave_r_low"] < g.loc["hard", "ave_r"] < g.loc["hard", "ave_r_high"]
+    sft = t[t.policy == "sft"]
+    assert sft["gain"].isna().all() and (sft["gain_verdict"] == "").all()  # the start policy
+    # the start policy's easy/hard Ave(R) equals the mean of its per-prompt rewards in each half
+    per = samples[samples.policy == "sft"].groupby("prompt_id")["reward"].mean()
+    easy_ids = d.loc[d.half == "easy", "prompt_id"]
+    assert sft.set_index("half").loc["easy", "ave_r"] == pytest.approx(per.loc[easy_ids].mean())
+    # every context with the same rate: no split, an empty table with the same columns
+    flat = d.assign(half=None)
+    empty = easy_hard_table(samples, flat, ["grpo"], "sft", 100, 0.05, 0)
+    assert empty.empty and "gain_verdict" in empty.columns
+
+
+def test_guidance_verdicts_follow_the_intervals() -> None:
+    from rlxf_utils.rlgf_eval import guidance_sentences, guidance_table
+
+    samples, _, _ = _rlgf_inputs()
+    g = guidance_table(samples, ALGOS, 500, 0.05, 0)
+    rew = g[g.measure == "reward"]
+    vs_ppo = rew[rew.question == "guidance_vs_ppo"].set_index("policy")
+    assert list(vs_ppo.index) == ["ppo_pp", "d2lols"] and (vs_ppo["versus"] == "ppo").all()
+    # PPO++ is 0.10 above PPO everywhere: an interval clear of zero
+    assert vs_ppo.loc["ppo_pp", "diff"] == pytest.approx(0.10, abs=0.005)
+    assert vs_ppo.loc["ppo_pp", "low"] > 0 and vs_ppo.loc["ppo_pp", "verdict"] == "higher"
+    # D²LOLS: per-country differences from -0.045 to +0.045, mean 0: the interval crosses zero
+    assert vs_ppo.loc["d2lols", "low"] < 0 < vs_ppo.loc["d2lols", "high"]
+    assert vs_ppo.loc["d2lols", "verdict"] == "not distinguishable"
+    vs_sft = rew[rew.question == "rl_vs_sft_met"].set_index("policy")
+    assert list(vs_sft.index) == ALGOS and (vs_sft["versus"] == "sft_met").all()
+    assert vs_sft.loc["grpo", "verdict"] == "lower" and vs_sft.loc["ppo", "verdict"] == "higher"
+    assert (g["n_clusters"] == 10).all() and g["p_holm"].between(0, 1).all()
+    assert set(g["measure"]) == {"reward", "audit_reward"}
+    s = guidance_sentences(g, ALGOS, 0.1)
+    assert s["guidance"].startswith("PPO++ beats PPO under the reward model")
+    assert (
+        "D²LOLS cannot be told apart from PPO under both the reward and the audit model"
+        in s["guidance"]
+    )
+    assert "90% cluster-bootstrap CI" in s["guidance"]
+    assert "GRPO falls short of sft_met under the reward model" in s["rl_vs_sft_met"]
+    # the verb follows the interval, not the point estimate: a positive estimate whose
+    # interval crosses zero is not a win
+    fake = g.copy()
+    fake.loc[(fake.policy == "ppo_pp") & (fake.measure == "reward"), ["diff", "low", "high", "verdict"]] = [
+        0.08, -0.01, 0.17, "not distinguishable"]  # fmt: skip
+    assert guidance_sentences(fake, ALGOS, 0.05)["guidance"].startswith(
+        "PPO++ cannot be told apart from PPO under both the reward and the audit model (difference "
+        "in Ave(R), 95% cluster-bootstrap CI over countries: reward model +0.080 [-0.010, +0.170]; "
+    )
+
+
+def test_guidance_without_ppo_or_without_a_guided_algorithm_says_so() -> None:
+    from rlxf_utils.rlgf_eval import guidance_sentences, guidance_table
+
+    samples, _, _ = _rlgf_inputs()
+    no_ppo = samples[samples.policy != "ppo"]
+    g = guidance_table(no_ppo, ["ppo_pp", "grpo"], 200, 0.05, 0)
+    assert set(g["question"]) == {"rl_vs_sft_met"}
+    s = guidance_sentences(g, ["ppo_pp", "grpo"], 0.05)
+    assert s["guidance"].startswith("PPO did not run (this run trained PPO++ and GRPO)")
+    g = guidance_table(samples, ["ppo", "grpo"], 200, 0.05, 0)
+    s = guidance_sentences(g, ["ppo", "grpo"], 0.05)
+    assert s["guidance"].startswith("No guided algorithm ran: this run trained PPO and GRPO")
+    g = guidance_table(samples[samples.policy != "sft_met"], ["ppo", "grpo"], 200, 0.05, 0)
+    assert g.empty and list(g.columns)[-3:] == ["high", "verdict", "p_holm"]
+    assert "was not evaluated" in guidance_sentences(g, ["ppo", "grpo"], 0.05)["rl_vs_sft_met"]
+
+
+def test_easy_hard_sentences_read_the_intervals() -> None:
+    from rlxf_utils.rlgf_eval import easy_hard_sentences, easy_hard_table, prompt_difficulty
+
+    samples = _rlgf_samples(SHIFT, hard_shift={"grpo": 0.1})
+    d = prompt_difficulty(samples[samples.policy == "sft"], _history())
+    t = easy_hard_table(samples, d, ["sft", "grpo"], "sft", 300, 0.1, 0)
+    s = easy_hard_sentences(t, "sft", 0.1)
+    assert "GRPO is not distinguishable from sft on easy prompts" in s
+    assert "above it on hard prompts" in s and "its gain is larger on hard prompts" in s
+    assert (
+        "90% cluster-bootstrap intervals" in s and "sft is" not in s
+    )  # the start is the yardstick
+    assert easy_hard_sentences(t.iloc[0:0], "sft", 0.1).startswith("No prompt could be placed")
+
+
+def test_rlgf_figures_and_frontier_use_algorithm_labels() -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from rlxf_utils import rlgf_eval
+
+    samples, summary, ppl = _rlgf_inputs()
+    tables = rlgf_eval.rlgf_tables(samples, summary, ppl, _history(), ALGOS, "sft", 200, 0.05, 0)
+    assert set(tables) == {"eval_rlgf", "eval_prompt_difficulty", "eval_easy_hard", "eval_guidance"}
+    figs = rlgf_eval.rlgf_figures(tables, "sft", 0.1)
+    legend = [t.get_text() for t in figs["eval_reward_perplexity"].legends[0].get_texts()]
+    assert legend == tables["eval_rlgf"]["label"].tolist()  # every policy, best-of-N included
+    assert "90% CI" in figs["eval_reward_perplexity"]._suptitle.get_text()
+    ticks = [t.get_text() for t in figs["eval_easy_hard"].axes[0].get_xticklabels()]
+    assert "PPO++" in ticks and "D²LOLS" in ticks
+    frontier = pd.DataFrame(
+        [{"algo": "sft", "step": 0, "reward": 0.5, "reward_low": 0.4, "reward_high": 0.6, "kl": 0.0, "source": "final"}]
+        + [{"algo": a, "step": s, "reward": 0.5 + 0.01 * s, "reward_low": 0.45, "reward_high": 0.6,
+            "kl": 0.1 * s, "source": "snapshot" if s == 1 else "final"} for a in ALGOS for s in (1, 2)]
+    )  # fmt: skip
+    fig = alignment.plot_frontier(frontier, "sft", 0.05)
+    labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert labels == ["start (sft)", "PPO", "PPO++", "GRPO", "D²LOLS"]
+
+
+def test_frontier_points_score_every_algorithms_snapshots(tmp_path, monkeypatch) -> None:
+    """The frontier covers every algorithm of rl.algorithm, guided ones included: one row per
+    saved snapshot before the final step (the final policy is measured apart)."""
+    from contextlib import contextmanager
+
+    run = RunDir(tmp_path / "run")
+    for algo in ALGOS:
+        for step in (1, 2, 3):  # step 3 = rl.steps: the final policy
+            run.path(
+                f"policy/{algo}/snapshots/step_{step:06d}/adapter_model.safetensors"
+            ).write_bytes(b"")
+    loaded = []
+
+    @contextmanager
+    def reference():
+        yield None
+
+    pset = SimpleNamespace(algos=ALGOS, tok=None, reference=reference,
+                           load_snapshot=lambda algo, path: loaded.append((algo, path.parent.name)) or "snapshot")  # fmt: skip
+
+    def fake_sample(pset_, name, prompts, k, kw, batch, desc, judges):
+        return pd.DataFrame({"prompt_id": range(len(prompts)), "logp_policy": -4.0, "n_tokens": 5})
+
+    def fake_rewards(df, contexts, reward_model, audit_model, batch):
+        df["reward"], df["audit_reward"] = 0.5, 0.6
+        return df
+
+    monkeypatch.setattr(alignment, "sample_tuned", fake_sample)
+    monkeypatch.setattr(alignment, "_logprobs", lambda m, tok, df, b: np.full(len(df), -5.0))
+    monkeypatch.setattr(alignment, "add_rewards", fake_rewards)
+    cfg = SimpleNamespace(
+        evaluation=SimpleNamespace(frontier_max_checkpoints=None, frontier_samples_per_prompt=1,
+                                   logprob_batch_size=4, n_boot=100, alpha=0.05),
+        rl=SimpleNamespace(steps=3, reward_batch_size=4, max_new_tokens=4, temperature=1.0, top_p=1.0,
+                           response_postprocess="none"),
+        run=SimpleNamespace(seed=0),
+    )  # fmt: skip
+    monkeypatch.setattr(alignment, "sampling_kwargs", lambda cfg, progress=True: {})
+    contexts = [{"country": f"C{i}"} for i in range(3)]
+    f = alignment.frontier_points(pset, run, ["a", "b", "c"], contexts, None, None, cfg, False)
+    assert sorted(zip(f["algo"], f["step"], strict=True)) == sorted(
+        (a, s) for a in ALGOS for s in (1, 2)
+    )
+    assert sorted(loaded) == sorted((a, f"step_{s:06d}") for a in ALGOS for s in (1, 2))
+    assert np.allclose(f["kl"], 1.0) and (f["source"] == "snapshot").all()
+
+
+def _eval_run(tmp_path, algos: list[str], alpha: float = 0.05, with_tables: bool = True) -> RunDir:
+    from rlxf_utils import rlgf_eval
+
+    run = RunDir(tmp_path / "run")
+    samples, summary, ppl = _rlgf_inputs()
+    keep = ["base", "sft", "sft_met", *algos, "best_of_n"]
+    samples = samples[samples.policy.isin(keep)]
+    summary = summary[summary.policy.isin(keep)]
+    run.write_json(
+        "eval/summary.json", {"algorithms": algos, "start_policy": "sft", "alpha": alpha}
+    )
+    if with_tables:
+        tables = rlgf_eval.rlgf_tables(
+            samples, summary, ppl, _history(), algos, "sft", 300, alpha, 0
+        )
+        for name, df in tables.items():
+            run.write_table(name, df)
+    return run
+
+
+def test_report_rlgf_section_words_follow_the_intervals(tmp_path) -> None:
+    from rlxf_utils.report_sections import rlgf_section
+
+    run = _eval_run(tmp_path, ALGOS, alpha=0.1)
+    v, inc = rlgf_section(run, {"rlgf": {"guide": "sft_met"}})
+    assert v["level"] == "90%" and v["start"] == "sft"
+    assert v["ran_sentence"] == ("This run trained PPO, PPO++, GRPO and D²LOLS; the guided ones are "
+                                 "PPO++ and D²LOLS, with `sft_met` as the guide")  # fmt: skip
+    assert "PPO++ beats PPO under the reward model" in v["guidance_sentence"]
+    assert (
+        "D²LOLS cannot be told apart from PPO under both the reward and the audit model"
+        in v["guidance_sentence"]
+    )
+    assert "GRPO falls short of sft_met" in v["rl_vs_sft_met_sentence"]
+    assert v["context_key"] == "country × arrangement type × economic descriptor"
+    assert v["easy_hard_sentence"].startswith(
+        "Gains over sft with 90% cluster-bootstrap intervals: "
+    )
+    assert v["median"] == "0.500"  # between (3 + 1) / (4 + 2) (easy) and (1 + 1) / (4 + 2) (hard)
+    table = inc["rlgf_table.md"]
+    assert "Ave(R) [90% CI]" in table and "PPO++" in table and "≤ " in table  # best-of-N's bound
+    rows = [r for r in table.splitlines() if r.startswith("| ")]
+    assert [r.split("|")[1].strip() for r in rows[1:]] == [
+        "zero-shot (base)", "sft", "sft_met", "PPO", "PPO++", "GRPO", "D²LOLS", "best-of-N"]  # fmt: skip
+    assert (
+        "does guidance beat PPO?" in inc["rlgf_guidance.md"] and "higher" in inc["rlgf_guidance.md"]
+    )
+    assert (
+        "hard − easy" in inc["rlgf_easy_hard.md"]
+        and "gain over sft [90% CI]" in inc["rlgf_easy_hard.md"]
+    )
+
+
+def test_report_rlgf_section_without_guidance_or_tables(tmp_path) -> None:
+    from rlxf_utils.report_sections import rlgf_section
+
+    v, inc = rlgf_section(_eval_run(tmp_path / "a", ["ppo", "grpo"]), {})
+    assert v["ran_sentence"] == "This run trained PPO and GRPO; none of them is guided"
+    assert v["guidance_sentence"].startswith(
+        "No guided algorithm ran: this run trained PPO and GRPO"
+    )
+    assert "PPO beats sft_met" in v["rl_vs_sft_met_sentence"]
+    # an older run dir: no RLGF tables; the section says so, and its tables stay tables
+    v, inc = rlgf_section(_eval_run(tmp_path / "b", ["ppo"], with_tables=False), {})
+    assert v["guidance_sentence"].startswith("Not in this run directory, which predates")
+    assert "notebook 04_evaluation" in v["easy_hard_sentence"] and v["median"] == "n/a"
+    for md in inc.values():
+        assert md.startswith("| note |") and "tables/eval_rlgf.csv" in md
+
+
+def test_report_draws_a_placeholder_for_a_figure_the_run_lacks(tmp_path) -> None:
+    from rlxf_utils.report import OPTIONAL_FIGURES, placeholder_figures
+
+    figs = tmp_path / "figures"
+    figs.mkdir()
+    (figs / "eval_easy_hard.png").write_bytes(b"real")
+    assert placeholder_figures(figs, OPTIONAL_FIGURES) == ["eval_reward_perplexity"]
+    assert (figs / "eval_reward_perplexity.png").read_bytes()[:4] == b"\x89PNG"
+    assert (figs / "eval_easy_hard.png").read_bytes() == b"real"  # an existing figure is kept

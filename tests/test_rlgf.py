@@ -264,3 +264,28 @@ def test_resume_matches_uninterrupted(tmp_path, algo):
         full.unwrapped.named_parameters(), resumed.unwrapped.named_parameters(), strict=True
     ):
         assert torch.allclose(p1, p2, atol=1e-6), n
+
+
+def test_met_references_are_met_rows_the_rl_stage_may_see_of_the_same_context(tmp_path):
+    """Only the reward protocol's training rows of training countries, MET, of the same context."""
+    from test_sft import _toy_data
+
+    from rlxf_utils.artifacts import RunDir
+    from rlxf_utils.config import PROJECT_ROOT, load_config
+    from rlxf_utils.rlgf import met_references
+
+    labelled, splits, contexts = _toy_data()
+    run = RunDir(tmp_path)
+    run.write_parquet("data/conditions.parquet", labelled.assign(label="MET"))
+    run.write_json("data/splits.json", splits)
+    run.write_parquet("data/contexts.parquet", contexts)
+    cfg = load_config(PROJECT_ROOT / "params/smoke.yaml")
+    cfg.reward.reward_protocol = "grouped"
+    tok = tiny_tokenizer()
+    ctx = contexts.to_dict("records")
+    refs = met_references(cfg, tmp_path, ctx, tok, tiny_guide())
+    decoded = [[tok.decode(r[:-1]) for r in rs] for rs in refs]
+    eos = tok.eos_token_id
+    assert all(r[-1] == eos for rs in refs for r in rs)  # each ends in the end token
+    # grouped train rows of A, B, C that are MET: 100 (A), 104 (B), 106 (C); D is held out
+    assert decoded == [["w10 w20"], ["w10 w20"], ["w14 w24"], ["w16 w26"], [], []]
