@@ -588,6 +588,19 @@ class PPOTrainer:
         t0 = time.perf_counter()
         response, response_mask = self.sample(policy, enc, self.cfg.temperature, self.cfg.top_p)
         gen_time = time.perf_counter() - t0
+        return self.finish_rollout(idx, enc, response, response_mask, gen_time)
+
+    def finish_rollout(
+        self,
+        idx: Sequence[int],
+        enc: Mapping[str, torch.Tensor],
+        response: torch.Tensor,
+        response_mask: torch.Tensor,
+        gen_time: float,
+        **guided: Any,
+    ) -> Rollout:
+        """Score the responses and pack prompt + response into a `Rollout` (`guided`: RLGF's
+        masks, critic and scheme)."""
         texts, scores = self.score(idx, response)
         return Rollout(
             context_idx=list(idx),
@@ -598,6 +611,7 @@ class PPOTrainer:
             texts=texts,
             scores=scores,
             gen_time=gen_time,
+            **guided,
         )
 
     # -- phase 2: advantages ------------------------------------------------------------------

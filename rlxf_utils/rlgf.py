@@ -182,24 +182,14 @@ class GuidedPPOTrainer(PPOTrainer):
             settings[rollout][0], enc, *settings[rollout][1:], prefix=prefix
         )
         gen_time = time.perf_counter() - t0
-        texts, scores = self.score(idx, response)
         learner, critic_mask = ownership_masks(
             torch.as_tensor(h, device=self.device), response.shape[1], scheme
         )
-        return Rollout(
-            context_idx=list(idx),
-            input_ids=torch.cat([enc["input_ids"], response], 1),
-            attention_mask=torch.cat([enc["attention_mask"], response_mask], 1),
-            response_ids=response,
-            response_mask=response_mask,
-            texts=texts,
-            scores=scores,
-            gen_time=gen_time,
-            learner_mask=learner,
-            value_mask=critic_mask,
-            critic="value_head" if scheme == PPO_PP else "guide_value_head",
-            scheme=scheme,
-        )
+        return self.finish_rollout(
+            idx, enc, response, response_mask, gen_time,
+            learner_mask=learner, value_mask=critic_mask,
+            critic="value_head" if scheme == PPO_PP else "guide_value_head", scheme=scheme,
+        )  # fmt: skip
 
     @staticmethod
     def _subset(enc: Mapping[str, torch.Tensor], rows: torch.Tensor) -> dict[str, torch.Tensor]:
