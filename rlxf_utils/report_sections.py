@@ -741,7 +741,12 @@ def rlgf_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], d
         )
     else:
         ran_sentence = f"This run trained {listing(ran)}; none of them is guided"
-    variables: dict[str, Any] = {"level": lvl, "start": start, "ran_sentence": ran_sentence}
+    variables: dict[str, Any] = {
+        "level": lvl,
+        "start": start,
+        "ran_sentence": ran_sentence,
+        "guide": params.get("rlgf", {}).get("guide", "sft_met"),
+    }
     words = {"arrangement_type": "arrangement type", "econ_descriptor": "economic descriptor"}
 
     def key_words(keys: Any) -> str:
