@@ -106,7 +106,8 @@ def figure(results: list[dict], path: Path) -> None:
     for i, r in enumerate(results):
         ax.text(i, r["step_time_s"], f"{r['cost_vs_ppo']:.2f}x", ha="center", va="bottom")
     ax.set(ylabel="median step time (s)", title="RLGF step cost relative to PPO")
-    ax.legend(fontsize=8)
+    ax.set_ylim(0, 1.2 * max(r["step_time_s"] for r in results))
+    ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

@@ -175,21 +175,25 @@ def test_smoke_study_renders_the_report(tmp_path: Path) -> None:
 
     # like for like: every algorithm started from sft, saved snapshots and its settings, and
     # took the same prompts, responses and optimiser steps per batch
-    settings = [
-        json.loads((run_dir / f"policy/{a}/settings.json").read_text())
-        for a in ("ppo", "grpo", "rloo")
-    ]
+    algos = json.loads((run_dir / "manifest.json").read_text())["params"]["rl"]["algorithm"]
+    assert {"ppo", "grpo", "rloo", "d2lols"} <= set(algos)  # the smoke profile runs RLGF too
+    settings = [json.loads((run_dir / f"policy/{a}/settings.json").read_text()) for a in algos]
     shared = ("prompts_per_step", "responses_per_prompt", "optimizer_steps_per_batch", "steps")
     assert all(s_[k] == settings[0][k] for s_ in settings for k in shared)
-    for algo in ("ppo", "grpo", "rloo"):
+    for algo in algos:
         assert list((run_dir / f"policy/{algo}/snapshots").glob("step_*/adapter_model.safetensors"))
+    # D²LOLS ran both schemes (AggreVaTeD first) and kept the guide's critic
+    d2 = __import__("pandas").read_parquet(run_dir / "policy/d2lols/train_log.parquet")
+    assert d2["scheme"].tolist()[0] == "aggrevated" and d2["scheme"].tolist()[-1] == "ppo_pp"
+    assert (run_dir / "policy/d2lols/guide_value_head.safetensors").is_file()
     assert (run_dir / "policy/sft/adapter/adapter_model.safetensors").is_file()
     meta = json.loads((run_dir / "eval/summary.json").read_text())
-    assert meta["start_policy"] == "sft" and {r["policy"] for r in meta["vs_best_of_n"]} == {
-        "ppo",
-        "grpo",
-        "rloo",
-    }
+    assert meta["start_policy"] == "sft"
+    assert {r["policy"] for r in meta["vs_best_of_n"]} == set(algos)
     frontier = __import__("pandas").read_parquet(run_dir / "eval/frontier.parquet")
-    assert set(frontier["algo"]) >= {"sft", "ppo", "grpo", "rloo", "best_of_n"}
+    assert set(frontier["algo"]) >= {"sft", "best_of_n", *algos}
+    # the RLGF section's tables were written and the report says which algorithm was guided
+    for t in ("eval_rlgf", "eval_guidance", "eval_easy_hard"):
+        assert (run_dir / f"tables/{t}.csv").is_file(), t
+    assert "D²LOLS" in text
     assert sorted(frontier.loc[frontier["algo"] == "best_of_n", "step"]) == [1, 2, 4]
