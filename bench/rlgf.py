@@ -45,6 +45,7 @@ from rlxf_utils.config import RLGF_ALGORITHMS, algorithm_label, load_config  # n
 from rlxf_utils.models import apply_lora, build_prompts, load_policy  # noqa: E402
 from rlxf_utils.ppo import PPOTrainer  # noqa: E402
 from rlxf_utils.rlgf import GuidedPPOTrainer  # noqa: E402
+from rlxf_utils.sft import target_ids  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -59,7 +60,9 @@ def met_descriptions(cfg, n: int = 64) -> list[str]:
     return met.sample(n=min(n, len(met)), random_state=0).astype(str).tolist()
 
 
-def bench(algo: str, cfg, rl, threads: int, steps: int, warmup: int, gen_kw: dict) -> dict:
+def bench(
+    algo: str, cfg, rl, threads: int, steps: int, warmup: int, gen_kw: dict, texts: list[str]
+) -> dict:
     set_threads(threads)
     torch.manual_seed(0)
     base, tok = load_policy(cfg.policy)
@@ -74,9 +77,7 @@ def bench(algo: str, cfg, rl, threads: int, steps: int, warmup: int, gen_kw: dic
             )  # fmt: skip
         else:
             guide, _ = load_policy(cfg.policy)
-            texts = met_descriptions(cfg)
-            ids = tok(texts, add_special_tokens=False)["input_ids"]
-            refs = [[r + [tok.eos_token_id]] for r in ids[: len(contexts)]]
+            refs = [[t] for t in target_ids(texts[: len(contexts)], tok, guide)]  # as SFT's targets
             tr = GuidedPPOTrainer(
                 algo, model, guide, tok, prompts, contexts, stand_in_reward, rl, cfg.rlgf, d,
                 references=refs, seed=0, generation_kwargs=gen_kw,
@@ -130,10 +131,13 @@ def main() -> None:
     batch = 4 if args.quick else None
     rl = rl_settings(cfg.rl, args.tokens, batch)
     gen_kw = {"min_new_tokens": args.tokens}
+    references = met_descriptions(cfg)  # read once: the MLE term's texts for every algorithm
     t0 = time.perf_counter()
     results = []
     for algo in args.algos.split(","):
-        results.append(bench(algo, cfg, rl, args.threads, args.steps, args.warmup, gen_kw))
+        results.append(
+            bench(algo, cfg, rl, args.threads, args.steps, args.warmup, gen_kw, references)
+        )
         print(f"{algo}: {results[-1]['step_time_s']:.2f} s/step", flush=True)
     ppo = next((r["step_time_s"] for r in results if r["algo"] == "ppo"), float("nan"))
     for r in results:

@@ -11,7 +11,7 @@ import json
 import math
 import os
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -168,6 +168,14 @@ def fmt_num(x: Any, digits: int = 3) -> str:
 def fmt_pct(x: Any, digits: int = 1) -> str:
     """A share as a percentage for prose, or 'n/a' when missing."""
     return f"{100 * x:.{digits}f}%" if is_present(x) else "n/a"
+
+
+def listing(items: Sequence[str]) -> str:
+    """'a', 'a and b', 'a, b and c' for prose ('nothing' when empty)."""
+    items = list(items)
+    if not items:
+        return "nothing"
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
 
 
 def _fmt_cell(v: Any, floatfmt: str) -> str:

@@ -260,29 +260,23 @@ class RLGFConfig(Section):
     settings (`Cornell-RL/tril`, `cfgs/alg/*.yaml`), the experiment closest to ours.
     """
 
-    guide: Literal["sft_met", "sft", "base"] = (
-        "sft_met"  # the guide policy (sft_met: SFT on what was met)
-    )
-    guide_top_p: float = Field(
-        default=0.92, gt=0.0, le=1.0
-    )  # the guide's nucleus sampling (authors: 0.92)
+    #: the guide policy (sft_met: SFT on what was met)
+    guide: Literal["sft_met", "sft", "base"] = "sft_met"
+    #: the guide's nucleus sampling (authors: 0.92) and temperature
+    guide_top_p: float = Field(default=0.92, gt=0.0, le=1.0)
     guide_temperature: float = Field(default=1.0, gt=0.0)
-    beta_ppo_pp: float = Field(
-        default=0.6, ge=0.0, le=1.0
-    )  # P(guide roll-in) per sample in PPO++ (IMDB 0.6)
-    beta_aggrevated: float = Field(
-        default=0.8, ge=0.0, le=1.0
-    )  # P(policy roll-in) per sample in AggreVaTeD (IMDB 0.8)
-    beta_lols: float = Field(
-        default=0.8, ge=0.0, le=1.0
-    )  # both schemes' beta inside LOLS (authors: 0.8)
-    tau: float = Field(default=0.8, ge=0.0, le=1.0)  # LOLS: P(PPO++) per iteration, else AggreVaTeD
-    switch_fraction: float = Field(
-        default=0.4, ge=0.0, le=1.0
-    )  # D²LOLS: AggreVaTeD for the first 40% of steps (IMDB: 20 of 50)
-    mle_coef: float = Field(
-        default=0.1, ge=0.0
-    )  # eta: MLE on historical MET descriptions of the step's contexts (authors: 0.1)
+    #: P(a sample's prefix is the guide's) in PPO++ (IMDB 0.6)
+    beta_ppo_pp: float = Field(default=0.6, ge=0.0, le=1.0)
+    #: P(a sample's suffix is the guide's) in AggreVaTeD (IMDB 0.8)
+    beta_aggrevated: float = Field(default=0.8, ge=0.0, le=1.0)
+    #: both schemes' beta inside LOLS (authors: 0.8)
+    beta_lols: float = Field(default=0.8, ge=0.0, le=1.0)
+    #: LOLS: P(PPO++) per iteration, else AggreVaTeD
+    tau: float = Field(default=0.8, ge=0.0, le=1.0)
+    #: D²LOLS: AggreVaTeD for the first 40% of steps, then PPO++ (IMDB: 20 of 50)
+    switch_fraction: float = Field(default=0.4, ge=0.0, le=1.0)
+    #: eta: MLE on historical MET descriptions of the step's contexts (authors: 0.1)
+    mle_coef: float = Field(default=0.1, ge=0.0)
 
 
 class RewardConfig(Section):

@@ -14,7 +14,15 @@ from typing import Any
 
 import pandas as pd
 
-from .artifacts import ArtifactMissing, RunDir, fmt_num, fmt_pct, is_present, markdown_table
+from .artifacts import (
+    ArtifactMissing,
+    RunDir,
+    fmt_num,
+    fmt_pct,
+    is_present,
+    listing,
+    markdown_table,
+)
 from .config import RLGF_ALGORITHMS, algorithm_label
 from .evaluation import best_of_n_kl_bound, ci_verdict
 from .models import display_country
@@ -52,11 +60,6 @@ def pval(p: float) -> str:
 def _short(text: Any, n: int = 160) -> str:
     s = " ".join(str(text).split())
     return s if len(s) <= n else s[: n - 1].rstrip() + "…"
-
-
-def listing(items: list[str]) -> str:
-    """'a', 'a and b', 'a, b and c'."""
-    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -168,14 +168,21 @@ def run_ppo(
         model, tokenizer, prompts, contexts, reward_fn, rl, output_dir, seed=seed,
         generation_kwargs=generation_kwargs, autocast_dtype=policy.autocast,
     )  # fmt: skip
-    write_settings(output_dir, "ppo", rl, {
+    write_settings(output_dir, "ppo", rl, ppo_loss_settings(
+        rl, "GAE over tokens with a learned critic, whitened over the batch"
+    ))  # fmt: skip
+    return trainer.train(steps=steps, progress=progress)
+
+
+def ppo_loss_settings(rl: RLConfig, advantage: str) -> dict[str, Any]:
+    """The loss settings PPO and the RLGF algorithms built on it share, for `settings.json`."""
+    return {
         "kl_penalty": "per-token log-ratio to the reference in the reward (beta adaptive)"
         if rl.adaptive_kl else "per-token log-ratio to the reference in the reward (fixed beta)",
-        "advantage": "GAE over tokens with a learned critic, whitened over the batch",
+        "advantage": advantage,
         "clip_range": rl.clip_range, "clip_range_value": rl.clip_range_value,
         "vf_coef": rl.vf_coef, "approx_kl_stop": rl.approx_kl_stop,
-    })  # fmt: skip
-    return trainer.train(steps=steps, progress=progress)
+    }  # fmt: skip
 
 
 def write_settings(

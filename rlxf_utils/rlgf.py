@@ -238,24 +238,18 @@ def met_references(
     countries), at most `sft.max_response_tokens` long (as SFT's targets)."""
     from rlxf_utils.artifacts import RunDir
     from rlxf_utils.data import load_splits
-    from rlxf_utils.models import eos_ids
-    from rlxf_utils.sft import eligible_rows
+    from rlxf_utils.sft import eligible_rows, target_ids
 
     rd = RunDir(run_dir)
     labelled, splits = load_splits(rd)
     ctx_frame = rd.read_parquet("data/contexts.parquet", stage="notebook 01 (data exploration)")
     rows = eligible_rows(labelled, splits, ctx_frame, cfg.reward.reward_protocol, "met")
     keys = ("country", "arrangement_type", "econ_descriptor")
-    end = (
-        tokenizer.eos_token_id
-        if tokenizer.eos_token_id is not None
-        else min(eos_ids(model, tokenizer))
-    )
     by_key: dict[tuple[str, ...], list[list[int]]] = {}
-    texts = [" ".join(str(t).split()) for t in rows["description"]]
-    ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
-    for rec, r in zip(rows[list(keys)].astype(str).itertuples(index=False), ids, strict=True):
-        target = [*r, int(end)]
+    targets = target_ids(rows["description"], tokenizer, model)
+    for rec, target in zip(
+        rows[list(keys)].astype(str).itertuples(index=False), targets, strict=True
+    ):
         if len(target) <= cfg.sft.max_response_tokens:
             by_key.setdefault(tuple(rec), []).append(target)
     return [by_key.get(tuple(str(c[k]) for k in keys), []) for c in contexts]
@@ -277,7 +271,7 @@ def run_rlgf(
 ) -> Any:
     """One RLGF algorithm with LoRA on the start policy and the guide `rlgf.guide`; resumes."""
     from rlxf_utils.models import apply_lora
-    from rlxf_utils.rl import load_named_policy, write_settings
+    from rlxf_utils.rl import load_named_policy, ppo_loss_settings, write_settings
 
     rg = cfg.rlgf
     guide, _ = load_named_policy(cfg, run_dir, rg.guide)
@@ -292,10 +286,8 @@ def run_rlgf(
     n = steps or cfg.rl.steps
     schemes = [scheme_at(algo, s, n, rg, seed) for s in range(n)]
     write_settings(output_dir, algo, cfg.rl, {
-        "kl_penalty": "per-token log-ratio to the reference in the reward (beta adaptive)"
-        if cfg.rl.adaptive_kl else "per-token log-ratio to the reference in the reward (fixed beta)",
-        "advantage": "GAE with the scheme's critic (PPO++: the policy's; AggreVaTeD: the guide's), "
-        "whitened over the learner's tokens",
+        **ppo_loss_settings(cfg.rl, "GAE with the scheme's critic (PPO++: the policy's; "
+                            "AggreVaTeD: the guide's), whitened over the learner's tokens"),
         "guide": rg.guide, "guide_top_p": rg.guide_top_p,
         "beta_switch": {s: beta_for(algo, s, rg) for s in sorted(set(schemes))},
         "tau": rg.tau if algo == "lols" else None,
@@ -303,8 +295,6 @@ def run_rlgf(
         "steps_ppo_pp": schemes.count(PPO_PP), "steps_aggrevated": schemes.count(AGGREVATED),
         "mle_coef": rg.mle_coef,
         "contexts_with_met_references": sum(bool(r) for r in references),
-        "clip_range": cfg.rl.clip_range, "vf_coef": cfg.rl.vf_coef,
-        "approx_kl_stop": cfg.rl.approx_kl_stop,
     })  # fmt: skip
     return trainer.train(steps=steps, progress=progress)
 
@@ -325,9 +315,7 @@ def guidance_table(logs: Any) -> Any:
         rows.append(
             {
                 "algorithm": algorithm_label(str(algo)),
-                "scheme": {PPO_PP: "PPO++", AGGREVATED: "AggreVaTeD", "ppo": "PPO"}.get(
-                    str(scheme), str(scheme)
-                ),
+                "scheme": algorithm_label(str(scheme)),
                 "steps": len(g),
                 "learner_share": g["learner_share"].mean(),
                 "reward_mean": g["reward_mean"].mean(),

@@ -28,6 +28,7 @@ import numpy as np
 import pandas as pd
 
 from . import evaluation as ev
+from .artifacts import listing
 from .config import RLGF_ALGORITHMS, algorithm_label
 
 __all__ = [
@@ -193,8 +194,8 @@ def prompt_difficulty(
 def _per_prompt(
     samples: pd.DataFrame, policies: Sequence[str], col: str = "reward"
 ) -> pd.DataFrame:
-    s = samples[samples["policy"].isin(policies)]
-    return s.groupby(["prompt_id", "policy"], observed=True)[col].mean().unstack("policy")
+    """Prompt x policy mean of `col` for `policies` (`evaluation.per_prompt_means`)."""
+    return ev.per_prompt_means(samples[samples["policy"].isin(policies)], col)
 
 
 def easy_hard_table(
@@ -368,10 +369,10 @@ def guidance_sentences(
     guided = [a for a in algos if a in RLGF_ALGORITHMS]
     g = guidance if guidance is not None else pd.DataFrame(columns=["question"])
     if not guided:
-        gs = (f"No guided algorithm ran: this run trained {_listing(ran)}, none of them guided, so "
+        gs = (f"No guided algorithm ran: this run trained {listing(ran)}, none of them guided, so "
               "whether guidance beats PPO is not answered here")  # fmt: skip
     elif "ppo" not in algos:
-        gs = (f"PPO did not run (this run trained {_listing(ran)}), so the guided algorithms "
+        gs = (f"PPO did not run (this run trained {listing(ran)}), so the guided algorithms "
               "are not compared with it")  # fmt: skip
     else:
         gq = g[g["question"] == "guidance_vs_ppo"]
@@ -434,13 +435,6 @@ def easy_hard_sentences(
         head = (f"Prompts split at the median historical MET rate of their context ((MET + 1) / "
                 f"(conditions + 2): {med:.2f}); " + head[0].lower() + head[1:])  # fmt: skip
     return head + "; ".join(parts)
-
-
-def _listing(items: Sequence[str]) -> str:
-    items = list(items)
-    if not items:
-        return "nothing"
-    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
 
 
 def rlgf_markdown(tables: Mapping[str, pd.DataFrame], algos: Sequence[str], start: str,

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,6 +51,7 @@ __all__ = [
     "eligible_rows",
     "heldout_rows",
     "response_loss",
+    "target_ids",
     "run_sft_stage",
     "train_sft",
 ]
@@ -107,6 +108,18 @@ def heldout_rows(
     return rows.reset_index(drop=True)
 
 
+def target_ids(descriptions: Iterable[Any], tokenizer: Any, model: Any) -> list[list[int]]:
+    """SFT's target for each description: its tokens (whitespace normalised, no special tokens)
+    followed by the end token (the tokenizer's EOS, else the lowest of `models.eos_ids`)."""
+    texts = [" ".join(str(t).split()) for t in descriptions]
+    if not texts:
+        return []
+    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    eos = tokenizer.eos_token_id
+    end = int(eos) if eos is not None else min(eos_ids(model, tokenizer))
+    return [[*r, end] for r in ids]
+
+
 def build_examples(
     rows: pd.DataFrame,
     tokenizer: Any,
@@ -119,14 +132,8 @@ def build_examples(
     rows were left out because their target is longer than `max_response_tokens`."""
     prompts = build_prompts(rows.to_dict("records"), tokenizer, template, policy_cfg)
     p_ids = encode_prompts(tokenizer, prompts)["input_ids"]
-    texts = [" ".join(str(t).split()) for t in rows["description"]]
-    r_ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
-    end = int(tokenizer.eos_token_id) if tokenizer.eos_token_id is not None else None
-    stop = eos_ids(model, tokenizer)
-    end = end if end is not None else min(stop)
     out, dropped = [], 0
-    for p, r in zip(p_ids, r_ids, strict=True):
-        target = [*r, end]
+    for p, target in zip(p_ids, target_ids(rows["description"], tokenizer, model), strict=True):
         if len(target) > max_response_tokens:
             dropped += 1
             continue
