@@ -1,7 +1,7 @@
 """`rlxf` command line: run the study, inspect a MONA file.
 
 rlxf run --params params/default.yaml [--run-dir runs/default] [--only 01,02]
-rlxf data summary data/raw/MONA_From2002.csv
+rlxf data summary data/raw/MONA_From2002.csv [--unrecognised non_met|exclude|error]
 """
 
 from __future__ import annotations
@@ -36,7 +36,12 @@ def _cmd_data_summary(args: argparse.Namespace) -> int:
 
     labels = LabelConfig()
     try:
-        table = load_mona(args.file, met=labels.met, not_assessed=labels.not_assessed)
+        table = load_mona(
+            args.file,
+            met=labels.met,
+            not_assessed=labels.not_assessed,
+            unrecognised=args.unrecognised or labels.unrecognised,
+        )
     except DataError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -77,8 +82,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("data", help="inspect MONA data")
     dsub = d.add_subparsers(dest="data_command", required=True)
-    s = dsub.add_parser("summary", help="what the loader makes of a MONA CSV")
-    s.add_argument("file")
+    s = dsub.add_parser("summary", help="what the loader makes of a MONA file (CSV or .xlsx)")
+    s.add_argument("file", help="a MONA CSV (comma, semicolon or tab) or .xlsx workbook")
+    s.add_argument(
+        "--unrecognised",
+        choices=["non_met", "exclude", "error"],
+        default=None,
+        help="what a status that is no MONA code becomes (data.labels.unrecognised; "
+        "default non_met, the paper's grouping)",
+    )
     s.set_defaults(func=_cmd_data_summary)
     return p
 

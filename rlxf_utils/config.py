@@ -63,6 +63,10 @@ class LabelConfig(Section):
 
     met: list[str] = Field(default_factory=lambda: ["M", "PM"], min_length=1)
     not_assessed: list[str] = Field(default_factory=lambda: ["SB", "PC", "PA", ""])
+    # a status that is no MONA code (nor spelled out, e.g. 'Not met') and not listed above: the
+    # paper groups such "others" under Non-MET ('non_met', warned with counts); 'exclude' drops
+    # them from the labelled rows, 'error' stops the load naming them
+    unrecognised: Literal["non_met", "exclude", "error"] = "non_met"
 
     @field_validator("met", "not_assessed")
     @classmethod
@@ -581,7 +585,7 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> St
         cfg = StudyConfig.model_validate(raw)
     except ValidationError as err:
         raise ConfigError(_format_errors(path, err, StudyConfig)) from None
-    cfg.data.path = _resolve_file(path, "data.path", cfg.data.path, "a MONA CSV")
+    cfg.data.path = _resolve_file(path, "data.path", cfg.data.path, "a MONA file (CSV or .xlsx)")
     cfg.risk.regions_path = _resolve_file(
         path, "risk.regions_path", cfg.risk.regions_path, "a CSV with columns country,region"
     )

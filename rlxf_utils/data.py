@@ -2,19 +2,24 @@
 
 `load_mona` reads the 2002–2013 vintage (`CountryName, ArrType, EconDescrpt, Descpt, ...`) or
 the current IMF export (`Country Name, Arrangement Type, Economic Descriptor, Description, ...`),
-repairs what can be repaired out loud (cp1252 bytes, a truncated last line) and refuses the
-rest with a message naming the file and the column. `Comments` is written after the outcome and
-states it, so it is dropped at load: no normalised table carries it.
+from a CSV (comma, semicolon or tab, detected) or an Excel `.xlsx` workbook (the first sheet with
+the required columns). Header names are matched whatever their case and spacing; statuses spelled
+out (`Met`, `Not met`, ...) become their MONA codes. It repairs what can be repaired out loud
+(cp1252 bytes, a truncated last line) and refuses the rest with a message naming the file, the
+field and what was expected. `Comments` is written after the outcome and states it, so it is
+dropped at load: no normalised table carries it.
 """
 
 from __future__ import annotations
 
 import csv
+import datetime
 import functools
 import hashlib
 import io
 import logging
 import re
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,8 +41,11 @@ __all__ = [
     "make_splits",
     "near_duplicates_across",
     "nest_evaluation_holdout",
+    "normalise_header",
     "normalise_status",
+    "read_records",
     "subsample_arrangements",
+    "unrecognised_statuses",
 ]
 
 log = logging.getLogger(__name__)
@@ -58,6 +66,54 @@ KNOWN_STATUSES: dict[str, str] = {
     "PC": "specified for a later review (performance criterion)",
     "PA": "specified for a later review (prior action)",
     "": "empty",
+}
+
+#: Statuses spelled out (as the current export and hand-made spreadsheets write them) -> code.
+#: Matched in upper case with everything but letters and digits removed: 'Not met', 'NOT-MET'
+#: and 'not  met' are all 'NM'.
+STATUS_WORDS: dict[str, tuple[str, ...]] = {
+    "M": ("met", "fully met", "observed", "implemented"),
+    "PM": (
+        "partially met",
+        "partly met",
+        "partially observed",
+        "partly observed",
+        "partially implemented",
+        "partly implemented",
+    ),
+    "NM": ("not met", "unmet", "not observed", "not implemented", "missed"),
+    "W": ("waived", "waiver", "waiver granted"),
+    "DL": ("delayed", "delay"),
+    "MD": (
+        "met with delay",
+        "met with a delay",
+        "met with delays",
+        "met late",
+        "implemented with delay",
+        "implemented with a delay",
+    ),
+    "MOD": ("modified", "modification"),
+    "CAN": ("cancelled", "canceled", "cancellation"),
+    "WM": ("waived/modified", "waived and modified"),
+    "MMOD": ("met/modified", "met and modified", "met as modified"),
+    "SB": ("structural benchmark",),
+    "PC": ("performance criterion", "structural performance criterion"),
+    "PA": ("prior action",),
+}
+
+
+def _status_key(text: str) -> str:
+    return re.sub(r"[^0-9A-Z]", "", text.upper())
+
+
+STATUS_ALIASES: dict[str, str] = {
+    _status_key(word): code for code, words in STATUS_WORDS.items() for word in words
+}
+#: What an unrecognised status becomes (`data.labels.unrecognised`); the paper's grouping first.
+UNRECOGNISED_POLICIES: dict[str, str] = {
+    "non_met": "counted as Non-MET",
+    "exclude": "excluded",
+    "error": "refused",
 }
 
 #: Normalised column -> source column, per schema. `None` means the schema lacks it.
@@ -107,6 +163,33 @@ CONDITION_TYPES = {"SPC", "PA", "SB", "SAC", "QPC", "IT"}
 #: Alternative columns for the condition type in exports that name it differently.
 CONDITION_TYPE_FALLBACKS = ("SPC_PA_SB", "Condition Type", "Description Code")
 OUTCOME_COLUMNS = ("Comments", "comments")
+#: The vintage's columns (data/raw/SOURCE.md) for their canonical spelling; its outcome column is
+#: `OUTCOME_COLUMNS`, named there only.
+VINTAGE_COLUMNS = (
+    "CountryName",
+    "ArrID",
+    "ArrType",
+    "ApprovalDate",
+    "InitialEndDate",
+    "RevisedEndDate",
+    "IniPgmYr",
+    "BoardActDate",
+    "ReviewType",
+    "ReviewSequence",
+    "EconDescrpt",
+    "Descpt",
+    "CondtOriginTxt",
+    "SPC_PA_SB",
+    "CondtSource",
+    "CondtSourceTxt",
+    "LeadInst",
+    "TestDate",
+    "Status",
+)
+#: Separators a MONA CSV may use (European spreadsheet locales write ';'), with their names.
+DELIMITERS: dict[str, str] = {",": "comma", ";": "semicolon", "\t": "tab"}
+#: How many non-empty rows of a sheet are searched for the header (titles may sit above it).
+HEADER_SCAN_ROWS = 20
 
 ORDINALS = {
     w: i
@@ -148,6 +231,8 @@ class LoadReport:
     label_counts: dict[str, int] = field(default_factory=dict)
     unknown_statuses: dict[str, int] = field(default_factory=dict)
     test_year_sources: dict[str, int] = field(default_factory=dict)
+    source_format: str = "CSV, comma-separated"
+    unrecognised_policy: str = "non_met"
 
     def as_dict(self) -> dict[str, Any]:
         out = {k: v for k, v in self.__dict__.items() if k != "status_table"}
@@ -159,22 +244,31 @@ class LoadReport:
         """Human-readable summary (what `rlxf data summary` prints)."""
         n_lab = self.label_counts.get("MET", 0) + self.label_counts.get("Non-MET", 0)
         met_share = self.label_counts.get("MET", 0) / n_lab if n_lab else float("nan")
+        n_excl = self.label_counts.get("excluded", 0)
+        n_unknown = sum(self.unknown_statuses.values())
+        if self.unrecognised_policy == "exclude" and n_unknown:
+            why = f"not assessed yet {n_excl - n_unknown}; unrecognised status {n_unknown}"
+        else:
+            why = "not assessed yet"
         lines = [
             f"file:       {self.path}",
+            f"format:     {self.source_format}",
             f"sha256:     {self.sha256}",
             f"schema:     {self.schema}",
             f"encoding:   {self.encoding}",
             f"rows read:  {self.rows_read}",
             f"labelled:   {n_lab} (MET {self.label_counts.get('MET', 0)}, "
             f"Non-MET {self.label_counts.get('Non-MET', 0)}, MET share {met_share:.3f})",
-            f"excluded:   {self.label_counts.get('excluded', 0)} (not assessed yet)",
+            f"excluded:   {n_excl} ({why})",
             "test year from: "
             + ", ".join(f"{k} {v}" for k, v in sorted(self.test_year_sources.items())),
             "repairs:    " + ("; ".join(self.repairs) if self.repairs else "none"),
         ]
         if self.unknown_statuses:
+            policy = self.unrecognised_policy
             lines.append(
-                "WARNING unknown status codes (counted as Non-MET): "
+                f"WARNING unknown status codes ({UNRECOGNISED_POLICIES.get(policy, policy)}; "
+                f"data.labels.unrecognised: {policy}): "
                 + ", ".join(f"{k!r} x{v}" for k, v in self.unknown_statuses.items())
             )
         if self.status_table is not None:
@@ -223,9 +317,110 @@ def _decode(raw: bytes, path: Path, repairs: list[str]) -> tuple[str, str]:
         return text, "cp1252"
 
 
-def _parse_records(text: str, path: Path, repairs: list[str]) -> tuple[list[str], list[list[str]]]:
-    """CSV records with a check that every row has the header's width; a cut last line is dropped."""
-    reader = csv.reader(io.StringIO(text, newline=""), strict=True)
+def _header_key(name: Any) -> str:
+    """A column name compared without case and with whitespace runs as one space."""
+    return " ".join(str(name).split()).casefold()
+
+
+def _known_columns() -> dict[str, str]:
+    names = [c for m in SCHEMAS.values() for c in m.values() if c]
+    names += [c for r in REQUIRED.values() for c in r]
+    names += [*CONDITION_TYPE_FALLBACKS, *VINTAGE_COLUMNS, OUTCOME_COLUMNS[0]]
+    out: dict[str, str] = {}
+    for n in names:
+        out.setdefault(_header_key(n), n)
+    return out
+
+
+#: Normalised name -> the spelling the schemas use, for every column the package knows.
+CANONICAL_COLUMNS: dict[str, str] = _known_columns()
+
+
+def _column_ref(i: int, letters: bool) -> str:
+    if not letters:
+        return f"column {i + 1}"
+    s, n = "", i + 1
+    while n:
+        n, r = divmod(n - 1, 26)
+        s = chr(65 + r) + s
+    return f"column {s}"
+
+
+def normalise_header(
+    header: Iterable[Any], path: str | Path = "<data>", where: str = "", letters: bool = False
+) -> list[str]:
+    """Column names matched whatever their case and spacing: `' country  NAME'` -> `'Country Name'`.
+
+    A column the package knows takes its schema spelling; any other is trimmed, its inner
+    whitespace collapsed. Two columns that become the same name (`Description` and
+    `Description `) are a DataError naming both: the loader cannot tell which one is meant.
+    `where` (e.g. `, sheet 'Data'`) and `letters` (spreadsheet column letters) shape the message.
+    """
+    raw = ["" if h is None else str(h) for h in header]
+    seen: dict[str, int] = {}
+    out: list[str] = []
+    for i, name in enumerate(raw):
+        key = _header_key(name)
+        if key and key in seen:
+            j = seen[key]
+            raise DataError(
+                f"{path}{where}: {_column_ref(j, letters)} {raw[j]!r} and {_column_ref(i, letters)} "
+                f"{name!r} are the same column once case and spaces are ignored ({key!r}); "
+                "expected each column name once: delete or rename one of them"
+            )
+        seen[key] = i
+        out.append(CANONICAL_COLUMNS.get(key, " ".join(name.split())))
+    return out
+
+
+def _matching_schema(columns: Iterable[str]) -> str | None:
+    keys = {_header_key(c) for c in columns}
+    for name, required in REQUIRED.items():
+        if all(_header_key(c) in keys for c in required):
+            return name
+    return None
+
+
+def sniff_delimiter(text: str) -> tuple[str, str]:
+    """(delimiter, text): the separator of a CSV's header line and the text to parse.
+
+    Comma, semicolon or tab, whichever occurs most often outside quotes in the header line
+    (comma on a tie or when none occurs). A first line `sep=;` (a hint Excel writes and reads)
+    names the delimiter and is removed from the text.
+    """
+    first = text.lstrip("\r\n").split("\n", 1)[0].strip()
+    hint = re.fullmatch(r"(?i)sep=(.)", first)
+    if hint and hint.group(1) in DELIMITERS:
+        rest = text.lstrip("\r\n").split("\n", 1)
+        return hint.group(1), rest[1] if len(rest) > 1 else ""
+    counts = dict.fromkeys(DELIMITERS, 0)
+    quoted = started = False
+    for ch in text[: 1 << 16]:
+        if ch in "\r\n" and not quoted:
+            if started:
+                break
+            continue
+        started = True
+        if ch == '"':
+            quoted = not quoted
+        elif not quoted and ch in counts:
+            counts[ch] += 1
+    best = max(counts, key=lambda d: counts[d])
+    return (best if counts[best] else ","), text
+
+
+def _parse_records(
+    text: str, path: Path, repairs: list[str], delimiter: str | None = None
+) -> tuple[list[str], list[list[str]]]:
+    """CSV records with a check that every row has the header's width; a cut last line is dropped.
+
+    The delimiter is detected (`sniff_delimiter`) unless given; the header is normalised
+    (`normalise_header`).
+    """
+    if delimiter is None:
+        delimiter, text = sniff_delimiter(text)
+    sep = f"{DELIMITERS.get(delimiter, repr(delimiter))}-separated"
+    reader = csv.reader(io.StringIO(text, newline=""), delimiter=delimiter, strict=True)
     records: list[list[str]] = []
     try:
         records.extend(reader)
@@ -234,7 +429,7 @@ def _parse_records(text: str, path: Path, repairs: list[str]) -> tuple[list[str]
         if "unexpected end of data" not in str(exc):
             raise DataError(
                 f"{path}: CSV syntax error near line {reader.line_num}: {exc}; "
-                "expected comma-separated values with double-quoted fields"
+                f"expected {sep} values with double-quoted fields"
             ) from None
         repairs.append(
             f"truncated last record (from line {reader.line_num}, an unterminated quote) dropped; "
@@ -243,7 +438,7 @@ def _parse_records(text: str, path: Path, repairs: list[str]) -> tuple[list[str]
     records = [r for r in records if any(cell.strip() for cell in r)]
     if not records:
         raise DataError(f"{path}: the file is empty; expected a header row and MONA records")
-    header = [h.strip() for h in records[0]]
+    header = normalise_header(records[0], path)
     body = records[1:]
     if not body:
         raise DataError(f"{path}: only a header row, no records; expected MONA conditions")
@@ -260,42 +455,220 @@ def _parse_records(text: str, path: Path, repairs: list[str]) -> tuple[list[str]
         i = bad[0]
         raise DataError(
             f"{path}: record {i + 1} (after the header) has {len(body[i])} fields, expected "
-            f"{width} as in the header; {len(bad)} record(s) have the wrong width"
+            f"{width} as in the header ({sep}, detected from the header line); {len(bad)} "
+            "record(s) have the wrong width"
         )
     return header, body
 
 
-def detect_schema(columns: Iterable[str], path: str | Path = "<data>") -> str:
-    """Name of the schema whose required columns are all present, or a DataError listing both."""
-    cols = set(columns)
-    for name, required in REQUIRED.items():
-        if all(c in cols for c in required):
-            return name
-    closest = min(REQUIRED, key=lambda n: sum(c not in cols for c in REQUIRED[n]))
-    missing = [c for c in REQUIRED[closest] if c not in cols]
+def _cell_text(value: Any) -> str:
+    """A spreadsheet cell as the text a CSV export would hold (dates as ISO dates)."""
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "TRUE" if value else "FALSE"
+    if isinstance(value, float):
+        return str(int(value)) if value.is_integer() else repr(value)
+    if isinstance(value, datetime.datetime):
+        if value.time() == datetime.time(0):
+            return value.strftime("%Y-%m-%d")
+        return value.strftime("%Y-%m-%dT%H:%M:%S")
+    if isinstance(value, datetime.date):
+        return value.isoformat()
+    return str(value)
+
+
+def _read_xlsx(
+    raw: bytes, path: Path, repairs: list[str]
+) -> tuple[list[str], list[list[str]], str]:
+    """(header, records, where): the first sheet whose header row has a schema's required columns.
+
+    The header is searched in each sheet's first `HEADER_SCAN_ROWS` non-empty rows (a title may
+    sit above it); rows above it are skipped and reported in `where`.
+    """
+    try:
+        from openpyxl import load_workbook
+    except ImportError:
+        raise DataError(
+            f"{path}: reading an .xlsx workbook needs openpyxl (pinned in pyproject.toml); "
+            "run `make install`, or save the sheet as CSV"
+        ) from None
+    try:
+        with warnings.catch_warnings():  # styles and validations it cannot read: values are fine
+            warnings.filterwarnings("ignore", category=UserWarning, module="openpyxl")
+            wb = load_workbook(io.BytesIO(raw), read_only=True, data_only=True)
+    except Exception as exc:  # a zip that is no workbook fails in many ways inside openpyxl
+        raise DataError(
+            f"{path}: not a readable .xlsx workbook ({type(exc).__name__}: {exc}); expected an "
+            "Excel workbook (.xlsx) or a CSV file"
+        ) from None
+    try:
+        found: list[str] = []
+        for ws in wb.worksheets:
+            rows = ws.iter_rows(values_only=True)
+            header: list[str] | None = None
+            first: list[str] | None = None
+            header_row = scanned = 0
+            for i, row in enumerate(rows, start=1):
+                cells = [_cell_text(v) for v in row]
+                if not any(c.strip() for c in cells):
+                    continue
+                scanned += 1
+                if first is None:
+                    first = [" ".join(c.split()) for c in cells if c.strip()]
+                if _matching_schema(cells) is not None:
+                    header, header_row = cells, i
+                    break
+                if scanned >= HEADER_SCAN_ROWS:
+                    break
+            if header is None:
+                cols = "empty" if first is None else f"first row {first[:12]}"
+                found.append(f"{ws.title!r} ({cols}{', ...' if first and len(first) > 12 else ''})")
+                continue
+            where = f", sheet {ws.title!r}"
+            width = max(j for j, c in enumerate(header) if c.strip()) + 1
+            names = normalise_header(header[:width], path, where, letters=True)
+            body: list[list[str]] = []
+            beyond = 0
+            for row in rows:
+                cells = [_cell_text(v) for v in row]
+                if not any(c.strip() for c in cells):
+                    continue
+                if any(c.strip() for c in cells[width:]):
+                    beyond += 1
+                body.append((cells + [""] * width)[:width])
+            if not body:
+                raise DataError(
+                    f"{path}{where}: only a header row, no records; expected MONA conditions"
+                )
+            if beyond:
+                repairs.append(
+                    f"sheet {ws.title!r}: {beyond} row(s) have values right of the last named "
+                    "column; ignored"
+                )
+            skipped = scanned - 1
+            desc = f"sheet {ws.title!r}, header on row {header_row}"
+            if skipped:
+                desc += f" ({skipped} non-empty row(s) above it skipped)"
+            if found:
+                desc += f"; sheets without the columns: {'; '.join(found)}"
+            return names, body, desc
+    finally:
+        wb.close()
     raise DataError(
-        f"{path}: missing required column(s) {missing} for the {closest} schema; "
-        f"found columns {sorted(cols)}. Expected either "
+        f"{path}: no sheet has the columns of a MONA export; sheets found: {'; '.join(found)}. "
+        "Expected a sheet whose header row (within its first "
+        f"{HEADER_SCAN_ROWS} non-empty rows) has "
         + " or ".join(f"{n}: {list(r)}" for n, r in REQUIRED.items())
     )
 
 
+_ZIP_MAGIC = b"PK\x03\x04"
+_OLE_MAGIC = b"\xd0\xcf\x11\xe0\xa1\xb1\x1a\xe1"
+
+
+def read_records(
+    raw: bytes, path: Path, repairs: list[str]
+) -> tuple[list[str], list[list[str]], str, str]:
+    """(header, records, encoding, format) of a MONA file's bytes: an .xlsx workbook or a CSV.
+
+    The reader behind `load_mona`: any other reader of the raw file should use it too, so that
+    record numbers (`row_id`) agree. A workbook is recognised by its zip signature or its
+    `.xlsx`/`.xlsm` name; an Excel 97-2003 `.xls` is refused with what to do; anything else is
+    read as CSV (`_decode`, `sniff_delimiter`, `_parse_records`).
+    """
+    suffix = path.suffix.lower()
+    if raw.startswith(_OLE_MAGIC) or suffix == ".xls":
+        raise DataError(
+            f"{path}: an Excel 97-2003 workbook (.xls), which is not read; expected an .xlsx "
+            "workbook or a CSV file: open it in a spreadsheet and save it as .xlsx or CSV"
+        )
+    if raw.startswith(_ZIP_MAGIC) or suffix in (".xlsx", ".xlsm"):
+        header, body, where = _read_xlsx(raw, path, repairs)
+        return header, body, "xlsx", f"Excel workbook, {where}"
+    text, encoding = _decode(raw, path, repairs)
+    delimiter, text = sniff_delimiter(text)
+    header, body = _parse_records(text, path, repairs, delimiter)
+    return header, body, encoding, f"CSV, {DELIMITERS[delimiter]}-separated"
+
+
+def detect_schema(columns: Iterable[str], path: str | Path = "<data>") -> str:
+    """Name of the schema whose required columns are all present, or a DataError listing both.
+
+    Names are compared without case and with whitespace runs as one space.
+    """
+    cols = [str(c) for c in columns]
+    found = _matching_schema(cols)
+    if found is not None:
+        return found
+    keys = {_header_key(c) for c in cols}
+    missing_of = {n: [c for c in r if _header_key(c) not in keys] for n, r in REQUIRED.items()}
+    closest = min(REQUIRED, key=lambda n: len(missing_of[n]))
+    raise DataError(
+        f"{path}: missing required column(s) {missing_of[closest]} for the {closest} schema; "
+        f"found columns {sorted(c for c in cols if c)}. Expected either "
+        + " or ".join(f"{n}: {list(r)}" for n, r in REQUIRED.items())
+        + " (case and spacing of the names do not matter)"
+    )
+
+
 def normalise_status(value: Any) -> str:
-    """Upper-case, trimmed, inner spaces removed: 'Mod' -> 'MOD', ' M ' -> 'M', NaN -> ''."""
+    """A status as its MONA code: 'Mod' -> 'MOD', ' M ' -> 'M', 'Not met' -> 'NM', NaN -> ''.
+
+    Upper-cased with whitespace removed; a value that is no code then is looked up with its
+    punctuation removed ('N.M.' -> 'NM') and among the spelled-out forms (`STATUS_WORDS`). What
+    matches nothing is returned upper-cased, whitespace removed (and reported as unrecognised).
+    """
     if value is None or (isinstance(value, float) and np.isnan(value)):
         return ""
-    return re.sub(r"\s+", "", str(value)).upper()
+    code = re.sub(r"\s+", "", str(value)).upper()
+    if code in KNOWN_STATUSES:
+        return code
+    key = _status_key(code)
+    if key and key in KNOWN_STATUSES:
+        return key
+    return STATUS_ALIASES.get(key, code)
+
+
+def unrecognised_statuses(
+    statuses: pd.Series, met: Iterable[str], not_assessed: Iterable[str]
+) -> pd.Series:
+    """Boolean mask: normalised statuses that are no MONA code and not in `met`/`not_assessed`."""
+    known = set(KNOWN_STATUSES)
+    known |= {normalise_status(s) for s in met} | {normalise_status(s) for s in not_assessed}
+    return ~statuses.isin(known)
 
 
 def label_statuses(
-    statuses: pd.Series, met: Iterable[str], not_assessed: Iterable[str]
+    statuses: pd.Series,
+    met: Iterable[str],
+    not_assessed: Iterable[str],
+    unrecognised: str = "non_met",
 ) -> pd.Series:
-    """Map normalised statuses to 'MET', 'excluded' (not assessed yet) or 'Non-MET' (all else)."""
+    """Map normalised statuses to 'MET', 'excluded' (not assessed yet) or 'Non-MET' (all else).
+
+    An unrecognised status (`unrecognised_statuses`) is 'Non-MET' under `unrecognised='non_met'`
+    (the paper groups "others" under Non-MET), 'excluded' under 'exclude'; under 'error' any is
+    a DataError.
+    """
+    if unrecognised not in UNRECOGNISED_POLICIES:
+        raise ValueError(
+            f"unrecognised={unrecognised!r}; expected one of {list(UNRECOGNISED_POLICIES)}"
+        )
     met_set = {normalise_status(s) for s in met}
     na_set = {normalise_status(s) for s in not_assessed}
-    return statuses.map(
+    labels = statuses.map(
         lambda s: "MET" if s in met_set else "excluded" if s in na_set else "Non-MET"
     )
+    if unrecognised != "non_met":
+        unknown = unrecognised_statuses(statuses, met_set, na_set)
+        if unrecognised == "error" and unknown.any():
+            raise DataError(
+                f"unrecognised status(es) {sorted(set(statuses[unknown]))}; expected a MONA code "
+                f"({[c for c in KNOWN_STATUSES if c]}) (key 'data.labels.unrecognised' is 'error')"
+            )
+        labels = labels.mask(unknown, "excluded")
+    return labels
 
 
 _DATE_FORMATS = ("%m/%d/%Y", "%d %b %Y", "%Y-%m-%d", "%d/%m/%Y", "%Y-%m-%dT%H:%M:%S")
@@ -359,19 +732,35 @@ def load_mona(
     met: Iterable[str] = ("M", "PM"),
     not_assessed: Iterable[str] = ("SB", "PC", "PA", ""),
     expected_sha256: str | None = None,
+    unrecognised: str = "non_met",
 ) -> MonaTable:
-    """Read a MONA CSV of either schema into the normalised, labelled table.
+    """Read a MONA file (CSV or .xlsx) of either schema into the normalised, labelled table.
 
-    Columns: row_id, country, arrangement_id, arrangement_type, approval_date, econ_code,
-    econ_descriptor, econ_area, condition_type, description, test_date, test_year,
+    `unrecognised` (`data.labels.unrecognised`) decides what a status that is neither a MONA code,
+    its spelled-out form, nor in `met`/`not_assessed` becomes: 'non_met' (the paper's grouping of
+    "others" under Non-MET), 'exclude', or 'error' (a DataError naming the values); the first two
+    warn with counts. Columns: row_id, country, arrangement_id, arrangement_type, approval_date,
+    econ_code, econ_descriptor, econ_area, condition_type, description, test_date, test_year,
     test_year_source, review_type, status_raw, status, label, y. No outcome commentary.
     """
+    if unrecognised not in UNRECOGNISED_POLICIES:
+        raise DataError(
+            f"data.labels.unrecognised is {unrecognised!r}; expected one of "
+            f"{list(UNRECOGNISED_POLICIES)}"
+        )
+    met, not_assessed = list(met), list(not_assessed)
     path = Path(path)
+    expected = "a MONA file (CSV or .xlsx)"
     if not path.exists():
-        raise DataError(f"{path}: file not found; expected a MONA CSV")
+        raise DataError(f"{path}: file not found; expected {expected}")
     if not path.is_file():
-        raise DataError(f"{path}: not a file; expected a MONA CSV")
-    raw = path.read_bytes()
+        raise DataError(f"{path}: not a file; expected {expected}")
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise DataError(
+            f"{path}: cannot be read ({exc.strerror or exc}); expected {expected}"
+        ) from None
     digest = hashlib.sha256(raw).hexdigest()
     if expected_sha256 and digest != expected_sha256:
         raise DataError(
@@ -381,11 +770,25 @@ def load_mona(
     if not raw.strip():
         raise DataError(f"{path}: the file is empty; expected a header row and MONA records")
     repairs: list[str] = []
-    text, encoding = _decode(raw, path, repairs)
-    header, body = _parse_records(text, path, repairs)
+    header, body, encoding, source_format = read_records(raw, path, repairs)
     schema = detect_schema(header, path)
     src = pd.DataFrame(body, columns=header, dtype="str")
-    out = _normalise(src, schema, met, not_assessed)
+    policy = "non_met" if unrecognised == "error" else unrecognised
+    out = _normalise(src, schema, met, not_assessed, policy)
+    unknown_mask = unrecognised_statuses(out["status"], met, not_assessed)
+    unknown = out.loc[unknown_mask, "status"].value_counts()
+    unknown_d = {str(k): int(v) for k, v in unknown.items()}
+    if unknown_d and unrecognised == "error":
+        col = SCHEMAS[schema]["status"]
+        first = int(np.flatnonzero(unknown_mask.to_numpy())[0])
+        raise DataError(
+            f"{path}: column {col!r} has {int(unknown.sum())} unrecognised status value(s) "
+            f"{unknown_d} (first in record {first + 1}: {out['status_raw'].iloc[first]!r}); "
+            f"expected a MONA code {[c for c in KNOWN_STATUSES if c]}, a spelled-out status "
+            "('Met', 'Not met', 'Partially met', 'Waived', ...) or one listed in data.labels.met / "
+            "data.labels.not_assessed. data.labels.unrecognised is 'error'; 'non_met' groups them "
+            "under Non-MET as the paper does, 'exclude' drops them"
+        )
     status_table = (
         out.groupby(["status_raw", "status", "label"], dropna=False)
         .size()
@@ -395,10 +798,14 @@ def load_mona(
         .reset_index(drop=True)
     )
     status_table["meaning"] = status_table["status"].map(KNOWN_STATUSES).fillna("UNKNOWN CODE")
-    unknown = out.loc[~out["status"].isin(list(KNOWN_STATUSES)), "status"].value_counts()
-    unknown_d = {str(k): int(v) for k, v in unknown.items()}
     if unknown_d:
-        log.warning("%s: unknown status codes counted as Non-MET: %s", path, unknown_d)
+        log.warning(
+            "%s: unrecognised status codes %s (data.labels.unrecognised: %s): %s",
+            path,
+            UNRECOGNISED_POLICIES[unrecognised],
+            unrecognised,
+            unknown_d,
+        )
     report = LoadReport(
         path=str(path),
         sha256=digest,
@@ -410,6 +817,8 @@ def load_mona(
         label_counts={k: int(v) for k, v in out["label"].value_counts().items()},
         unknown_statuses=unknown_d,
         test_year_sources={k: int(v) for k, v in out["test_year_source"].value_counts().items()},
+        source_format=source_format,
+        unrecognised_policy=unrecognised,
     )
     for r in repairs:
         log.warning("%s: repaired: %s", path, r)
@@ -423,7 +832,11 @@ def _col(src: pd.DataFrame, name: str | None, default: str = "") -> pd.Series:
 
 
 def _normalise(
-    src: pd.DataFrame, schema: str, met: Iterable[str], not_assessed: Iterable[str]
+    src: pd.DataFrame,
+    schema: str,
+    met: Iterable[str],
+    not_assessed: Iterable[str],
+    unrecognised: str = "non_met",
 ) -> pd.DataFrame:
     m = SCHEMAS[schema]
     out = pd.DataFrame(index=src.index)
@@ -466,7 +879,7 @@ def _normalise(
     out["review_type"] = review
     out["status_raw"] = src[m["status"]].fillna("").astype("str")
     out["status"] = out["status_raw"].map(normalise_status)
-    out["label"] = label_statuses(out["status"], met, not_assessed)
+    out["label"] = label_statuses(out["status"], met, not_assessed, unrecognised)
     out["y"] = pd.array(
         [1 if lab == "MET" else 0 if lab == "Non-MET" else pd.NA for lab in out["label"]],
         dtype="Int8",
@@ -760,7 +1173,11 @@ def run_data_stage(cfg: Any, run: Any) -> DataStage:
     """
     d = cfg.data
     table = load_mona(
-        d.path, met=d.labels.met, not_assessed=d.labels.not_assessed, expected_sha256=d.sha256
+        d.path,
+        met=d.labels.met,
+        not_assessed=d.labels.not_assessed,
+        expected_sha256=d.sha256,
+        unrecognised=d.labels.unrecognised,
     )
     conditions = table.frame
     subsampled_from = None

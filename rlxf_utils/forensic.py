@@ -29,11 +29,10 @@ import pandas as pd
 from rlxf_utils.data import (
     OUTCOME_COLUMNS,
     DataError,
-    _decode,
     _normalise,
     _parse_date,
-    _parse_records,
     detect_schema,
+    read_records,
     sha256_file,
 )
 from rlxf_utils.prompts import serialize_frame
@@ -126,14 +125,13 @@ def load_forensic_fields(
     """
     path = Path(path)
     if not path.is_file():
-        raise DataError(f"{path}: file not found; expected the MONA CSV notebook 01 read")
+        raise DataError(f"{path}: file not found; expected the MONA file notebook 01 read")
     need = {"row_id", "country", "description", "status_raw"}
     missing = sorted(need - set(conditions.columns))
     if missing:
         raise KeyError(f"conditions lack columns {missing}; expected at least {sorted(need)}")
     repairs: list[str] = []
-    text, _ = _decode(path.read_bytes(), path, repairs)
-    header, body = _parse_records(text, path, repairs)
+    header, body, _, _ = read_records(path.read_bytes(), path, repairs)  # the loader's reader
     schema = detect_schema(header, path)
     src = pd.DataFrame(body, columns=header, dtype="str")
     norm = _normalise(src, schema, met, not_assessed)

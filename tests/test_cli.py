@@ -1,6 +1,9 @@
 from __future__ import annotations
 
+import csv
 from pathlib import Path
+
+import pytest
 
 from rlxf_utils.cli import main
 
@@ -37,3 +40,92 @@ def test_run_with_bad_params_exits_2_before_work(tmp_path: Path, capsys) -> None
     assert main(["run", "--params", str(p), "--run-dir", str(tmp_path / "r")]) == 2
     assert "data.path" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
+
+
+def _export_rows() -> tuple[list[str], list[list[str]]]:
+    header = ["Country Name", "Arrangement Type", "Economic Descriptor", "Description", "Test Date",
+              "PC Status"]  # fmt: skip
+    rows = [
+        ["Kenya", "ECF", "1.6. Audit", "Audit the accounts; publish them.", "6/30/2010", "Met"],
+        ["Kenya", "ECF", "1.6. Audit", "Adopt the audit law.", "12/31/2010", "Not met"],
+        ["Ghana", "ECF", "1.2. Revenue", "Raise the VAT, then review it.", "3/31/2011", "Waived"],
+        ["Ghana", "ECF", "1.2. Revenue", "Publish the tax report.", "", "Structural benchmark"],
+    ]
+    return header, rows
+
+
+def test_data_summary_reads_an_xlsx_export(tmp_path: Path, capsys) -> None:
+    from openpyxl import Workbook
+
+    header, rows = _export_rows()
+    wb = Workbook()
+    wb.active.title = "Notes"
+    wb.active.append(["MONA download"])
+    ws = wb.create_sheet("Conditions")
+    for r in [header, *rows]:
+        ws.append(r)
+    wb.save(tmp_path / "mona.xlsx")
+    assert main(["data", "summary", str(tmp_path / "mona.xlsx")]) == 0
+    out = capsys.readouterr().out
+    assert "format:     Excel workbook, sheet 'Conditions', header on row 1" in out
+    assert "schema:     imf_current_export" in out
+    assert "labelled:   3 (MET 1, Non-MET 2, MET share 0.333)" in out
+    assert "'Not met' -> 'NM'" in out and "WARNING" not in out
+
+
+@pytest.mark.parametrize(("sep", "name"), [(",", "comma"), (";", "semicolon"), ("\t", "tab")])
+def test_data_summary_reads_csv_variants(tmp_path: Path, capsys, sep: str, name: str) -> None:
+    header, rows = _export_rows()
+    p = tmp_path / "mona.csv"
+    with open(p, "w", newline="", encoding="utf-8") as fh:
+        csv.writer(fh, delimiter=sep).writerows([header, *rows])
+    assert main(["data", "summary", str(p)]) == 0
+    out = capsys.readouterr().out
+    assert f"format:     CSV, {name}-separated" in out
+    assert "labelled:   3 (MET 1, Non-MET 2, MET share 0.333)" in out
+
+
+def _bad_exit(argv: list[str], capsys) -> str:
+    assert main(argv) == 2
+    cap = capsys.readouterr()
+    assert cap.out == "" and cap.err.startswith("error: ") and "Traceback" not in cap.err
+    return cap.err
+
+
+def test_data_summary_bad_files_exit_2_with_the_reason(tmp_path: Path, capsys) -> None:
+    from openpyxl import Workbook
+
+    header, rows = _export_rows()
+    dup = tmp_path / "dup.csv"
+    with open(dup, "w", newline="", encoding="utf-8") as fh:
+        csv.writer(fh).writerows([[*header, "Description "], *[[*r, "x"] for r in rows]])
+    err = _bad_exit(["data", "summary", str(dup)], capsys)
+    assert "dup.csv: column 4 'Description' and column 7 'Description '" in err
+
+    wb = Workbook()
+    wb.active.title = "Totals"
+    wb.active.append(["Country", "Count"])
+    wb.save(tmp_path / "other.xlsx")
+    err = _bad_exit(["data", "summary", str(tmp_path / "other.xlsx")], capsys)
+    assert "other.xlsx: no sheet has the columns" in err and "'Totals'" in err
+
+    (tmp_path / "fake.xlsx").write_text("Country Name,Description\n")
+    err = _bad_exit(["data", "summary", str(tmp_path / "fake.xlsx")], capsys)
+    assert "fake.xlsx: not a readable .xlsx workbook" in err
+
+
+def test_data_summary_unrecognised_status_policies(tmp_path: Path, capsys) -> None:
+    header, rows = _export_rows()
+    rows[1][-1] = "Pending"
+    p = tmp_path / "st.csv"
+    with open(p, "w", newline="", encoding="utf-8") as fh:
+        csv.writer(fh).writerows([header, *rows])
+    assert main(["data", "summary", str(p)]) == 0
+    out = capsys.readouterr().out
+    assert "labelled:   3 (MET 1, Non-MET 2" in out and "'PENDING' x1" in out
+    assert main(["data", "summary", str(p), "--unrecognised", "exclude"]) == 0
+    out = capsys.readouterr().out
+    assert "labelled:   2 (MET 1, Non-MET 1" in out
+    assert "excluded:   2 (not assessed yet 1; unrecognised status 1)" in out
+    err = _bad_exit(["data", "summary", str(p), "--unrecognised", "error"], capsys)
+    assert "st.csv: column 'PC Status' has 1 unrecognised status value(s) {'PENDING': 1}" in err

@@ -102,9 +102,10 @@ def test_current_schema_without_arrangement_type(tmp_path: Path) -> None:
     assert t.frame["arrangement_type"].tolist() == ["unknown", "unknown"]
     assert t.frame["test_year"].tolist() == [2010, 2011]
     assert t.frame["condition_type"].tolist() == ["SB", "SB"]
-    # 'MET' is not a MONA code: counted as Non-MET but reported, never dropped silently
-    assert t.report.unknown_statuses == {"MET": 1}
-    assert t.frame["label"].tolist() == ["Non-MET", "Non-MET"]
+    # 'Met' spelled out is the code M, not an unknown status counted as Non-MET
+    assert t.report.unknown_statuses == {}
+    assert t.frame["status"].tolist() == ["M", "NM"]
+    assert t.frame["label"].tolist() == ["MET", "Non-MET"]
 
 
 # -- statuses and labels -----------------------------------------------------------------------
@@ -377,3 +378,283 @@ def test_rate_by_wilson_interval() -> None:
         "a", "ci_high"
     ] == pytest.approx(0.8922, abs=1e-3)
     assert r.loc["b", "ci_high"] == pytest.approx(1.0) and r.loc["b", "ci_low"] < 1
+
+
+# -- MONA files as users have them: xlsx, other delimiters, messy headers, spelled statuses ----
+COMPARED = ["country", "arrangement_type", "econ_descriptor", "description", "status", "label"]
+
+
+def write_xlsx(path: Path, sheets: dict[str, list[list]]) -> Path:
+    from openpyxl import Workbook
+
+    wb = Workbook()
+    wb.remove(wb.active)
+    for title, rows in sheets.items():
+        ws = wb.create_sheet(title)
+        for r in rows:
+            ws.append(r)
+    wb.save(path)
+    return path
+
+
+def write_delimited(path: Path, header: list[str], rows: list[list[str]], sep: str) -> Path:
+    import csv
+
+    with open(path, "w", newline="", encoding="utf-8") as fh:
+        w = csv.writer(fh, delimiter=sep, lineterminator="\r\n")
+        w.writerow(header)
+        w.writerows(rows)
+    return path
+
+
+def _as_cell(value: str):
+    """A CSV value as a spreadsheet would hold it: dates as dates, round-tripping numbers as numbers."""
+    import datetime
+
+    try:
+        return datetime.datetime.strptime(value, "%m/%d/%Y")
+    except ValueError:
+        pass
+    try:
+        f = float(value)
+    except ValueError:
+        return value
+    return f if repr(f) == value else value
+
+
+def test_xlsx_export_reads_like_the_csv(current_schema_mona: Path, tmp_path: Path) -> None:
+    import csv
+
+    with open(current_schema_mona, newline="", encoding="utf-8") as fh:
+        header, *rows = list(csv.reader(fh))
+    cells = [[_as_cell(v) for v in r] for r in rows]
+    assert any(isinstance(c, float) for r in cells for c in r)  # econ codes as numbers
+    n_dates = sum(hasattr(c, "year") for r in cells for c in r)
+    assert n_dates > 100  # test and approval dates as date cells
+    book = write_xlsx(
+        tmp_path / "mona.xlsx",
+        {
+            "About": [["MONA export, downloaded for the study"], ["see the next sheet"]],
+            "Data": [["Monitoring of Fund Arrangements"], [], header, *cells],
+        },
+    )
+    x = load_mona(book)
+    c = load_mona(current_schema_mona)
+    assert x.report.schema == "imf_current_export" and x.report.encoding == "xlsx"
+    fmt = x.report.source_format
+    assert "sheet 'Data', header on row 3" in fmt and "'About'" in fmt
+    assert x.report.rows_read == 300 and x.report.label_counts == c.report.label_counts
+    for col in [*COMPARED, "econ_code", "test_year", "condition_type"]:
+        assert x.frame[col].tolist() == c.frame[col].tolist(), col
+
+
+def test_xlsx_without_the_columns_names_its_sheets(tmp_path: Path) -> None:
+    book = write_xlsx(
+        tmp_path / "other.xlsx",
+        {"Summary": [["Country", "Total"], ["Kenya", 3]], "Blank": []},
+    )
+    with pytest.raises(DataError) as ei:
+        load_mona(book)
+    msg = str(ei.value)
+    assert "other.xlsx: no sheet has the columns" in msg
+    assert "'Summary' (first row ['Country', 'Total'])" in msg and "'Blank' (empty)" in msg
+    assert "'PC Status'" in msg and "'Descpt'" in msg  # what was expected
+
+
+def test_broken_workbooks_are_clear_errors(tmp_path: Path) -> None:
+    fake = tmp_path / "fake.xlsx"
+    fake.write_bytes(b"PK\x03\x04 not really a workbook")
+    with pytest.raises(DataError, match=r"fake\.xlsx: not a readable \.xlsx workbook"):
+        load_mona(fake)
+    old = tmp_path / "old.xls"
+    old.write_bytes(b"\xd0\xcf\x11\xe0\xa1\xb1\x1a\xe1" + b"\0" * 100)
+    with pytest.raises(DataError, match=r"old\.xls: an Excel 97-2003 workbook.*save it as \.xlsx"):
+        load_mona(old)
+    header, rows = read_rows(3)
+    only_header = write_xlsx(tmp_path / "h.xlsx", {"S": [header]})
+    with pytest.raises(DataError, match=r"h\.xlsx, sheet 'S': only a header row"):
+        load_mona(only_header)
+
+
+@pytest.mark.parametrize(("sep", "name"), [(";", "semicolon"), ("\t", "tab")])
+def test_other_delimiters_read_like_comma(
+    small_mona: Path, tmp_path: Path, sep: str, name: str
+) -> None:
+    header, rows = read_rows(300)
+    assert any(";" in v for r in rows for v in r) and any("," in v for r in rows for v in r)
+    p = write_delimited(tmp_path / "d.csv", header, rows, sep)
+    t = load_mona(p)
+    ref = load_mona(small_mona)
+    assert t.report.source_format == f"CSV, {name}-separated"
+    assert ref.report.source_format == "CSV, comma-separated"
+    assert t.frame.equals(ref.frame)
+
+
+def test_excel_sep_hint_line(tmp_path: Path, small_mona: Path) -> None:
+    header, rows = read_rows(300)
+    p = write_delimited(tmp_path / "d.csv", header, rows, ";")
+    p.write_bytes(b"sep=;\r\n" + p.read_bytes())
+    t = load_mona(p)
+    assert t.report.source_format == "CSV, semicolon-separated"
+    assert t.frame.equals(load_mona(small_mona).frame)
+
+
+def test_wrong_width_message_names_the_delimiter(tmp_path: Path) -> None:
+    header, rows = read_rows(10)
+    p = write_delimited(tmp_path / "w.csv", header, rows, ";")
+    text = p.read_text(encoding="utf-8").splitlines(keepends=True)
+    text[4] = text[4].replace(";", ",", 3)
+    p.write_text("".join(text), encoding="utf-8", newline="")
+    with pytest.raises(DataError, match=r"w\.csv: record 4 .*expected 20 .*semicolon-separated"):
+        load_mona(p)
+
+
+def test_header_names_match_whatever_case_and_spacing(tmp_path: Path, small_mona: Path) -> None:
+    header, rows = read_rows(300)
+    messy = [f" {h.upper()}\u00a0 " if i % 2 else h.lower() for i, h in enumerate(header)]
+    t = load_mona(write_csv(tmp_path / "m.csv", messy, rows))
+    assert t.report.schema == "mona_2002_vintage"
+    assert t.frame.equals(load_mona(small_mona).frame)
+    # the current export's names with doubled inner spaces and odd case
+    cur = ["country  name", "ECONOMIC DESCRIPTOR", " Description", "Test\tDate", "pc status"]
+    t = load_mona(
+        write_csv(tmp_path / "c.csv", cur, [["Kenya", "1.6. Audit", "Audit.", "", "Met"]])
+    )
+    assert t.report.schema == "imf_current_export"
+    assert t.frame[["country", "status", "label"]].values.tolist() == [["KENYA", "M", "MET"]]
+
+
+def test_colliding_header_names_are_a_clear_error(tmp_path: Path) -> None:
+    header = ["Country Name", "Economic Descriptor", "Description", "Test Date", "PC Status"]
+    rows = [["Kenya", "1.6. Audit", "Audit the accounts.", "6/30/2010", "M"]]
+    with pytest.raises(DataError) as ei:
+        load_mona(
+            write_csv(tmp_path / "dup.csv", [*header, "Description "], [r + ["x"] for r in rows])
+        )
+    msg = str(ei.value)
+    assert msg.startswith(str(tmp_path / "dup.csv") + ": ")
+    assert "column 3 'Description' and column 6 'Description '" in msg
+    assert "expected each column name once" in msg
+    book = write_xlsx(tmp_path / "dup.xlsx", {"MONA": [[*header, "DESCRIPTION"], rows[0] + ["x"]]})
+    with pytest.raises(
+        DataError, match=r"dup\.xlsx, sheet 'MONA': column C 'Description' and column F"
+    ):
+        load_mona(book)
+
+
+@pytest.mark.parametrize(
+    ("raw", "code"),
+    [
+        ("Met", "M"),
+        ("fully met", "M"),
+        ("Not met", "NM"),
+        ("NOT-MET", "NM"),
+        ("Not implemented", "NM"),
+        ("Partially met", "PM"),
+        ("Partly  met", "PM"),
+        ("Waived", "W"),
+        ("Delayed", "DL"),
+        ("Met with delay", "MD"),
+        ("Modified", "MOD"),
+        ("Cancelled", "CAN"),
+        ("Canceled", "CAN"),
+        ("Waived/modified", "WM"),
+        ("Met/Modified", "MMOD"),
+        ("Prior action", "PA"),
+        ("N.M.", "NM"),
+        ("Unheard of", "UNHEARDOF"),
+        ("-", "-"),
+    ],
+)
+def test_spelled_out_statuses_become_codes(raw, code) -> None:
+    assert normalise_status(raw) == code
+
+
+def test_every_code_and_spelling_normalises_to_its_code() -> None:
+    from rlxf_utils.data import KNOWN_STATUSES, STATUS_WORDS
+
+    for code in KNOWN_STATUSES:
+        assert normalise_status(code) == code
+        assert normalise_status(code.lower()) == code
+    for code, words in STATUS_WORDS.items():
+        assert code in KNOWN_STATUSES
+        for w in words:
+            assert normalise_status(w) == code, w
+            assert normalise_status(w.upper().replace(" ", "  ")) == code, w
+
+
+def _status_file(tmp_path: Path, statuses: list[str]) -> Path:
+    header = ["Country Name", "Economic Descriptor", "Description", "Test Date", "PC Status"]
+    rows = [
+        ["Kenya", "1.6. Audit", f"Condition {i}.", "6/30/2010", s] for i, s in enumerate(statuses)
+    ]
+    return write_csv(tmp_path / "st.csv", header, rows)
+
+
+SPELLED = ["Met", "Partially met", "Not met", "Waived", "Delayed", "Modified", "Cancelled",
+           "Met with delay", "Structural benchmark", "Pending review", "pending review", "??"]  # fmt: skip
+
+
+def test_spelled_out_statuses_label_like_their_codes(tmp_path: Path) -> None:
+    t = load_mona(_status_file(tmp_path, SPELLED[:9]))
+    assert t.frame["status"].tolist() == ["M", "PM", "NM", "W", "DL", "MOD", "CAN", "MD", "SB"]
+    assert t.frame["label"].tolist() == ["MET", "MET"] + ["Non-MET"] * 6 + ["excluded"]
+    assert t.report.unknown_statuses == {}
+    st = t.report.status_table.set_index("status_raw")
+    assert st.loc["Not met", "status"] == "NM" and st.loc["Not met", "meaning"] == "not met"
+
+
+def test_unrecognised_status_default_groups_under_non_met(tmp_path: Path, caplog) -> None:
+    with caplog.at_level(logging.WARNING):
+        t = load_mona(_status_file(tmp_path, SPELLED))
+    assert t.report.unknown_statuses == {"PENDINGREVIEW": 2, "??": 1}
+    assert t.frame["label"].tolist()[-3:] == ["Non-MET"] * 3
+    assert t.report.label_counts == {"Non-MET": 9, "MET": 2, "excluded": 1}
+    assert "counted as Non-MET" in caplog.text and "'PENDINGREVIEW': 2" in caplog.text
+    assert "WARNING unknown status codes (counted as Non-MET" in t.report.render()
+
+
+def test_unrecognised_status_excluded(tmp_path: Path, caplog) -> None:
+    with caplog.at_level(logging.WARNING):
+        t = load_mona(_status_file(tmp_path, SPELLED), unrecognised="exclude")
+    assert t.report.unknown_statuses == {"PENDINGREVIEW": 2, "??": 1}
+    assert t.frame["label"].tolist()[-3:] == ["excluded"] * 3
+    assert t.frame["y"].isna().sum() == 4 and len(t.labelled) == 8
+    assert t.report.label_counts == {"Non-MET": 6, "MET": 2, "excluded": 4}
+    assert "excluded" in caplog.text and "'??': 1" in caplog.text
+    out = t.report.render()
+    assert "excluded:   4 (not assessed yet 1; unrecognised status 3)" in out
+    assert "WARNING unknown status codes (excluded; data.labels.unrecognised: exclude)" in out
+
+
+def test_unrecognised_status_error(tmp_path: Path) -> None:
+    with pytest.raises(DataError) as ei:
+        load_mona(_status_file(tmp_path, SPELLED), unrecognised="error")
+    msg = str(ei.value)
+    assert "st.csv: column 'PC Status' has 3 unrecognised status value(s)" in msg
+    assert "'PENDINGREVIEW': 2" in msg and "first in record 10: 'Pending review'" in msg
+    assert "expected a MONA code" in msg and "data.labels.unrecognised is 'error'" in msg
+    # nothing unrecognised: the same policy loads
+    assert len(load_mona(_status_file(tmp_path, SPELLED[:9]), unrecognised="error").frame) == 9
+    # a status the params list is recognised
+    t = load_mona(
+        _status_file(tmp_path, SPELLED),
+        not_assessed=["SB", "PENDINGREVIEW", "??"],
+        unrecognised="error",
+    )
+    assert t.report.unknown_statuses == {} and (t.frame["label"] == "excluded").sum() == 4
+    with pytest.raises(DataError, match="expected one of"):
+        load_mona(_status_file(tmp_path, SPELLED), unrecognised="maybe")
+
+
+def test_unrecognised_policy_is_a_param(tmp_path: Path) -> None:
+    from rlxf_utils.config import ConfigError, LabelConfig, load_config
+
+    root = Path(__file__).resolve().parent.parent
+    for profile in ("smoke", "default", "paper", "full"):
+        assert load_config(root / f"params/{profile}.yaml").data.labels.unrecognised == "non_met"
+    assert LabelConfig(unrecognised="exclude").unrecognised == "exclude"
+    with pytest.raises(ConfigError, match="unrecognised"):
+        load_config(
+            root / "params/smoke.yaml", overrides={"data": {"labels": {"unrecognised": "drop"}}}
+        )
