@@ -15,7 +15,8 @@ of the outputs, one fixed judge for all). Every generated policy uses the same p
 settings and seed. Gains and paired tests are against the start policy. Written to the run dir:
 
 * `eval/samples.parquet` and `eval/samples.jsonl`: one row per response (context, text, reward,
-  audit reward, log-probs, whether it finished before the cap, grounding);
+  the reward heads' SD of P(MET) `reward_sd` (`reward_uncertainty`), audit reward, log-probs,
+  whether it finished before the cap, grounding);
 * `eval/frontier.parquet`: reward, audit reward and KL of every algorithm's snapshots and final
   policy, and the best-of-N curve (N = `best_of_n_curve`, KL at its upper bound);
 * `eval/heldout_perplexity.parquet`: perplexity of held-out historical descriptions (MET and
@@ -23,7 +24,8 @@ settings and seed. Gains and paired tests are against the start policy. Written 
 * `eval/historical_index/`: MiniLM embeddings of every labelled MONA description (cached);
 * `eval/summary.json` and tables `eval_*`, figures `eval_*`; among them the RLGF paper's
   evaluation (`rlgf_eval`): tables `eval_rlgf`, `eval_prompt_difficulty`, `eval_easy_hard`,
-  `eval_guidance` and figures `eval_reward_perplexity`, `eval_easy_hard`.
+  `eval_guidance` and figures `eval_reward_perplexity`, `eval_easy_hard`; and the ILHF paper's
+  (`ilhf_eval`): tables `eval_inclusive`, `eval_inclusive_tests` and figure `eval_inclusive`.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ import pandas as pd
 import torch
 
 from . import evaluation as ev
-from . import rlgf_eval
+from . import ilhf, ilhf_eval, reward_uncertainty, rlgf_eval
 from .artifacts import ArtifactMissing, RunDir
 from .config import algorithm_label
 from .models import (
@@ -79,6 +81,12 @@ class EvalStage:
 # ---------------------------------------------------------------------------------------------
 
 
+def _policy_logprobs(pset: PolicySet, name: str, df: pd.DataFrame, batch_size: int) -> np.ndarray:
+    lp, _ = pset.sequence_logprobs(name, df["prompt_ids"].tolist(), df["response_ids"].tolist(),
+                                   batch_size, padding_side="left")  # fmt: skip
+    return lp
+
+
 def _logprobs(model: Any, tok: Any, df: pd.DataFrame, batch_size: int) -> np.ndarray:
     lp, _ = ev.sequence_logprobs(
         model, tok, df["prompt_ids"].tolist(), df["response_ids"].tolist(),
@@ -107,8 +115,15 @@ class PolicySet:
                 raise ArtifactMissing(f"{path}: no adapter_config.json; {stage} did not finish")
             return path
 
+        self.particles: dict[str, list[str]] = {}  # ILHF ensembles: their particles' adapters
+
         def attach(model: Any, names: Sequence[str], stage: str) -> Any:
             for name in names:
+                if ilhf.is_ensemble(run.path(f"policy/{name}/adapter")):
+                    model, self.particles[name] = ilhf.load_particles(
+                        model, run.path(f"policy/{name}/adapter"), name
+                    )
+                    continue
                 path = adapter(name, f"{stage} ({name})")
                 if not isinstance(model, PeftModel):
                     model = PeftModel.from_pretrained(model, str(path), adapter_name=name)
@@ -147,8 +162,41 @@ class PolicySet:
                 yield from self._disabled(self.base_model)
             else:
                 model = self.home[name]
-                model.set_adapter(name)
+                model.set_adapter(self.particles.get(name, [name])[0])
                 yield model
+
+    def generate(self, name: str, prompts: Sequence[str], k: int, desc: str,
+                 gen_kw: Mapping[str, Any]) -> pd.DataFrame:  # fmt: skip
+        """k responses per prompt from policy `name`; an ILHF ensemble answers each prompt with a
+        particle drawn uniformly (Thompson sampling, seeded by the sampling seed)."""
+        parts = self.particles.get(name)
+        draw = (
+            [parts[z] for z in ilhf.thompson_draw(len(prompts), len(parts), int(gen_kw["seed"]))]
+            if parts
+            else None
+        )
+        with self.use(name) as m:
+            return generate(m, self.tok, prompts, k, desc=desc, adapter_names=draw, **gen_kw)
+
+    def sequence_logprobs(self, name: str, prompts: Sequence[Any], responses: Sequence[Any],
+                          batch_size: int, **kw: Any) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+        """`ev.sequence_logprobs` under policy `name`; an ensemble's density is its mixture's,
+        log mean_m pi_m(y | x) over its particles."""
+        parts = self.particles.get(name)
+        if not parts:
+            with self.use(name) as m:
+                return ev.sequence_logprobs(
+                    m, self.tok, prompts, responses, batch_size=batch_size, **kw
+                )
+        model, per, n = self.home[name], [], None
+        with autocast(self.autocast_dtype, self.base.device):
+            for part in parts:
+                model.set_adapter(part)
+                lp, n = ev.sequence_logprobs(
+                    model, self.tok, prompts, responses, batch_size=batch_size, **kw
+                )
+                per.append(lp)
+        return ilhf.mixture_logprobs(per), n
 
     @staticmethod
     def _disabled(model: Any) -> Iterator[Any]:
@@ -187,9 +235,8 @@ def sample_tuned(pset: PolicySet, name: str, prompts: Sequence[str], k: int, gen
                  logprob_batch: int, desc: str, judges: bool = True) -> pd.DataFrame:  # fmt: skip
     """k responses per prompt from policy `name`, with their log-probs under it, under the start
     policy (`logp_ref`) and under the zero-shot base (`logp_base`); `judges=False` skips the last two."""
-    with pset.use(name) as m:
-        df = generate(m, pset.tok, prompts, k, desc=desc, **gen_kw)
-        df["logp_policy"] = _logprobs(m, pset.tok, df, logprob_batch)
+    df = pset.generate(name, prompts, k, desc, gen_kw)
+    df["logp_policy"] = _policy_logprobs(pset, name, df, logprob_batch)
     if judges:
         add_judge_logprobs(pset, df, name, logprob_batch)
     return df
@@ -217,9 +264,13 @@ def add_judge_logprobs(pset: PolicySet, df: pd.DataFrame, name: str, batch: int)
 
 
 def add_rewards(df: pd.DataFrame, contexts: Sequence[Mapping[str, Any]], reward_model: Any,
-                audit_model: Any, batch: int) -> pd.DataFrame:  # fmt: skip
-    """Columns `reward` and `audit_reward`: each response scored in its prompt's context."""
-    df["reward"] = _score(df, contexts, reward_model, batch)
+                audit_model: Any, batch: int,
+                heads: reward_uncertainty.RewardHeads | None = None) -> pd.DataFrame:  # fmt: skip
+    """Columns `reward` and `audit_reward`: each response scored in its prompt's context; and
+    `reward_sd`, the reward heads' SD of P(MET) from the same pass (NaN without `heads`)."""
+    if heads is None:
+        df["reward"] = _score(df, contexts, reward_model, batch)
+    reward_uncertainty.add_reward_sd(df, contexts, reward_model, heads, batch)
     df["audit_reward"] = _score(df, contexts, audit_model, batch)
     return df
 
@@ -329,6 +380,8 @@ def summary_table(
     Every CI and test treats the prompt's country as the unit (a cluster bootstrap): prompts of
     one country share it in both the prompt and the reward model's input, so they are not
     independent. `gap` is the gain under the reward minus the gain under the audit, per prompt.
+    `reward_sd` is the mean SD of the reward heads' P(MET) (`reward_uncertainty`) with its CI and
+    `sd_gain` its paired change against the start policy (NaN where no response has one).
     """
     kw = dict(n_boot=n_boot, alpha=alpha, seed=seed, cluster_col="country")
     samples = samples.assign(reward_minus_audit=samples["reward"] - samples["audit_reward"])
@@ -337,11 +390,18 @@ def summary_table(
     grd = ev.summarise_policies(
         samples.dropna(subset=["grounded_met_rate"]), "grounded_met_rate", **kw
     )
+    with_sd = samples.dropna(subset=["reward_sd"]) if "reward_sd" in samples else samples.iloc[:0]
+    sd_paired = (
+        [ev.paired_table(with_sd, start, "reward_sd", **kw).assign(measure="reward_sd")]
+        if start in set(with_sd["policy"])
+        else []
+    )
     paired = pd.concat(
         [
             ev.paired_table(samples, start, "reward", **kw).assign(measure="reward"),
             ev.paired_table(samples, start, "audit_reward", **kw).assign(measure="audit_reward"),
             ev.paired_table(samples, start, "reward_minus_audit", **kw).assign(measure="gap"),
+            *sd_paired,
         ],
         ignore_index=True,
     )
@@ -360,7 +420,8 @@ def summary_table(
         ),
         on="policy",
     )
-    for measure, prefix in (("reward", "gain"), ("audit_reward", "audit_gain"), ("gap", "gap")):
+    for measure, prefix in (("reward", "gain"), ("audit_reward", "audit_gain"), ("gap", "gap"),
+                            ("reward_sd", "sd_gain")):  # fmt: skip
         p = paired[paired["measure"] == measure].set_index("policy")
         out[prefix] = out["policy"].map(p["mean_diff"])
         out[f"{prefix}_low"] = out["policy"].map(p["ci_low"])
@@ -379,6 +440,9 @@ def summary_table(
         how="left",
     )
     out["max_sim"] = out["policy"].map(samples.groupby("policy")["max_sim"].mean())
+    sd = ev.summarise_policies(with_sd, "reward_sd", **kw).set_index("policy") if len(with_sd) else None  # fmt: skip
+    for col, src in (("reward_sd", "ave_r"), ("reward_sd_low", "ci_low"), ("reward_sd_high", "ci_high")):  # fmt: skip
+        out[col] = out["policy"].map(sd[src]).astype(float) if sd is not None else math.nan
     return out, paired
 
 
@@ -490,6 +554,44 @@ def plot_gains(summary: pd.DataFrame, start: str = "base", alpha: float = 0.05) 
     )
     ax.legend()
     ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def plot_reward_uncertainty(summary: pd.DataFrame, start: str = "base", alpha: float = 0.05) -> Any:
+    """Ave(R) against the mean SD of the reward heads' P(MET) per policy, with CI bars on both.
+
+    A policy to the right of its start moved into text the reward model is less sure about, so
+    its Ave(R) rests on extrapolation; without heads (TF-IDF reward, `reward_heads: 0`) the
+    figure says so.
+    """
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.4))
+    s = (
+        summary.dropna(subset=["reward_sd"]).reset_index(drop=True)
+        if "reward_sd" in summary
+        else summary.iloc[:0]
+    )
+    if s.empty:
+        ax.axis("off")
+        ax.text(0.5, 0.5, "No reward uncertainty in this run: the reward source has no encoder\n"
+                "features or evaluation.reward_heads is 0.", ha="center", va="center")  # fmt: skip
+        return fig
+    for r in s.itertuples():
+        one = s[s["policy"] == r.policy]
+        ax.errorbar(one["reward_sd"], one["ave_r"],
+                    xerr=_ci_err(one, "reward_sd", "reward_sd_low", "reward_sd_high"),
+                    yerr=_ci_err(one, "ave_r", "ave_r_low", "ave_r_high"),
+                    fmt="s" if r.policy == start else "o", color="black" if r.policy == start else None,
+                    capsize=3, label=algorithm_label(r.policy))  # fmt: skip
+        ax.annotate(algorithm_label(r.policy), (r.reward_sd, r.ave_r), fontsize=7, xytext=(4, 4),
+                    textcoords="offset points")  # fmt: skip
+    ax.set(xlabel="mean SD of P(MET) across the reward heads (epistemic)",
+           ylabel="Ave(R) on held-out prompts",
+           title=f"Reward and the reward model's uncertainty ({1 - alpha:.0%} CIs, countries resampled)")  # fmt: skip
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     return fig
 
@@ -682,10 +784,7 @@ def table3(pset: PolicySet, contexts: Sequence[Mapping[str, Any]], labelled: pd.
     ]
     rows = []
     for name in pset.names:
-        with pset.use(name) as m:
-            df = generate(
-                m, pset.tok, prompts, 1, desc=f"Table 3 {name}", **sampling_kwargs(cfg, False)
-            )
+        df = pset.generate(name, prompts, 1, f"Table 3 {name}", sampling_kwargs(cfg, False))
         r = reward_model.score(ctx, df["response"].tolist(), batch_size=rl.reward_batch_size)
         a = audit_model.score(ctx, df["response"].tolist())
         for (c, sc), p, text, rr, aa in zip(items, prompts, df["response"], r, a, strict=True):
@@ -695,9 +794,11 @@ def table3(pset: PolicySet, contexts: Sequence[Mapping[str, Any]], labelled: pd.
 
 
 def heldout_perplexity(pset: PolicySet, rows: pd.DataFrame, template: str, cfg: Any,
-                       batch: int) -> pd.DataFrame:  # fmt: skip
+                       batch: int) -> tuple[pd.DataFrame, pd.DataFrame]:  # fmt: skip
     """Perplexity of held-out historical descriptions (+ end token) after their context's RL
-    prompt, under every generated policy: MET and Non-MET rows separately, and all together.
+    prompt, under every generated policy: MET and Non-MET rows separately, and all together;
+    and per row and policy (`row`, `country`, `y`, `nll` summed over its `n_tokens`), for
+    per-country intervals (the population cross-entropy of the ILHF comparison).
 
     The rows are of held-out (eval) countries, which neither SFT nor RL saw; a policy that writes
     MONA conditions finds them far likelier than the zero-shot base does.
@@ -705,17 +806,19 @@ def heldout_perplexity(pset: PolicySet, rows: pd.DataFrame, template: str, cfg: 
     prompts = build_prompts(rows.to_dict("records"), pset.tok, template, cfg.policy)
     texts = [" ".join(str(t).split()) for t in rows["description"]]
     y = rows["y"].to_numpy()
-    out = []
+    out, per_row = [], []
     for name in pset.names:
-        with pset.use(name) as m:
-            lp, n = ev.sequence_logprobs(m, pset.tok, prompts, texts, batch_size=batch,
-                                         append_eos=True, padding_side="left")  # fmt: skip
+        lp, n = pset.sequence_logprobs(name, prompts, texts, batch, append_eos=True,
+                                       padding_side="left")  # fmt: skip
+        per_row.append(pd.DataFrame({"policy": name, "row": np.arange(len(rows)),
+                                     "country": rows["country"].astype(str).to_numpy(), "y": y,
+                                     "nll": -np.asarray(lp, float), "n_tokens": n}))  # fmt: skip
         rec = {"policy": name, "rows": len(rows)}
         for label, sel in (("met", y == 1), ("nonmet", y == 0), ("all", np.ones_like(y, bool))):
             rec[f"ppl_{label}"] = ev.perplexity(lp[sel], n[sel]) if sel.any() else math.nan
             rec[f"nll_{label}"] = float(-lp[sel].sum() / n[sel].sum()) if sel.any() else math.nan
         out.append(rec)
-    return pd.DataFrame(out)
+    return pd.DataFrame(out), pd.concat(per_row, ignore_index=True)
 
 
 def run_evaluation_stage(cfg: Any, run: RunDir, progress: bool = True) -> EvalStage:
@@ -732,6 +835,7 @@ def run_evaluation_stage(cfg: Any, run: RunDir, progress: bool = True) -> EvalSt
     )
     if audit_model is None:
         raise ArtifactMissing(f"{run.path('reward_model')}: no audit model; rerun notebook 02")
+    heads = reward_uncertainty.fit_or_load(run, cfg, reward_model)  # None: no reward_sd
     labelled, _ = load_splits(run)
     labelled = labelled.reset_index(drop=True)
     algos = list(rl.algorithm)
@@ -745,12 +849,12 @@ def run_evaluation_stage(cfg: Any, run: RunDir, progress: bool = True) -> EvalSt
         for name in pset.names
     ]  # fmt: skip
     gen = add_rewards(pd.concat(frames, ignore_index=True), contexts, reward_model, audit_model,
-                      rl.reward_batch_size)  # fmt: skip
+                      rl.reward_batch_size, heads)  # fmt: skip
     # Best-of-N candidates: a separate draw from the start policy (another seed), so best-of-N is
     # never compared with the very samples it was selected from.
     n_pool = max(max(ec.best_of_n_curve), ec.best_of_n)
     pool = best_of_n_pool(pset, prompts, n_pool, gen_kw, ec.logprob_batch_size)
-    add_rewards(pool, contexts, reward_model, audit_model, rl.reward_batch_size)
+    add_rewards(pool, contexts, reward_model, audit_model, rl.reward_batch_size, heads)
     best = ev.best_of_n_frame(pool[pool["sample_id"] < ec.best_of_n], "reward", ("prompt_id",))
     best = best.assign(policy="best_of_n", sample_id=0)
     add_judge_logprobs(pset, best, start, ec.logprob_batch_size)
@@ -766,12 +870,13 @@ def run_evaluation_stage(cfg: Any, run: RunDir, progress: bool = True) -> EvalSt
         )  # fmt: skip
     hist["logp_base"], hist["n_tokens"] = lp, n_tok
     hist["logp_policy"] = hist["logp_ref"] = np.nan
-    add_rewards(hist, contexts, reward_model, audit_model, rl.reward_batch_size)
+    add_rewards(hist, contexts, reward_model, audit_model, rl.reward_batch_size, heads)
 
     samples = pd.concat([gen, hist], ignore_index=True)
+    encoder = ev.minilm_encoder(str(pset.base.device))  # grounding, and ILHF's pairwise similarity
     index = ev.HistoricalIndex.load_or_build(
         run.path("eval/historical_index"), labelled["description"].astype(str).tolist(),
-        labelled["y"].to_numpy(), labelled["econ_area"].astype(str).tolist(), ev.minilm_encoder(str(pset.base.device)),
+        labelled["y"].to_numpy(), labelled["econ_area"].astype(str).tolist(), encoder,
     )  # fmt: skip
     samples[["grounded_met_rate", "max_sim", "novelty", "top_area"]] = _ground(
         index, samples, ec.grounding_k, labelled["arrangement_id"].astype(str).tolist()
@@ -807,15 +912,20 @@ def run_evaluation_stage(cfg: Any, run: RunDir, progress: bool = True) -> EvalSt
     held = heldout_rows(
         labelled, run.read_parquet("data/contexts.parquet"), ec.heldout_rows, cfg.run.seed
     )
-    ppl = heldout_perplexity(pset, held, rl.prompt_template, cfg, ec.logprob_batch_size)
+    ppl, ppl_rows = heldout_perplexity(pset, held, rl.prompt_template, cfg, ec.logprob_batch_size)
     t3 = table3(pset, contexts, labelled, reward_model, audit_model, cfg)
     extra = {
         "eval_vs_best_of_n": vs_bon,
         "eval_heldout_perplexity": ppl,
+        "eval_heldout_nll_rows": ppl_rows,
         "eval_best_of_n_curve": curve,
         # the RLGF paper's table, easy vs hard prompts and the guidance verdicts (rlgf_eval)
         **rlgf_eval.rlgf_tables(
             samples, summary, ppl, labelled, algos, start, ec.n_boot, ec.alpha, cfg.run.seed
+        ),  # fmt: skip
+        # the ILHF paper's questions: variety and closeness to the population, at what reward
+        **ilhf_eval.ilhf_tables(
+            samples, summary, ppl_rows, algos, start, ec.n_boot, ec.alpha, cfg.run.seed, encoder
         ),  # fmt: skip
     }
     stage = _write(run, samples, summary, paired, frontier, t3, algos, order, cfg, start, extra)
@@ -832,6 +942,7 @@ def _write(run: RunDir, samples: pd.DataFrame, summary: pd.DataFrame, paired: pd
     run.write_jsonl("eval/samples.jsonl", samples[keep].to_dict("records"))
     run.write_parquet("eval/frontier.parquet", frontier)
     run.write_parquet("eval/heldout_perplexity.parquet", extra["eval_heldout_perplexity"])
+    run.write_parquet("eval/heldout_nll_rows.parquet", extra.pop("eval_heldout_nll_rows"))
     shown = (
         samples[samples["sample_id"] == 0]
         .groupby("policy", sort=False)
@@ -875,10 +986,12 @@ def _write(run: RunDir, samples: pd.DataFrame, summary: pd.DataFrame, paired: pd
     for name, fig in (
         ("eval_reward_distributions", plot_distributions(samples, order)),
         ("eval_gains", plot_gains(summary, start, cfg.evaluation.alpha)),
+        ("eval_reward_uncertainty", plot_reward_uncertainty(summary, start, cfg.evaluation.alpha)),
         ("eval_frontier", plot_frontier(frontier, start, cfg.evaluation.alpha)),
         ("eval_heldout_perplexity", plot_heldout_perplexity(extra["eval_heldout_perplexity"])),
         ("eval_grounding", plot_grounding(summary)),
         *rlgf_eval.rlgf_figures(extra, start, cfg.evaluation.alpha).items(),
+        *ilhf_eval.ilhf_figures(extra, start, cfg.evaluation.alpha).items(),
     ):
         run.write_figure(name, fig)
         plt.close(fig)

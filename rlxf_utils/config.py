@@ -23,6 +23,8 @@ __all__ = [
     "PolicyConfig",
     "ALGORITHM_LABELS",
     "RLGF_ALGORITHMS",
+    "ILHF_ALGORITHMS",
+    "ILHFConfig",
     "RLConfig",
     "RLGFConfig",
     "algorithm_label",
@@ -157,9 +159,13 @@ ALGORITHM_LABELS: dict[str, str] = {
     "aggrevated": "AggreVaTeD",
     "lols": "LOLS",
     "d2lols": "D²LOLS",
+    "ilhf_history": "ILHF (history)",
+    "ilhf_online": "ILHF (online)",
 }
 #: The RL-with-guided-feedback algorithms (rlxf_utils.rlgf): they need the guide policy.
 RLGF_ALGORITHMS: tuple[str, ...] = ("ppo_pp", "aggrevated", "lols", "d2lols")
+#: Inclusive learning (rlxf_utils.ilhf): the policy is its own reward; ensembles of LoRA particles.
+ILHF_ALGORITHMS: tuple[str, ...] = ("ilhf_history", "ilhf_online")
 
 
 def algorithm_label(name: str) -> str:
@@ -176,9 +182,12 @@ class RLConfig(Section):
     same number of steps with the same sampling settings.
     """
 
-    algorithm: list[Literal["ppo", "grpo", "rloo", "ppo_pp", "aggrevated", "lols", "d2lols"]] = (
-        Field(default_factory=lambda: ["ppo"], min_length=1)
-    )
+    algorithm: list[
+        Literal[
+            "ppo", "grpo", "rloo", "ppo_pp", "aggrevated", "lols", "d2lols", "ilhf_history",
+            "ilhf_online",
+        ]
+    ] = Field(default_factory=lambda: ["ppo"], min_length=1)  # fmt: skip
     start_policy: Literal["sft", "base"] = "sft"  # the policy RL starts from and its KL reference
     prompt_template: str = (
         "Given the economic indicators and historical performance of {country}, what would be an "
@@ -234,6 +243,13 @@ class RLConfig(Section):
             )
         if ("grpo" in self.algorithm or "rloo" in self.algorithm) and self.num_generations < 2:
             raise ValueError("GRPO and RLOO need num_generations >= 2 (a group per prompt)")
+        if "ilhf_online" in self.algorithm and (
+            self.num_generations % 2 or self.minibatch_size % 2
+        ):
+            raise ValueError(
+                f"ilhf_online pairs a prompt's responses: num_generations ({self.num_generations}) "
+                f"and minibatch_size ({self.minibatch_size}) must be even"
+            )
         if self.minibatch_size % self.num_generations and (
             "grpo" in self.algorithm or "rloo" in self.algorithm
         ):
@@ -281,6 +297,41 @@ class RLGFConfig(Section):
     switch_fraction: float = Field(default=0.4, ge=0.0, le=1.0)
     #: eta: MLE on historical MET descriptions of the step's contexts (authors: 0.1)
     mle_coef: float = Field(default=0.1, ge=0.0)
+
+
+class ILHFConfig(Section):
+    """Inclusive learning from feedback (Xu, Dong, Arumugam, Van Roy, 2023): the policy's own
+    sequence log-likelihoods are the reward; for a pair (A, B) and P(A preferred) the loss is
+    KL(P || softmax[log pi(A|x), log pi(B|x)]). An ensemble of LoRA particles around the start
+    policy: Thompson sampling (a particle drawn per prompt), double-or-nothing bootstrap weights
+    and a pull eta * ||phi - phi_0||^2 towards each particle's initial weights (paper: eta 1,
+    prior scale 0.01). `ilhf_history` learns from pairs of historical descriptions of one context
+    (MET preferred, same outcome 1/2; no reward model); `ilhf_online` from pairs the policy
+    samples, labelled by a Bernoulli draw on the reward model (P(A > B) = P_A / (P_A + P_B), i.e.
+    sigmoid(s_A - s_B) with s = log P(MET)), with PPO's prompts, samples, updates and steps.
+    """
+
+    #: LoRA particles in the ensemble (paper: 10 to 50; 1: plain ILHF)
+    particles: int = Field(default=2, ge=1, le=64)
+    #: sd of each particle's LoRA B matrices at initialisation (the paper's prior scale)
+    prior_scale: float = Field(default=0.01, ge=0.0)
+    #: eta: the pull towards each particle's initial weights, eta / N * ||phi - phi_0||^2 with N
+    #: the pairs of an epoch (the MAP scaling of the paper's eta for a mean loss)
+    prior_reg: float = Field(default=1.0, ge=0.0)
+    #: double-or-nothing bootstrap weights per particle and pair (paper's Algorithm 2)
+    bootstrap: bool = True
+    #: LoRA learning rate (null: rl.learning_rate)
+    learning_rate: float | None = Field(default=None, gt=0.0)
+    #: ilhf_history: pairs of historical descriptions (all outcomes, rows the RL stage may see)
+    history_max_pairs: int = Field(default=256, ge=1)
+    #: ilhf_history: at most this many pairs per context (spreads the pairs over contexts)
+    history_pairs_per_context: int = Field(default=4, ge=1)
+    #: ilhf_history: pairs per optimiser step (each pair is two sequences)
+    history_batch_pairs: int = Field(default=8, ge=1)
+    #: ilhf_history: passes over the pairs
+    history_epochs: float = Field(default=1.0, gt=0.0)
+    #: ilhf_history: longest description kept (tokens; = rl.max_new_tokens in the profiles)
+    history_max_tokens: int = Field(default=48, ge=1)
 
 
 class RewardConfig(Section):
@@ -417,6 +468,11 @@ class EvaluationConfig(Section):
     )
     show_samples: int = Field(default=3, ge=0)  # full samples per policy shown in the notebook
     num_threads: int | None = Field(default=None, gt=0)
+    # reward uncertainty: logistic heads on the reward encoder's frozen features, each fitted on a
+    # bootstrap resample; their SD of P(MET) is the epistemic uncertainty per response (0: off)
+    reward_heads: int = Field(default=10, ge=0)
+    # reward-training rows (the reward protocol's train split, seeded subsample) the heads fit on
+    reward_heads_rows: int = Field(default=2000, ge=50)
 
 
 class LabelMapping(Section):
@@ -492,6 +548,7 @@ class StudyConfig(Section):
     sft: SFTConfig = Field(default_factory=SFTConfig)
     rl: RLConfig = Field(default_factory=RLConfig)
     rlgf: RLGFConfig = Field(default_factory=RLGFConfig)
+    ilhf: ILHFConfig = Field(default_factory=ILHFConfig)
     evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
     risk: RiskConfig = Field(default_factory=RiskConfig)
     forensic: ForensicConfig = Field(default_factory=ForensicConfig)

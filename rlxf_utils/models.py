@@ -344,8 +344,12 @@ def generate(
     batch_size: int = 16,
     desc: str = "generate",
     progress: bool = True,
+    adapter_names: Sequence[str] | None = None,
 ) -> pd.DataFrame:
     """k sampled responses per prompt, batched with left padding and the KV cache.
+
+    `adapter_names` (one per prompt): the LoRA adapter that answers each prompt, in one batch
+    (peft's mixed-adapter batches; an ILHF ensemble's Thompson draw).
 
     Rows: prompt_id, sample_id, prompt_ids, response_ids (trimmed after the first end token),
     raw (decoded), response (post-processed, what the reward model scores), n_tokens, finished
@@ -374,6 +378,7 @@ def generate(
             max_new_tokens=max_new_tokens,
             pad_token_id=tokenizer.pad_token_id,
             eos_token_id=sorted(stop) or None,
+            **({"adapter_names": [adapter_names[i] for i, _ in batch]} if adapter_names else {}),
         )
         width = enc["input_ids"].shape[1]
         for row, (i, j) in enumerate(batch):

@@ -154,6 +154,7 @@ def build_sources(run: RunDir, build: Path, src: Path = REPORT_SRC) -> dict[str,
         ("rl", rs.rl_section(run, params)),
         ("eval", rs.eval_section(run, params.get("evaluation", {}).get("alpha", 0.05))),
         ("rlgf", rs.rlgf_section(run, params)),
+        ("ilhf", rs.ilhf_section(run, params)),
         ("risk", rs.risk_section(run)),
     ):
         variables[key] = vals
@@ -181,6 +182,8 @@ def build_sources(run: RunDir, build: Path, src: Path = REPORT_SRC) -> dict[str,
 OPTIONAL_FIGURES = {
     "eval_reward_perplexity": "notebook 04_evaluation",
     "eval_easy_hard": "notebook 04_evaluation",
+    "eval_reward_uncertainty": "notebook 04_evaluation",
+    "eval_inclusive": "notebook 04_evaluation",
 }
 
 

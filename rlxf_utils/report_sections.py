@@ -23,9 +23,12 @@ from .artifacts import (
     listing,
     markdown_table,
 )
-from .config import RLGF_ALGORITHMS, algorithm_label
+from .config import ILHF_ALGORITHMS, RLGF_ALGORITHMS, algorithm_label
 from .evaluation import best_of_n_kl_bound, ci_verdict
 from .models import display_country
+from .reward_uncertainty import FOLDER as HEADS_FOLDER
+from .reward_uncertainty import MARKER as HEADS_MARKER
+from .reward_uncertainty import sd_verdict
 
 __all__ = [
     "SECTIONS",
@@ -33,11 +36,13 @@ __all__ = [
     "eval_section",
     "forensic_section",
     "forensic_verdict",
+    "ilhf_section",
     "reference_check",
     "reward_section",
     "risk_section",
     "rl_section",
     "rlgf_section",
+    "uncertainty_sentence",
 ]
 
 PAPER_CLAIM = 0.82  # the paper's reported accuracy / precision / recall / F1 ("surpassing 82%")
@@ -562,6 +567,7 @@ def eval_section(run: RunDir, alpha: float = 0.05) -> tuple[dict[str, Any], dict
         rows.append({
             "policy": pol, "prompts": int(r["n_prompts"]),
             f"Ave(R) [{lvl} CI]": ci(r["ave_r"], r["ave_r_low"], r["ave_r_high"]),
+            f"reward SD [{lvl} CI]": ci(r["reward_sd"], r["reward_sd_low"], r["reward_sd_high"]) if is_present(r.get("reward_sd")) else "·",
             f"gain vs {start}": gain_cell(r, "gain"),
             f"audit [{lvl} CI]": ci(r["audit"], r["audit_low"], r["audit_high"]),
             "audit gain": gain_cell(r, "audit_gain"),
@@ -678,6 +684,8 @@ def eval_section(run: RunDir, alpha: float = 0.05) -> tuple[dict[str, Any], dict
         pp = ppl.set_index("policy")
         ppl_sentence = "; ".join(f"{p} {pp.loc[p, 'ppl_all']:.1f}" for p in pp.index)
     fin = s["finished"].dropna() if "finished" in s else pd.Series(dtype=float)
+    marker = f"{HEADS_FOLDER}/{HEADS_MARKER}"  # the reward heads' settings (reward_uncertainty)
+    heads = run.read_json(marker) if run.exists(marker) else None
     variables = {
         "n_prompts": str(meta["n_prompts"]),
         "level": lvl,
@@ -701,6 +709,7 @@ def eval_section(run: RunDir, alpha: float = 0.05) -> tuple[dict[str, Any], dict
         "best_audit_gain": f"{b['audit_gain']:+.3f}",
         "best_kl": f"{b['kl']:.2f}",
         "grounding_sentence": "; ".join(f"{p} {f3(r['grounded_met'])}" for p, r in g.iterrows()),
+        "uncertainty_sentence": uncertainty_sentence(s, algos, start, lvl, heads),
     }
     return variables, {
         "eval_summary.md": summary_md,
@@ -709,6 +718,43 @@ def eval_section(run: RunDir, alpha: float = 0.05) -> tuple[dict[str, Any], dict
         "eval_table3.md": t3_md,
         "eval_heldout_perplexity.md": ppl_md,
     }
+
+
+def uncertainty_sentence(
+    s: pd.DataFrame, algos: list[str], start: str, lvl: str, heads: dict[str, Any] | None
+) -> str:
+    """The reward heads' verdict per RL policy (`sd_verdict`: from the CI of `sd_gain`), with the
+    mean SD of P(MET) and its change; `s` is the eval summary indexed by policy, `heads` the
+    marker of `reward_model/uncertainty/` (None when the run fitted none)."""
+    measured = (
+        "reward_sd" in s.columns and start in s.index and is_present(s.loc[start, "reward_sd"])
+    )
+    if not measured:
+        return (
+            "This run measured no reward uncertainty: its reward source has no encoder features "
+            "or evaluation.reward_heads is 0"
+        )
+    rows = heads["settings"].get("n_rows", "n/a") if heads else "n/a"
+    intro = f"This run fitted {heads['n_heads']} heads on {rows} training rows. " if heads else ""
+    parts = []
+    for algo in algos:
+        if algo not in s.index:
+            continue
+        r = s.loc[algo]
+        low, high = r.get("sd_gain_low", math.nan), r.get("sd_gain_high", math.nan)
+        parts.append(
+            f"{algorithm_label(algo)} {sd_verdict(low, high)} (mean SD "
+            f"{ci(r['reward_sd'], r['reward_sd_low'], r['reward_sd_high'])}; paired change "
+            f"{ci(r.get('sd_gain', math.nan), low, high)})"
+        )
+    start_sd = ci(
+        s.loc[start, "reward_sd"], s.loc[start, "reward_sd_low"], s.loc[start, "reward_sd_high"]
+    )
+    body = "; ".join(parts) if parts else "no RL policy was evaluated"
+    return (
+        f"{intro}Against the start policy {start} (mean SD {start_sd}), with {lvl} "
+        f"cluster-bootstrap intervals of the paired change: {body}"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -845,6 +891,104 @@ def rlgf_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], d
 
 
 # ---------------------------------------------------------------------------------------------
+# 04 evaluation: inclusive learning (the ILHF paper's KL to the population and diversity)
+# ---------------------------------------------------------------------------------------------
+ILHF_TABLES = ("eval_inclusive", "eval_inclusive_tests")
+#: Figures of the ILHF section a run dir older than `ilhf_eval` lacks (`report.placeholder_figures`).
+
+
+def _ilhf_ran_sentence(algos: list[str], params: dict[str, Any]) -> str:
+    ran = [algorithm_label(a) for a in algos]
+    ilhf = [a for a in algos if a in ILHF_ALGORITHMS]
+    if not ilhf:
+        return (
+            f"This run trained {listing(ran)}; no ILHF algorithm ran, so only the other policies' "
+            "variety is measured below"
+        )
+    m = int(params.get("ilhf", {}).get("particles", 1))
+    each = "each " if len(ilhf) > 1 else ""
+    ens = (
+        f"{each}an ensemble of {m} LoRA particles (a particle drawn per prompt answers it; the "
+        "mixture of all scores a text)"
+        if m > 1
+        else f"{each}a single LoRA adapter (one particle)"
+    )
+    return (
+        f"This run trained {listing(ran)}; the ILHF {'ones are' if len(ilhf) > 1 else 'one is'} "
+        f"{listing([algorithm_label(a) for a in ilhf])}, {ens}"
+    )
+
+
+def ilhf_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """The ILHF section: each policy's variety (pairwise similarity, area entropy and KL to the
+    history, distinct-2) and held-out MET cross-entropy beside its Ave(R), and the verdicts of
+    each ILHF algorithm against PPO, `sft_met` and the start policy, read from notebook 04's
+    tables; every verb comes from an interval (`ilhf_eval.inclusive_sentences`). A run without an
+    ILHF algorithm says so; a run dir older than these tables says so instead of failing."""
+    from . import ilhf_eval
+
+    stage = "notebook 04_evaluation"
+    meta = run.read_json("eval/summary.json", stage=stage)
+    algos = list(meta.get("algorithms", params.get("rl", {}).get("algorithm", [])))
+    start = meta.get("start_policy", "base")
+    alpha = meta.get("alpha", params.get("evaluation", {}).get("alpha", 0.05))
+    lvl = f"{1 - alpha:.0%}"
+    variables: dict[str, Any] = {"level": lvl, "start": start,
+                                 "ran_sentence": _ilhf_ran_sentence(algos, params)}  # fmt: skip
+    missing = [t for t in ILHF_TABLES if not run.exists(f"tables/{t}.csv")]
+    if missing:
+        note = (
+            f"This run directory predates the ILHF evaluation (no {', '.join(f'tables/{t}.csv' for t in missing)}); "
+            f"rerun {stage} to produce it"
+        )  # fmt: skip
+        short = f"Not in this run directory, which predates the ILHF evaluation (rerun {stage})"
+        keys = ("variety", "reward", "population", "verdicts", "collapse", "history")
+        variables.update({f"{k}_sentence": short for k in keys})
+        return variables, {"ilhf_table.md": _note_table(note), "ilhf_tests.md": _note_table(note)}
+    tables = {t: run.read_table(t, stage) for t in ILHF_TABLES}
+    sentences = ilhf_eval.inclusive_sentences(tables, algos, start, alpha)
+    variables.update({f"{k}_sentence": v for k, v in sentences.items()})
+    t = tables["eval_inclusive"]
+
+    def cell(r: pd.Series, col: str) -> str:
+        if not is_present(r[col]):
+            return "·"
+        lo, hi = r.get(f"{col}_low", math.nan), r.get(f"{col}_high", math.nan)
+        return ci(r[col], lo, hi) if is_present(lo) and is_present(hi) else f3(r[col])
+
+    with_sd = t["reward_sd"].notna().any()
+    rows = [
+        {"policy": r["label"], f"Ave(R) [{lvl} CI]": cell(r, "ave_r"),
+         **({f"reward SD [{lvl} CI]": cell(r, "reward_sd")} if with_sd else {}),
+         "KL (nats)": f"{r['kl']:.2f}" if is_present(r["kl"]) else "·",
+         "MET cross-entropy": cell(r, "xent_met"),
+         f"vs {start} [{lvl} CI]": cell(r, "xent_met_vs_start"),
+         "area entropy": cell(r, "area_entropy"), "area KL from history": cell(r, "area_kl_to_history"),
+         "distinct-2": cell(r, "distinct_2"),
+         f"pairwise similarity [{lvl} CI]": cell(r, "pairwise_sim")}
+        for _, r in t.iterrows()
+    ]  # fmt: skip
+    tests = tables["eval_inclusive_tests"]
+    if tests.empty:
+        tests_md = _note_table(f"No comparison was made: {sentences['variety']}")
+    else:
+        tt = tests.assign(
+            measure=tests["measure"].map(ilhf_eval.MEASURES),
+            policy=tests["policy"].map(algorithm_label),
+            versus=tests["versus"].map(algorithm_label),
+            **{f"difference [{lvl} CI]": [ci(a, b, c) for a, b, c in zip(tests["diff"], tests["low"], tests["high"], strict=True)]},
+        )  # fmt: skip
+        tests_md = markdown_table(
+            tt[["measure", "policy", "versus", "n", "n_clusters", f"difference [{lvl} CI]",
+                "verdict"]].rename(columns={"n": "units", "n_clusters": "countries"})
+        )  # fmt: skip
+    return variables, {
+        "ilhf_table.md": markdown_table(pd.DataFrame(rows)),
+        "ilhf_tests.md": tests_md,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
 # 05 risks
 # ---------------------------------------------------------------------------------------------
 def risk_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
@@ -854,4 +998,4 @@ def risk_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
     return report_content(run)
 
 
-SECTIONS = ("reward", "forensic", "rl", "eval", "rlgf", "risk")
+SECTIONS = ("reward", "forensic", "rl", "eval", "rlgf", "ilhf", "risk")

@@ -32,6 +32,8 @@ Layout of `reward_model/` in a run dir (what `save_reward_bundle` writes, `load_
         rlxf_audit.json      kind marker, vectoriser parameters, vocabulary, temperature, offset, metrics
         arrays.npz           idf, coefficients, intercept (np.load with allow_pickle=False)
       tfidf/                 the protocol's TF-IDF model, only when reward_source is 'tfidf'
+      uncertainty/           bootstrap logistic heads on the encoder's features (written by
+                             notebook 04, rlxf_utils.reward_uncertainty)
 
 `load_reward(dir)` returns (reward, audit): the scorer `bundle.json` names, and the audit.
 """
@@ -79,6 +81,7 @@ __all__ = [
     "fit_platt",
     "load_reward",
     "most_confident_errors",
+    "output_layer",
     "per_area_accuracy",
     "plot_confusion",
     "plot_reliability",
@@ -311,6 +314,42 @@ def _device(device: str | None) -> torch.device:
     return torch.device("cpu")
 
 
+def output_layer(model: Any) -> torch.nn.Linear:
+    """The classifier's final linear layer: the last `nn.Linear` with `num_labels` outputs.
+
+    BERT-style models apply it (`classifier`) to the pooled output, RoBERTa/MPNet-style ones
+    (`classifier.out_proj`) to the output of a dense layer; either way its input is the feature
+    vector the logits are linear in.
+    """
+    import torch
+
+    n = model.config.num_labels
+    found = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m.out_features == n]
+    if not found:
+        raise RewardModelError(
+            f"{type(model).__name__}: no nn.Linear with out_features == num_labels ({n}); "
+            "expected a sequence classifier whose final layer produces the logits"
+        )
+    return found[-1]
+
+
+def _hooked_features(seen: list[Any], logits: torch.Tensor, n: int) -> np.ndarray:
+    """The final layer's input captured for one batch, checked to be what produced the logits."""
+    import torch
+
+    if len(seen) != 1:
+        raise RewardModelError(
+            f"the classifier's final linear layer ran {len(seen)} times in one batch; expected once"
+        )
+    x, res = seen[0]
+    if x.ndim != 2 or x.shape[0] != n or not torch.allclose(res.float(), logits, atol=1e-4):
+        raise RewardModelError(
+            f"the last nn.Linear with num_labels outputs took input of shape {tuple(x.shape)} and "
+            "did not produce the model's logits; its input cannot serve as the reward features"
+        )
+    return x.float().cpu().numpy()
+
+
 class RewardModel:
     """A fine-tuned sequence classifier plus its Platt calibration: `score` returns calibrated P(MET).
 
@@ -355,12 +394,35 @@ class RewardModel:
         self, texts: Sequence[str], batch_size: int = 64, progress: bool = False
     ) -> np.ndarray:
         """Logit of P(MET) before calibration (prior-corrected): length-sorted batches, dynamic padding."""
+        return self._forward(texts, batch_size, progress, features=False)[0]
+
+    def margins_and_features(
+        self, texts: Sequence[str], batch_size: int = 64, progress: bool = False
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(margins as `margins_texts`, features) from one forward pass.
+
+        The features (n x d, float64) are the input of the classifier's final linear layer
+        (`output_layer`): the pooled output for BERT-style heads, the dense layer's output for
+        RoBERTa/MPNet-style heads. features @ W.T + b reproduces the logits.
+        """
+        return self._forward(texts, batch_size, progress, features=True)
+
+    def calibrated(self, margin: np.ndarray) -> np.ndarray:
+        """Calibrated P(MET) of margins from `margins_texts`: sigmoid(margin / T + offset)."""
+        return _sigmoid(np.asarray(margin, dtype=float) / self.temperature + self.offset)
+
+    def _forward(
+        self, texts: Sequence[str], batch_size: int, progress: bool, features: bool
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The scoring loop: margins and (when `features`) the final layer's inputs via a hook."""
         import torch
 
         texts = list(texts)
         out = np.empty(len(texts), dtype=np.float64)
+        layer = output_layer(self.model) if features else None
+        feats = np.empty((len(texts), layer.in_features if layer is not None else 0))
         if not texts:
-            return out
+            return out, feats
         enc = self.tokenizer(texts, truncation=True, max_length=self.max_length, padding=False)
         ids = enc["input_ids"]
         order = np.argsort([len(x) for x in ids], kind="stable")[::-1]  # longest first: OOM early
@@ -371,15 +433,28 @@ class RewardModel:
             from tqdm.auto import tqdm
 
             starts = tqdm(starts, desc="scoring", unit="batch")
-        with torch.inference_mode():
-            for s in starts:
-                idx = order[s : s + batch_size]
-                feats = [{k: enc[k][i] for k in enc} for i in idx]
-                batch = self.tokenizer.pad(feats, return_tensors="pt")
-                batch = {k: v.to(dev) for k, v in batch.items()}
-                logits = self.model(**batch).logits.float()
-                out[idx] = (logits[:, 1] - logits[:, 0]).cpu().numpy()
-        return out + self.bias
+        seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+        hook = (
+            None
+            if layer is None
+            else layer.register_forward_hook(lambda mod, args, res: seen.append((args[0], res)))
+        )
+        try:
+            with torch.inference_mode():
+                for s in starts:
+                    idx = order[s : s + batch_size]
+                    feats_in = [{k: enc[k][i] for k in enc} for i in idx]
+                    batch = self.tokenizer.pad(feats_in, return_tensors="pt")
+                    batch = {k: v.to(dev) for k, v in batch.items()}
+                    seen.clear()
+                    logits = self.model(**batch).logits.float()
+                    out[idx] = (logits[:, 1] - logits[:, 0]).cpu().numpy()
+                    if layer is not None:
+                        feats[idx] = _hooked_features(seen, logits, len(idx))
+        finally:
+            if hook is not None:
+                hook.remove()
+        return out + self.bias, feats
 
     def score_texts(
         self,
@@ -390,9 +465,7 @@ class RewardModel:
     ) -> np.ndarray:
         """Calibrated P(MET) for already-serialised inputs (see `serialize_inputs`)."""
         margin = self.margins_texts(texts, batch_size, progress)
-        if not calibrated:
-            return _sigmoid(margin)
-        return _sigmoid(margin / self.temperature + self.offset)
+        return self.calibrated(margin) if calibrated else _sigmoid(margin)
 
     def score(
         self,

@@ -28,12 +28,14 @@ import torch
 
 from rlxf_utils.artifacts import ArtifactMissing, RunDir, atomic_path, to_jsonable
 from rlxf_utils.config import (
+    ILHF_ALGORITHMS,
     RLGF_ALGORITHMS,
     PolicyConfig,
     RLConfig,
     StudyConfig,
     algorithm_label,
 )
+from rlxf_utils.ilhf import is_ensemble, load_particles, thompson_draw
 from rlxf_utils.models import (
     apply_lora,
     autocast,
@@ -130,8 +132,10 @@ def sample_responses(
     seed: int = 0,
     batch_size: int = 8,
     use_adapters: bool = True,
+    adapter_names: Sequence[str] | None = None,
 ) -> list[str]:
-    """Sample one post-processed response per prompt (adapters off = the starting policy)."""
+    """Sample one post-processed response per prompt (adapters off = the starting policy;
+    `adapter_names`: the adapter answering each prompt, e.g. an ILHF ensemble's particles)."""
     import contextlib
 
     ctx = (
@@ -143,7 +147,7 @@ def sample_responses(
         df = generate(
             model, tokenizer, prompts, 1, max_new_tokens=rl.max_new_tokens,
             temperature=rl.temperature, top_p=rl.top_p, postprocess=rl.response_postprocess,
-            seed=seed, batch_size=batch_size, progress=False,
+            seed=seed, batch_size=batch_size, progress=False, adapter_names=adapter_names,
         )  # fmt: skip
     return df["response"].tolist()
 
@@ -472,6 +476,7 @@ def run_algorithm(
         "rl": cfg.rl.model_dump(mode="json", exclude={"num_threads", "algorithm"}),
         "policy": cfg.policy.model_dump(mode="json"),
         **({"rlgf": cfg.rlgf.model_dump(mode="json")} if algo in RLGF_ALGORITHMS else {}),
+        **({"ilhf": cfg.ilhf.model_dump(mode="json")} if algo in ILHF_ALGORITHMS else {}),
         "steps": steps or cfg.rl.steps,
         "seed": cfg.run.seed,
         "prompts": len(contexts),
@@ -491,6 +496,10 @@ def run_algorithm(
         from rlxf_utils.rlgf import run_rlgf
 
         frame = run_rlgf(algo, cfg, rd.root, model, tok, prompts, contexts, reward_fn, out, **kw)
+    elif algo in ILHF_ALGORITHMS:
+        from rlxf_utils.ilhf import run_ilhf
+
+        frame = run_ilhf(algo, cfg, rd.root, model, tok, prompts, contexts, reward_fn, out, **kw)
     else:
         frame = run_trl(
             algo, model, tok, prompts, contexts, reward_fn, cfg.rl, cfg.policy, out, **kw
@@ -509,7 +518,8 @@ def read_logs(run_dir: str | Path, algos: Sequence[str]) -> pd.DataFrame:
 
 def load_named_policy(cfg: StudyConfig, run_dir: str | Path, name: str) -> tuple[Any, Any]:
     """A policy of this run by name: 'base' (zero-shot), 'sft' / 'sft_met' (LoRA on the base) or
-    an RL algorithm (LoRA on the start policy)."""
+    an RL algorithm (LoRA on the start policy). An ILHF ensemble comes with every particle
+    loaded; `model.ilhf_particles` lists their adapter names (see `thompson_adapters`)."""
     from rlxf_utils.models import load_policy, load_policy_with_adapter
 
     rd = RunDir(run_dir)
@@ -521,9 +531,22 @@ def load_named_policy(cfg: StudyConfig, run_dir: str | Path, name: str) -> tuple
     from peft import PeftModel
 
     model, tok = load_start_policy(cfg.policy, cfg.rl.start_policy, rd.root)
-    model = PeftModel.from_pretrained(model, str(adapter))
+    if is_ensemble(adapter):
+        model, names = load_particles(model, adapter, name)
+        model.ilhf_particles = names
+    else:
+        model = PeftModel.from_pretrained(model, str(adapter))
     model.eval()
     return model, tok
+
+
+def thompson_adapters(model: Any, n_prompts: int, seed: int) -> list[str] | None:
+    """For an ILHF ensemble (`load_named_policy`): the particle answering each prompt, drawn
+    uniformly (Thompson sampling); None for any other policy."""
+    names = getattr(model, "ilhf_particles", None)
+    if not names:
+        return None
+    return [names[z] for z in thompson_draw(n_prompts, len(names), seed)]
 
 
 def before_after_samples(
@@ -541,7 +564,8 @@ def before_after_samples(
         model, tok = load_named_policy(cfg, run_dir, name)
         prompts = build_prompts(ctx, tok, cfg.rl.prompt_template, cfg.policy)
         with autocast(cfg.policy.autocast):
-            texts = sample_responses(model, tok, prompts, cfg.rl, seed=cfg.run.seed)
+            texts = sample_responses(model, tok, prompts, cfg.rl, seed=cfg.run.seed,
+                                     adapter_names=thompson_adapters(model, len(prompts), cfg.run.seed))  # fmt: skip
         scores = reward_fn(ctx, texts)
         for c, t, s in zip(ctx, texts, scores, strict=True):
             rows.append(

@@ -51,6 +51,7 @@ __all__ = [
     "eligible_rows",
     "heldout_rows",
     "response_loss",
+    "response_token_nll",
     "target_ids",
     "run_sft_stage",
     "train_sft",
@@ -172,8 +173,9 @@ def _collate(examples: Sequence[SFTExample], pad_id: int) -> dict[str, torch.Ten
     return {"input_ids": ids, "attention_mask": attn, "target_mask": target, "n_tail": n_tail}
 
 
-def response_loss(model: Any, batch: Mapping[str, Any]) -> tuple[torch.Tensor, int]:
-    """Mean negative log-likelihood of the target tokens (prompt and padding masked out).
+def response_token_nll(model: Any, batch: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Negative log-likelihood of each target token of a `_collate`d batch: (B, n_tail) NLL,
+    zero off the targets, and the (B, n_tail) target mask.
 
     Left padding puts every target at the end, so only the last `n_tail + 1` positions' logits
     are computed (`logits_to_keep`): the (B, T, V) tensor over prompt tokens is never built.
@@ -190,7 +192,12 @@ def response_loss(model: Any, batch: Mapping[str, Any]) -> tuple[torch.Tensor, i
     nll = F.cross_entropy(
         logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none"
     )
-    nll = nll.view_as(targets) * mask
+    return nll.view_as(targets) * mask, mask
+
+
+def response_loss(model: Any, batch: Mapping[str, Any]) -> tuple[torch.Tensor, int]:
+    """Mean negative log-likelihood of the target tokens (prompt and padding masked out)."""
+    nll, mask = response_token_nll(model, batch)
     n = int(mask.sum())
     return nll.sum() / max(n, 1), n
 

@@ -156,7 +156,11 @@ def test_best_of_n_pool_is_drawn_apart_from_the_compared_samples() -> None:
     def use(name):
         yield model
 
-    pset = SimpleNamespace(use=use, tok=tok, start_name="sft")
+    from types import MethodType
+
+    pset = SimpleNamespace(use=use, tok=tok, start_name="sft", particles={})
+    for name in ("generate", "sequence_logprobs"):  # PolicySet's own, on the fake
+        setattr(pset, name, MethodType(getattr(alignment.PolicySet, name), pset))
     prompts = ["w10 w11 w12", "w13", "w14 w15"]
     kw = dict(max_new_tokens=8, temperature=1.0, top_p=1.0, postprocess="none", progress=False,
               seed=7, batch_size=4)  # fmt: skip
@@ -632,6 +636,8 @@ def test_report_draws_a_placeholder_for_a_figure_the_run_lacks(tmp_path) -> None
     figs = tmp_path / "figures"
     figs.mkdir()
     (figs / "eval_easy_hard.png").write_bytes(b"real")
-    assert placeholder_figures(figs, OPTIONAL_FIGURES) == ["eval_reward_perplexity"]
+    assert placeholder_figures(figs, OPTIONAL_FIGURES) == [
+        "eval_reward_perplexity", "eval_reward_uncertainty", "eval_inclusive",
+    ]  # fmt: skip
     assert (figs / "eval_reward_perplexity.png").read_bytes()[:4] == b"\x89PNG"
     assert (figs / "eval_easy_hard.png").read_bytes() == b"real"  # an existing figure is kept

@@ -39,16 +39,11 @@ def test_full_extends_default_and_lists_only_its_changes() -> None:
         load_config(ROOT / "params/full.yaml"),
         load_config(ROOT / "params/default.yaml"),
     )
-    assert set(full.rl.algorithm) == {
-        "ppo",
-        "grpo",
-        "rloo",
-        "ppo_pp",
-        "aggrevated",
-        "lols",
-        "d2lols",
-    }
+    from rlxf_utils.config import ALGORITHM_LABELS
+
+    assert set(full.rl.algorithm) == set(ALGORITHM_LABELS)  # every algorithm the study has
     assert full.rl.steps > default.rl.steps
+    assert full.ilhf.particles > default.ilhf.particles
     # everything full.yaml does not name is default.yaml's
     assert full.reward == default.reward and full.rlgf == default.rlgf and full.sft == default.sft
     assert full.rl.model_dump(

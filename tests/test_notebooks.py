@@ -177,11 +177,20 @@ def test_smoke_study_renders_the_report(tmp_path: Path) -> None:
     # took the same prompts, responses and optimiser steps per batch
     algos = json.loads((run_dir / "manifest.json").read_text())["params"]["rl"]["algorithm"]
     assert {"ppo", "grpo", "rloo", "d2lols"} <= set(algos)  # the smoke profile runs RLGF too
-    settings = [json.loads((run_dir / f"policy/{a}/settings.json").read_text()) for a in algos]
+    assert {"ilhf_history", "ilhf_online"} <= set(algos)  # and both ILHF variants
+    # ILHF from history learns from historical pairs, not from sampled prompts: its own regime
+    sampled = [a for a in algos if a != "ilhf_history"]
+    settings = [json.loads((run_dir / f"policy/{a}/settings.json").read_text()) for a in sampled]
     shared = ("prompts_per_step", "responses_per_prompt", "optimizer_steps_per_batch", "steps")
     assert all(s_[k] == settings[0][k] for s_ in settings for k in shared)
     for algo in algos:
+        if algo.startswith("ilhf"):  # an ensemble of particles, evaluated by Thompson sampling
+            marker = json.loads((run_dir / f"policy/{algo}/adapter/ensemble.json").read_text())
+            assert len(marker["particles"]) >= 2
+            continue
         assert list((run_dir / f"policy/{algo}/snapshots").glob("step_*/adapter_model.safetensors"))
+    pairs = __import__("pandas").read_parquet(run_dir / "policy/ilhf_history/pairs.parquet")
+    assert len(pairs) and set(pairs["p_a"]) <= {0.0, 0.5, 1.0}
     # D²LOLS ran both schemes (AggreVaTeD first) and kept the guide's critic
     d2 = __import__("pandas").read_parquet(run_dir / "policy/d2lols/train_log.parquet")
     assert d2["scheme"].tolist()[0] == "aggrevated" and d2["scheme"].tolist()[-1] == "ppo_pp"

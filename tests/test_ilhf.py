@@ -1,0 +1,318 @@
+"""ILHF (inclusive learning, the LM as its own reward) and its ensemble, on tiny models."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from test_ppo import WORDS, small_cfg, tiny_tokenizer, toy_contexts
+from tiny import tiny_llama
+
+from rlxf_utils.config import ILHFConfig, LoraSettings, RLConfig
+from rlxf_utils.ilhf import (
+    ILHFTrainer,
+    add_particles,
+    didactic,
+    double_or_nothing,
+    history_pairs,
+    ilhf_loss,
+    is_ensemble,
+    load_particles,
+    mixture_logprobs,
+    pair_probability,
+    particle_parameters,
+    thompson_draw,
+)
+from rlxf_utils.models import generate
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+LORA = LoraSettings(rank=4, alpha=8, target_modules=["q_proj", "v_proj", "o_proj"])
+
+
+def ensemble(particles=3, prior_scale=0.01, seed=0):
+    tok = tiny_tokenizer()
+    model = tiny_llama(tok, 0, init=0.3)
+    return add_particles(model, LORA, particles, prior_scale, seed), tok
+
+
+# ---------------------------------------------------------------------------------------------
+# The loss
+# ---------------------------------------------------------------------------------------------
+def test_loss_equals_the_formula_by_hand():
+    la = torch.tensor([-3.0, -10.0, -2.0], dtype=torch.float64)
+    lb = torch.tensor([-4.0, -9.0, -2.0], dtype=torch.float64)
+    p = torch.tensor([1.0, 0.25, 0.5], dtype=torch.float64)
+    got = ilhf_loss(la, lb, p)
+    # by hand: q_a = e^la / (e^la + e^lb); KL(P||Q) = sum p log p - p log q
+    expected = []
+    for a, b, pa in zip(la.tolist(), lb.tolist(), p.tolist(), strict=True):
+        qa = math.exp(a) / (math.exp(a) + math.exp(b))
+        kl = 0.0
+        for pi, qi in ((pa, qa), (1 - pa, 1 - qa)):
+            if pi > 0:
+                kl += pi * math.log(pi / qi)
+        expected.append(kl)
+    assert got.item() == pytest.approx(np.mean(expected), rel=1e-6)
+    # hard label: -log pi(win) + log(pi(A) + pi(B)); equal likelihoods at P = 1/2: zero loss
+    assert ilhf_loss(la[:1], lb[:1], p[:1]).item() == pytest.approx(
+        3.0 + math.log(math.exp(-3.0) + math.exp(-4.0)), rel=1e-6
+    )
+    assert ilhf_loss(la[2:], lb[2:], p[2:]).item() == pytest.approx(0.0, abs=1e-7)
+    # weights: double-or-nothing zeroes the first pair, doubles the others
+    w = torch.tensor([0.0, 2.0, 2.0], dtype=torch.float64)
+    assert ilhf_loss(la, lb, p, w).item() == pytest.approx(2 * sum(expected[1:]) / 3, rel=1e-6)
+
+
+def test_loss_gradient_moves_towards_the_label():
+    la = torch.tensor([-2.0], requires_grad=True)
+    lb = torch.tensor([-2.0], requires_grad=True)
+    ilhf_loss(la, lb, torch.tensor([0.9])).backward()
+    assert la.grad.item() < 0 < lb.grad.item()  # raise A's likelihood, lower B's
+
+
+def test_pair_probability_is_bradley_terry_on_log_scores():
+    a, b = np.array([0.6, 0.2, 0.0]), np.array([0.3, 0.2, 0.0])
+    p = pair_probability(a, b)
+    sig = 1 / (1 + np.exp(-(np.log(0.6) - np.log(0.3))))
+    assert p[0] == pytest.approx(sig) and p[1] == 0.5 and p[2] == 0.5
+
+
+def test_double_or_nothing_and_thompson_draws():
+    w = double_or_nothing(20000, np.random.default_rng(0))
+    assert set(np.unique(w)) == {0.0, 2.0} and w.mean() == pytest.approx(1.0, abs=0.03)
+    z = thompson_draw(30000, 3, seed=5)
+    counts = np.bincount(z, minlength=3) / len(z)
+    assert np.allclose(counts, 1 / 3, atol=0.015)  # uniform over particles
+    assert (thompson_draw(100, 3, 5) == z[:100]).all()  # seeded
+
+
+def test_mixture_logprobs():
+    got = mixture_logprobs([np.log([0.2, 0.5]), np.log([0.4, 0.5])])
+    assert np.allclose(np.exp(got), [0.3, 0.5])
+
+
+# ---------------------------------------------------------------------------------------------
+# The paper's didactic example: inclusive vs agglomerative
+# ---------------------------------------------------------------------------------------------
+def test_didactic_ilhf_reaches_the_population_while_reinforce_collapses():
+    ilhf = didactic("ilhf", steps=400, seed=0)
+    # pretraining 0.77 / 0.23, the population prefers response 0 two times in three
+    assert ilhf["p1"].iloc[0] == pytest.approx(0.23)
+    assert ilhf["p1"].tail(100).mean() == pytest.approx(1 / 3, abs=0.03)
+    for beta in (0.1, 1.0):
+        rf = didactic("reinforce", steps=400, kl_coef=beta, seed=0)
+        end = rf["p1"].tail(50).mean()
+        # REINFORCE with a KL penalty ends below both the population (1/3) and pretraining (0.23):
+        # its optimum is pi_pre * exp(r / beta), which over-concentrates on the majority response
+        optimum = 0.23 * 2 ** (-0.5 / beta) / (0.23 * 2 ** (-0.5 / beta) + 0.77 * 2 ** (0.5 / beta))
+        assert end < 0.2
+        assert end == pytest.approx(optimum, abs=0.03)
+    assert didactic("reinforce", steps=400, kl_coef=0.1)["p1"].iloc[-1] < 0.03  # collapse
+    with pytest.raises(ValueError, match="method"):
+        didactic("ppo")
+
+
+# ---------------------------------------------------------------------------------------------
+# Pairs from history
+# ---------------------------------------------------------------------------------------------
+def history_frame() -> pd.DataFrame:
+    rows = []
+    rid = 0
+    for c in ("A", "B", "C"):
+        for k, y in enumerate([1, 0, 1, 0, 0]):
+            rows.append({"row_id": rid, "country": c, "arrangement_type": "SBA",
+                         "econ_descriptor": "1.1 Fiscal", "description": f"cond {c} {k}", "y": y})  # fmt: skip
+            rid += 1
+    # a repeated description (same arrangement's reviews) and a lone context
+    rows.append({"row_id": rid, "country": "A", "arrangement_type": "SBA", "econ_descriptor": "1.1 Fiscal",
+                 "description": "cond  A 0", "y": 1})  # fmt: skip
+    rows.append({"row_id": rid + 1, "country": "D", "arrangement_type": "ECF", "econ_descriptor": "2.1 Monetary",
+                 "description": "only one", "y": 1})  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def test_history_pairs_stay_within_a_context_and_label_by_outcome():
+    rows = history_frame()
+    pairs = history_pairs(rows, max_pairs=100, per_context=50, seed=0)
+    by_id = rows.set_index("row_id")
+    assert len(pairs) == 3 * 10  # C(5, 2) distinct pairs per context; the repeat and D add none
+    for r in pairs.itertuples():
+        a, b = by_id.loc[r.row_a], by_id.loc[r.row_b]
+        assert a.country == b.country == r.country  # never mixes contexts
+        assert r.text_a != r.text_b
+        expected = 0.5 if a.y == b.y else float(a.y > b.y)
+        assert r.p_a == expected
+    assert {0.0, 0.5, 1.0} <= set(pairs["p_a"])  # both orders and same-outcome pairs
+    capped = history_pairs(rows, max_pairs=7, per_context=3, seed=1)
+    assert len(capped) == 7 and capped.groupby("country").size().max() <= 3
+
+
+def test_history_pairs_use_only_rows_the_rl_stage_may_see():
+    from rlxf_utils.sft import eligible_rows
+
+    labelled = history_frame()
+    labelled["arrangement_id"] = labelled["country"]
+    contexts = pd.DataFrame(
+        {"country": ["A", "B", "C", "D"], "split": ["train", "train", "eval", "train"]}
+    )
+    splits = {
+        "grouped": {
+            "train": [i for i in labelled["row_id"] if i % 5 != 4],
+            "validation": [],
+            "test": [],
+        }
+    }
+    rows = eligible_rows(labelled, splits, contexts, "grouped", "all")
+    pairs = history_pairs(rows, 100, 50, 0)
+    used = set(pairs["row_a"]) | set(pairs["row_b"])
+    assert used <= set(splits["grouped"]["train"])  # no validation / test rows of the reward
+    assert "C" not in set(pairs["country"])  # no held-out (eval) country
+
+
+# ---------------------------------------------------------------------------------------------
+# The ensemble
+# ---------------------------------------------------------------------------------------------
+def test_particles_differ_after_perturbation_and_start_near_the_model():
+    model, tok = ensemble(particles=3, prior_scale=0.01)
+    b = {n: torch.cat([q.flatten() for k, q in model.named_parameters() if f"lora_B.{n}." in k])
+         for n in ("p0", "p1", "p2")}  # fmt: skip
+    assert all(
+        len(particle_parameters(model, n)) == 2 * 3 * 2 for n in b
+    )  # A, B x 3 modules x 2 layers
+    assert not torch.equal(b["p0"], b["p1"]) and not torch.equal(b["p1"], b["p2"])
+    assert 0.005 < float(b["p0"].std()) < 0.02  # B ~ N(0, 0.01^2)
+    # a zero prior scale: every particle is the model itself
+    flat, _ = ensemble(particles=2, prior_scale=0.0)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        flat.set_adapter("p0")
+        a = flat(input_ids=ids).logits
+        with flat.disable_adapter():
+            base = flat(input_ids=ids).logits
+    assert torch.allclose(a, base)
+    with torch.no_grad():
+        model.set_adapter("p0")
+        l0 = model(input_ids=ids).logits
+        model.set_adapter("p1")
+        l1 = model(input_ids=ids).logits
+    assert not torch.allclose(l0, l1)
+
+
+def test_update_trains_each_particle_towards_the_preference():
+    model, tok = ensemble(particles=2)
+    ic = ILHFConfig(particles=2, learning_rate=1e-2, prior_reg=0.0, bootstrap=False)
+    tr = ILHFTrainer(model, tok, ic, small_cfg(), "/tmp/unused", "ilhf_history")
+    prompt = tok("w10 w11", add_special_tokens=False)["input_ids"]
+    a, b = tok("w20 w21 <eos>")["input_ids"], tok("w30 w31 <eos>")["input_ids"]
+    pairs = [(prompt, a, b, 1.0)] * 4
+
+    def margin(name):
+        model.set_adapter(name)
+        with torch.no_grad():
+            lp = tr.sequence_logprobs([prompt, prompt], [a, b])
+        return float(lp[0] - lp[1])
+
+    before = {n: margin(n) for n in ("p0", "p1")}
+    for s in range(15):
+        stats = tr.update(pairs, 1.0, 4, 4, draw_seed=s)
+    after = {n: margin(n) for n in ("p0", "p1")}
+    assert all(after[n] > before[n] + 1.0 for n in before)  # both particles learned A > B
+    assert stats["pref_accuracy"] == 1.0 and stats["mixed_pairs"] == 4
+
+
+def test_prior_pull_keeps_particles_near_their_start():
+    torch.manual_seed(0)
+    moved = {}
+    for eta in (0.0, 50.0):
+        model, tok = ensemble(particles=1)
+        ic = ILHFConfig(particles=1, learning_rate=1e-2, prior_reg=eta, bootstrap=False)
+        tr = ILHFTrainer(model, tok, ic, small_cfg(), "/tmp/unused", "ilhf_history")
+        prompt = tok("w10", add_special_tokens=False)["input_ids"]
+        pairs = [(prompt, tok("w20 <eos>")["input_ids"], tok("w30 <eos>")["input_ids"], 1.0)] * 4
+        for s in range(20):
+            tr.update(pairs, 1.0, 4, 4, draw_seed=s)
+        moved[eta] = float(tr._prior("p0"))
+    assert moved[50.0] < 0.5 * moved[0.0]
+
+
+def test_thompson_generation_uses_the_drawn_particle():
+    model, tok = ensemble(particles=2, prior_scale=0.5)  # particles far apart: distinct samples
+    prompts = ["w10 w11 w12"] * 6
+    kw = dict(
+        max_new_tokens=6, temperature=1.0, top_p=1.0, postprocess="none", seed=3, progress=False
+    )
+    mixed = generate(model, tok, prompts, 1, adapter_names=["p0", "p1"] * 3, **kw)
+    assert list(mixed["prompt_id"]) == list(range(6))
+    # each response of the mixed batch is likelier under the particle that wrote it
+    lp = {}
+    ilhf_tr = ILHFTrainer(model, tok, ILHFConfig(particles=2), small_cfg(), "/tmp/unused", "x")
+    for name in ("p0", "p1"):
+        model.set_adapter(name)
+        with torch.no_grad():
+            lp[name] = ilhf_tr.sequence_logprobs(
+                mixed["prompt_ids"].tolist(), [r or [0] for r in mixed["response_ids"]]
+            ).numpy()
+    own = np.where(np.arange(6) % 2 == 0, lp["p0"] - lp["p1"], lp["p1"] - lp["p0"])
+    assert own.mean() > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Online ILHF, saving, loading and resume
+# ---------------------------------------------------------------------------------------------
+def toy_reward(contexts, texts):
+    low = set(WORDS[:30])
+    return np.array([0.05 + 0.9 * np.mean([w in low for w in t.split()] or [0.0]) for t in texts])
+
+
+def online(tmp_path, steps=4, checkpoint_every=2):
+    model, tok = ensemble(particles=2)
+    prompts, contexts = toy_contexts(8)
+    cfg: RLConfig = small_cfg(steps=steps, checkpoint_every=checkpoint_every, batch_size=8,
+                              minibatch_size=4, num_generations=2)  # fmt: skip
+    ic = ILHFConfig(particles=2, learning_rate=3e-3)
+    tr = ILHFTrainer(model, tok, ic, cfg, tmp_path, "ilhf_online", seed=0)
+    return tr, prompts, contexts
+
+
+def test_online_runs_saves_and_loads_as_an_ensemble(tmp_path):
+    tr, prompts, contexts = online(tmp_path)
+    log = tr.train_online(prompts, contexts, toy_reward, progress=False)
+    assert list(log["step"]) == [1, 2, 3, 4]
+    assert log["reward_mean"].notna().all() and log["kl"].notna().all()
+    assert (log["pairs"] == 4).all()  # 8 responses, 2 per prompt: 4 pairs a step
+    adapter = tmp_path / "adapter"
+    assert is_ensemble(adapter)
+    tok = tiny_tokenizer()
+    fresh, names = load_particles(tiny_llama(tok, 0, init=0.3), adapter, "ilhf_online")
+    assert names == ["ilhf_online__p0", "ilhf_online__p1"]
+    ids = torch.tensor([[5, 6, 7]])
+    with torch.no_grad():
+        tr.model.set_adapter("p1")
+        want = tr.model(input_ids=ids).logits
+        fresh.set_adapter("ilhf_online__p1")
+        got = fresh(input_ids=ids).logits
+    assert torch.allclose(want, got, atol=1e-6)
+
+
+def test_online_resume_matches_uninterrupted(tmp_path):
+    full, prompts, contexts = online(tmp_path / "a")
+    want = full.train_online(prompts, contexts, toy_reward, progress=False)
+    part, _, _ = online(tmp_path / "b")
+    part.train_online(prompts, contexts, toy_reward, steps=2, progress=False)
+    resumed, _, _ = online(tmp_path / "b")  # a fresh process: rebuilt from scratch
+    got = resumed.train_online(prompts, contexts, toy_reward, progress=False)
+    cols = ["reward_mean", "ilhf_loss", "kl"]
+    assert np.allclose(got[cols].to_numpy(float), want[cols].to_numpy(float), atol=1e-5)
+
+
+def test_run_marker_and_bad_model(tmp_path):
+    tok = tiny_tokenizer()
+    with pytest.raises(TypeError, match="particles"):
+        ILHFTrainer(tiny_llama(tok), tok, ILHFConfig(), small_cfg(), tmp_path, "x")
+    (tmp_path / "adapter").mkdir()
+    (tmp_path / "adapter" / "ensemble.json").write_text("{not json")
+    with pytest.raises(ValueError, match="ensemble.json"):
+        load_particles(tiny_llama(tok), tmp_path / "adapter", "x")
