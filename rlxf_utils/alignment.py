@@ -54,6 +54,7 @@ from .models import (
     load_policy,
     load_start_policy,
 )
+from .prompts import response_contexts
 from .reward import _device
 from .rl import _CTX_KEYS, load_contexts
 from .sft import SFT_POLICIES, heldout_rows
@@ -690,7 +691,7 @@ def plot_grounding(summary: pd.DataFrame) -> Any:
 def _score(
     samples: pd.DataFrame, contexts: Sequence[Mapping[str, Any]], model: Any, batch: int
 ) -> np.ndarray:
-    ctx = [{k: contexts[i][k] for k in _CTX_KEYS} for i in samples["prompt_id"]]
+    ctx = response_contexts(samples["prompt_id"], contexts)
     return np.asarray(model.score(ctx, samples["response"].tolist(), batch_size=batch), dtype=float)
 
 

@@ -18,12 +18,20 @@ __all__ = [
     "PAPER_PROMPT_TEMPLATE",
     "build_policy_prompt",
     "check_no_forbidden",
+    "response_contexts",
     "serialize_condition",
     "serialize_frame",
 ]
 
 #: The context of a condition: what RL cannot change.
 CONTEXT_FIELDS: tuple[str, str, str] = ("country", "arrangement_type", "econ_descriptor")
+
+
+def response_contexts(prompt_ids: Any, contexts: Any) -> list[dict[str, Any]]:
+    """The reward model's context (`CONTEXT_FIELDS`) of each response, from its prompt's index
+    into `contexts`."""
+    return [{k: contexts[i][k] for k in CONTEXT_FIELDS} for i in prompt_ids]
+
 
 #: Columns written after (or stating) the outcome; they must never reach a model input.
 FORBIDDEN_FIELDS: frozenset[str] = frozenset(

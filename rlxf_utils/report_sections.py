@@ -768,6 +768,15 @@ def _note_table(text: str) -> str:
     return markdown_table(pd.DataFrame({"note": [text]}))
 
 
+def _eval_meta(run: RunDir, params: dict[str, Any], stage: str) -> tuple[list[str], str, float]:
+    """(RL algorithms, start policy, alpha) of notebook 04's summary, falling back to the run's
+    parameters for a summary that predates those fields."""
+    meta = run.read_json("eval/summary.json", stage=stage)
+    algos = list(meta.get("algorithms", params.get("rl", {}).get("algorithm", [])))
+    alpha = meta.get("alpha", params.get("evaluation", {}).get("alpha", 0.05))
+    return algos, meta.get("start_policy", "base"), alpha
+
+
 def rlgf_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
     """The RLGF section: the paper's table, easy vs hard prompts and the two verdicts (does
     guidance beat PPO, does RL beat `sft_met`), read from notebook 04's tables; every verb comes
@@ -776,10 +785,7 @@ def rlgf_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], d
     from . import rlgf_eval
 
     stage = "notebook 04_evaluation"
-    meta = run.read_json("eval/summary.json", stage=stage)
-    algos = list(meta.get("algorithms", params.get("rl", {}).get("algorithm", [])))
-    start = meta.get("start_policy", "base")
-    alpha = meta.get("alpha", params.get("evaluation", {}).get("alpha", 0.05))
+    algos, start, alpha = _eval_meta(run, params, stage)
     lvl = f"{1 - alpha:.0%}"
     ran = [algorithm_label(a) for a in algos]
     guided = [algorithm_label(a) for a in algos if a in RLGF_ALGORITHMS]
@@ -928,10 +934,7 @@ def ilhf_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], d
     from . import ilhf_eval
 
     stage = "notebook 04_evaluation"
-    meta = run.read_json("eval/summary.json", stage=stage)
-    algos = list(meta.get("algorithms", params.get("rl", {}).get("algorithm", [])))
-    start = meta.get("start_policy", "base")
-    alpha = meta.get("alpha", params.get("evaluation", {}).get("alpha", 0.05))
+    algos, start, alpha = _eval_meta(run, params, stage)
     lvl = f"{1 - alpha:.0%}"
     variables: dict[str, Any] = {"level": lvl, "start": start,
                                  "ran_sentence": _ilhf_ran_sentence(algos, params)}  # fmt: skip

@@ -560,28 +560,26 @@ def _write_json(target: Path, obj: Any) -> None:
         tmp.write_text(json.dumps(to_jsonable(obj), indent=2) + "\n", encoding="utf-8")
 
 
-def _read_marker(path: Path, name: str, kind: str) -> dict[str, Any]:
-    """Read and check the kind marker of a saved model folder."""
+def _read_marker(
+    path: Path, name: str, kind: str, error: type[RewardModelError] = RewardModelError
+) -> dict[str, Any]:
+    """Read and check the kind marker of a saved model folder; problems raise `error`."""
     if not path.is_dir():
-        raise RewardModelError(
-            f"{path}: not a folder; expected a saved reward model folder containing {name}"
-        )
+        raise error(f"{path}: not a folder; expected a saved reward model folder containing {name}")
     marker_path = path / name
     if not marker_path.is_file():
-        raise RewardModelError(
-            f"{path}: no {name}; this is not a saved {kind} folder (written by rlxf_utils.reward)"
-        )
+        raise error(f"{path}: no {name}; this is not a saved {kind} folder (written by rlxf_utils)")
     try:
         marker = json.loads(marker_path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise RewardModelError(
+        raise error(
             f"{marker_path}: not valid JSON ({exc}); the folder is corrupt, retrain or re-save it"
         ) from None
     if not isinstance(marker, dict) or marker.get("kind") != kind:
         got = marker.get("kind") if isinstance(marker, dict) else type(marker).__name__
-        raise RewardModelError(f"{marker_path}: field 'kind' is {got!r}; expected {kind!r}")
+        raise error(f"{marker_path}: field 'kind' is {got!r}; expected {kind!r}")
     if marker.get("format_version") != FORMAT_VERSION:
-        raise RewardModelError(
+        raise error(
             f"{marker_path}: field 'format_version' is {marker.get('format_version')!r}; expected {FORMAT_VERSION}"
         )
     return marker

@@ -36,8 +36,8 @@ import pandas as pd
 
 from .artifacts import atomic_path, to_jsonable
 from .evaluation import ci_verdict
-from .prompts import CONTEXT_FIELDS, serialize_frame
-from .reward import RewardModel, RewardModelError, _sigmoid, _take, serialize_inputs
+from .prompts import response_contexts, serialize_frame
+from .reward import RewardModel, RewardModelError, _read_marker, _sigmoid, _take, serialize_inputs
 
 __all__ = [
     "FOLDER",
@@ -174,24 +174,7 @@ class RewardHeads:
     def read_marker(path: str | Path) -> dict[str, Any]:
         """The checked marker of a heads folder; a missing, foreign or corrupt one is a clear error."""
         marker_path = Path(path) / MARKER
-        if not marker_path.is_file():
-            raise RewardHeadsError(f"{marker_path}: missing; not a reward-heads folder")
-        try:
-            marker = json.loads(marker_path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise RewardHeadsError(
-                f"{marker_path}: not valid JSON ({exc}); the folder is corrupt"
-            ) from None
-        if not isinstance(marker, dict) or marker.get("kind") != HEADS_KIND:
-            got = marker.get("kind") if isinstance(marker, dict) else type(marker).__name__
-            raise RewardHeadsError(
-                f"{marker_path}: field 'kind' is {got!r}; expected {HEADS_KIND!r}"
-            )
-        if marker.get("format_version") != FORMAT_VERSION:
-            raise RewardHeadsError(
-                f"{marker_path}: field 'format_version' is {marker.get('format_version')!r}; "
-                f"expected {FORMAT_VERSION}"
-            )
+        marker = _read_marker(Path(path), MARKER, HEADS_KIND, RewardHeadsError)
         for key, kind in (("n_heads", int), ("dim", int), ("settings", dict)):
             if not isinstance(marker.get(key), kind):
                 raise RewardHeadsError(
@@ -347,7 +330,7 @@ def reward_and_sd(
     One forward pass gives both: the reward equals `reward_model.score` (the same serialisation
     and batches as `alignment._score`), the SD comes from the same pass's features.
     """
-    ctx = [{k: contexts[i][k] for k in CONTEXT_FIELDS} for i in samples["prompt_id"]]
+    ctx = response_contexts(samples["prompt_id"], contexts)
     texts = serialize_inputs(ctx, samples["response"].tolist())
     margin, feats = reward_model.margins_and_features(texts, batch)
     return reward_model.calibrated(margin), heads.predict(feats)[1]
