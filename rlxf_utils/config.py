@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 __all__ = [
+    "CompareEncoder",
     "ConfigError",
     "DataConfig",
     "EvaluationConfig",
@@ -334,11 +335,53 @@ class ILHFConfig(Section):
     history_max_tokens: int = Field(default=48, ge=1)
 
 
+#: Model names a compared encoder may not take: notebook 02's own columns (`p_<name>`).
+RESERVED_REWARD_NAMES = ("encoder", "tfidf", "majority", "context_only", "text_only")
+
+Precision = Literal["fp32", "bf16"]
+ScorePrecision = Literal["fp32", "bf16", "int8"]
+
+
+class CompareEncoder(Section):
+    """One more encoder fine-tuned and reported beside `reward.encoder` (notebook 02, the report).
+
+    Unset training settings are the main encoder's (`reward.*`). Its test predictions are
+    `p_<name>` in `reward/predictions_<protocol>.parquet`; `reward.reward_source: <name>` makes it
+    the RL reward (it must then be trained on `reward.reward_protocol`).
+    """
+
+    name: str = Field(pattern=r"^[a-z][a-z0-9_]*$")
+    # 'embedded:mpnet' (the PyPI-packaged all-mpnet-base-v2), 'embedded:minilm', a hub id or a path
+    encoder: str = Field(min_length=1)
+    #: protocols to train it on (null: every protocol in reward.protocols)
+    protocols: list[Literal["random", "grouped", "temporal"]] | None = None
+    max_length: int | None = Field(default=None, ge=8, le=512)
+    epochs: float | None = Field(default=None, gt=0)
+    batch_size: int | None = Field(default=None, gt=0)
+    learning_rate: float | None = Field(default=None, gt=0, lt=1)
+    evals_per_epoch: int | None = Field(default=None, ge=1)
+    early_stopping_patience: int | None = Field(default=None, ge=1)
+    freeze_embeddings: bool | None = None
+    freeze_layers: int | None = Field(default=None, ge=0)
+    train_precision: Precision | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _not_reserved(cls, v: str) -> str:
+        if v in RESERVED_REWARD_NAMES:
+            raise ValueError(
+                f"name {v!r} is taken by notebook 02; not one of {RESERVED_REWARD_NAMES}"
+            )
+        return v
+
+
 class RewardConfig(Section):
     """Reward model (notebook 02): encoder fine-tuning, calibration, TF-IDF audit, which feeds RL."""
 
-    # 'embedded:minilm' (the PyPI-packaged all-MiniLM-L6-v2), a hub id or a local path
+    # 'embedded:minilm' (the PyPI-packaged all-MiniLM-L6-v2), 'embedded:mpnet', a hub id or a path
     encoder: str = Field(default="embedded:minilm", min_length=1)
+    #: more encoders trained on the same splits and reported beside `encoder`
+    compare_encoders: list[CompareEncoder] = Field(default_factory=list)
     max_length: int = Field(default=128, ge=8, le=512)
     epochs: float = Field(default=3.0, gt=0)
     batch_size: int = Field(default=32, gt=0)
@@ -356,6 +399,14 @@ class RewardConfig(Section):
     calibrate: bool = True  # temperature scaling on the validation slice
     ece_bins: int = Field(default=10, ge=2)
     score_batch_size: int = Field(default=64, gt=0)
+    #: encoder fine-tuning arithmetic: fp32, or bf16 autocast (CPU avx512_bf16 / GPU)
+    train_precision: Precision = "fp32"
+    #: how RL, evaluation and the risk notebook score with the encoder: fp32, bf16 weights, or
+    #: int8 dynamic quantisation of the encoder's linear layers (the classifier head stays fp32)
+    score_precision: ScorePrecision = "fp32"
+    #: largest |P(MET) - fp32's P(MET)| on the reward protocol's test rows that `score_precision`
+    #: may show; above it notebook 02 warns and the bundle keeps fp32
+    score_tolerance: float = Field(default=0.02, gt=0, lt=1)
     num_threads: int | None = Field(default=None, ge=1)
     progress: bool = True
     tfidf_ngram_max: int = Field(default=2, ge=1, le=3)
@@ -366,7 +417,8 @@ class RewardConfig(Section):
         default_factory=lambda: ["random", "grouped", "temporal"], min_length=1
     )
     reward_protocol: Literal["random", "grouped", "temporal"] = "grouped"  # its model feeds RL
-    reward_source: Literal["encoder", "tfidf"] = "encoder"  # the paper's choice: encoder
+    #: which model feeds RL: 'encoder' (the paper's choice), 'tfidf', or a compare_encoders name
+    reward_source: str = Field(default="encoder", min_length=1)
 
     @model_validator(mode="after")
     def _reward_protocol_trained(self) -> RewardConfig:
@@ -374,7 +426,42 @@ class RewardConfig(Section):
             raise ValueError(
                 f"reward_protocol {self.reward_protocol!r} must be one of protocols {self.protocols}"
             )
+        names = [c.name for c in self.compare_encoders]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"compare_encoders names {dup} more than once; name each encoder once")
+        for c in self.compare_encoders:
+            extra = [p for p in c.protocols or [] if p not in self.protocols]
+            if extra:
+                raise ValueError(
+                    f"compare_encoders[{c.name!r}].protocols {extra} are not in protocols {self.protocols}"
+                )
+        if self.reward_source not in ("encoder", "tfidf", *names):
+            raise ValueError(
+                f"reward_source {self.reward_source!r}: expected 'encoder', 'tfidf' or a "
+                f"compare_encoders name {names}"
+            )
+        if self.reward_source in names:
+            spec = self.compare_encoders[names.index(self.reward_source)]
+            if self.reward_protocol not in self.encoder_protocols(spec):
+                raise ValueError(
+                    f"reward_source {self.reward_source!r} is not trained on reward_protocol "
+                    f"{self.reward_protocol!r}; add it to compare_encoders[{spec.name!r}].protocols"
+                )
         return self
+
+    def encoder_protocols(self, spec: CompareEncoder) -> list[str]:
+        """The protocols a compared encoder is trained on (its own list, else every protocol)."""
+        return list(spec.protocols) if spec.protocols is not None else list(self.protocols)
+
+    def for_encoder(self, spec: CompareEncoder) -> RewardConfig:
+        """This section with a compared encoder's model and its training settings in place."""
+        update = {
+            k: v
+            for k, v in spec.model_dump().items()
+            if k not in ("name", "protocols") and v is not None
+        }
+        return self.model_copy(update=update)
 
 
 ForensicVariant = Literal[

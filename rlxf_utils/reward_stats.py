@@ -235,6 +235,7 @@ def protocol_statistics(
     alpha: float = 0.05,
     seed: int = 0,
     n_bins: int = 10,
+    extra_comparisons: Sequence[tuple[str, str, str, str]] = (),
 ) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, np.ndarray]]:
     """CIs of each model's test metrics, within-context AUCs and paired comparisons on `pred`.
 
@@ -242,6 +243,7 @@ def protocol_statistics(
     `reward.run_protocol` writes them. Returns (per-model table: `<metric>_low/_high` for
     `CI_METRICS` and `auc_within_<grouping>` with its interval and group count; comparisons
     table; the accuracy replicates per model, for comparisons across protocols).
+    `extra_comparisons` are made after `COMPARISONS`, in the same (name, a, b, measure) form.
     """
     _check_alpha(alpha)
     y = pred["y"].astype(int).to_numpy()
@@ -286,7 +288,7 @@ def protocol_statistics(
     table = pd.DataFrame(rows)
 
     comp = []
-    for name, a, b, measure in COMPARISONS:
+    for name, a, b, measure in (*COMPARISONS, *extra_comparisons):
         if f"p_{a}" not in pred or f"p_{b}" not in pred:
             continue
         va, vb = point(a, measure), point(b, measure)

@@ -45,7 +45,14 @@ def test_full_extends_default_and_lists_only_its_changes() -> None:
     assert full.rl.steps > default.rl.steps
     assert full.ilhf.particles > default.ilhf.particles
     # everything full.yaml does not name is default.yaml's
-    assert full.reward == default.reward and full.rlgf == default.rlgf and full.sft == default.sft
+    assert full.rlgf == default.rlgf and full.sft == default.sft
+    assert full.reward.model_dump(exclude={"compare_encoders"}) == default.reward.model_dump(
+        exclude={"compare_encoders"}
+    )
+    # full trains the compared encoder on every protocol, the default on the reward protocol only
+    (mp_full,), (mp_default,) = full.reward.compare_encoders, default.reward.compare_encoders
+    assert full.reward.encoder_protocols(mp_full) == full.reward.protocols
+    assert default.reward.encoder_protocols(mp_default) == [default.reward.reward_protocol]
     assert full.rl.model_dump(
         exclude={"algorithm", "steps", "checkpoint_every", "sample_every"}
     ) == (default.rl.model_dump(exclude={"algorithm", "steps", "checkpoint_every", "sample_every"}))

@@ -157,10 +157,11 @@ def clusters_of(df: pd.DataFrame, column: str = "arrangement_id") -> np.ndarray:
 
 def prediction_column(reward_source: str) -> str:
     """Column of `reward/predictions_<protocol>.parquet` holding the RL reward model's P(MET)."""
-    cols = {"encoder": "p_encoder", "tfidf": "p_tfidf"}
-    if reward_source not in cols:
-        raise RiskError(f"reward_source {reward_source!r}; expected one of {sorted(cols)}")
-    return cols[reward_source]
+    if not reward_source or not reward_source.replace("_", "").isalnum():
+        raise RiskError(
+            f"reward_source {reward_source!r}; expected 'encoder', 'tfidf' or a compared encoder's name"
+        )
+    return f"p_{reward_source}"
 
 
 def generated_policies(policies: Iterable[str]) -> list[str]:

