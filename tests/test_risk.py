@@ -13,7 +13,7 @@ import pytest
 
 from rlxf_utils import risk
 from rlxf_utils.artifacts import RunDir
-from rlxf_utils.config import RewardConfig, RiskConfig, StudyConfig
+from rlxf_utils.config import CompareEncoder, RewardConfig, RiskConfig, StudyConfig
 from rlxf_utils.data import make_splits
 
 # ---------------------------------------------------------------------------------------------
@@ -573,6 +573,24 @@ def test_run_risk_stage_writes_every_table_and_flags_what_is_missing(tmp_path, w
         lr = stage.tables["risk_length_reward"].set_index("policy")
         assert lr.loc["ppo", "spearman"] == pytest.approx(1.0)  # reward grows with words here
         assert run.exists("figures/risk_area_shares.png")
+
+
+def test_a_compared_encoder_as_rl_reward_is_read_where_it_was_trained(tmp_path):
+    """reward_source = a compared encoder trained on the reward protocol only: its column feeds
+    group bias; drift (temporal protocol) becomes a note naming why, not a crash."""
+    cfg, run = _synthetic_run(tmp_path, with_eval=False)
+    pred = run.read_parquet("reward/predictions_grouped.parquet")
+    run.write_parquet("reward/predictions_grouped.parquet", pred.assign(p_mpnet=pred["p_encoder"]))
+    cfg.reward = cfg.reward.model_copy(
+        update={"compare_encoders": [CompareEncoder(name="mpnet", encoder="embedded:mpnet",
+                                                    protocols=["grouped"])],
+                "reward_source": "mpnet"}
+    )  # fmt: skip
+    stage = risk.run_risk_stage(cfg, run, reward_model=_CountryReward())
+    summary = json.loads(run.path("risk/summary.json").read_text())
+    assert summary["prediction_column"] == "p_mpnet" and summary["drift"] is None
+    assert any("'mpnet' was not trained on the temporal protocol" in n for n in stage.notes)
+    assert "overall" in summary["group_bias"]
 
 
 def test_run_risk_stage_names_a_country_missing_from_the_regions_file(tmp_path):

@@ -128,11 +128,19 @@ def run_risk_stage(cfg: Any, run: Any, reward_model: Any | None = None) -> RiskS
     # 1. drift ----------------------------------------------------------------------------
     base = base_rate_by_year(labelled, cutoff, alpha=alpha)
     tables["risk_met_rate_by_year"] = base
-    temporal = read_pred("temporal")
+    compared = {c.name: c for c in rc.compare_encoders}
+    trained_temporal = rc.reward_source not in compared or "temporal" in rc.encoder_protocols(
+        compared[rc.reward_source]
+    )
+    temporal = read_pred("temporal") if trained_temporal else None
     if temporal is None:
         note = (
             missing_note("reward/predictions_temporal.parquet", "notebook 02 (temporal protocol)")
             + f" (reward.protocols = {list(rc.protocols)})"
+            if trained_temporal
+            else f"The RL reward {rc.reward_source!r} was not trained on the temporal protocol "
+            f"(reward.compare_encoders[{rc.reward_source!r}].protocols = "
+            f"{rc.encoder_protocols(compared[rc.reward_source])}), so its drift is not measured"
         )
         notes.append(note)
         tables["risk_drift_by_year"] = note_table(note)
