@@ -22,7 +22,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     only = args.only.split(",") if args.only else None
     try:
-        run_dir = run_study(args.params, args.run_dir, only=only, progress=not args.quiet)
+        run_dir = run_study(
+            args.params, args.run_dir, only=only, progress=not args.quiet, force=args.force,
+            from_=args.from_,
+        )  # fmt: skip
     except (ConfigError, ValueError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1 if isinstance(exc, NotebookFailed) else EXIT_BAD_INPUT
@@ -73,6 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--run-dir", default=None, help="output folder (default runs/<run.name>)")
     r.add_argument("--only", default=None, help="comma-separated notebook numbers, e.g. 01,02")
     r.add_argument("--quiet", action="store_true", help="no per-cell progress bar")
+    r.add_argument(
+        "--force", action="store_true", help="rerun every notebook, even those up to date"
+    )
+    r.add_argument(
+        "--from", dest="from_", default=None, metavar="NN",
+        help="rerun notebook NN and every later one (earlier ones are skipped if up to date)",
+    )  # fmt: skip
     r.set_defaults(func=_cmd_run)
 
     rp = sub.add_parser("report", help="render the working paper from a run dir (HTML + PDF)")

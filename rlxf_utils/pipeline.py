@@ -4,6 +4,10 @@
 executes `notebooks/NN_*.ipynb` in number order with `params_file` and `run_dir` injected,
 saves executed copies to `<run_dir>/notebooks/`, and rewrites `manifest.json` after each
 notebook so that an interrupted run still says what ran.
+
+A notebook whose fingerprint is unchanged and whose outputs are intact (`rlxf_utils.stages`) is
+skipped ("up to date"); once one notebook reruns, every later one reruns too. `force` reruns
+everything, `from_` everything from that notebook on.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from . import stages
 from .artifacts import RunDir
 from .config import PROJECT_ROOT, load_config
 from .data import sha256_file
@@ -72,6 +77,10 @@ class NotebookResult:
     seconds: float
     output: str
     error: str | None = None
+    #: "ran" or "reused" (up to date: the executed copy and outputs of an earlier run)
+    how: str = "ran"
+    #: for a reused notebook, when the run that produced it ended
+    reused_from: str | None = None
 
 
 def discover_notebooks(
@@ -182,8 +191,14 @@ def run_study(
     notebook_dir: str | Path | None = None,
     kernel_name: str = KERNEL_NAME,
     progress: bool = True,
+    force: bool = False,
+    from_: str | None = None,
 ) -> Path:
-    """Execute the study's notebooks with papermill; return the run dir. Raises NotebookFailed."""
+    """Execute the study's notebooks with papermill; return the run dir. Raises NotebookFailed.
+
+    Up-to-date notebooks are skipped unless `force`; `from_` ('03') reruns that notebook and
+    every later one; `only` runs the named notebooks whatever their state.
+    """
     import papermill as pm
 
     cfg = load_config(params_file)  # validate before any compute
@@ -191,6 +206,10 @@ def run_study(
     notebooks = discover_notebooks(notebook_dir or PROJECT_ROOT / "notebooks", only)
     if not notebooks:
         raise ValueError(f"no NN_*.ipynb notebooks found in {notebook_dir}")
+    numbers = [NOTEBOOK_RE.match(nb.name).group(1) for nb in notebooks]
+    if from_ is not None and from_.strip().zfill(2) not in numbers:
+        raise ValueError(f"--from {from_}: no such notebook; found {[nb.name for nb in notebooks]}")
+    specs = {nb.stem: stages.stage_spec(nb) for nb in notebooks}  # malformed metadata: stop now
     if not _kernel_available(kernel_name):
         raise RuntimeError(
             f"Jupyter kernel '{kernel_name}' is not installed; run `make install` or "
@@ -200,8 +219,27 @@ def run_study(
     log.info("HF_HUB_OFFLINE=%s", env_note)
     write_manifest(run, cfg, [])
     total = len(notebooks)
-    for i, nb in enumerate(notebooks, start=1):
+    rerun = force or only is not None  # once a notebook reruns, every later one does
+    for i, (nb, number) in enumerate(zip(notebooks, numbers, strict=True), start=1):
         out = run.path(f"notebooks/{nb.name}")
+        spec = specs[nb.stem]
+        digest, parts = stages.fingerprint(nb, cfg, run, spec)
+        if from_ is not None and number >= from_.strip().zfill(2):
+            rerun = True
+        if not rerun:
+            fresh, why, rec = stages.up_to_date(run, nb.stem, digest, spec, parts)
+            if fresh:
+                print(f"[{i}/{total}] {nb.stem}: up to date, skipped ({why})", flush=True)
+                old = rec or {}
+                write_manifest(run, cfg, [NotebookResult(
+                    name=nb.stem, status="ok", started=old.get("ended", ""), ended=old.get("ended", ""),
+                    seconds=old.get("seconds", 0.0), output=str(out), how="reused",
+                    reused_from=old.get("ended"),
+                )])  # fmt: skip
+                continue
+            print(f"[{i}/{total}] {nb.stem}: rerun ({why})", flush=True)
+            rerun = True
+        stages.clear_record(run, nb.stem)
         print(f"[{i}/{total}] {nb.stem}  ->  {out}", flush=True)
         started = dt.datetime.now(dt.UTC)
         t0 = time.perf_counter()
@@ -236,6 +274,8 @@ def run_study(
             output=str(out),
             error=error,
         )
+        if status == "ok":
+            stages.write_record(run, nb.stem, digest, parts, spec, seconds)
         write_manifest(run, cfg, [result])
         print(f"      {status} in {seconds:.1f} s", flush=True)
         if error:

@@ -26,6 +26,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from rlxf_utils import stages
 from rlxf_utils.artifacts import ArtifactMissing, RunDir, atomic_path, to_jsonable
 from rlxf_utils.config import (
     ILHF_ALGORITHMS,
@@ -480,7 +481,12 @@ def run_algorithm(
         "steps": steps or cfg.rl.steps,
         "seed": cfg.run.seed,
         "prompts": len(contexts),
-    }
+        # what it was trained from: the data, the reward, the start policy (and RLGF's guide)
+        "inputs": stages.input_hashes(rd.root, [
+            "data", *stages.REWARD_PATHS, f"policy/{cfg.rl.start_policy}/adapter",
+            *([f"policy/{cfg.rlgf.guide}/adapter"] if algo in RLGF_ALGORITHMS else []),
+        ]),
+    }  # fmt: skip
     done = out / "complete.json"
     if done.is_file() and json.loads(done.read_text(encoding="utf-8")) == marker:
         log.info("%s: up to date (%s), not retrained", algo, done)

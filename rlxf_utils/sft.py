@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from rlxf_utils import stages
 from rlxf_utils.artifacts import RunDir
 from rlxf_utils.config import SFTConfig, StudyConfig
 from rlxf_utils.models import (
@@ -286,6 +287,7 @@ def run_sft_stage(cfg: StudyConfig, run: RunDir, progress: bool = True) -> pd.Da
             "prompt_template": cfg.rl.prompt_template,
             "reward_protocol": cfg.reward.reward_protocol,
             "seed": cfg.run.seed,
+            "inputs": stages.input_hashes(run.root, ["data"]),  # the rows it learns from
         }
         done = run.path(f"policy/{name}/data.json")
         if done.is_file() and run.exists(f"policy/{name}/adapter/adapter_config.json"):

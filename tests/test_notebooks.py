@@ -64,6 +64,79 @@ def test_runner_reports_the_failing_cell(tmp_path: Path) -> None:
     assert status == {"01_ok": "ok", "02_bad": "failed"}
 
 
+def _declare(path: Path, **rlxf: list[str]) -> None:
+    nb = nbformat.read(path, as_version=4)
+    nb.metadata["rlxf"] = rlxf
+    nbformat.write(nb, path)
+
+
+@pytest.mark.slow
+def test_runner_skips_what_is_up_to_date_and_reruns_what_changed(tmp_path: Path) -> None:
+    """Fingerprints: nothing changed -> skipped; a param, an output, a failure or --force/--from
+    rerun exactly that notebook and every later one; the manifest says which were reused."""
+    nbdir = tmp_path / "nbs"
+    nbdir.mkdir()
+    _tiny_notebook(
+        nbdir / "01_make.ipynb",
+        "from pathlib import Path\nfrom rlxf_utils.config import load_config\n"
+        "Path(run_dir, 'a').mkdir(exist_ok=True)\n"
+        "Path(run_dir, 'a', 'x.txt').write_text(str(load_config(params_file).run.seed))\n"
+        "log = Path(run_dir, 'log.txt'); log.write_text(log.read_text() + '01 ' if log.exists() else '01 ')",
+    )
+    _declare(nbdir / "01_make.ipynb", params=["run.seed"], inputs=[], outputs=["a"])
+    _tiny_notebook(
+        nbdir / "02_use.ipynb",
+        "import os\nfrom pathlib import Path\nfrom rlxf_utils.config import load_config\n"
+        "assert not Path(run_dir, 'fail').exists(), 'failing on purpose'\n"
+        "Path(run_dir, 'b').mkdir(exist_ok=True)\n"
+        "x = Path(run_dir, 'a', 'x.txt').read_text()\n"
+        "Path(run_dir, 'b', 'y.txt').write_text(x + str(load_config(params_file).rl.steps))\n"
+        "log = Path(run_dir, 'log.txt'); log.write_text(log.read_text() + '02 ')",
+    )
+    _declare(nbdir / "02_use.ipynb", params=["rl.steps"], inputs=["a"], outputs=["b"])
+    _tiny_notebook(  # no metadata: reads every parameter
+        nbdir / "03_last.ipynb",
+        "from pathlib import Path\nlog = Path(run_dir, 'log.txt'); log.write_text(log.read_text() + '03 ')",
+    )
+    (tmp_path / "params").mkdir()
+    (tmp_path / "data").symlink_to(ROOT / "data")  # the profile's relative paths still resolve
+    params = tmp_path / "params" / "p.yaml"
+    params.write_text(f"extends: {ROOT / 'params/smoke.yaml'}\nrun: {{name: t}}\n")
+    run_dir = tmp_path / "run"
+    log = run_dir / "log.txt"
+
+    def run(**kw) -> list[str]:
+        before = log.read_text() if log.exists() else ""
+        run_study(params, run_dir, notebook_dir=nbdir, progress=False, **kw)
+        return log.read_text()[len(before) :].split()
+
+    assert run() == ["01", "02", "03"]
+    assert run() == []  # nothing changed: every notebook reused
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert {n["name"]: n["how"] for n in manifest["notebooks"]} == dict.fromkeys(
+        ["01_make", "02_use", "03_last"], "reused"
+    )
+    assert all(n["reused_from"] for n in manifest["notebooks"])
+    # a parameter only 02 (and 03, which reads everything) depends on
+    params.write_text(params.read_text() + "rl: {steps: 3}\n")
+    assert run() == ["02", "03"]
+    assert (run_dir / "b" / "y.txt").read_text().endswith("3")
+    # an output edited by hand is not up to date
+    (run_dir / "b" / "y.txt").write_text("tampered")
+    assert run() == ["02", "03"]
+    # a notebook that fails leaves no completion record; the rerun resumes there
+    (run_dir / "a" / "x.txt").write_text("changed input")  # 01's output: 01 reruns first
+    (run_dir / "fail").write_text("")
+    with pytest.raises(NotebookFailed, match="failing on purpose"):
+        run()
+    assert not (run_dir / ".rlxf/stages/02_use.json").exists()
+    (run_dir / "fail").unlink()
+    assert run() == ["02", "03"]
+    assert run(from_="03") == ["03"] and run(force=True) == ["01", "02", "03"]
+    with pytest.raises(ValueError, match="--from 7"):
+        run(from_="7")
+
+
 @pytest.mark.slow
 def test_smoke_study_notebook_01(tmp_path: Path) -> None:
     run_dir = run_study(ROOT / "params/smoke.yaml", tmp_path / "smoke", only=["01"], progress=False)

@@ -144,3 +144,47 @@ def test_summary_table_reads_the_critic_from_an_interval() -> None:
     assert 0 < clear["explained_variance_low"] < 0.31 < clear["explained_variance_high"]
     noisy = rl.summary_table(logs([0.0] * 6 + [0.5, -0.4, 0.3]), alpha=0.05).iloc[0]
     assert noisy["explained_variance_last_third"] > 0 > noisy["explained_variance_low"]
+
+
+def test_a_finished_algorithm_is_reused_only_while_its_inputs_are_unchanged(tmp_path, monkeypatch):
+    """policy/<algo>/complete.json holds the settings and the hashes of the data, the reward and
+    the start policy: a retrained reward (or new data, or another SFT) retrains the algorithm."""
+    from pathlib import Path
+
+    from rlxf_utils.config import load_config
+
+    cfg = load_config(Path(__file__).resolve().parent.parent / "params/smoke.yaml")
+    run_dir = tmp_path / "run"
+    for rel, text in (("data/contexts.parquet", "c"), ("reward_model/bundle.json", "{}"),
+                      ("policy/sft/adapter/adapter_model.safetensors", "w")):  # fmt: skip
+        (run_dir / rel).parent.mkdir(parents=True, exist_ok=True)
+        (run_dir / rel).write_text(text)
+    calls = []
+
+    def fake_ppo(model, tok, prompts, contexts, reward_fn, rl_cfg, policy, out, **kw):
+        calls.append(len(prompts))
+        frame = pd.DataFrame({"algo": ["ppo"], "step": [1], "reward_mean": [0.5]})
+        out.mkdir(parents=True, exist_ok=True)
+        frame.to_parquet(out / "train_log.parquet")
+        return frame
+
+    monkeypatch.setattr(rl, "load_start_policy", lambda *a, **k: (None, None))
+    monkeypatch.setattr(rl, "build_prompts", lambda contexts, *a, **k: [str(c) for c in contexts])
+    monkeypatch.setattr(rl, "run_ppo", fake_ppo)
+    contexts = [{"country": "KENYA", "split": "train"}] * 3
+
+    def run() -> None:
+        rl.run_algorithm("ppo", cfg, run_dir, toy_reward, contexts=contexts, progress=False)
+
+    run()
+    run()
+    assert len(calls) == 1  # finished with the same settings and inputs: reused
+    marker = json.loads((run_dir / "policy/ppo/complete.json").read_text())
+    assert marker["inputs"]["reward_model/bundle.json"] and marker["inputs"]["data"]
+    (run_dir / "reward_model/bundle.json").write_text('{"retrained": true}')
+    run()
+    assert len(calls) == 2  # the reward changed: retrained
+    (run_dir / "policy/sft/adapter/adapter_model.safetensors").write_text("other sft")
+    run()
+    run()
+    assert len(calls) == 3  # the start policy changed: retrained once, then reused
