@@ -92,6 +92,9 @@ __all__ = [
     "run_reward_stage",
     "within_context_table",
     "save_reward_bundle",
+    "save_protocol_result",
+    "load_protocol_result",
+    "protocol_key",
     "score_precision_check",
     "embedded_mpnet_dir",
     "encoder_label",
@@ -1949,6 +1952,90 @@ def comparison_tables(
     return within, protocol_differences(reps, points, alpha)
 
 
+#: Reward settings that do not change one protocol's models or test metrics.
+_NOT_PROTOCOL_KEYS = {"num_threads", "progress", "protocols", "reward_protocol", "reward_source",
+                      "compare_encoders", "score_precision", "score_tolerance"}  # fmt: skip
+
+
+def protocol_key(
+    rc: RewardConfig, protocol: str, compare: Sequence[CompareEncoder], seed: int, alpha: float,
+    n_boot: int, boot_seed: int, data_hash: str | None,
+) -> dict[str, Any]:  # fmt: skip
+    """What one protocol's result depends on: its settings, seeds, intervals and the data."""
+    return {
+        "protocol": protocol,
+        "reward": rc.model_dump(mode="json", exclude=_NOT_PROTOCOL_KEYS),
+        "compare": [c.model_dump(mode="json") for c in compare],
+        "seed": seed, "alpha": alpha, "n_boot": n_boot, "boot_seed": boot_seed,
+        "data": data_hash,
+        "format_version": FORMAT_VERSION,
+    }  # fmt: skip
+
+
+def save_protocol_result(path: str | Path, result: ProtocolResult, key: Mapping[str, Any]) -> Path:
+    """Write one protocol's result (tables, replicates, every model) so a rerun need not retrain.
+
+    Written to a temporary folder renamed into place; `result.json`, holding `key`, comes last.
+    """
+    import shutil
+    import tempfile
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        result.predictions.to_parquet(tmp / "predictions.parquet", index=False)
+        reps = result.extra.get("accuracy_replicates", {})
+        np.savez(tmp / "accuracy_replicates.npz", **{k: np.asarray(v) for k, v in reps.items()})
+        if result.encoder is not None:
+            result.encoder.save(tmp / "encoder")
+        if result.audit is not None:
+            result.audit.save(tmp / "audit")
+        for name, enc in result.compared.items():
+            enc.save(tmp / "compared" / name)
+        tables = {k: getattr(result, k).to_dict("records")
+                  for k in ("metrics", "calibration", "train_log", "comparisons")}  # fmt: skip
+        _write_json(tmp / "result.json", {
+            "kind": "rlxf-reward-protocol", "key": dict(key), "protocol": result.protocol,
+            "timing": result.timing, "compared": list(result.compared), "tables": tables,
+            "extra": {k: v for k, v in result.extra.items() if k != "accuracy_replicates"},
+        })  # fmt: skip
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def load_protocol_result(path: str | Path, key: Mapping[str, Any]) -> ProtocolResult | None:
+    """A protocol's saved result when it was computed with `key`; None otherwise (retrain)."""
+    path = Path(path)
+    try:
+        saved = json.loads((path / "result.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if saved.get("kind") != "rlxf-reward-protocol" or saved.get("key") != to_jsonable(dict(key)):
+        return None
+    try:
+        with np.load(path / "accuracy_replicates.npz", allow_pickle=False) as z:
+            reps = {k: z[k] for k in z.files}
+        encoder = RewardModel.load(path / "encoder") if (path / "encoder").is_dir() else None
+        audit = TfidfAuditModel.load(path / "audit") if (path / "audit").is_dir() else None
+        compared = {n: RewardModel.load(path / "compared" / n) for n in saved["compared"]}
+        predictions = pd.read_parquet(path / "predictions.parquet")
+    except (OSError, ValueError, KeyError, RewardModelError) as exc:
+        log.warning("%s: saved protocol result unreadable (%s); retraining", path, exc)
+        return None
+    t = saved["tables"]
+    return ProtocolResult(
+        saved["protocol"], predictions, pd.DataFrame(t["metrics"]), pd.DataFrame(t["calibration"]),
+        pd.DataFrame(t["train_log"]), saved["timing"], encoder, audit,
+        extra={**saved["extra"], "accuracy_replicates": reps},
+        comparisons=pd.DataFrame(t["comparisons"]), compared=compared,
+    )  # fmt: skip
+
+
 def run_reward_stage(
     cfg: Any,
     run: Any,
@@ -1965,21 +2052,25 @@ def run_reward_stage(
     rc = cfg.reward
     alpha, n_boot = cfg.evaluation.alpha, cfg.evaluation.n_boot
     configure_threads(rc.num_threads)
+    from rlxf_utils.stages import hash_path
+
     labelled, splits = load_splits(run)
+    data_hash = hash_path(run.path("data"))
     results = []
     for i, protocol in enumerate(rc.protocols):
-        res = run_protocol(
-            labelled,
-            splits,
-            protocol,
-            rc,
-            cfg.run.seed,
-            model_factory=model_factory,
-            alpha=alpha,
-            n_boot=n_boot,
-            boot_seed=cfg.run.seed + i,  # independent bootstrap draws per protocol
-            compare=[c for c in rc.compare_encoders if protocol in rc.encoder_protocols(c)],
-        )
+        compare = [c for c in rc.compare_encoders if protocol in rc.encoder_protocols(c)]
+        boot_seed = cfg.run.seed + i  # independent bootstrap draws per protocol
+        key = protocol_key(rc, protocol, compare, cfg.run.seed, alpha, n_boot, boot_seed, data_hash)
+        cache = run.path(f"reward/protocols/{protocol}")
+        res = load_protocol_result(cache, key)
+        if res is not None:
+            log.info("protocol %s: up to date (%s), not retrained", protocol, cache)
+        else:
+            res = run_protocol(
+                labelled, splits, protocol, rc, cfg.run.seed, model_factory=model_factory,
+                alpha=alpha, n_boot=n_boot, boot_seed=boot_seed, compare=compare,
+            )  # fmt: skip
+            save_protocol_result(cache, res, key)
         run.write_parquet(f"reward/predictions_{protocol}.parquet", res.predictions)
         results.append(res)
     chosen = next(r for r in results if r.protocol == rc.reward_protocol)

@@ -299,3 +299,60 @@ def test_the_installed_mpnet_is_bert_base_sized():
     path = R.resolve_encoder("embedded:mpnet")
     conf = AutoConfig.from_pretrained(path)
     assert (conf.model_type, conf.num_hidden_layers, conf.hidden_size) == ("mpnet", 12, 768)
+
+
+# --------------------------------------------------------------------------------------------
+# notebook 02 resumes: a finished protocol is not retrained
+# --------------------------------------------------------------------------------------------
+def test_reward_stage_reuses_finished_protocols_byte_for_byte(tmp_path: Path, monkeypatch):
+    from rlxf_utils.config import StudyConfig
+
+    df = _synthetic_conditions(240, seed=4).assign(
+        label=lambda d: np.where(d["y"] == 1, "met", "non_met")
+    )
+    ids = df["row_id"].tolist()
+    split = {"train": ids[:150], "val": ids[150:180], "test": ids[180:]}
+    run = RunDir(tmp_path / "run")
+    run.write_parquet("data/conditions.parquet", df)
+    run.write_json("data/splits.json", {"random": split, "grouped": split})
+    run.write_json("data/holdout.json", {"reference": ids[200:220], "audit_train": ids[180:195],
+                                         "audit_val": ids[195:200], "eval_countries": ["PERU"]})  # fmt: skip
+    reward = dict(
+        epochs=2, batch_size=16, learning_rate=3e-3, max_length=48, freeze_embeddings=False,
+        early_stopping_patience=None, progress=False, num_threads=1, tfidf_min_df=1,
+        protocols=["random", "grouped"], reward_protocol="grouped",
+        compare_encoders=[{"name": "deep", "encoder": "tiny", "protocols": ["grouped"]}],
+    )  # fmt: skip
+
+    def cfg_with(**kw):
+        return StudyConfig.model_validate({
+            "run": {"name": "t", "seed": 1}, "data": {"path": str(tmp_path / "unused.csv")},
+            "reward": {**reward, **kw}, "evaluation": {"n_boot": 100},
+        })  # fmt: skip
+
+    factory = _tiny_factory(serialize_frame(df))
+    first = R.run_reward_stage(cfg_with(), run, model_factory=factory)
+    snapshot = {f.name: f.read_bytes() for f in run.path("tables").glob("reward_*.csv")}
+    bundle = run.path("reward_model/encoder/model.safetensors").read_bytes()
+    assert run.exists("reward/protocols/grouped/compared/deep/model.safetensors")
+
+    def no_training(*a, **k):
+        raise AssertionError("retrained a finished protocol")
+
+    monkeypatch.setattr(R, "train_encoder", no_training)
+    again = R.run_reward_stage(cfg_with(), run, model_factory=factory)
+    assert {f.name: f.read_bytes() for f in run.path("tables").glob("reward_*.csv")} == snapshot
+    assert run.path("reward_model/encoder/model.safetensors").read_bytes() == bundle
+    assert set(again.results[1].compared) == {"deep"}
+    te = df.iloc[180:]
+    np.testing.assert_allclose(
+        again.results[1].encoder.score(te, te["description"].tolist()),
+        first.results[1].encoder.score(te, te["description"].tolist()),
+    )
+    # what RL's choice of reward does not touch reuses; a training setting retrains
+    R.run_reward_stage(cfg_with(score_tolerance=0.5), run, model_factory=factory)
+    with pytest.raises(AssertionError, match="retrained"):
+        R.run_reward_stage(cfg_with(epochs=3), run, model_factory=factory)
+    # a half-written cache (no result.json) is never taken for a finished protocol
+    (run.path("reward/protocols/random/result.json")).unlink()
+    assert R.load_protocol_result(run.path("reward/protocols/random"), {"any": 1}) is None
