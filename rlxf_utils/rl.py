@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -323,7 +324,12 @@ def run_trl(
         num_iterations=rl.update_epochs,  # passes over each generation batch, as PPO's epochs
         max_steps=steps * per_batch,  # TRL counts optimiser steps
         logging_steps=1,
-        save_strategy="no",
+        # Trainer checkpoints (adapter, optimiser, RNG, data position) at generation-batch
+        # boundaries every `checkpoint_every` batches, the last one kept: an interrupted run
+        # resumes there (with its log rows, saved beside each checkpoint by _HistoryCallback)
+        save_strategy="steps",
+        save_steps=rl.checkpoint_every * per_batch,
+        save_total_limit=1,
         report_to="none",
         push_to_hub=False,
         seed=seed,
@@ -396,6 +402,19 @@ def run_trl(
             if step % rl.checkpoint_every == 0 and step < steps:
                 _save_snapshot(trainer, output_dir, step)
 
+    class _HistoryCallback(TrainerCallback):
+        """The log rows so far, written into each checkpoint Trainer saves."""
+
+        def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            if ckpt.is_dir() and state.is_world_process_zero:
+                with atomic_path(ckpt / HISTORY_FILE) as tmp:
+                    tmp.write_text(json.dumps(to_jsonable(history)), encoding="utf-8")  # noqa: B023
+
+    resume = _latest_trl_checkpoint(output_dir / "trl")
+    if resume is not None:
+        history.extend(json.loads((resume / HISTORY_FILE).read_text(encoding="utf-8")))
+        log.info("%s: resuming from %s (%d batches logged)", algo, resume, len(history))
     cb = _LogCallback()
     trainer = Trainer(
         model=base_model,
@@ -404,7 +423,7 @@ def run_trl(
         train_dataset=dataset,
         processing_class=trl_tokenizer(tokenizer, prompts),
         peft_config=lora_config(policy.lora),
-        callbacks=[cb, _SnapshotCallback()],
+        callbacks=[cb, _SnapshotCallback(), _HistoryCallback()],
     )
     write_settings(output_dir, algo, rl, {
         "kl_penalty": "k3 estimator in the loss, fixed beta" if algo == "grpo"
@@ -417,7 +436,7 @@ def run_trl(
     })  # fmt: skip
     cb.timer = _GenTimer(trainer.accelerator.unwrap_model(trainer.model), tokenizer.pad_token_id)
     with autocast(policy.autocast, trainer.accelerator.device):
-        trainer.train()
+        trainer.train(resume_from_checkpoint=str(resume) if resume is not None else None)
     frame = pd.DataFrame(history, columns=list(LOG_COLUMNS))
     if trainer.accelerator.is_main_process:
         peft_model = trainer.accelerator.unwrap_model(trainer.model)
@@ -438,6 +457,19 @@ def run_trl(
                 "".join(json.dumps(to_jsonable(s)) + "\n" for s in samples), encoding="utf-8"
             )
     return frame
+
+
+HISTORY_FILE = "rlxf_history.json"
+
+
+def _latest_trl_checkpoint(folder: Path) -> Path | None:
+    """The newest complete Trainer checkpoint (one with our log rows, written after Trainer's files)."""
+    found = [
+        (int(p.name.split("-")[1]), p)
+        for p in folder.glob("checkpoint-*")
+        if p.name.split("-")[1].isdigit() and (p / HISTORY_FILE).is_file()
+    ]
+    return max(found)[1] if found else None
 
 
 def _save_snapshot(trainer: Any, output_dir: Path, step: int) -> None:
@@ -491,6 +523,21 @@ def run_algorithm(
     if done.is_file() and json.loads(done.read_text(encoding="utf-8")) == marker:
         log.info("%s: up to date (%s), not retrained", algo, done)
         return rd.read_parquet(f"policy/{algo}/train_log.parquet")
+    # Checkpoints resume only the run they belong to: with other settings or inputs, the
+    # checkpoints, TRL's checkpoints and the frontier snapshots of the old run are removed.
+    started = out / "started.json"
+    if out.exists() and not (
+        started.is_file() and json.loads(started.read_text(encoding="utf-8")) == marker
+    ):
+        stale = [out / d for d in ("checkpoints", "trl", "snapshots") if (out / d).exists()]
+        if stale:
+            log.info("%s: settings or inputs changed; removing %s", algo, [p.name for p in stale])
+        for d in stale:
+            shutil.rmtree(d)
+        done.unlink(missing_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    with atomic_path(started) as tmp:
+        tmp.write_text(json.dumps(marker, indent=2), encoding="utf-8")
     _seed_everything(cfg.run.seed)
     model, tok = load_start_policy(cfg.policy, cfg.rl.start_policy, rd.root)
     prompts = build_prompts(contexts, tok, cfg.rl.prompt_template, cfg.policy)

@@ -178,6 +178,11 @@ def test_smoke_study_renders_the_report(tmp_path: Path) -> None:
     from rlxf_utils.report import load_variables, render_report
 
     run_dir = run_study(ROOT / "params/smoke.yaml", tmp_path / "smoke", progress=False)
+    # run again with nothing changed: every notebook is up to date (no notebook rewrites an
+    # earlier one's declared outputs), and the report below reads the same artifacts
+    run_study(ROOT / "params/smoke.yaml", run_dir, progress=False)
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert [n["how"] for n in manifest["notebooks"]] == ["reused"] * 5, manifest["notebooks"]
     res = render_report(run_dir, engine="pandoc")
     assert res.engine == "pandoc+typst"
     html = res.html.read_text(encoding="utf-8")

@@ -181,10 +181,62 @@ def test_a_finished_algorithm_is_reused_only_while_its_inputs_are_unchanged(tmp_
     assert len(calls) == 1  # finished with the same settings and inputs: reused
     marker = json.loads((run_dir / "policy/ppo/complete.json").read_text())
     assert marker["inputs"]["reward_model/bundle.json"] and marker["inputs"]["data"]
+    ckpt = run_dir / "policy/ppo/checkpoints/step_000001"
+    ckpt.mkdir(parents=True)
+    (run_dir / "policy/ppo/complete.json").unlink()  # as if interrupted after a checkpoint
+    run()
+    assert len(calls) == 2 and ckpt.is_dir()  # same run: its checkpoint is kept for the resume
+    (run_dir / "policy/ppo/snapshots/step_000001").mkdir(parents=True)
     (run_dir / "reward_model/bundle.json").write_text('{"retrained": true}')
     run()
-    assert len(calls) == 2  # the reward changed: retrained
+    assert len(calls) == 3  # the reward changed: retrained
+    assert not ckpt.exists() and not (run_dir / "policy/ppo/snapshots").exists()  # nothing stale
     (run_dir / "policy/sft/adapter/adapter_model.safetensors").write_text("other sft")
     run()
     run()
-    assert len(calls) == 3  # the start policy changed: retrained once, then reused
+    assert len(calls) == 4  # the start policy changed: retrained once, then reused
+
+
+@pytest.mark.parametrize("algo", ["grpo", "rloo"])
+def test_trl_resumes_an_interrupted_run_where_it_stopped(tmp_path, algo):
+    """Killed during its second batch, GRPO/RLOO resume from the Trainer checkpoint of the first
+    (adapter, optimiser, RNG, data position, log rows) and end where an uninterrupted run ends."""
+    from safetensors.torch import load_file
+
+    prompts, contexts = toy_contexts(6)
+    rl_cfg = small_cfg(steps=2, batch_size=4, num_generations=2, minibatch_size=4, checkpoint_every=1)
+    policy = PolicyConfig(lora=LoraSettings(rank=2, alpha=4, target_modules=["q_proj"]))
+
+    def go(out, reward):
+        model, tok = _tiny_base()
+        return run_trl(algo, model, tok, prompts, contexts, reward, rl_cfg, policy, out, seed=3,
+                       progress=False)  # fmt: skip
+
+    counted = []
+
+    def counting(ctx, texts):
+        counted.append(1)
+        return toy_reward(ctx, texts)
+
+    whole = go(tmp_path / "whole", counting)
+    assert len(counted) == 3  # two batches, then run_trl's after-training samples
+    calls = []
+
+    def dies_in_batch_two(ctx, texts):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt("killed")
+        return toy_reward(ctx, texts)
+
+    with pytest.raises(KeyboardInterrupt):
+        go(tmp_path / "cut", dies_in_batch_two)
+    assert list((tmp_path / "cut" / "trl").glob("checkpoint-*/rlxf_history.json"))
+    counted.clear()
+    resumed = go(tmp_path / "cut", counting)
+    assert len(counted) == 2  # only batch two was generated again: it resumed, not restarted
+    assert list(resumed.step) == [1, 2]
+    pd.testing.assert_series_equal(resumed.reward_mean, whole.reward_mean)
+    a = load_file(str(tmp_path / "whole" / "adapter" / "adapter_model.safetensors"))
+    b = load_file(str(tmp_path / "cut" / "adapter" / "adapter_model.safetensors"))
+    for k in a:
+        np.testing.assert_allclose(a[k].numpy(), b[k].numpy(), atol=1e-6, err_msg=k)
