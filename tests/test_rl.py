@@ -204,7 +204,9 @@ def test_trl_resumes_an_interrupted_run_where_it_stopped(tmp_path, algo):
     from safetensors.torch import load_file
 
     prompts, contexts = toy_contexts(6)
-    rl_cfg = small_cfg(steps=2, batch_size=4, num_generations=2, minibatch_size=4, checkpoint_every=1)
+    rl_cfg = small_cfg(
+        steps=2, batch_size=4, num_generations=2, minibatch_size=4, checkpoint_every=1
+    )
     policy = PolicyConfig(lora=LoraSettings(rank=2, alpha=4, target_modules=["q_proj"]))
 
     def go(out, reward):
