@@ -360,10 +360,15 @@ def encoders_section(
                     )  # fmt: skip
             row = t[(t["model"] == name) & (t["protocol"] == proto)].iloc[0]
             base = t[(t["model"] == "encoder") & (t["protocol"] == proto)]
+
+            def ep(r: pd.Series) -> str:
+                return f"{r['epochs_run']:g} epoch{'s' if r['epochs_run'] != 1 else ''}"
+
             cost = (
-                f"; it took {row['train_s']:.0f} s to train against {base['train_s'].iloc[0]:.0f} s "
-                f"and scores {row['score_texts_per_s']:.0f} texts/s against {base['score_texts_per_s'].iloc[0]:.0f}"
-                if len(base) else f"; it took {row['train_s']:.0f} s to train"
+                f"; it trained for {ep(row)} in {row['train_s']:.0f} s against {ep(base.iloc[0])} in "
+                f"{base['train_s'].iloc[0]:.0f} s and scores {row['score_texts_per_s']:.0f} texts/s in fp32 "
+                f"against {base['score_texts_per_s'].iloc[0]:.0f}"
+                if len(base) else f"; it trained for {ep(row)} in {row['train_s']:.0f} s"
             )  # fmt: skip
             parts.append(
                 f"on the {proto} protocol the {labels[name]}, against the {labels['encoder']}, is "

@@ -1054,7 +1054,9 @@ def _train_once_inner(
             callbacks=[keep],
         )
         trainer.train()
-    model = trainer.model
+    # Trainer's bf16 autocast patches the model's forward (accelerate's mixed-precision wrapper);
+    # unwrap it, or every later "fp32" score (test metrics, calibration) would run in bf16
+    model = trainer.accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=False)
     if keep.best_state is not None:
         model.load_state_dict(keep.best_state)
     model.eval()

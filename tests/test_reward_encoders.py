@@ -233,6 +233,17 @@ def test_bf16_training_runs_in_bf16_and_learns():
     assert seen == {torch.bfloat16}  # the training forward ran under bf16 autocast
     assert next(rm.model.parameters()).dtype == torch.float32  # autocast: weights stay fp32
     assert roc_auc_score(y[200:], rm.score_texts(texts[200:])) > 0.8
+    # ... and after training the model scores in fp32 again: Trainer's autocast wrapper is gone
+    seen.clear()
+    rm.model.train()  # the hook records training-mode forwards only
+    with torch.no_grad():
+        rm.model(**rm.tokenizer(texts[:4], return_tensors="pt", padding=True))
+    assert seen == {torch.float32}
+    rm.model.eval()
+    diff = np.abs(
+        rm.margins_texts(texts[200:]) - rm.with_precision("bf16").margins_texts(texts[200:])
+    )
+    assert diff.max() > 0  # fp32 and bf16 scoring are different computations
 
 
 # --------------------------------------------------------------------------------------------
