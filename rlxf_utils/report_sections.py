@@ -372,7 +372,7 @@ def encoders_section(
             )  # fmt: skip
             parts.append(
                 f"on the {proto} protocol the {labels[name]}, against the {labels['encoder']}, is "
-                f"{' and '.join(bits)}{cost}"
+                f"{' and '.join(bits)}{cost}{_calls(run, proto, name)}"
             )
     if parts:
         sentence = (
@@ -408,6 +408,27 @@ def encoders_section(
         "evidence_sentence": evidence,
         "score_sentence": score_sentence,
     }, md
+
+
+def _calls(run: RunDir, protocol: str, name: str) -> str:
+    """A clause when accuracy cannot separate two encoders because their MET/Non-MET calls at
+    0.5 are the same on every test row (from `reward/predictions_<protocol>.parquet`)."""
+    rel = f"reward/predictions_{protocol}.parquet"
+    if not run.exists(rel):
+        return ""
+    pred = run.read_parquet(rel)
+    if f"p_{name}" not in pred or "p_encoder" not in pred or not len(pred):
+        return ""
+    a, b = pred[f"p_{name}"] >= 0.5, pred["p_encoder"] >= 0.5
+    if not (a == b).all():
+        return ""
+    if a.all() or not a.any():
+        call = "MET" if a.all() else "Non-MET"
+        return (
+            f" (at the 0.5 threshold both call every one of the {len(pred):,} test rows {call}, so accuracy "
+            "cannot separate them; AUC, which ranks, can)"
+        )
+    return f" (both make the same MET/Non-MET call on every one of the {len(pred):,} test rows)"
 
 
 def _encoder_evidence(

@@ -1670,6 +1670,8 @@ def plot_encoders(table: pd.DataFrame, alpha: float) -> Any:
         for proto in protocols:
             for j, lab in enumerate(labels):
                 row = table[(table["protocol"] == proto) & (table["label"] == lab)]
+                if not len(row):  # not trained on this protocol: no empty slot
+                    continue
                 if len(row):
                     r = row.iloc[0]
                     ax.errorbar(
@@ -1679,11 +1681,16 @@ def plot_encoders(table: pd.DataFrame, alpha: float) -> Any:
                     )  # fmt: skip
                     ticks.append(y)
                     names.append(f"{proto}: {lab}")
-                y += 1
+                    y += 1
             y += 0.6
+        if measure == "roc_auc":
+            ax.axvline(0.5, color="grey", ls=":", lw=1)
+            ax.text(0.5, 0, " chance", fontsize=7, color="grey", rotation=90, va="top")
         if measure == "accuracy":
             ax.axvline(PAPER_ACCURACY, color="grey", ls=":", lw=1)
-            ax.text(PAPER_ACCURACY, -0.9, " paper 82%", fontsize=7, color="grey")
+            ax.text(
+                PAPER_ACCURACY, 0, " paper's 82%", fontsize=7, color="grey", rotation=90, va="top"
+            )
         ax.set_yticks(ticks, names if ax is axes[0] else [""] * len(names), fontsize=8)
         ax.invert_yaxis()
         ax.set(xlabel=f"{title} [{1 - alpha:.0%} CI, arrangements resampled]")
