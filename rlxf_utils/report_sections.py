@@ -321,7 +321,14 @@ def encoders_section(
     encoders = meta.get("encoders", {})
     if not run.exists("tables/reward_encoders.csv") or not encoders:
         stale = f"This run directory predates the encoder comparison; rerun {stage}"
-        return {"encoders_sentence": stale, "evidence_sentence": stale, "score_sentence": stale}, ""
+        keys = (
+            "encoders_sentence",
+            "evidence_sentence",
+            "score_sentence",
+            "encoder_desc",
+            "compared_desc",
+        )
+        return dict.fromkeys(keys, stale), ""
     t = run.read_table("reward_encoders", stage)
     md = markdown_table(
         pd.DataFrame(
@@ -403,10 +410,25 @@ def encoders_section(
         )
     else:
         score_sentence = "RL scores with the reward model as notebook 02 trained it"
+    from .reward import ENCODER_NAMES
+
+    def desc(name: str) -> str:
+        setting = encoders[name]["setting"]
+        return ENCODER_NAMES.get(setting, f"{encoders[name]['label']} ({setting})")
+
+    trained_on = {n: listing(sorted(set(t.loc[t["model"] == n, "protocol"]))) for n in compared}
+    compared_desc = (
+        "beside it this run trains " + listing([f"{desc(n)} on the {trained_on[n]} protocol"
+                                                 f"{'s' if ',' in trained_on[n] or ' and ' in trained_on[n] else ''}"
+                                                 for n in compared])
+        if compared else "this run compares no other encoder (reward.compare_encoders is empty)"
+    )  # fmt: skip
     return {
         "encoders_sentence": sentence,
         "evidence_sentence": evidence,
         "score_sentence": score_sentence,
+        "encoder_desc": desc("encoder"),
+        "compared_desc": compared_desc,
     }, md
 
 
