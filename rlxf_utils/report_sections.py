@@ -416,11 +416,12 @@ def encoders_section(
         setting = encoders[name]["setting"]
         return ENCODER_NAMES.get(setting, f"{encoders[name]['label']} ({setting})")
 
-    trained_on = {n: listing(sorted(set(t.loc[t["model"] == n, "protocol"]))) for n in compared}
+    def trained_on(name: str) -> str:
+        protocols = sorted(set(t.loc[t["model"] == name, "protocol"]))
+        return f"the {listing(protocols)} protocol{'s' if len(protocols) > 1 else ''}"
+
     compared_desc = (
-        "beside it this run trains " + listing([f"{desc(n)} on the {trained_on[n]} protocol"
-                                                 f"{'s' if ',' in trained_on[n] or ' and ' in trained_on[n] else ''}"
-                                                 for n in compared])
+        "beside it this run trains " + listing([f"{desc(n)} on {trained_on(n)}" for n in compared])
         if compared else "this run compares no other encoder (reward.compare_encoders is empty)"
     )  # fmt: skip
     return {
