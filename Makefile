@@ -8,9 +8,8 @@ STAMP  := $(VENV)/.installed
 PARAMS ?= params/default.yaml
 RUN_DIR ?=
 
-export HF_HUB_OFFLINE := 1
-export TRANSFORMERS_OFFLINE := 1
-export HF_DATASETS_OFFLINE := 1
+# Hub access comes from the profile (compute.hf_offline, offline by default); an explicit
+# HF_HUB_OFFLINE=0/1 in the environment wins.
 export TOKENIZERS_PARALLELISM := false
 export MPLBACKEND := Agg
 

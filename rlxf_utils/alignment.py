@@ -53,9 +53,9 @@ from .models import (
     generate,
     load_policy,
     load_start_policy,
+    resolve_device,
 )
 from .prompts import response_contexts
-from .reward import _device
 from .rl import _CTX_KEYS, load_contexts
 from .sft import SFT_POLICIES, heldout_rows
 
@@ -103,7 +103,7 @@ class PolicySet:
     def __init__(self, cfg: Any, run: RunDir, algos: Sequence[str]):
         from peft import PeftModel
 
-        device = _device(None)  # the accelerator when there is one (paper profile)
+        device = resolve_device(cfg.compute.device)  # the GPU when there is one (paper profile)
         self.autocast_dtype = cfg.policy.autocast
         self.start_name = cfg.rl.start_policy
         self.base, self.tok = load_policy(cfg.policy, device=device)

@@ -625,6 +625,38 @@ class RiskConfig(Section):
         return self
 
 
+class ComputeConfig(Section):
+    """Where the training stages run: device, processes, `accelerate` and the Hugging Face hub.
+
+    `processes: per_stage` runs SFT and each RL algorithm in its own process started with
+    `accelerate launch` (one `Accelerator` per process: mixed precision and the distributed
+    state are set once, as accelerate requires); `kernel` trains inside the notebook's kernel
+    (debugging). `accelerate_config` is an accelerate config file (params/accelerate/*.yaml,
+    relative to the parameters file); `num_processes` is passed to `accelerate launch` and
+    overrides the file's. PPO and the RLGF algorithms (ours) and GRPO/RLOO (TRL) use every
+    process; SFT and ILHF train on the main process only (their loops are not data-parallel).
+    """
+
+    device: Literal["auto", "cpu", "cuda"] = (
+        "auto"  # auto: this process's GPU when CUDA is available
+    )
+    processes: Literal["per_stage", "kernel"] = "per_stage"
+    accelerate_config: Path | None = None  # None: one process with accelerate's defaults
+    num_processes: int = Field(default=1, ge=1)
+    # Hub access: offline (the embedded models, clusters without internet) unless a profile turns
+    # it off; HF_HUB_OFFLINE set in the environment still wins
+    hf_offline: bool = True
+
+    @model_validator(mode="after")
+    def _kernel_is_one_process(self) -> ComputeConfig:
+        if self.processes == "kernel" and self.num_processes > 1:
+            raise ValueError(
+                f"processes 'kernel' trains inside the notebook: one process, but num_processes "
+                f"is {self.num_processes}; use processes: per_stage"
+            )
+        return self
+
+
 class StudyConfig(Section):
     """The whole study's parameters; `source` is the YAML file they came from."""
 
@@ -639,6 +671,7 @@ class StudyConfig(Section):
     evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
     risk: RiskConfig = Field(default_factory=RiskConfig)
     forensic: ForensicConfig = Field(default_factory=ForensicConfig)
+    compute: ComputeConfig = Field(default_factory=ComputeConfig)
     source: Path | None = Field(default=None, exclude=True)
 
     def resolved(self) -> dict[str, Any]:
@@ -654,6 +687,18 @@ class StudyConfig(Section):
             raise ValueError(
                 f"rl.algorithm {guided} needs the guide rlgf.guide={self.rlgf.guide!r}, "
                 "which the SFT stage trains, but sft.enabled is false"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _batches_split_over_processes(self) -> StudyConfig:
+        n = self.compute.num_processes
+        bad = {k: getattr(self.rl, k) for k in ("batch_size", "minibatch_size")}
+        bad = {k: v for k, v in bad.items() if v % n}
+        if bad:
+            raise ValueError(
+                f"rl {bad} must be divisible by compute.num_processes={n}: each process takes an "
+                "equal share of every batch and minibatch (global sizes stay as in one process)"
             )
         return self
 
@@ -733,6 +778,11 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> St
     cfg.risk.regions_path = _resolve_file(
         path, "risk.regions_path", cfg.risk.regions_path, "a CSV with columns country,region"
     )
+    if cfg.compute.accelerate_config is not None:
+        cfg.compute.accelerate_config = _resolve_file(
+            path, "compute.accelerate_config", cfg.compute.accelerate_config,
+            "an accelerate config file (params/accelerate/)",
+        )  # fmt: skip
     cfg.source = path.resolve()
     return cfg
 

@@ -584,6 +584,10 @@ class ILHFTrainer:
         if n_tokens is not None and seconds > 0:
             row["tokens_per_s"] = n_tokens / seconds
         self.history.append(row)
+        log.info(
+            "%s step %d: ilhf loss %.4f reward %.4f %.1fs", self.algo, self.step,
+            row.get("ilhf_loss", math.nan), row["reward_mean"], seconds,
+        )  # fmt: skip
 
     def log_frame(self) -> pd.DataFrame:
         return pd.DataFrame(self.history, columns=[*LOG_COLUMNS, *ILHF_COLUMNS])

@@ -47,6 +47,7 @@ __all__ = [
     "merge_adapter",
     "lora_config",
     "postprocess_response",
+    "resolve_device",
     "resolve_policy_source",
 ]
 
@@ -129,6 +130,24 @@ def resolve_policy_source(model: str) -> str:
             )
         return str(path)
     return model  # a hub id; offline machines need it in the local HF cache
+
+
+def resolve_device(setting: str | None = "auto") -> torch.device:
+    """`compute.device` as a torch device: 'cpu'; 'cuda' (an error without CUDA); 'auto' (or
+    None): this process's GPU (`LOCAL_RANK` under `accelerate launch`) when CUDA is available,
+    else Apple's MPS when available, else the CPU. Other strings ('cuda:1') are taken as they are."""
+    if setting == "cpu":
+        return torch.device("cpu")
+    if setting not in (None, "auto", "cuda"):
+        return torch.device(setting)
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    if setting == "cuda":
+        raise RuntimeError("compute.device is 'cuda' but torch sees no CUDA device")
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
 
 
 def load_policy(

@@ -215,8 +215,10 @@ def run_study(
             f"Jupyter kernel '{kernel_name}' is not installed; run `make install` or "
             f"`python -m ipykernel install --sys-prefix --name {kernel_name}`"
         )
-    env_note = os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    log.info("HF_HUB_OFFLINE=%s", env_note)
+    from rlxf_utils.launch import hub_environment
+
+    # the kernels (and the stages they launch) inherit it; read once, when transformers loads
+    log.info("hub: %s", hub_environment(cfg))
     write_manifest(run, cfg, [])
     total = len(notebooks)
     rerun = force or only is not None  # once a notebook reruns, every later one does

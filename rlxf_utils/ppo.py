@@ -96,34 +96,54 @@ LOG_COLUMNS: tuple[str, ...] = (
     "tokens_per_s",
     "gen_time_s",
     "step_time_s",
+    "processes",
+    "rank_weight_spread",
 )
 
 
 # ---------------------------------------------------------------------------------------------
 # Masked statistics
 # ---------------------------------------------------------------------------------------------
-def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """Mean of `x` over positions where `mask` is 1."""
+#: Sums a tensor over every process (identity on one process): statistics "over the batch" are
+#: over the global batch when each process holds a share of it.
+SumFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def masked_mean(
+    x: torch.Tensor, mask: torch.Tensor, dim: int | None = None, reduce: SumFn = _identity
+) -> torch.Tensor:
+    """Mean of `x` over positions where `mask` is 1 (`reduce`: over every process's share)."""
     if dim is None:
-        return (x * mask).sum() / mask.sum().clamp(min=1)
+        return reduce((x * mask).sum()) / reduce(mask.sum()).clamp(min=1)
     return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
 
 
-def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+def masked_var(
+    x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True, reduce: SumFn = _identity
+) -> torch.Tensor:
     """Variance of `x` over masked positions (Bessel-corrected by default)."""
-    mean = masked_mean(x, mask)
-    var = masked_mean((x - mean) ** 2, mask)
+    mean = masked_mean(x, mask, reduce=reduce)
+    var = masked_mean((x - mean) ** 2, mask, reduce=reduce)
     if unbiased:
-        n = mask.sum()
+        n = reduce(mask.sum())
         var = var * n / (n - 1).clamp(min=1)
     return var
 
 
 def whiten(
-    x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    shift_mean: bool = True,
+    eps: float = 1e-8,
+    reduce: SumFn = _identity,
 ) -> torch.Tensor:
-    """Advantage whitening: zero mean, unit variance over the masked tokens of the whole batch."""
-    mean, var = masked_mean(x, mask), masked_var(x, mask)
+    """Advantage whitening: zero mean, unit variance over the masked tokens of the whole batch
+    (with `reduce`, the batch of every process: ranks then scale their advantages alike)."""
+    mean, var = masked_mean(x, mask, reduce=reduce), masked_var(x, mask, reduce=reduce)
     out = (x - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         out = out + mean
@@ -210,12 +230,14 @@ def value_loss(
     return loss, clip_frac
 
 
-def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
+def explained_variance(
+    values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, reduce: SumFn = _identity
+) -> float:
     """1 - Var(returns - values) / Var(returns) over masked tokens (1 = perfect critic)."""
-    var_r = masked_var(returns, mask)
+    var_r = masked_var(returns, mask, reduce=reduce)
     if var_r.item() == 0:
         return float("nan")
-    return float(1.0 - masked_var(returns - values, mask) / var_r)
+    return float(1.0 - masked_var(returns - values, mask, reduce=reduce) / var_r)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -439,7 +461,7 @@ class PPOTrainer:
         generation_kwargs: Mapping[str, Any] | None = None,
         autocast_dtype: str | None = None,
     ):
-        from accelerate import Accelerator
+        from accelerate import Accelerator, DistributedDataParallelKwargs
 
         if len(prompts) != len(contexts) or not prompts:
             raise ValueError(
@@ -455,8 +477,26 @@ class PPOTrainer:
         self.seed, self.n_samples = seed, n_samples
         self.generation_kwargs = dict(generation_kwargs or {})  # extra generate() args (benchmarks)
         self.autocast_dtype = autocast_dtype  # 'bfloat16': matmuls in bf16 (rollout and update)
-        self.accelerator = accelerator or Accelerator()
-        rank_seed = seed + self.accelerator.process_index  # each process draws its own samples
+        # DDP: a critic-only warm-up step leaves the policy's LoRA unused, and RLGF's extra critics
+        # sit idle on steps of another scheme, so unused parameters must be allowed
+        self.accelerator = accelerator or Accelerator(
+            kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)]
+        )
+        ds = getattr(self.accelerator.state, "deepspeed_plugin", None)
+        if ds is not None and getattr(ds, "zero_stage", 0) == 3:
+            raise ValueError(
+                "PPO and the RLGF algorithms generate with the full weights on every process; "
+                "DeepSpeed ZeRO-3 shards them. Use params/accelerate/deepspeed_zero2.yaml or "
+                "multi_gpu_ddp.yaml for them (ZeRO-3 suits GRPO/RLOO, which TRL gathers)"
+            )
+        self.world = self.accelerator.num_processes
+        self.rank = self.accelerator.process_index
+        if cfg.batch_size % self.world or cfg.minibatch_size % self.world:
+            raise ValueError(
+                f"rl.batch_size ({cfg.batch_size}) and rl.minibatch_size ({cfg.minibatch_size}) "
+                f"must be divisible by the number of processes ({self.world})"
+            )
+        rank_seed = seed + self.rank  # each process draws its own samples
         _seed_everything(rank_seed)
         self.stop_ids = sorted(eos_ids(model, tokenizer))  # the end tokens evaluation uses
         if cfg.gradient_checkpointing:  # recompute activations in the update: memory for time
@@ -501,14 +541,38 @@ class PPOTrainer:
     def _autocast(self) -> Any:
         return autocast(self.autocast_dtype, self.device)
 
+    def _sum(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` summed over every process (itself on one process: the one-process arithmetic is
+        unchanged)."""
+        if self.world == 1:
+            return t
+        return self.accelerator.reduce(t.detach().to(self.device), reduction="sum")
+
+    def _global_mean(self, x: torch.Tensor) -> float:
+        """Mean of a per-response tensor over the global batch (equal shares per process)."""
+        return float(self._sum(x.float().sum()) / (x.numel() * self.world))
+
+    def _rank_weight_spread(self) -> float:
+        """Largest difference between processes in any trainable tensor's sum (0: identical
+        weights, as DDP must keep them); NaN on one process."""
+        if self.world == 1:
+            return float("nan")
+        sums = torch.stack([p.detach().double().sum() for p in self.module.parameters()
+                            if p.requires_grad]).to(self.device)  # fmt: skip
+        every = self.accelerator.gather(sums.unsqueeze(0))  # (world, n_tensors)
+        return float((every.max(0).values - every.min(0).values).abs().max())
+
     def _next_batch(self) -> list[int]:
-        """Prompt indices for this step (`prompt_schedule`), each repeated `num_generations` times."""
+        """Prompt indices for this step (`prompt_schedule`), each repeated `num_generations` times;
+        with several processes, this process's contiguous share of that global batch."""
         cfg = self.cfg
         if self.schedule is None or self.step >= len(self.schedule):
             self.schedule = prompt_schedule(
                 len(self.prompts), max(cfg.steps, self.step + 1), cfg.prompts_per_step, self.seed
             )
-        return [i for i in self.schedule[self.step] for _ in range(cfg.num_generations)]
+        idx = [i for i in self.schedule[self.step] for _ in range(cfg.num_generations)]
+        share = len(idx) // self.world
+        return idx[self.rank * share : (self.rank + 1) * share]
 
     # -- phase 1: rollout ----------------------------------------------------------------------
     @torch.no_grad()
@@ -534,20 +598,21 @@ class PPOTrainer:
             processors = LogitsProcessorList(
                 [ForcedPrefix(prefix[0], prefix[1], enc["input_ids"].shape[1])]
             )
+        kwargs = dict(
+            do_sample=True,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=0,
+            max_new_tokens=self.cfg.max_new_tokens,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=self.stop_ids,
+            use_cache=True,  # KV cache: each new token attends to cached keys/values
+            logits_processor=processors,
+        )
+        kwargs.update(self.generation_kwargs)  # benchmarks and tests may override the defaults
         with self._autocast():
             out = model.generate(
-                input_ids=enc["input_ids"],
-                attention_mask=enc["attention_mask"],
-                do_sample=True,
-                temperature=temperature,
-                top_p=top_p,
-                top_k=0,
-                max_new_tokens=self.cfg.max_new_tokens,
-                pad_token_id=tok.pad_token_id,
-                eos_token_id=self.stop_ids,
-                use_cache=True,  # KV cache: each new token attends to cached keys/values
-                logits_processor=processors,
-                **self.generation_kwargs,
+                input_ids=enc["input_ids"], attention_mask=enc["attention_mask"], **kwargs
             )
         response = out[:, enc["input_ids"].shape[1] :]
         # Response mask: tokens up to and including the first end token (pad may equal EOS).
@@ -628,7 +693,7 @@ class PPOTrainer:
 
         # Critic on the reward's scale from its first batch: its bias starts at the mean score.
         if ro.critic not in self.value_initialised:
-            getattr(self.unwrapped, ro.critic).summary.bias.fill_(float(ro.scores.float().mean()))
+            getattr(self.unwrapped, ro.critic).summary.bias.fill_(self._global_mean(ro.scores))
             self.value_initialised.add(ro.critic)
 
         with self._autocast():
@@ -651,8 +716,9 @@ class PPOTrainer:
         last = (mask.sum(1).long() - 1).clamp(min=0)
         rewards[torch.arange(len(last)), last] += ro.scores
         advantages, returns = compute_gae(rewards, old_values * mask, mask, cfg.gamma, cfg.lam)
-        if cfg.whiten_advantages and pg_mask.sum() > 1:  # over the tokens the gradient acts on
-            advantages = whiten(advantages, pg_mask)
+        # over the tokens the gradient acts on, in every process's share of the batch
+        if cfg.whiten_advantages and self._sum(pg_mask.sum()) > 1:
+            advantages = whiten(advantages, pg_mask, reduce=self._sum)
         return Prepared(
             mask=mask, pg_mask=pg_mask, vf_mask=vf_mask, old_logprobs=old_logprobs,
             old_values=old_values, advantages=advantages * pg_mask, returns=returns,
@@ -672,13 +738,14 @@ class PPOTrainer:
         T = cfg.temperature
         warmup = self.step < cfg.value_warmup_steps
         self.module.train()
-        B = ro.input_ids.shape[0]
+        B = ro.input_ids.shape[0]  # this process's share of the batch
+        size = cfg.minibatch_size // self.world  # its share of each minibatch
         stats: dict[str, list[float]] = {k: [] for k in ("pg", "vf", "clip", "akl", "vclip")}
         stop = False
         for _epoch in range(cfg.update_epochs):
             perm = torch.randperm(B)
-            for start in range(0, B, cfg.minibatch_size):
-                mb = perm[start : start + cfg.minibatch_size].to(self.device)
+            for start in range(0, B, size):
+                mb = perm[start : start + size].to(self.device)
                 with self._autocast():
                     new_logits, new_values = self.module(
                         ro.input_ids[mb], ro.attention_mask[mb], R, critic=ro.critic
@@ -693,10 +760,13 @@ class PPOTrainer:
                     cfg.clip_range_value,
                 )  # fmt: skip
                 loss = cfg.vf_coef * vf if warmup else pg + cfg.vf_coef * vf
+                self.optimizer.zero_grad(set_to_none=True)
                 extra = None if warmup else self.extra_loss(ro, mb)
                 if extra is not None:
-                    loss = loss + extra
-                self.optimizer.zero_grad(set_to_none=True)
+                    # its forward ran on the unwrapped policy: accumulate its gradient locally;
+                    # DDP averages it over processes with the PPO loss's in the backward below
+                    with self.accelerator.no_sync(self.module):
+                        self.accelerator.backward(extra)
                 self.accelerator.backward(loss)
                 # clipped apart: the critic's gradient never shrinks the policy's step
                 self.accelerator.clip_grad_norm_(self._policy_params, cfg.max_grad_norm)
@@ -708,11 +778,12 @@ class PPOTrainer:
                     strict=True,
                 ):
                     stats[k].append(v.item())
-                # Early stop: the policy moved too far from the one that sampled the batch.
+                # Early stop: the policy moved too far from the one that sampled the batch
+                # (the mean over processes: every process stops after the same minibatch)
                 if (
                     not warmup
                     and cfg.approx_kl_stop is not None
-                    and float(approx_kl) > cfg.approx_kl_stop
+                    and float(self._sum(approx_kl)) / self.world > cfg.approx_kl_stop
                 ):
                     stop = True
                     break
@@ -728,35 +799,41 @@ class PPOTrainer:
         pp = self.prepare(ro)
         stats = self.update(ro, pp)
 
-        # KL to the reference: summed over tokens, averaged over responses; drives the controller.
-        B = ro.input_ids.shape[0]
+        # KL to the reference: summed over tokens, averaged over the global batch's responses;
+        # drives the controller (the same value on every process, so beta stays in step).
+        B = ro.input_ids.shape[0] * self.world
         mask = pp.mask
-        kl_seq = float(pp.kl_tokens.sum(1).mean())
+        kl_seq = self._global_mean(pp.kl_tokens.sum(1))
         self.kl_ctl.update(kl_seq, B)
-        n_tokens = float(mask.sum())
+        n_tokens = float(self._sum(mask.sum()))
         step_time = time.perf_counter() - t_start
         scores = ro.scores.float()
+        every = self.accelerator.gather(scores) if self.world > 1 else scores
         row = {
             "algo": self.algo,
             "step": self.step + 1,
-            "reward_mean": float(scores.mean()),
-            "reward_std": float(scores.std()) if B > 1 else 0.0,
+            "reward_mean": float(every.mean()),
+            "reward_std": float(every.std()) if B > 1 else 0.0,
             "kl": kl_seq,
-            "kl_per_token": float(pp.kl_tokens.sum() / max(n_tokens, 1.0)),
+            "kl_per_token": float(self._sum(pp.kl_tokens.sum())) / max(n_tokens, 1.0),
             "kl_coef": self.kl_ctl.value,
-            "entropy": float(pp.entropy),
-            "value_mean": float(masked_mean(pp.old_values, pp.vf_mask)),
+            "entropy": float(self._sum(pp.entropy)) / self.world,
+            "value_mean": float(masked_mean(pp.old_values, pp.vf_mask, reduce=self._sum)),
             "clip_frac": float(np.mean(stats["clip"])),
             "approx_kl": float(np.mean(stats["akl"])),
             "policy_loss": float(np.mean(stats["pg"])),
             "value_loss": float(np.mean(stats["vf"])),
-            "explained_variance": explained_variance(pp.old_values, pp.returns, pp.vf_mask),
+            "explained_variance": explained_variance(
+                pp.old_values, pp.returns, pp.vf_mask, reduce=self._sum
+            ),
             "response_length": n_tokens / B,
             "scheme": ro.scheme,
-            "learner_share": float(pp.pg_mask.sum() / max(n_tokens, 1.0)),
+            "learner_share": float(self._sum(pp.pg_mask.sum())) / max(n_tokens, 1.0),
             "tokens_per_s": n_tokens / max(ro.gen_time, 1e-9),
             "gen_time_s": ro.gen_time,
             "step_time_s": step_time,
+            "processes": self.world,
+            "rank_weight_spread": self._rank_weight_spread(),
         }
         self.step += 1
         self.history.append(row)
@@ -830,7 +907,14 @@ class PPOTrainer:
 
         root = self.output_dir / "checkpoints"
         target = root / f"step_{self.step:06d}"
+        # every process's random state (each samples its own share), kept by the main process
+        rngs = [_rng_state()]
+        if self.world > 1:
+            from accelerate.utils import gather_object
+
+            rngs = gather_object(rngs)
         if not self.accelerator.is_main_process:
+            self.accelerator.wait_for_everyone()  # until the main process has written it
             return target
 
         def write(d: Path) -> None:
@@ -842,7 +926,8 @@ class PPOTrainer:
                     "step": self.step,
                     "optimizer": self.optimizer.state_dict(),
                     "kl_ctl": self.kl_ctl.state_dict(),
-                    "rng": _rng_state(),
+                    "rng": rngs[0],
+                    "rng_ranks": rngs,
                     "value_initialised": sorted(self.value_initialised),
                     "history": self.history,
                     "samples": self.samples,
@@ -856,6 +941,7 @@ class PPOTrainer:
         _atomic_dir(snap, lambda d: shutil.copy2(target / "adapter_model.safetensors", d))
         for old in sorted(root.glob("step_*"))[:-2]:  # keep the last two
             shutil.rmtree(old, ignore_errors=True)
+        self.accelerator.wait_for_everyone()
         return target
 
     def load_checkpoint(self, path: str | Path | None = None) -> bool:
@@ -879,7 +965,13 @@ class PPOTrainer:
         state = torch.load(path / "state.pt", weights_only=False)
         self.optimizer.load_state_dict(state["optimizer"])
         self.kl_ctl.load_state_dict(state["kl_ctl"])
-        _set_rng_state(state["rng"])
+        ranks = state.get("rng_ranks", [state["rng"]])
+        if len(ranks) != self.world:  # run_algorithm's marker holds the process count
+            raise ValueError(
+                f"{path}: saved by {len(ranks)} process(es), resumed by {self.world}; remove the "
+                "checkpoints or resume with the same compute.num_processes"
+            )
+        _set_rng_state(ranks[self.rank])
         init = state.get("value_initialised", True)
         self.value_initialised = (
             set(init) if isinstance(init, (list, tuple, set)) else {"value_head"} if init else set()

@@ -432,15 +432,9 @@ def calibration_report(
 # the encoder reward model
 # --------------------------------------------------------------------------------------------
 def _device(device: str | None) -> torch.device:
-    import torch
+    from rlxf_utils.models import resolve_device
 
-    if device:
-        return torch.device(device)
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
-        return torch.device("mps")
-    return torch.device("cpu")
+    return resolve_device(device or "auto")
 
 
 def output_layer(model: Any) -> torch.nn.Linear:

@@ -38,6 +38,7 @@ from rlxf_utils.config import (
     algorithm_label,
 )
 from rlxf_utils.ilhf import is_ensemble, load_particles, thompson_draw
+from rlxf_utils.launch import process_state, processes_for
 from rlxf_utils.models import (
     apply_lora,
     autocast,
@@ -47,6 +48,7 @@ from rlxf_utils.models import (
     load_start_policy,
     lora_config,
     postprocess_response,
+    resolve_device,
 )
 from rlxf_utils.ppo import (
     LOG_COLUMNS,
@@ -278,7 +280,6 @@ def run_trl(
     generation_kwargs: Mapping[str, Any] | None = None,
 ) -> pd.DataFrame:
     """GRPO or RLOO through TRL with the same prompts, reward, LoRA, sampling, updates and KL coefficient."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("WANDB_DISABLED", "true")
     from datasets import Dataset
     from transformers import TrainerCallback
@@ -307,7 +308,8 @@ def run_trl(
     per_batch = rl.optimizer_steps_per_batch
     args = Config(
         output_dir=str(output_dir / "trl"),
-        per_device_train_batch_size=rl.minibatch_size,  # completions per optimiser step
+        # completions per optimiser step, over all processes (as PPO's minibatch)
+        per_device_train_batch_size=rl.minibatch_size // world_size(),
         steps_per_generation=rl.batch_size // rl.minibatch_size,  # generation batch = rl.batch_size
         gradient_accumulation_steps=1,
         shuffle_dataset=False,
@@ -379,6 +381,10 @@ def run_trl(
                     "gen_time_s": gen_t,
                     "step_time_s": logs.get("step_time", np.nan),
                 }
+            )
+            row = history[-1]  # noqa: B023
+            log.info(
+                "%s step %d: reward %.4f kl %.3f", algo, row["step"], row["reward_mean"], row["kl"]
             )
 
     class _SnapshotCallback(TrainerCallback):
@@ -485,6 +491,45 @@ def _save_snapshot(trainer: Any, output_dir: Path, step: int) -> None:
     )
 
 
+def algorithm_marker(
+    algo: str, cfg: StudyConfig, run_dir: str | Path, n_prompts: int, steps: int | None = None
+) -> dict[str, Any]:
+    """What an RL run depends on: its settings, steps, seed, prompts, process count and the
+    hashes of its inputs (`complete.json` when it finished, `started.json` while it trains)."""
+    root = Path(run_dir)
+    return {
+        "rl": cfg.rl.model_dump(mode="json", exclude={"num_threads", "algorithm"}),
+        "policy": cfg.policy.model_dump(mode="json"),
+        **({"rlgf": cfg.rlgf.model_dump(mode="json")} if algo in RLGF_ALGORITHMS else {}),
+        **({"ilhf": cfg.ilhf.model_dump(mode="json")} if algo in ILHF_ALGORITHMS else {}),
+        "steps": steps or cfg.rl.steps,
+        "seed": cfg.run.seed,
+        "prompts": n_prompts,
+        # each process samples its own share: another process count is another run
+        "processes": processes_for(cfg, "rl", algo),
+        # what it was trained from: the data, the reward, the start policy (and RLGF's guide)
+        "inputs": stages.input_hashes(root, [
+            "data", *stages.REWARD_PATHS, f"policy/{cfg.rl.start_policy}/adapter",
+            *([f"policy/{cfg.rlgf.guide}/adapter"] if algo in RLGF_ALGORITHMS else []),
+        ]),
+    }  # fmt: skip
+
+
+def is_trained(
+    algo: str,
+    cfg: StudyConfig,
+    run_dir: str | Path,
+    contexts: Sequence[Mapping[str, Any]],
+    steps: int | None = None,
+) -> bool:
+    """True when `policy/<algo>/complete.json` matches what a run now would depend on."""
+    done = Path(run_dir) / "policy" / algo / "complete.json"
+    if not done.is_file():
+        return False
+    marker = algorithm_marker(algo, cfg, run_dir, len(contexts), steps)
+    return json.loads(done.read_text(encoding="utf-8")) == marker
+
+
 def run_algorithm(
     algo: str,
     cfg: StudyConfig,
@@ -505,20 +550,7 @@ def run_algorithm(
     out = rd.root / "policy" / algo
     # A finished run with the same settings and prompts is reused (the marker is written last),
     # checked before the start policy is loaded and merged.
-    marker = {
-        "rl": cfg.rl.model_dump(mode="json", exclude={"num_threads", "algorithm"}),
-        "policy": cfg.policy.model_dump(mode="json"),
-        **({"rlgf": cfg.rlgf.model_dump(mode="json")} if algo in RLGF_ALGORITHMS else {}),
-        **({"ilhf": cfg.ilhf.model_dump(mode="json")} if algo in ILHF_ALGORITHMS else {}),
-        "steps": steps or cfg.rl.steps,
-        "seed": cfg.run.seed,
-        "prompts": len(contexts),
-        # what it was trained from: the data, the reward, the start policy (and RLGF's guide)
-        "inputs": stages.input_hashes(rd.root, [
-            "data", *stages.REWARD_PATHS, f"policy/{cfg.rl.start_policy}/adapter",
-            *([f"policy/{cfg.rlgf.guide}/adapter"] if algo in RLGF_ALGORITHMS else []),
-        ]),
-    }  # fmt: skip
+    marker = algorithm_marker(algo, cfg, rd.root, len(contexts), steps)
     done = out / "complete.json"
     if done.is_file() and json.loads(done.read_text(encoding="utf-8")) == marker:
         log.info("%s: up to date (%s), not retrained", algo, done)
@@ -526,20 +558,26 @@ def run_algorithm(
     # Checkpoints resume only the run they belong to: with other settings or inputs, the
     # checkpoints, TRL's checkpoints and the frontier snapshots of the old run are removed.
     started = out / "started.json"
-    if out.exists() and not (
-        started.is_file() and json.loads(started.read_text(encoding="utf-8")) == marker
-    ):
-        stale = [out / d for d in ("checkpoints", "trl", "snapshots") if (out / d).exists()]
-        if stale:
-            log.info("%s: settings or inputs changed; removing %s", algo, [p.name for p in stale])
-        for d in stale:
-            shutil.rmtree(d)
-        done.unlink(missing_ok=True)
-    out.mkdir(parents=True, exist_ok=True)
-    with atomic_path(started) as tmp:
-        tmp.write_text(json.dumps(marker, indent=2), encoding="utf-8")
+    if is_main_process():  # the others wait until the folder is ready
+        if out.exists() and not (
+            started.is_file() and json.loads(started.read_text(encoding="utf-8")) == marker
+        ):
+            stale = [out / d for d in ("checkpoints", "trl", "snapshots") if (out / d).exists()]
+            if stale:
+                log.info(
+                    "%s: settings or inputs changed; removing %s", algo, [p.name for p in stale]
+                )
+            for d in stale:
+                shutil.rmtree(d)
+            done.unlink(missing_ok=True)
+        out.mkdir(parents=True, exist_ok=True)
+        with atomic_path(started) as tmp:
+            tmp.write_text(json.dumps(marker, indent=2), encoding="utf-8")
+    barrier()
     _seed_everything(cfg.run.seed)
-    model, tok = load_start_policy(cfg.policy, cfg.rl.start_policy, rd.root)
+    model, tok = load_start_policy(
+        cfg.policy, cfg.rl.start_policy, rd.root, device=resolve_device(cfg.compute.device)
+    )
     prompts = build_prompts(contexts, tok, cfg.rl.prompt_template, cfg.policy)
     log.info("%s: %d training prompts -> %s", algo, len(prompts), out)
     kw = dict(seed=cfg.run.seed, progress=progress, steps=steps)
@@ -557,9 +595,25 @@ def run_algorithm(
         frame = run_trl(
             algo, model, tok, prompts, contexts, reward_fn, cfg.rl, cfg.policy, out, **kw
         )
-    with atomic_path(done) as tmp:
-        tmp.write_text(json.dumps(marker, indent=2), encoding="utf-8")
+    if is_main_process():
+        with atomic_path(done) as tmp:
+            tmp.write_text(json.dumps(marker, indent=2), encoding="utf-8")
     return frame
+
+
+def world_size() -> int:
+    """Processes of this job (`accelerate launch` / torchrun set WORLD_SIZE; 1 otherwise)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def is_main_process() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def barrier() -> None:
+    """Wait for every process of a multi-process job (nothing on one process)."""
+    if world_size() > 1:
+        process_state().wait_for_everyone()
 
 
 def read_logs(run_dir: str | Path, algos: Sequence[str]) -> pd.DataFrame:
@@ -610,15 +664,22 @@ def before_after_samples(
     policies: Sequence[str],
     n: int = 4,
 ) -> pd.DataFrame:
-    """Responses to the same `n` training prompts from each named policy, with their rewards."""
+    """Responses to the same `n` training prompts from each named policy, with their rewards.
+
+    The policies come from evaluation's `alignment.PolicySet` on `compute.device`: the base
+    weights (zero-shot and the supervised adapters) and the start policy's (the RL adapters)
+    are each loaded once, and every policy samples with evaluation's settings and seed."""
+    from rlxf_utils.alignment import PolicySet, sampling_kwargs
+    from rlxf_utils.sft import SFT_POLICIES
+
     ctx = [dict(c) for c in contexts[:n]]
+    algos = [p for p in policies if p != "base" and p not in SFT_POLICIES]
+    pset = PolicySet(cfg, RunDir(run_dir), algos)
+    prompts = build_prompts(ctx, pset.tok, cfg.rl.prompt_template, cfg.policy)
+    gen_kw = sampling_kwargs(cfg, progress=False)
     rows: list[dict[str, Any]] = []
     for name in policies:
-        model, tok = load_named_policy(cfg, run_dir, name)
-        prompts = build_prompts(ctx, tok, cfg.rl.prompt_template, cfg.policy)
-        with autocast(cfg.policy.autocast):
-            texts = sample_responses(model, tok, prompts, cfg.rl, seed=cfg.run.seed,
-                                     adapter_names=thompson_adapters(model, len(prompts), cfg.run.seed))  # fmt: skip
+        texts = pset.generate(name, prompts, 1, name, gen_kw)["response"].tolist()
         scores = reward_fn(ctx, texts)
         for c, t, s in zip(ctx, texts, scores, strict=True):
             rows.append(

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from rlxf_utils.config import RLConfig, RLGFConfig
-from rlxf_utils.ppo import PPOTrainer, RewardFn, Rollout
+from rlxf_utils.ppo import PPOTrainer, RewardFn, Rollout, _seed_everything
 
 __all__ = [
     "PPO_PP",
@@ -148,7 +148,11 @@ class GuidedPPOTrainer(PPOTrainer):
         cfg, rg = self.cfg, self.rlgf
         scheme = self.scheme()
         beta = beta_for(self.algo, scheme, rg)
-        rng = np.random.default_rng([self.seed, self.step, 0])
+        # which responses are guided: one draw per (seed, step), and per process when several
+        # share the batch (each process's own responses)
+        rng = np.random.default_rng(
+            [self.seed, self.step, 0, *([self.rank] if self.world > 1 else [])]
+        )
         flagged = rng.random(len(idx)) < beta
         policy = self.unwrapped.policy
         policy.eval()
@@ -278,6 +282,7 @@ def run_rlgf(
     if hasattr(guide, "merge_and_unload"):
         guide = guide.merge_and_unload()  # a plain model: faster sampling, no adapter toggling
     references = met_references(cfg, run_dir, contexts, tokenizer, start_model)
+    _seed_everything(seed)  # LoRA's random init: the same whatever ran before
     model = apply_lora(start_model, cfg.policy.lora)
     trainer = GuidedPPOTrainer(
         algo, model, guide, tokenizer, prompts, contexts, reward_fn, cfg.rl, rg, output_dir,

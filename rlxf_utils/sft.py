@@ -42,6 +42,7 @@ from rlxf_utils.models import (
     encode_prompts,
     eos_ids,
     load_policy,
+    resolve_device,
 )
 from rlxf_utils.ppo import _atomic_dir, _seed_everything
 
@@ -256,6 +257,8 @@ def train_sft(
                          "lr": sched.get_last_lr()[0], "step_time_s": dt, "tokens_per_s": n_all / dt})  # fmt: skip
             bar.update(1)
             bar.set_postfix(loss=f"{rows[-1]['loss']:.3f}")
+            if not progress and step % max(1, total // 10) == 0:  # a log line per tenth instead
+                log.info("%s: step %d/%d, loss %.3f", desc, step, total, rows[-1]["loss"])
     bar.close()
     model.eval()
     log.info("%s: %d steps, %.0f s", desc, step, time.perf_counter() - t_start)
@@ -280,31 +283,23 @@ def run_sft_stage(cfg: StudyConfig, run: RunDir, progress: bool = True) -> pd.Da
     labelled, splits = load_splits(run)
     contexts = run.read_parquet("data/contexts.parquet", stage="notebook 01 (data exploration)")
     summary = []
+    settings = sft_settings(cfg, run)
     for name, outcomes in SFT_POLICIES.items():
-        settings = {
-            "sft": sc.model_dump(mode="json", exclude={"num_threads"}),
-            "policy": cfg.policy.model_dump(mode="json"),
-            "prompt_template": cfg.rl.prompt_template,
-            "reward_protocol": cfg.reward.reward_protocol,
-            "seed": cfg.run.seed,
-            "inputs": stages.input_hashes(run.root, ["data"]),  # the rows it learns from
-        }
-        done = run.path(f"policy/{name}/data.json")
-        if done.is_file() and run.exists(f"policy/{name}/adapter/adapter_config.json"):
-            info = run.read_json(f"policy/{name}/data.json")
-            if info.get("settings") == settings:  # same data, model and settings: reuse
-                log.info("%s: up to date (%s), not retrained", name, done)
-                summary.append({k: v for k, v in info.items() if k not in ("row_ids", "settings")})
-                continue
+        info = _finished(run, name, settings)
+        if info is not None:  # same data, model and settings: reuse
+            log.info("%s: up to date (%s), not retrained", name, sft_summary_path(run, name))
+            summary.append({k: v for k, v in info.items() if k not in ("row_ids", "settings")})
+            continue
         rows = eligible_rows(labelled, splits, contexts, cfg.reward.reward_protocol, outcomes)
         n_eligible = len(rows)
         limit = sc.max_examples if outcomes == "all" else sc.max_examples_met
         if limit is not None and len(rows) > limit:
             rows = rows.sample(n=limit, random_state=cfg.run.seed).reset_index(drop=True)
-        model, tok = load_policy(cfg.policy)
+        model, tok = load_policy(cfg.policy, device=resolve_device(cfg.compute.device))
         examples, dropped = build_examples(
             rows, tok, model, cfg.rl.prompt_template, cfg.policy, sc.max_response_tokens
         )
+        _seed_everything(cfg.run.seed)  # LoRA's random init: the same whatever ran before
         model = apply_lora(model, cfg.policy.lora)
         t0 = time.perf_counter()
         frame = train_sft(
@@ -333,6 +328,33 @@ def run_sft_stage(cfg: StudyConfig, run: RunDir, progress: bool = True) -> pd.Da
         summary.append({k: v for k, v in info.items() if k not in ("row_ids", "settings")})
         del model
     return pd.DataFrame(summary)
+
+
+def sft_settings(cfg: StudyConfig, run: RunDir) -> dict[str, Any]:
+    """What a supervised policy depends on (kept in its `data.json`, written last)."""
+    return {
+        "sft": cfg.sft.model_dump(mode="json", exclude={"num_threads"}),
+        "policy": cfg.policy.model_dump(mode="json"),
+        "prompt_template": cfg.rl.prompt_template,
+        "reward_protocol": cfg.reward.reward_protocol,
+        "seed": cfg.run.seed,
+        "inputs": stages.input_hashes(run.root, ["data"]),  # the rows it learns from
+    }
+
+
+def _finished(run: RunDir, name: str, settings: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The `data.json` of a policy trained with `settings` whose adapter is there, else None."""
+    done = sft_summary_path(run, name)
+    if not (done.is_file() and run.exists(f"policy/{name}/adapter/adapter_config.json")):
+        return None
+    info = run.read_json(f"policy/{name}/data.json")
+    return info if info.get("settings") == settings else None
+
+
+def is_trained(cfg: StudyConfig, run: RunDir) -> bool:
+    """True when both supervised policies are trained with the current settings and data."""
+    settings = sft_settings(cfg, run)
+    return all(_finished(run, name, settings) is not None for name in SFT_POLICIES)
 
 
 def sft_summary_path(run: RunDir, name: str) -> Path:
