@@ -584,10 +584,9 @@ class ILHFTrainer:
         if n_tokens is not None and seconds > 0:
             row["tokens_per_s"] = n_tokens / seconds
         self.history.append(row)
-        log.info(
-            "%s step %d: ilhf loss %.4f reward %.4f %.1fs", self.algo, self.step,
-            row.get("ilhf_loss", math.nan), row["reward_mean"], seconds,
-        )  # fmt: skip
+        reward = "" if math.isnan(row["reward_mean"]) else f" reward {row['reward_mean']:.4f}"
+        log.info("%s step %d: ilhf loss %.4f%s %.1fs", self.algo, self.step,
+                 row.get("ilhf_loss", math.nan), reward, seconds)  # fmt: skip
 
     def log_frame(self) -> pd.DataFrame:
         return pd.DataFrame(self.history, columns=[*LOG_COLUMNS, *ILHF_COLUMNS])

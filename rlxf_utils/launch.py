@@ -181,9 +181,9 @@ def run_stage(
 
 
 def _worth_echoing(line: str) -> bool:
-    """Progress and problems, not the launcher's or libraries' chatter."""
-    s = line.strip()
-    return bool(s) and not s.startswith(("warnings.warn", "  warnings.warn")) and "\r" not in s
+    """The stage's log records (progress, warnings, errors), not progress bars or libraries'
+    chatter: those stay in `launch.log`, and a failure shows its tail."""
+    return line.startswith(("INFO ", "WARNING ", "ERROR ", "CRITICAL "))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -234,12 +234,15 @@ def encode_prompts(
 ) -> Any:
     """Token ids of formatted prompts, identical in SFT, PPO, TRL and evaluation.
 
-    A chat template already writes every special token (LLaMA-2's emits BOS itself), so a prompt
-    that starts with the BOS text is tokenised with `add_special_tokens=False`: no doubled BOS. A
-    plain-text prompt gets the tokenizer's usual special tokens.
+    A chat template already writes every special token (LLaMA-2's emits BOS itself), so a
+    templated prompt (one that starts with BOS or another special token's text) is tokenised
+    with `add_special_tokens=False`: no doubled BOS. A plain-text prompt gets the tokenizer's
+    usual special tokens.
     """
-    bos = getattr(tokenizer, "bos_token", None)
-    templated = [bool(bos) and p.startswith(bos) for p in prompts]
+    specials = tuple(
+        t for t in {getattr(tokenizer, "bos_token", None), *getattr(tokenizer, "all_special_tokens", [])} if t
+    )  # fmt: skip
+    templated = [bool(specials) and p.startswith(specials) for p in prompts]
     if len(set(templated)) > 1:
         raise ValueError("prompts mix templated and plain text; format them all the same way")
     add = not (templated[0] if templated else False)

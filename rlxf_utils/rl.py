@@ -553,7 +553,7 @@ def run_algorithm(
     marker = algorithm_marker(algo, cfg, rd.root, len(contexts), steps)
     done = out / "complete.json"
     if done.is_file() and json.loads(done.read_text(encoding="utf-8")) == marker:
-        log.info("%s: up to date (%s), not retrained", algo, done)
+        log.info("%s: up to date (%s): reading its outputs", algo, done)
         return rd.read_parquet(f"policy/{algo}/train_log.parquet")
     # Checkpoints resume only the run they belong to: with other settings or inputs, the
     # checkpoints, TRL's checkpoints and the frontier snapshots of the old run are removed.

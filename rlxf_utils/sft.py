@@ -287,7 +287,7 @@ def run_sft_stage(cfg: StudyConfig, run: RunDir, progress: bool = True) -> pd.Da
     for name, outcomes in SFT_POLICIES.items():
         info = _finished(run, name, settings)
         if info is not None:  # same data, model and settings: reuse
-            log.info("%s: up to date (%s), not retrained", name, sft_summary_path(run, name))
+            log.info("%s: up to date (%s): reading its outputs", name, sft_summary_path(run, name))
             summary.append({k: v for k, v in info.items() if k not in ("row_ids", "settings")})
             continue
         rows = eligible_rows(labelled, splits, contexts, cfg.reward.reward_protocol, outcomes)

@@ -54,3 +54,100 @@ def test_a_failed_stage_names_itself_and_shows_its_log(tmp_path: Path) -> None:
     assert "rl stage 'ppo' failed" in msg and "launch.log" in msg
     assert "ArtifactMissing: missing artifact" in msg  # the worker's own error, not the launcher's
     assert (tmp_path / "policy/ppo/launch.log").is_file()
+
+
+# -- configuration: compute section, launch commands, hub, configs, memory table --------------
+def _params(tmp_path: Path, **compute) -> Path:
+    import yaml
+
+    raw = yaml.safe_load((ROOT / "params/smoke.yaml").read_text())
+    raw["data"]["path"] = str(ROOT / "data/raw/MONA_From2002.csv")
+    raw["risk"]["regions_path"] = str(ROOT / "data/regions/imf_regions.csv")
+    raw["compute"] = compute
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(raw))
+    return tmp_path / "p.yaml"
+
+
+def test_compute_settings_are_checked(tmp_path: Path) -> None:
+    from rlxf_utils.config import ConfigError
+
+    with pytest.raises(ConfigError, match="processes 'kernel'"):
+        load_config(_params(tmp_path, processes="kernel", num_processes=2))
+    with pytest.raises(ConfigError, match=r"divisible by compute.num_processes=3"):
+        load_config(_params(tmp_path, num_processes=3))  # smoke: batch 4, minibatch 2
+    with pytest.raises(ConfigError, match="compute.accelerate_config.*file not found"):
+        load_config(_params(tmp_path, accelerate_config="accelerate/nope.yaml"))
+    (tmp_path / "acc.yaml").write_text("distributed_type: 'NO'\n")
+    cfg = load_config(_params(tmp_path, accelerate_config="acc.yaml"))
+    assert cfg.compute.accelerate_config == tmp_path / "acc.yaml"  # next to the params file
+
+
+def test_stage_commands_take_the_config_file_only_where_every_process_is_used(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "acc.yaml").write_text("distributed_type: MULTI_GPU\n")
+    cfg = load_config(_params(tmp_path, accelerate_config="acc.yaml", num_processes=2))
+    from rlxf_utils.launch import stage_command
+
+    ppo = stage_command(cfg, tmp_path / "p.yaml", tmp_path, "rl", "ppo")
+    assert ppo[ppo.index("--config_file") + 1] == str(tmp_path / "acc.yaml")
+    assert ppo[ppo.index("--num_processes") + 1] == "2"
+    assert ppo[-6:] == ["--params", str(tmp_path / "p.yaml"), "--run-dir", str(tmp_path),
+                        "--algo", "ppo"]  # fmt: skip
+    for stage, name in (("sft", None), ("rl", "ilhf_history")):  # one-process loops
+        cmd = stage_command(cfg, tmp_path / "p.yaml", tmp_path, stage, name)
+        assert "--config_file" not in cmd and cmd[cmd.index("--num_processes") + 1] == "1"
+
+
+def test_hub_access_follows_the_profile_unless_the_environment_says(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rlxf_utils.launch import hub_environment
+
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.delenv(var, raising=False)
+    online = load_config(_params(tmp_path, hf_offline=False))
+    assert hub_environment(online)["HF_HUB_OFFLINE"] == "0"
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # set by the user: wins over the profile
+    assert hub_environment(online)["HF_HUB_OFFLINE"] == "1"
+    assert load_config(ROOT / "params/smoke.yaml").compute.hf_offline  # the default: offline
+    assert not load_config(ROOT / "params/paper.yaml").compute.hf_offline  # the hub model
+
+
+def test_resolve_device() -> None:
+    import torch
+
+    from rlxf_utils.models import resolve_device
+
+    assert resolve_device("cpu") == torch.device("cpu")
+    if not torch.cuda.is_available():
+        assert resolve_device("auto") == torch.device("cpu")
+        with pytest.raises(RuntimeError, match="no CUDA"):
+            resolve_device("cuda")
+
+
+ACCELERATE_CONFIGS = sorted((ROOT / "params/accelerate").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", ACCELERATE_CONFIGS, ids=lambda p: p.stem)
+def test_accelerate_configs_load_and_the_readme_shows_how_to_use_them(path: Path) -> None:
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    c = load_config_from_file(str(path))
+    want = {"single_gpu_bf16": "NO", "multi_gpu_ddp": "MULTI_GPU", "cpu_ddp": "MULTI_GPU",
+            "deepspeed_zero2": "DEEPSPEED", "deepspeed_zero3": "DEEPSPEED"}  # fmt: skip
+    assert str(c.distributed_type).rsplit(".", 1)[-1] == want[path.stem]
+    if c.distributed_type == "DEEPSPEED":
+        assert c.deepspeed_config["zero_stage"] == int(path.stem[-1])
+    assert f"accelerate/{path.name}" in (ROOT / "README.md").read_text()
+
+
+def test_readme_memory_table_is_the_computed_one() -> None:
+    from rlxf_utils.launch import memory_per_gpu, memory_table
+
+    assert memory_table() in (ROOT / "README.md").read_text()
+    # 1B frozen bf16 parameters on one GPU: 2e9 bytes; ZeRO-3 on 4 GPUs shards them
+    assert memory_per_gpu(10**9, 0, 0, "single", 1) == pytest.approx(2e9 / 2**30)
+    assert memory_per_gpu(10**9, 0, 0, "zero3", 4) == pytest.approx(0.5e9 / 2**30)
+    # LoRA: 16 bytes a parameter, of which ZeRO-2 shards 12
+    assert memory_per_gpu(0, 10**6, 0, "zero2", 4) == pytest.approx(7e6 / 2**30)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
 from pathlib import Path
 
 import nbformat
@@ -168,8 +170,16 @@ def test_smoke_study_notebook_01(tmp_path: Path) -> None:
     )
 
 
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The whole smoke study, run once, uninterrupted (shared by the tests below)."""
+    return run_study(
+        ROOT / "params/smoke.yaml", tmp_path_factory.mktemp("smoke") / "smoke", progress=False
+    )
+
+
 @pytest.mark.slow
-def test_smoke_study_renders_the_report(tmp_path: Path) -> None:
+def test_smoke_study_renders_the_report(smoke_run: Path) -> None:
     """The smoke run's report: both files, figures embedded, no holes, numbers equal the artifacts."""
     import re
 
@@ -177,7 +187,7 @@ def test_smoke_study_renders_the_report(tmp_path: Path) -> None:
 
     from rlxf_utils.report import load_variables, render_report
 
-    run_dir = run_study(ROOT / "params/smoke.yaml", tmp_path / "smoke", progress=False)
+    run_dir = smoke_run
     # run again with nothing changed: every notebook is up to date (no notebook rewrites an
     # earlier one's declared outputs), and the report below reads the same artifacts
     run_study(ROOT / "params/smoke.yaml", run_dir, progress=False)
@@ -288,3 +298,83 @@ def test_smoke_study_renders_the_report(tmp_path: Path) -> None:
         assert (run_dir / f"tables/{t}.csv").is_file(), t
     assert "D²LOLS" in text
     assert sorted(frontier.loc[frontier["algo"] == "best_of_n", "step"]) == [1, 2, 4]
+
+
+#: What differs between two runs of the same study by design: the runner's records and the
+#: executed notebooks (times, paths), the stages' logs, and resume state (checkpoints hold logs
+#: with step times); in tables and JSON, the columns and keys that are timings.
+_VOLATILE_PATHS = re.compile(
+    r"^(manifest\.json|\.rlxf/|notebooks/)|/launch\.log$|/(checkpoints|trl)/"
+)
+_TIMING = re.compile(r"(_s|seconds|per_s|_time)$")
+
+
+def _artifacts(run_dir: Path) -> dict[str, object]:
+    """Every artifact of a run dir as comparable content: bytes, or for tables and JSON the
+    content without timing columns/keys (a .md table is the rendering of its .csv twin)."""
+    import hashlib
+
+    import pandas as pd
+
+    def strip(obj: object) -> object:
+        if isinstance(obj, dict):
+            return {k: strip(v) for k, v in obj.items() if not _TIMING.search(str(k))}
+        if isinstance(obj, list):
+            return [strip(v) for v in obj]
+        return obj
+
+    out: dict[str, object] = {}
+    for f in sorted(p for p in run_dir.rglob("*") if p.is_file()):
+        rel = f.relative_to(run_dir).as_posix()
+        if _VOLATILE_PATHS.search(rel) or (f.suffix == ".md" and f.with_suffix(".csv").exists()):
+            continue
+        if f.suffix in (".parquet", ".csv"):
+            df = pd.read_parquet(f) if f.suffix == ".parquet" else pd.read_csv(f)
+            df = df[[c for c in df.columns if not _TIMING.search(str(c))]]
+            out[rel] = df.to_json(orient="split", double_precision=15)
+        elif f.suffix == ".json":
+            out[rel] = json.dumps(strip(json.loads(f.read_text(encoding="utf-8"))), sort_keys=True)
+        else:
+            out[rel] = hashlib.sha256(f.read_bytes()).hexdigest()
+    return out
+
+
+@pytest.mark.slow
+def test_a_killed_study_resumes_to_the_same_artifacts(smoke_run: Path, tmp_path: Path) -> None:
+    """Kill a smoke study (runner, kernel and the training process) in the middle of PPO in
+    notebook 03, rerun it: 01 and 02 are reused, PPO resumes from its checkpoint, and every
+    artifact equals the uninterrupted run's (timings aside)."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    run_dir = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "rlxf_utils.cli", "run", "--params",
+           str(ROOT / "params/smoke.yaml"), "--run-dir", str(run_dir)]  # fmt: skip
+    log = (tmp_path / "first.log").open("w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=os.environ)
+    deadline = time.monotonic() + 1200
+    while not list(run_dir.glob("policy/ppo/checkpoints/step_*")):
+        assert proc.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+        assert time.monotonic() < deadline, "PPO never wrote a checkpoint"
+        time.sleep(0.2)
+    tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    for p in tree:  # as a pre-empted job dies: everything at once
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    psutil.wait_procs(tree, timeout=60)
+    log.close()
+    assert not (run_dir / ".rlxf/stages/03_ppo_finetuning.json").exists()
+    assert not (run_dir / "policy/ppo/complete.json").exists()
+
+    run_study(ROOT / "params/smoke.yaml", run_dir, progress=False)
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert [n["how"] for n in manifest["notebooks"]] == ["reused"] * 2 + ["ran"] * 3
+    assert "resumed ppo from" in (run_dir / "policy/ppo/launch.log").read_text()
+    want, got = _artifacts(smoke_run), _artifacts(run_dir)
+    assert sorted(got) == sorted(want)
+    differ = [k for k in want if got[k] != want[k]]
+    assert not differ, differ
