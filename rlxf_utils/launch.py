@@ -98,6 +98,7 @@ def launch_env(device: str = "auto") -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("PYTHONHASHSEED", "0")  # set iteration order (peft's target_modules) fixed
     if device == "cpu" or not torch.cuda.is_available():
         env["ACCELERATE_USE_CPU"] = "true"
     return env

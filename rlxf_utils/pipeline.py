@@ -219,6 +219,9 @@ def run_study(
 
     # the kernels (and the stages they launch) inherit it; read once, when transformers loads
     log.info("hub: %s", hub_environment(cfg))
+    # the kernels inherit a fixed string-hash seed: set iteration order, and with it what peft
+    # writes in adapter_config.json (target_modules), is the same in every run
+    os.environ.setdefault("PYTHONHASHSEED", "0")
     write_manifest(run, cfg, [])
     total = len(notebooks)
     rerun = force or only is not None  # once a notebook reruns, every later one does
