@@ -14,7 +14,7 @@ from tiny import tiny_llama
 
 from rlxf_utils import alignment, models
 from rlxf_utils.artifacts import ArtifactMissing, RunDir
-from rlxf_utils.config import LoraSettings, PolicyConfig
+from rlxf_utils.config import ComputeConfig, LoraSettings, PolicyConfig
 
 
 def _base(seed: int = 0):
@@ -71,6 +71,7 @@ def test_policy_set_switches_adapters_on_one_base(tmp_path, monkeypatch) -> None
         policy=PolicyConfig(),
         rl=SimpleNamespace(start_policy="base"),
         sft=SimpleNamespace(enabled=False),
+        compute=ComputeConfig(device="cpu"),
     )
     pset = alignment.PolicySet(cfg, run, ["ppo"])
     ref, _ = _base()

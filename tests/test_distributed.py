@@ -18,8 +18,8 @@ WORKER = Path(__file__).resolve().parent / "ppo_ranks_worker.py"
 TOLERANCE = 1e-5
 
 
-def _launch(n: int, out: Path) -> pd.DataFrame:
-    cmd = [*accelerate_args(None, n, "cpu" if n == 1 else "auto"), str(WORKER), str(out)]
+def _launch(n: int, out: Path, *args: str) -> pd.DataFrame:
+    cmd = [*accelerate_args(None, n, "cpu" if n == 1 else "auto"), str(WORKER), str(out), *args]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=launch_env("cpu"))
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     return pd.read_parquet(out / "train_log.parquet")
@@ -43,6 +43,15 @@ def test_ppo_on_two_processes_matches_one(tmp_path: Path) -> None:
         assert a.keys() == b.keys()
         diff = max(float((a[k] - b[k]).abs().max()) for k in a)
         assert diff < TOLERANCE, (name, diff)
+
+
+@pytest.mark.slow
+def test_rlgf_on_two_processes_keeps_the_ranks_in_step(tmp_path: Path) -> None:
+    """D²LOLS with the MLE term: its gradient (a forward outside DDP, accumulated under no_sync)
+    and the guide's critic (idle in PPO++ steps) must still be averaged over the processes."""
+    log = _launch(2, tmp_path / "d2lols", "d2lols")
+    assert log["scheme"].tolist() == ["aggrevated"] * 2 + ["ppo_pp"] * 2
+    assert (log["rank_weight_spread"] == 0).all(), log["rank_weight_spread"].tolist()
 
 
 @pytest.mark.slow
