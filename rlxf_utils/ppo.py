@@ -746,6 +746,13 @@ class PPOTrainer:
             perm = torch.randperm(B)
             for start in range(0, B, size):
                 mb = perm[start : start + size].to(self.device)
+                self.optimizer.zero_grad(set_to_none=True)
+                # A loss of its own (RLGF's MLE term) runs its forward and backward first: under
+                # DDP each backward averages over processes, and two forwards of the wrapped
+                # module before one backward are not allowed. Gradients add up in .grad.
+                extra = None if warmup else self.extra_loss(ro, mb)
+                if extra is not None:
+                    self.accelerator.backward(extra)
                 with self._autocast():
                     new_logits, new_values = self.module(
                         ro.input_ids[mb], ro.attention_mask[mb], R, critic=ro.critic
@@ -760,13 +767,6 @@ class PPOTrainer:
                     cfg.clip_range_value,
                 )  # fmt: skip
                 loss = cfg.vf_coef * vf if warmup else pg + cfg.vf_coef * vf
-                self.optimizer.zero_grad(set_to_none=True)
-                extra = None if warmup else self.extra_loss(ro, mb)
-                if extra is not None:
-                    # its forward ran on the unwrapped policy: accumulate its gradient locally;
-                    # DDP averages it over processes with the PPO loss's in the backward below
-                    with self.accelerator.no_sync(self.module):
-                        self.accelerator.backward(extra)
                 self.accelerator.backward(loss)
                 # clipped apart: the critic's gradient never shrinks the policy's step
                 self.accelerator.clip_grad_norm_(self._policy_params, cfg.max_grad_norm)

@@ -204,8 +204,10 @@ class GuidedPPOTrainer(PPOTrainer):
 
     # -- the paper's MLE term on historical MET descriptions ------------------------------------
     def extra_loss(self, ro: Rollout, mb: torch.Tensor) -> torch.Tensor | None:
-        """eta * mean NLL of one historical MET description per context in the minibatch."""
-        from rlxf_utils.sft import SFTExample, _collate, response_loss
+        """eta * mean NLL of one historical MET description per context in the minibatch,
+        through the (DDP-wrapped) module: `update` backpropagates it on its own, so that DDP
+        averages its gradient over the processes like the PPO loss's."""
+        from rlxf_utils.sft import SFTExample, _collate, target_nll
 
         if self.rlgf.mle_coef == 0:
             return None
@@ -221,8 +223,11 @@ class GuidedPPOTrainer(PPOTrainer):
         batch = _collate(examples, self.tokenizer.pad_token_id)
         batch = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()}
         with self._autocast():
-            nll, _ = response_loss(self.unwrapped.policy, batch)
-        return self.rlgf.mle_coef * nll
+            logits, _ = self.module(
+                batch["input_ids"], batch["attention_mask"], int(batch["n_tail"]), with_values=False
+            )
+        nll, mask = target_nll(logits, batch)
+        return self.rlgf.mle_coef * nll.sum() / mask.sum().clamp(min=1)
 
     def _prompt(self, c: int) -> list[int]:
         if c not in self._prompt_ids:

@@ -188,9 +188,16 @@ def response_token_nll(model: Any, batch: Mapping[str, Any]) -> tuple[torch.Tens
         input_ids=ids, attention_mask=attn, position_ids=position_ids,
         logits_to_keep=tail + 1, use_cache=False,
     )  # fmt: skip
-    logits = out.logits[:, :-1].float()  # predicts positions -tail..-1
-    targets = ids[:, -tail:]
+    return target_nll(out.logits[:, :-1], batch)  # the logits predicting positions -tail..-1
+
+
+def target_nll(logits: torch.Tensor, batch: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`response_token_nll` from the logits predicting a batch's last `n_tail` positions (B,
+    n_tail, V): wherever they were computed (RLGF's MLE term: through the DDP-wrapped module)."""
+    tail = int(batch["n_tail"])
+    targets = batch["input_ids"][:, -tail:]
     mask = batch["target_mask"][:, -tail:]
+    logits = logits.float()
     nll = F.cross_entropy(
         logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none"
     )
