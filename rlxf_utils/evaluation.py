@@ -812,8 +812,9 @@ def _normalise(emb: np.ndarray) -> np.ndarray:
     emb = np.asarray(emb, dtype=np.float32)
     if emb.ndim != 2:
         raise ValueError(f"embeddings must be 2-d (n, dim); got shape {emb.shape}")
-    norms = np.linalg.norm(emb, axis=1, keepdims=True)
-    return emb / np.where(norms > 0, norms, 1.0)
+    e64 = emb.astype(np.float64)  # then rounded: reproducible whatever the memory alignment
+    norms = np.linalg.norm(e64, axis=1, keepdims=True)
+    return (e64 / np.where(norms > 0, norms, 1.0)).astype(np.float32)
 
 
 def _fingerprint(texts: Sequence[str], met: np.ndarray, areas: Sequence[str]) -> str:
@@ -953,7 +954,9 @@ class HistoricalIndex:
         for none), no row of query i's group is its neighbour either: MONA repeats a condition
         across the reviews of one arrangement, and those copies would ground it on itself.
         """
-        q = _normalise(query_embeddings)
+        # float64 products rounded to float32: float32 BLAS results can change in the last bit
+        # with the arrays' memory alignment, which would make two runs' neighbours differ
+        q = _normalise(query_embeddings).astype(np.float64)
         if q.shape[1] != self.embeddings.shape[1]:
             raise ValueError(f"query dim {q.shape[1]} != index dim {self.embeddings.shape[1]}")
         excl = None if exclude is None else np.asarray(exclude, dtype=np.int64)
@@ -976,7 +979,7 @@ class HistoricalIndex:
         idx = np.empty((q.shape[0], k), dtype=np.int64)
         sim = np.empty((q.shape[0], k), dtype=np.float32)
         for start in range(0, q.shape[0], 1024):
-            s = q[start : start + 1024] @ self.embeddings.T
+            s = (q[start : start + 1024] @ self.embeddings.T.astype(np.float64)).astype(np.float32)
             if excl is not None:
                 rows = np.arange(s.shape[0])
                 e = excl[start : start + 1024]
