@@ -301,12 +301,13 @@ def test_smoke_study_renders_the_report(smoke_run: Path) -> None:
 
 
 #: What differs between two runs of the same study by design: the runner's records and the
-#: executed notebooks (times, paths), the stages' logs, resume state (checkpoints hold logs with
+#: executed notebooks (times, paths), the rendered report (the report test renders one into the
+#: run dir; it shows timings and versions), the stages' logs, resume state (checkpoints hold logs with
 #: step times) and the RL stages' bookkeeping (`started.json`/`complete.json` hash input folders
 #: whose metrics hold timings); in tables and JSON, the columns and keys that are timings (or
 #: ratios of timings: `cost_vs_ppo`).
 _VOLATILE_PATHS = re.compile(
-    r"^(manifest\.json|\.rlxf/|notebooks/)|/launch\.log$|/(checkpoints|trl)/"
+    r"^(manifest\.json|\.rlxf/|notebooks/|report/)|/launch\.log$|/(checkpoints|trl)/"
     r"|^policy/[^/]+/(started|complete)\.json$"
 )
 _TIMING = re.compile(r"(_s|seconds|per_s|_time|cost_vs_ppo)$")
