@@ -68,14 +68,15 @@ def _free_port() -> int:
 
 
 def accelerate_args(config_file: str | Path | None, n: int, device: str = "auto") -> list[str]:
-    """`python -m accelerate.commands.launch ...` up to the program: a config file, or
+    """`accelerate launch ...` up to the program: a config file, or
     accelerate's defaults said out loud; `n` processes on a free local port; `--cpu` for one
     process without CUDA (or with `device` 'cpu'). Several processes without CUDA run DDP over
     gloo: accelerate's `--multi_gpu` launcher falls back to MULTI_CPU (its `--cpu` launcher
     would need MPI)."""
     import torch
 
-    cmd = [sys.executable, "-m", "accelerate.commands.launch"]
+    # accelerate's launcher, set to die with this process (rlxf_utils/_accelerate_launch.py)
+    cmd = [sys.executable, "-m", "rlxf_utils._accelerate_launch"]
     if config_file is not None:
         cmd += ["--config_file", str(config_file)]
     else:  # no warning about values not passed
@@ -146,6 +147,7 @@ def run_stage(
     log_path = Path(run_dir) / "policy" / label / "launch.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     env = launch_env(cfg.compute.device)
+    env["RLXF_PARENT_PID"] = str(os.getpid())  # the launcher dies with this process
     tail: deque[str] = deque(maxlen=TAIL_LINES)
     cause = None
     n = processes_for(cfg, stage, name)
@@ -181,6 +183,24 @@ def run_stage(
     return log_path
 
 
+def die_with_parent() -> None:
+    """Linux: have this process killed when its parent dies (`prctl(PR_SET_PDEATHSIG)`), so a
+    stage never outlives the notebook kernel that launched it (an interrupted `make study`
+    leaves no training process behind). Elsewhere a no-op."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+    # the parent may have died before the line above: then no signal comes; the launcher
+    # names the parent it expects in RLXF_PARENT_PID
+    expected = os.environ.get("RLXF_PARENT_PID")
+    if expected and int(expected) != os.getppid():
+        os._exit(1)
+
+
 def _worth_echoing(line: str) -> bool:
     """The stage's log records (progress, warnings, errors), not progress bars or libraries'
     chatter: those stay in `launch.log`, and a failure shows its tail."""
@@ -210,6 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     from rlxf_utils.config import load_config
 
+    die_with_parent()  # the launcher's worker: gone when the launcher is
     cfg = load_config(args.params)
     hub_environment(cfg)
     logging.basicConfig(

@@ -160,3 +160,44 @@ def test_readme_memory_table_is_the_computed_one() -> None:
     assert memory_per_gpu(10**9, 0, 0, "zero3", 4) == pytest.approx(0.5e9 / 2**30)
     # LoRA: 16 bytes a parameter, of which ZeRO-2 shards 12
     assert memory_per_gpu(0, 10**6, 0, "zero2", 4) == pytest.approx(7e6 / 2**30)
+
+
+def test_a_launched_process_dies_with_its_parent(tmp_path: Path) -> None:
+    """A stage must not outlive the kernel that launched it: the child of a killed parent goes."""
+    import os
+    import signal
+    import sys
+    import time
+
+    import psutil
+
+    pid_file = tmp_path / "pid"
+    grandchild = (
+        "import os, time\n"
+        "from rlxf_utils.launch import die_with_parent\n"
+        "die_with_parent()\n"
+        f"open({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
+        "time.sleep(60)\n"
+    )
+    code = (
+        "import os, subprocess, sys, time\n"
+        "env = dict(os.environ, RLXF_PARENT_PID=str(os.getpid()))\n"
+        f"subprocess.Popen([sys.executable, '-c', {grandchild!r}], env=env)\n"
+        "time.sleep(60)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", code], env=os.environ)
+    for _ in range(400):
+        if pid_file.exists() and pid_file.read_text():
+            break
+        time.sleep(0.05)
+    child = int(pid_file.read_text())
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait()
+    for _ in range(100):  # the child is gone (killed; a zombie until init reaps it) in seconds
+        try:
+            if psutil.Process(child).status() == psutil.STATUS_ZOMBIE:
+                return
+        except psutil.NoSuchProcess:
+            return
+        time.sleep(0.05)
+    pytest.fail(f"child {child} outlived its killed parent")
