@@ -955,6 +955,11 @@ class PPOTrainer:
                 return False
             path = found[-1]
         path = Path(path)
+        # killed between the checkpoint and its frontier snapshot: write the snapshot now
+        snap = self.output_dir / "snapshots" / path.name
+        if self.accelerator.is_main_process and not (snap / "adapter_model.safetensors").is_file():
+            _atomic_dir(snap, lambda d: shutil.copy2(path / "adapter_model.safetensors", d))
+        self.accelerator.wait_for_everyone()
         set_peft_model_state_dict(
             self.unwrapped.policy, load_file(str(path / "adapter_model.safetensors"))
         )

@@ -571,6 +571,11 @@ def run_algorithm(
                 shutil.rmtree(d)
             done.unlink(missing_ok=True)
         out.mkdir(parents=True, exist_ok=True)
+        # a process killed while writing leaves the temporary folders of `_atomic_dir` behind
+        for folder in (out, out / "snapshots", out / "checkpoints"):
+            for tmp_dir in folder.glob(".*") if folder.is_dir() else []:
+                if tmp_dir.is_dir():
+                    shutil.rmtree(tmp_dir, ignore_errors=True)
         with atomic_path(started) as tmp:
             tmp.write_text(json.dumps(marker, indent=2), encoding="utf-8")
     barrier()

@@ -182,6 +182,10 @@ def test_resume_matches_uninterrupted(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         run(tmp_path / "cut", interrupt_at=2)
     assert (tmp_path / "cut/checkpoints/step_000002").is_dir()
+    # killed between the checkpoint and its frontier snapshot: the resume writes the snapshot
+    import shutil
+
+    shutil.rmtree(tmp_path / "cut/snapshots/step_000002")
     resumed = run(tmp_path / "cut")
     a = full.log_frame().drop(columns=["tokens_per_s", "gen_time_s", "step_time_s"])
     b = resumed.log_frame().drop(columns=["tokens_per_s", "gen_time_s", "step_time_s"])
@@ -197,6 +201,11 @@ def test_resume_matches_uninterrupted(tmp_path):
     )
     assert snaps == ["step_000002", "step_000004"]
     from safetensors.torch import load_file
+
+    for snap in snaps:  # the resumed run has the same snapshots, the restored one included
+        a_, b_ = (load_file(str(tmp_path / run_ / "snapshots" / snap / "adapter_model.safetensors"))
+                  for run_ in ("full", "cut"))  # fmt: skip
+        assert all(torch.allclose(a_[k], b_[k], atol=1e-6) for k in a_), snap
 
     last = load_file(str(tmp_path / "full/snapshots/step_000004/adapter_model.safetensors"))
     final = load_file(str(tmp_path / "full/adapter/adapter_model.safetensors"))
