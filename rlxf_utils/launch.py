@@ -36,8 +36,9 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-#: Stages whose loop runs on one process whatever `compute.num_processes` says.
-ONE_PROCESS = ("sft", "ilhf_history", "ilhf_online")
+#: RL algorithms whose loop runs on one process whatever `compute.num_processes` says (SFT's
+#: too: `processes_for`).
+ONE_PROCESS = ("ilhf_history", "ilhf_online")
 #: Lines of a failed stage's log shown in the error.
 TAIL_LINES = 40
 #: A Python exception line at the start of a log line ("pkg.mod.SomeError: message").

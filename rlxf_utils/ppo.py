@@ -783,7 +783,7 @@ class PPOTrainer:
                 if (
                     not warmup
                     and cfg.approx_kl_stop is not None
-                    and float(self._sum(approx_kl)) / self.world > cfg.approx_kl_stop
+                    and self._global_mean(approx_kl) > cfg.approx_kl_stop
                 ):
                     stop = True
                     break
@@ -817,7 +817,7 @@ class PPOTrainer:
             "kl": kl_seq,
             "kl_per_token": float(self._sum(pp.kl_tokens.sum())) / max(n_tokens, 1.0),
             "kl_coef": self.kl_ctl.value,
-            "entropy": float(self._sum(pp.entropy)) / self.world,
+            "entropy": self._global_mean(pp.entropy),
             "value_mean": float(masked_mean(pp.old_values, pp.vf_mask, reduce=self._sum)),
             "clip_frac": float(np.mean(stats["clip"])),
             "approx_kl": float(np.mean(stats["akl"])),

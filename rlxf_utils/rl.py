@@ -37,7 +37,7 @@ from rlxf_utils.config import (
     StudyConfig,
     algorithm_label,
 )
-from rlxf_utils.ilhf import is_ensemble, load_particles, thompson_draw
+from rlxf_utils.ilhf import is_ensemble, load_particles
 from rlxf_utils.launch import process_state, processes_for
 from rlxf_utils.models import (
     apply_lora,
@@ -524,10 +524,14 @@ def is_trained(
 ) -> bool:
     """True when `policy/<algo>/complete.json` matches what a run now would depend on."""
     done = Path(run_dir) / "policy" / algo / "complete.json"
-    if not done.is_file():
-        return False
-    marker = algorithm_marker(algo, cfg, run_dir, len(contexts), steps)
-    return json.loads(done.read_text(encoding="utf-8")) == marker
+    return done.is_file() and _matches(
+        done, algorithm_marker(algo, cfg, run_dir, len(contexts), steps)
+    )
+
+
+def _matches(path: Path, marker: Mapping[str, Any]) -> bool:
+    """True when the marker file `path` exists and records `marker`."""
+    return path.is_file() and json.loads(path.read_text(encoding="utf-8")) == marker
 
 
 def run_algorithm(
@@ -552,16 +556,14 @@ def run_algorithm(
     # checked before the start policy is loaded and merged.
     marker = algorithm_marker(algo, cfg, rd.root, len(contexts), steps)
     done = out / "complete.json"
-    if done.is_file() and json.loads(done.read_text(encoding="utf-8")) == marker:
+    if _matches(done, marker):
         log.info("%s: up to date (%s): reading its outputs", algo, done)
         return rd.read_parquet(f"policy/{algo}/train_log.parquet")
     # Checkpoints resume only the run they belong to: with other settings or inputs, the
     # checkpoints, TRL's checkpoints and the frontier snapshots of the old run are removed.
     started = out / "started.json"
     if is_main_process():  # the others wait until the folder is ready
-        if out.exists() and not (
-            started.is_file() and json.loads(started.read_text(encoding="utf-8")) == marker
-        ):
+        if out.exists() and not _matches(started, marker):
             stale = [out / d for d in ("checkpoints", "trl", "snapshots") if (out / d).exists()]
             if stale:
                 log.info(
@@ -630,8 +632,9 @@ def read_logs(run_dir: str | Path, algos: Sequence[str]) -> pd.DataFrame:
 
 def load_named_policy(cfg: StudyConfig, run_dir: str | Path, name: str) -> tuple[Any, Any]:
     """A policy of this run by name: 'base' (zero-shot), 'sft' / 'sft_met' (LoRA on the base) or
-    an RL algorithm (LoRA on the start policy). An ILHF ensemble comes with every particle
-    loaded; `model.ilhf_particles` lists their adapter names (see `thompson_adapters`)."""
+    an RL algorithm (LoRA on the start policy; an ILHF ensemble with every particle loaded).
+    Evaluation and the before/after samples use `alignment.PolicySet` instead (one load per set
+    of weights, Thompson draws for ensembles)."""
     from rlxf_utils.models import load_policy, load_policy_with_adapter
 
     rd = RunDir(run_dir)
@@ -644,21 +647,11 @@ def load_named_policy(cfg: StudyConfig, run_dir: str | Path, name: str) -> tuple
 
     model, tok = load_start_policy(cfg.policy, cfg.rl.start_policy, rd.root)
     if is_ensemble(adapter):
-        model, names = load_particles(model, adapter, name)
-        model.ilhf_particles = names
+        model, _ = load_particles(model, adapter, name)
     else:
         model = PeftModel.from_pretrained(model, str(adapter))
     model.eval()
     return model, tok
-
-
-def thompson_adapters(model: Any, n_prompts: int, seed: int) -> list[str] | None:
-    """For an ILHF ensemble (`load_named_policy`): the particle answering each prompt, drawn
-    uniformly (Thompson sampling); None for any other policy."""
-    names = getattr(model, "ilhf_particles", None)
-    if not names:
-        return None
-    return [names[z] for z in thompson_draw(n_prompts, len(names), seed)]
 
 
 def before_after_samples(
