@@ -175,6 +175,13 @@ def cluster_bootstrap(
     return (point, float(low), float(high))
 
 
+def level(alpha: float) -> str:
+    """The confidence level as prose and captions write it: alpha 0.05 -> '95%', 0.025 -> '97.5%'."""
+    if not 0 < alpha < 1:
+        raise ValueError(f"alpha must lie in (0, 1); got {alpha}")
+    return f"{1 - alpha:.0%}" if round(100 * (1 - alpha), 6).is_integer() else f"{1 - alpha:.1%}"
+
+
 def ci_verdict(
     low: float,
     high: float,
@@ -506,6 +513,19 @@ def _as_ids(
     return [int(i) for i in item]
 
 
+def _forward_logits(model: Any, ids: Any, attn: Any, pos: Any, keep: int | None) -> Any:
+    """Logits of the last `keep` positions (all when None), with position ids when the model
+    takes them (left padding is then exact) and `logits_to_keep` when it takes that."""
+    kw = {"logits_to_keep": keep} if keep is not None else {}
+    try:
+        return model(input_ids=ids, attention_mask=attn, position_ids=pos, **kw).logits
+    except TypeError:
+        if kw:  # a model without logits_to_keep: every position
+            return _forward_logits(model, ids, attn, pos, None)
+        log.warning("model takes no position_ids; left padding may shift positions")
+        return model(input_ids=ids, attention_mask=attn).logits
+
+
 def sequence_logprobs(
     model: Any,
     tokenizer: Any,
@@ -572,17 +592,16 @@ def sequence_logprobs(
                     target[row, off + k : off + len(s)] = True
                 pos = (attn.cumsum(-1) - 1).clamp(min=0)
                 ids, attn, pos = ids.to(device), attn.to(device), pos.to(device)
-                try:
-                    logits = model(input_ids=ids, attention_mask=attn, position_ids=pos).logits
-                except TypeError:  # a model without position_ids: right padding is then exact
-                    if side == "left":
-                        log.warning("model takes no position_ids; left padding may shift positions")
-                    logits = model(input_ids=ids, attention_mask=attn).logits
+                # left padding puts every response at the end: the LM head runs only on the last
+                # `keep` positions (the longest response and the token before it), not the prompts
+                keep = int(max(n_tok[j] for j in idx)) + 1 if side == "left" else width
+                logits = _forward_logits(model, ids, attn, pos, keep if keep < width else None)
+                off = width - logits.shape[1]  # positions before the kept ones
                 # only response positions: the full (batch, length, vocab) float copy is avoided
-                sel = target[:, 1:].to(device)
+                sel = target[:, off + 1 :].to(device)
                 rows = sel.nonzero()[:, 0]
                 lg = logits[:, :-1][sel].float()
-                tgt = ids[:, 1:][sel]
+                tgt = ids[:, off + 1 :][sel]
                 tok_lp = lg.gather(-1, tgt.unsqueeze(-1)).squeeze(-1) - lg.logsumexp(-1)
                 sums = torch.zeros(len(idx), dtype=torch.float64, device=device)
                 sums.index_add_(0, rows, tok_lp.double())
