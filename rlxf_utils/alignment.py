@@ -551,7 +551,7 @@ def plot_gains(summary: pd.DataFrame, start: str = "base", alpha: float = 0.05) 
     ax.set_xticks(x, s["policy"], rotation=20, ha="right")
     ax.set(
         ylabel=f"mean P(MET) minus {start}",
-        title=f"Gain over the starting policy ({1 - alpha:.0%} CI, countries resampled)",
+        title=f"Gain over the starting policy ({ev.level(alpha)} CI, countries resampled)",
     )
     ax.legend()
     ax.grid(axis="y", alpha=0.3)
@@ -590,7 +590,7 @@ def plot_reward_uncertainty(summary: pd.DataFrame, start: str = "base", alpha: f
                     textcoords="offset points")  # fmt: skip
     ax.set(xlabel="mean SD of P(MET) across the reward heads (epistemic)",
            ylabel="Ave(R) on held-out prompts",
-           title=f"Reward and the reward model's uncertainty ({1 - alpha:.0%} CIs, countries resampled)")  # fmt: skip
+           title=f"Reward and the reward model's uncertainty ({ev.level(alpha)} CIs, countries resampled)")  # fmt: skip
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
@@ -635,7 +635,7 @@ def plot_frontier(frontier: pd.DataFrame, start: str = "base", alpha: float = 0.
                 str(r.step), (r.kl, r.reward), fontsize=7, xytext=(4, 4), textcoords="offset points"
             )
     ax.set(xlabel=f"KL(policy || {start}), nats per response", ylabel="Ave(R) on held-out prompts")
-    ax.set_title(f"Reward-KL frontier (labels: training step or N; bars: {1 - alpha:.0%} CI)")
+    ax.set_title(f"Reward-KL frontier (labels: training step or N; bars: {ev.level(alpha)} CI)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

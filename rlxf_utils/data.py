@@ -1116,8 +1116,9 @@ def build_contexts(labelled: pd.DataFrame, seed: int, eval_fraction: float = 0.2
 # --------------------------------------------------------------------------------------------
 # The data stage and its descriptive tables
 # --------------------------------------------------------------------------------------------
-def rate_by(labelled: pd.DataFrame, column: str, z: float = 1.96) -> pd.DataFrame:
-    """Count, MET count, MET rate and its Wilson 95% interval for each value of `column`."""
+def rate_by(labelled: pd.DataFrame, column: str, *, z: float) -> pd.DataFrame:
+    """Count, MET count, MET rate and its Wilson interval for each value of `column`, at the
+    normal quantile `z` (`rates.wilson_z(evaluation.alpha)`)."""
     g = labelled.groupby(column, sort=True)["y"].agg(n="size", n_met="sum").reset_index()
     g["n_met"] = g["n_met"].astype(int)
     p = g["n_met"] / g["n"]

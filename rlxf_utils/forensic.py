@@ -37,6 +37,13 @@ from rlxf_utils.data import (
 )
 from rlxf_utils.prompts import serialize_frame
 from rlxf_utils.reward import PAPER_ACCURACY, classification_metrics, train_encoder, train_tfidf
+from rlxf_utils.reward_stats import (
+    bootstrap_weights,
+    level,
+    percentile_ci,
+    weighted_auc,
+    weighted_rates,
+)
 
 __all__ = [
     "FORENSIC_COLUMNS",
@@ -221,33 +228,6 @@ def forensic_inputs(frame: pd.DataFrame, variant: str) -> list[str]:
 # --------------------------------------------------------------------------------------------
 # metrics with bootstrap CIs
 # --------------------------------------------------------------------------------------------
-def _weighted_metrics(w: np.ndarray, y: np.ndarray, p: np.ndarray, threshold: float) -> dict:
-    """Accuracy, precision, recall, F1 (MET class) and ROC-AUC under row weights `w` (n_boot x n).
-
-    The definitions are classification_metrics' (sklearn's, zero_division=0; AUC with ties as
-    1/2); with unit weights they equal it exactly (tested), and a bootstrap resample is a row of
-    multinomial counts, so all resamples are scored in a few matrix products.
-    """
-    pred = p >= threshold
-    tp = w @ (pred & (y == 1))
-    fp = w @ (pred & (y == 0))
-    fn = w @ (~pred & (y == 1))
-    tn = w @ (~pred & (y == 0))
-    with np.errstate(invalid="ignore", divide="ignore"):
-        acc = (tp + tn) / (tp + fp + fn + tn)
-        prec = np.where(tp + fp > 0, tp / np.maximum(tp + fp, 1e-12), 0.0)
-        rec = np.where(tp + fn > 0, tp / np.maximum(tp + fn, 1e-12), 0.0)
-        f1 = np.where(2 * tp + fp + fn > 0, 2 * tp / np.maximum(2 * tp + fp + fn, 1e-12), 0.0)
-        order = np.argsort(p, kind="stable")
-        starts = np.flatnonzero(np.r_[True, np.diff(p[order]) != 0])  # groups of tied scores
-        ws = w[:, order]
-        pos = np.add.reduceat(ws * (y[order] == 1), starts, axis=1)
-        neg = np.add.reduceat(ws * (y[order] == 0), starts, axis=1)
-        below = np.cumsum(neg, axis=1) - neg
-        auc = (pos * (below + 0.5 * neg)).sum(axis=1) / (pos.sum(axis=1) * neg.sum(axis=1))
-    return {"accuracy": acc, "precision": prec, "recall": rec, "f1": f1, "roc_auc": auc}
-
-
 def bootstrap_metrics(
     y: Sequence[int],
     p: Sequence[float],
@@ -255,12 +235,14 @@ def bootstrap_metrics(
     alpha: float,
     seed: int,
     threshold: float = 0.5,
-    chunk: int = 500,
+    clusters: Sequence[Any] | None = None,
 ) -> dict[str, float]:
     """Point values (`reward.classification_metrics`) and percentile-bootstrap CIs over test rows.
 
-    Returns `<metric>`, `<metric>_low`, `<metric>_high` for accuracy, precision, recall, F1 and
-    ROC-AUC at level 1 - alpha, plus `n`. Depends only on (y, p, n_boot, alpha, seed).
+    `clusters` (one label per row, e.g. the arrangement): resample whole clusters, as the reward
+    section's intervals do, since conditions of one arrangement share reviews and staff. Returns
+    `<metric>`, `<metric>_low`, `<metric>_high` for accuracy, precision, recall, F1 and ROC-AUC at
+    level 1 - alpha, plus `n` and `n_clusters`. Depends only on its arguments.
     """
     if not 0 < alpha < 1:
         raise ValueError(f"alpha must lie in (0, 1); got {alpha}")
@@ -271,19 +253,13 @@ def bootstrap_metrics(
     if len(y) != len(p) or len(y) == 0:
         raise ValueError(f"need equal, non-empty y and p; got {len(y)} and {len(p)}")
     point = classification_metrics(y, p, threshold=threshold)
-    rng = np.random.default_rng(seed)
-    draws: dict[str, list[np.ndarray]] = {m: [] for m in METRICS}
-    for start in range(0, n_boot, chunk):
-        size = min(chunk, n_boot - start)
-        w = rng.multinomial(len(y), np.full(len(y), 1.0 / len(y)), size=size).astype(float)
-        for m, v in _weighted_metrics(w, y, p, threshold).items():
-            draws[m].append(v)
-    out: dict[str, float] = {"n": point["n"]}
+    w = bootstrap_weights(len(y), n_boot, seed, clusters)
+    draws = {**weighted_rates(w, y, p, threshold), "roc_auc": weighted_auc(w, y, p)}
+    n_clusters = len(y) if clusters is None else len(set(map(str, clusters)))
+    out: dict[str, float] = {"n": point["n"], "n_clusters": n_clusters}
     for m in METRICS:
-        d = np.concatenate(draws[m])
-        d = d[~np.isnan(d)]
-        low, high = np.quantile(d, [alpha / 2, 1 - alpha / 2]) if len(d) else (np.nan, np.nan)
-        out.update({m: point[m], f"{m}_low": float(low), f"{m}_high": float(high)})
+        low, high = percentile_ci(draws[m], alpha)
+        out.update({m: point[m], f"{m}_low": low, f"{m}_high": high})
     return out
 
 
@@ -323,13 +299,16 @@ def run_forensic(
         parts[part] = by_id.loc[ids].reset_index(drop=True)
     ys = {k: v["y"].astype(int).to_numpy() for k, v in parts.items()}
     yte = ys["test"]
+    # the reward section's unit of resampling: conditions of one arrangement share reviews and staff
+    arrangement = "arrangement_id" if "arrangement_id" in frame else "forensic_arrangement_id"
+    clusters = parts["test"][arrangement].astype(str).tolist()
     pred = pd.DataFrame({"row_id": parts["test"]["row_id"].to_numpy(), "y": yte})
     rows: list[dict[str, Any]] = []
 
     def score(model: str, variant: str, p: np.ndarray, seconds: float) -> None:
         pred[f"p_{model}_{variant}"] = p
         info = VARIANTS.get(variant, {"allowed": True, "inputs": "none (constant training MET share)"})  # fmt: skip
-        m = bootstrap_metrics(yte, p, n_boot, alpha, seed)
+        m = bootstrap_metrics(yte, p, n_boot, alpha, seed, clusters=clusters)
         rows.append({"variant": variant, "model": model, "allowed_by_protocol": info["allowed"],
                      "inputs": info["inputs"], "train_s": seconds, **m})  # fmt: skip
 
@@ -375,7 +354,7 @@ def plot_forensic(table: pd.DataFrame, claim: float = PAPER_CLAIM, alpha: float 
         ax.barh(np.arange(len(t)), t[m], xerr=err, color=colors, alpha=0.85, error_kw={"lw": 0.8})
         ax.axvline(claim, color="black", ls="--", lw=0.9, label=f"paper's claim {claim:.0%}")
         ax.set_xlim(0, 1)
-        ax.set_xlabel(f"{title} ({1 - alpha:.0%} bootstrap CI)")
+        ax.set_xlabel(f"{title} ({level(alpha)} CI, arrangements resampled)")
         ax.grid(axis="y", visible=False)
     axes[0].set_yticks(np.arange(len(t)), labels, fontsize=7.5)
     handles = [plt.Rectangle((0, 0), 1, 1, color=palette[k]) for k in palette]

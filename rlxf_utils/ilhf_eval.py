@@ -344,7 +344,7 @@ def inclusive_sentences(tables: Mapping[str, pd.DataFrame], algos: Sequence[str]
     on pairwise similarity) and `history` (the history references' and the start policy's
     numbers, the yardstick). Every verb is chosen from an interval (`ci_verdict`); a run without
     an ILHF algorithm or without PPO says so."""
-    lvl = f"{1 - alpha:.0%}"
+    lvl = ev.level(alpha)
     tests = tables.get("eval_inclusive_tests")
     tests = tests if tests is not None else pd.DataFrame(columns=TEST_COLUMNS)
     table = tables.get("eval_inclusive")
@@ -478,7 +478,7 @@ def plot_inclusive(table: pd.DataFrame, start: str, alpha: float = 0.05) -> Any:
     if t["xent_met_vs_start"].isna().all():
         axes[1].text(0.5, 0.5, "no held-out cross-entropy measured", ha="center",
                      transform=axes[1].transAxes)  # fmt: skip
-    fig.suptitle(f"Variety and closeness to the population, at what reward (bars: {1 - alpha:.0%} "
+    fig.suptitle(f"Variety and closeness to the population, at what reward (bars: {ev.level(alpha)} "
                  "CI, countries resampled)", fontsize=10)  # fmt: skip
     handles: dict[str, Any] = {}
     for ax in axes:

@@ -10,6 +10,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from .evaluation import level  # noqa: E402
+
 __all__ = ["bar_counts", "hist_by", "rate_bars", "rate_by_year", "setup_style", "split_balance"]
 
 PALETTE = {"MET": "#1b6ca8", "Non-MET": "#d1495b", "excluded": "#9e9e9e"}
@@ -76,7 +78,7 @@ def rate_bars(
         ax.axvline(overall, color="black", lw=0.8, ls="--", label=f"all conditions {overall:.2f}")
         ax.legend(loc="lower right")
     ax.set_xlim(0, 1)
-    ax.set_xlabel(f"MET rate ({1 - alpha:.0%} Wilson interval)")
+    ax.set_xlabel(f"MET rate ({level(alpha)} Wilson interval)")
     ax.set_title(title)
     ax.grid(axis="y", visible=False)
     return fig
@@ -99,7 +101,7 @@ def rate_by_year(rates: pd.DataFrame, title: str, cutoff: int | None = None, alp
         ax.axvline(cutoff + 0.5, color="black", ls=":", lw=1, label=f"temporal cut-off ({cutoff})")
     ax.set_ylim(0, 1)
     ax.set_xlabel("test year")
-    ax.set_ylabel(f"MET rate ({1 - alpha:.0%} Wilson interval)")
+    ax.set_ylabel(f"MET rate ({level(alpha)} Wilson interval)")
     ax.set_xticks(x)
     ax.tick_params(axis="x", labelrotation=45)
     ax.legend(loc="lower left")

@@ -16,6 +16,8 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
+from .evaluation import level
+
 __all__ = ["data_findings", "rate_heterogeneity", "rate_shift", "rate_trend", "wilson_z"]
 
 
@@ -156,7 +158,7 @@ def data_findings(
 ) -> dict[str, Any]:
     """The data section's tested statements: trend over years, shift at the cut-off, differences
     across economic areas and arrangement types, as numbers and as sentences chosen at `alpha`."""
-    lvl = f"{1 - alpha:.0%}"
+    lvl = level(alpha)
     dated = labelled.dropna(subset=["test_year"])
     y, cl = dated["y"].astype(float), dated["arrangement_id"].astype(str)
     trend = rate_trend(y, dated["test_year"].astype(float), cl, alpha)

@@ -69,6 +69,8 @@ def _data_variables(run: RunDir) -> dict[str, Any]:
         "excluded": f"{s['excluded']:,}",
         "countries": str(s["countries"]),
         "programmes": str(s["programmes"]),
+        "first_approval_year": str(s["approval_years"][0]),
+        "last_approval_year": str(s["approval_years"][1]),
         "dup_random_exact": _pct(dups["random"]["exact_share"]),
         "dup_random_near": _pct(dups["random"]["near_share"]),
         "dup_grouped_near": _pct(dups["grouped"]["near_share"]),

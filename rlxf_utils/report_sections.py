@@ -24,7 +24,7 @@ from .artifacts import (
     markdown_table,
 )
 from .config import ILHF_ALGORITHMS, RLGF_ALGORITHMS, algorithm_label
-from .evaluation import best_of_n_kl_bound, ci_verdict
+from .evaluation import best_of_n_kl_bound, ci_verdict, level
 from .models import display_country
 from .reward_uncertainty import FOLDER as HEADS_FOLDER
 from .reward_uncertainty import MARKER as HEADS_MARKER
@@ -34,6 +34,8 @@ __all__ = [
     "SECTIONS",
     "data_section",
     "eval_section",
+    "gain_verb",
+    "history_sentence",
     "forensic_section",
     "forensic_verdict",
     "ilhf_section",
@@ -145,7 +147,7 @@ def reward_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
             f"{run.path('reward/metrics.json')}: fields {missing} missing; rerun {stage}"
         )
     alpha = meta["alpha"]
-    lvl = f"{1 - alpha:.0%}"
+    lvl = level(alpha)
     m = pd.DataFrame(meta["metrics"])
     cal = pd.DataFrame(meta["calibration"])
     comp = pd.DataFrame(meta["comparisons"])
@@ -327,6 +329,7 @@ def encoders_section(
             "score_sentence",
             "encoder_desc",
             "compared_desc",
+            "mpnet_note",
         )
         return dict.fromkeys(keys, stale), ""
     t = run.read_table("reward_encoders", stage)
@@ -424,8 +427,19 @@ def encoders_section(
         "beside it this run trains " + listing([f"{desc(n)} on {trained_on(n)}" for n in compared])
         if compared else "this run compares no other encoder (reward.compare_encoders is empty)"
     )  # fmt: skip
+    mpnet_note = (
+        " all-mpnet-base-v2 matches bert-base-uncased's *size* (12 layers, 768 hidden units, 110M "
+        "parameters) but not its pretraining: it starts from MPNet (masked and permuted language "
+        "modelling) and was then trained by sentence-transformers with a contrastive objective on "
+        "about a billion sentence pairs, whereas bert-base-uncased is a masked language model of "
+        "BooksCorpus and English Wikipedia. Its numbers are those of a BERT-base-sized encoder, not a "
+        "reproduction of the paper's."
+        if any(encoders[n]["setting"] == "embedded:mpnet" for n in ["encoder", *compared])
+        else ""
+    )
     return {
         "encoders_sentence": sentence,
+        "mpnet_note": mpnet_note,
         "evidence_sentence": evidence,
         "score_sentence": score_sentence,
         "encoder_desc": desc("encoder"),
@@ -551,7 +565,7 @@ def forensic_verdict(table: pd.DataFrame, claim: float, alpha: float) -> str:
     A variant *reaches* the claim when the {1-alpha} CI of each of accuracy, precision, recall and
     F1 lies above it (the paper claims all four), *falls short* when any CI lies below it.
     """
-    lvl = f"{1 - alpha:.0%}"
+    lvl = level(alpha)
     t = table[table["model"] != "majority"].copy()
     t["position"] = [claim_position(r, claim) for _, r in t.iterrows()]
 
@@ -603,7 +617,7 @@ def forensic_verdict(table: pd.DataFrame, claim: float, alpha: float) -> str:
     else:
         concl = f"no input variant, allowed or forbidden, reaches {claim:.0%} on all four measures"
     return (f"Against the paper's claim of more than {claim:.0%} on accuracy, precision, recall and F1 "
-            f"({lvl} bootstrap intervals over test conditions): " + "; ".join(parts) + f". So {concl}.")  # fmt: skip
+            f"({lvl} bootstrap intervals resampling whole arrangements): " + "; ".join(parts) + f". So {concl}.")  # fmt: skip
 
 
 def forensic_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
@@ -615,12 +629,12 @@ def forensic_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any
         )
         empty = markdown_table(pd.DataFrame([{"variant": "not run", "model": "", "accuracy": ""}]))
         return {"verdict": note, "protocol": "n/a", "claim": "n/a", "seconds": "n/a",
-                "fields": "n/a", "encoder_note": ""}, {"reward_forensic.md": empty}  # fmt: skip
+                "fields": "n/a", "encoder_note": "", "models": "n/a"}, {"reward_forensic.md": empty}  # fmt: skip
     stage = "notebook 02_reward_model (forensic arm)"
     table = run.read_parquet("reward/forensic.parquet", stage)
     meta = run.read_json("reward/forensic.json", stage)
     claim, alpha = float(meta["paper_claim"]), float(meta["alpha"])
-    lvl = f"{1 - alpha:.0%}"
+    lvl = level(alpha)
     rows = []
     for _, r in table.iterrows():
         row = {"inputs": r["variant"], "model": MODEL_NAMES.get(r["model"], r["model"]),
@@ -633,7 +647,9 @@ def forensic_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any
     vintage = fields.get("mona_2002_vintage", {})
     read = [*fields.get("staff_comments", [])[:1], *[c for c in vintage.values() if c]]
     enc = [v for v in meta.get("encoder_variants", [])]
+    families = sorted(set(table["model"]) - {"majority"}, key=list(MODEL_NAMES).index)
     variables = {
+        "models": listing([MODEL_NAMES[m] for m in families]),
         "verdict": forensic_verdict(table, claim, alpha),
         "protocol": meta["protocol"],
         "claim": f"{claim:.0%}",
@@ -746,6 +762,37 @@ def _sft_sentence(sft: pd.DataFrame) -> str:
 # ---------------------------------------------------------------------------------------------
 # 04 evaluation
 # ---------------------------------------------------------------------------------------------
+def gain_verb(gain: float, p_holm: float, alpha: float) -> str:
+    """'raised' / 'lowered' when the Holm-adjusted paired test over prompts rejects at `alpha`
+    (the direction is the gain's), else 'did not significantly change'."""
+    if not (is_present(p_holm) and p_holm < alpha):
+        return "did not significantly change"
+    return "raised" if gain > 0 else "lowered"
+
+
+def history_sentence(hist: dict[str, float], contrast: dict[str, Any]) -> str:
+    """Where the reward and audit models place real MET against real Non-MET descriptions of the
+    same held-out contexts, read from the paired interval over prompts (`history_contrast`)."""
+    if not ("history_met" in hist and "history_nonmet" in hist and contrast.get("reward")):
+        return "The held-out contexts evaluated here do not hold both MET and Non-MET history"
+    parts = []
+    for col, who in (("reward", "the reward model"), ("audit_reward", "the audit model")):
+        h = contrast.get(col)
+        if not h:
+            continue
+        word = ci_verdict(
+            h["ci_low"], h["ci_high"], "above", "below", "not distinguishably apart from"
+        )
+        parts.append(f"{who} places what was met {word} what was not "
+                     f"(difference {ci(h['mean_diff'], h['ci_low'], h['ci_high'])})")  # fmt: skip
+    return (
+        f"Real MET descriptions for the same contexts, from rows neither model trained on, score "
+        f"{f3(hist['history_met'])} and real Non-MET ones {f3(hist['history_nonmet'])}; on the "
+        f"{contrast['reward']['n']} prompts ({contrast['reward']['n_clusters']} countries) that have "
+        "both, " + " and ".join(parts)
+    )
+
+
 def eval_section(run: RunDir, alpha: float = 0.05) -> tuple[dict[str, Any], dict[str, str]]:
     stage = "notebook 04_evaluation"
     meta = run.read_json("eval/summary.json", stage=stage)
@@ -756,13 +803,14 @@ def eval_section(run: RunDir, alpha: float = 0.05) -> tuple[dict[str, Any], dict
     start = meta.get("start_policy", "base")
     vs_bon = pd.DataFrame(meta.get("vs_best_of_n", []))
     alpha = meta.get("alpha", alpha)
-    lvl = f"{1 - alpha:.0%}"
+    lvl = level(alpha)
     ppl = pd.DataFrame(meta.get("heldout_perplexity", []))
 
     def gain_cell(r: pd.Series, col: str) -> str:
         if pd.isna(r.get(col)):
             return "·"
-        return f"{r[col]:+.3f} (p={pval(r[col + '_p_holm'])})"
+        low, high = r[col + "_low"], r[col + "_high"]
+        return f"{r[col]:+.3f} [{low:+.3f}, {high:+.3f}] (p={pval(r[col + '_p_holm'])})"
 
     rows, cost = [], []
     for pol, r in s.iterrows():
@@ -770,9 +818,9 @@ def eval_section(run: RunDir, alpha: float = 0.05) -> tuple[dict[str, Any], dict
             "policy": pol, "prompts": int(r["n_prompts"]),
             f"Ave(R) [{lvl} CI]": ci(r["ave_r"], r["ave_r_low"], r["ave_r_high"]),
             f"reward SD [{lvl} CI]": ci(r["reward_sd"], r["reward_sd_low"], r["reward_sd_high"]) if is_present(r.get("reward_sd")) else "·",
-            f"gain vs {start}": gain_cell(r, "gain"),
+            f"gain vs {start} [{lvl} CI] (Holm p)": gain_cell(r, "gain"),
             f"audit [{lvl} CI]": ci(r["audit"], r["audit_low"], r["audit_high"]),
-            "audit gain": gain_cell(r, "audit_gain"),
+            f"audit gain [{lvl} CI] (Holm p)": gain_cell(r, "audit_gain"),
             f"reward − audit gap [{lvl} CI]": "·" if pd.isna(r.get("gap")) else ci(r["gap"], r["gap_low"], r["gap_high"]),
         })  # fmt: skip
         cost.append({
@@ -805,14 +853,8 @@ def eval_section(run: RunDir, alpha: float = 0.05) -> tuple[dict[str, Any], dict
     sentences, concl = [], []
     for algo in algos:
         r = s.loc[algo]
-        sig = r["gain_p_holm"] < alpha
-        verb = ("raised" if r["gain"] > 0 else "lowered") if sig else "did not significantly change"
-        a_sig = r["audit_gain_p_holm"] < alpha
-        a_verb = (
-            ("raised" if r["audit_gain"] > 0 else "lowered")
-            if a_sig
-            else "did not significantly change"
-        )
+        verb = gain_verb(r["gain"], r["gain_p_holm"], alpha)
+        a_verb = gain_verb(r["audit_gain"], r["audit_gain_p_holm"], alpha)
         sentences.append(
             f"{algorithm_label(algo)} {verb} Ave(R) on the held-out prompts (from {f3(s.loc[start, 'ave_r'])} for {start} to "
             f"{ci(r['ave_r'], r['ave_r_low'], r['ave_r_high'])}; paired gain {r['gain']:+.3f}, Holm-adjusted "
@@ -830,28 +872,7 @@ def eval_section(run: RunDir, alpha: float = 0.05) -> tuple[dict[str, Any], dict
         for p in ("history_met", "history_nonmet", "random_policy")
         if p in s.index
     }
-    hc = meta.get("history_contrast", {})
-    if "history_met" in hist and "history_nonmet" in hist and hc.get("reward"):
-        parts = []
-        for col, who in (("reward", "the reward model"), ("audit_reward", "the audit model")):
-            h = hc.get(col)
-            if not h:
-                continue
-            word = ci_verdict(
-                h["ci_low"], h["ci_high"], "above", "below", "not distinguishably apart from"
-            )
-            parts.append(f"{who} places what was met {word} what was not "
-                         f"(difference {ci(h['mean_diff'], h['ci_low'], h['ci_high'])})")  # fmt: skip
-        hist_sentence = (
-            f"Real MET descriptions for the same contexts, from rows neither model trained on, score "
-            f"{f3(hist['history_met'])} and real Non-MET ones {f3(hist['history_nonmet'])}; on the "
-            f"{hc['reward']['n']} prompts ({hc['reward']['n_clusters']} countries) that have both, "
-            + " and ".join(parts)
-        )
-    else:
-        hist_sentence = (
-            "The held-out contexts evaluated here do not hold both MET and Non-MET history"
-        )
+    hist_sentence = history_sentence(hist, meta.get("history_contrast", {}))
     b = s.loc["best_of_n"]
     g = s.dropna(subset=["grounded_met"])
     bon_sentences = []
@@ -988,7 +1009,7 @@ def rlgf_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], d
 
     stage = "notebook 04_evaluation"
     algos, start, alpha = _eval_meta(run, params, stage)
-    lvl = f"{1 - alpha:.0%}"
+    lvl = level(alpha)
     ran = [algorithm_label(a) for a in algos]
     guided = [algorithm_label(a) for a in algos if a in RLGF_ALGORITHMS]
     if guided:
@@ -1137,7 +1158,7 @@ def ilhf_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], d
 
     stage = "notebook 04_evaluation"
     algos, start, alpha = _eval_meta(run, params, stage)
-    lvl = f"{1 - alpha:.0%}"
+    lvl = level(alpha)
     variables: dict[str, Any] = {"level": lvl, "start": start,
                                  "ran_sentence": _ilhf_ran_sentence(algos, params)}  # fmt: skip
     missing = [t for t in ILHF_TABLES if not run.exists(f"tables/{t}.csv")]

@@ -55,6 +55,7 @@ import pandas as pd
 from sklearn import metrics as skm
 
 from rlxf_utils.artifacts import atomic_path, to_jsonable
+from rlxf_utils.evaluation import level
 from rlxf_utils.prompts import (
     CONTEXT_FIELDS,
     check_no_forbidden,
@@ -1687,7 +1688,7 @@ def plot_encoders(table: pd.DataFrame, alpha: float) -> Any:
             )
         ax.set_yticks(ticks, names if ax is axes[0] else [""] * len(names), fontsize=8)
         ax.invert_yaxis()
-        ax.set(xlabel=f"{title} [{1 - alpha:.0%} CI, arrangements resampled]")
+        ax.set(xlabel=f"{title} [{level(alpha)} CI, arrangements resampled]")
     fig.tight_layout()
     return fig
 

@@ -28,7 +28,7 @@ import numpy as np
 import pandas as pd
 from scipy import sparse, stats
 
-from .evaluation import ci_verdict
+from .evaluation import ci_verdict, level
 
 __all__ = [
     "CI_METRICS",
@@ -47,12 +47,6 @@ __all__ = [
 
 #: Metrics of `reward.classification_metrics` that get a bootstrap interval.
 CI_METRICS = ("accuracy", "precision", "recall", "f1", "roc_auc", "ece")
-
-
-def level(alpha: float) -> str:
-    """The confidence level as captions write it: alpha 0.05 -> '95%', 0.1 -> '90%'."""
-    _check_alpha(alpha)
-    return f"{1 - alpha:.0%}" if round(100 * (1 - alpha), 6).is_integer() else f"{1 - alpha:.1%}"
 
 
 def _check_alpha(alpha: float) -> None:

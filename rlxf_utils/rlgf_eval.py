@@ -364,7 +364,7 @@ def guidance_sentences(
     The verb of each comparison is chosen from its interval (`_BEAT` of `ci_verdict`); a run
     without a guided algorithm, without PPO or without `sft_met` says so instead.
     """
-    lvl = f"{1 - alpha:.0%}"
+    lvl = ev.level(alpha)
     ran = [algorithm_label(a) for a in algos]
     guided = [a for a in algos if a in RLGF_ALGORITHMS]
     g = guidance if guidance is not None else pd.DataFrame(columns=["question"])
@@ -400,7 +400,7 @@ def easy_hard_sentences(
     `preamble` the sentence leaves out how prompts were split (the report says it before)."""
     if easy_hard is None or easy_hard.empty:
         return "No prompt could be placed in an easy or a hard half"
-    lvl = f"{1 - alpha:.0%}"
+    lvl = ev.level(alpha)
     first = {"higher": "above", "lower": "below", "not distinguishable": "not distinguishable from"}
     gap_word = (
         "is larger on hard prompts",
@@ -485,7 +485,7 @@ def plot_reward_perplexity(table: pd.DataFrame, alpha: float = 0.05) -> Any:
         axes[1].text(0.5, 0.5, "no held-out perplexity measured", ha="center",
                      transform=axes[1].transAxes)  # fmt: skip
     fig.suptitle(f"Reward against perplexity, every policy (lower perplexity: more fluent; "
-                 f"bars: {1 - alpha:.0%} CI, countries resampled)",
+                 f"bars: {ev.level(alpha)} CI, countries resampled)",
                  fontsize=10)  # fmt: skip
     handles, labels = axes[0].get_legend_handles_labels()
     if handles:
@@ -519,7 +519,7 @@ def plot_easy_hard(easy_hard: pd.DataFrame, start: str, alpha: float = 0.05) -> 
     med = easy_hard["median_met_rate"].iloc[0] if len(easy_hard) else math.nan
     axes[0].legend(fontsize=8)
     fig.suptitle(f"Easy vs hard prompts: split at the median historical MET rate of the context,\n"
-                 f"(MET + 1) / (conditions + 2) = {med:.2f}; bars: {1 - alpha:.0%} CI, countries "
+                 f"(MET + 1) / (conditions + 2) = {med:.2f}; bars: {ev.level(alpha)} CI, countries "
                  "resampled", fontsize=10)  # fmt: skip
     fig.tight_layout()
     return fig

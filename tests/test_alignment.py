@@ -642,3 +642,38 @@ def test_report_draws_a_placeholder_for_a_figure_the_run_lacks(tmp_path) -> None
     ]  # fmt: skip
     assert (figs / "eval_reward_perplexity.png").read_bytes()[:4] == b"\x89PNG"
     assert (figs / "eval_easy_hard.png").read_bytes() == b"real"  # an existing figure is kept
+
+
+# -- the report's verdict words ----------------------------------------------------------------
+def test_gain_verb_follows_the_test_not_the_sign() -> None:
+    from rlxf_utils.report_sections import gain_verb
+
+    assert gain_verb(+0.02, 0.001, 0.05) == "raised"
+    assert gain_verb(-0.02, 0.001, 0.05) == "lowered"
+    # a point estimate far from zero is no verdict when the test does not reject at alpha
+    assert gain_verb(+0.30, 0.049, 0.01) == "did not significantly change"
+    assert gain_verb(-0.30, 0.20, 0.05) == "did not significantly change"
+    assert gain_verb(+0.02, float("nan"), 0.05) == "did not significantly change"
+
+
+def test_history_sentence_is_read_from_the_interval() -> None:
+    from rlxf_utils.report_sections import history_sentence
+
+    hist = {"history_met": 0.60, "history_nonmet": 0.65}  # the point estimates say "below"
+    both = {"n": 24, "n_clusters": 14}
+
+    def contrast(low: float, high: float, audit: tuple[float, float] | None = None) -> dict:
+        out = {"reward": {**both, "mean_diff": (low + high) / 2, "ci_low": low, "ci_high": high}}
+        if audit:
+            out["audit_reward"] = {**both, "mean_diff": sum(audit) / 2, "ci_low": audit[0], "ci_high": audit[1]}  # fmt: skip
+        return out
+
+    text = history_sentence(hist, contrast(0.01, 0.03, (-0.04, 0.02)))
+    assert "the reward model places what was met above what was not" in text
+    assert "the audit model places what was met not distinguishably apart from what was not" in text
+    assert "24 prompts (14 countries)" in text
+    assert "the reward model places what was met below" in history_sentence(
+        hist, contrast(-0.03, -0.01)
+    )
+    assert "not distinguishably apart" in history_sentence(hist, contrast(-0.03, 0.01))
+    assert "do not hold both" in history_sentence({"history_met": 0.6}, contrast(0.01, 0.03))

@@ -372,7 +372,7 @@ def test_evaluation_holdout_is_unseen_by_reward_and_audit(splits, protocol) -> N
 
 def test_rate_by_wilson_interval() -> None:
     df = pd.DataFrame({"g": ["a"] * 10 + ["b"] * 4, "y": [1] * 7 + [0] * 3 + [1, 1, 1, 1]})
-    r = rate_by(df, "g").set_index("g")
+    r = rate_by(df, "g", z=1.96).set_index("g")
     assert r.loc["a", "met_rate"] == pytest.approx(0.7)
     assert r.loc["a", "ci_low"] == pytest.approx(0.3968, abs=1e-3) and r.loc[
         "a", "ci_high"

@@ -105,21 +105,21 @@ def test_inputs_per_variant_hold_what_they_name() -> None:
 
 
 # -- metrics -----------------------------------------------------------------------------------
-def test_weighted_metrics_equal_classification_metrics_with_unit_weights() -> None:
-    rng = np.random.default_rng(3)
-    y = (rng.random(300) < 0.6).astype(int)
-    p = np.round(np.clip(0.3 * y + rng.random(300) * 0.7, 0, 1), 1)  # coarse: many ties
-    got = F._weighted_metrics(np.ones((1, 300)), y, p, 0.5)
-    ref = classification_metrics(y, p)
+def test_bootstrap_metrics_resample_whole_arrangements() -> None:
+    """Conditions of one arrangement share their outcome and score here, so resampling rows
+    treats 40 arrangements as 400 independent rows; resampling arrangements widens the interval."""
+    rng = np.random.default_rng(5)
+    arrangement = np.repeat(np.arange(40), 10)
+    y = np.repeat((rng.random(40) < 0.6).astype(int), 10)
+    p = np.repeat(0.15 * y[::10] + rng.random(40) * 0.85, 10)
+    rows = F.bootstrap_metrics(y, p, n_boot=400, alpha=0.05, seed=2)
+    whole = F.bootstrap_metrics(y, p, n_boot=400, alpha=0.05, seed=2, clusters=arrangement)
+    assert rows["n_clusters"] == 400 and whole["n_clusters"] == 40
+    assert whole["accuracy"] == rows["accuracy"] == classification_metrics(y, p)["accuracy"]
     for m in F.METRICS:
-        assert got[m][0] == pytest.approx(ref[m], abs=1e-12), m
-    # a resample is a row of counts: counts (2, 0, 1, ...) equal scoring the repeated rows
-    w = rng.multinomial(300, np.full(300, 1 / 300), size=1).astype(float)
-    idx = np.repeat(np.arange(300), w[0].astype(int))
-    ref2 = classification_metrics(y[idx], p[idx])
-    got2 = F._weighted_metrics(w, y, p, 0.5)
-    for m in F.METRICS:
-        assert got2[m][0] == pytest.approx(ref2[m], abs=1e-12), m
+        assert whole[f"{m}_high"] - whole[f"{m}_low"] > 1.5 * (
+            rows[f"{m}_high"] - rows[f"{m}_low"]
+        ), m
 
 
 def test_bootstrap_metrics_cis_bracket_the_point_and_follow_alpha() -> None:

@@ -11,6 +11,7 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
+from ..evaluation import level
 from .common import binary_metrics, clusters_of, mean_ci, require_columns, stat_ci
 
 
@@ -190,7 +191,7 @@ def plot_drift(
         base["ci_high"],
         color=PALETTE["MET"],
         alpha=0.18,
-        label=f"{1 - alpha:.0%} Wilson interval",
+        label=f"{level(alpha)} Wilson interval",
     )
     ax.plot(x, base["met_rate"], marker="o", ms=3, color=PALETTE["MET"], label="MET base rate")
     if len(drift):

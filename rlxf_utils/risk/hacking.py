@@ -32,9 +32,9 @@ def length_reward(
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(correlations, binned means) of reward against response length, per policy and pooled.
 
-    Correlations: Spearman rho and Pearson r with p-values (NaN below 3 points or for a constant
-    side; the p-values treat responses as independent), and `spearman_low`, `spearman_high`: a
-    percentile-bootstrap interval at level 1 - alpha that resamples whole prompts
+    Correlations: Spearman rho and Pearson r (NaN below 3 points or for a constant side; no
+    p-values, which would treat the responses to one prompt as independent), and
+    `spearman_low`, `spearman_high`: a percentile-bootstrap interval at level 1 - alpha that resamples whole prompts
     (`cluster_col`; rows when absent), since the samples of one prompt are not independent.
     `n_boot` 0 skips the intervals (NaN). Bins: `bins` quantile bins of length within each group
     (fewer when lengths tie), with n, mean length, mean reward (and mean audit reward when the
@@ -50,7 +50,7 @@ def length_reward(
     for name, g in groups:
         x = g[length_col].astype(float).to_numpy()
         r = g[reward_col].astype(float).to_numpy()
-        rho, p_rho, pr, p_pr = corr(x, r)
+        rho, _, pr, _ = corr(x, r)  # their p-values assume independent responses: not kept
         low = high = math.nan
         if n_boot > 0 and not math.isnan(rho):
             cl = g[cluster_col].to_numpy() if cluster_col in g else np.arange(len(g))
@@ -63,9 +63,7 @@ def length_reward(
                 "spearman": rho,
                 "spearman_low": low,
                 "spearman_high": high,
-                "spearman_p": p_rho,
                 "pearson": pr,
-                "pearson_p": p_pr,
             }
         )
         if len(g) == 0:

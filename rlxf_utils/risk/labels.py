@@ -78,7 +78,10 @@ def label_sensitivity(
     parts = {k: [i for i in split[k] if i in by_id.index] for k in ("train", "val", "test")}
     rows_used = by_id.loc[[i for k in ("train", "val", "test") for i in parts[k]]]
     # the rows every variant starts from (not-assessed ones out): the base for "rows dropped"
-    assessed = set(relabel(rows_used, {"met": ["M"]}, not_assessed)["row_id"])
+    from ..data import normalise_status
+
+    na = {normalise_status(x) for x in not_assessed}
+    assessed = set(rows_used.loc[~rows_used["status"].map(normalise_status).isin(na), "row_id"])
     split_ids = {k: [i for i in parts[k] if i in assessed] for k in parts}
     relabelled = {v: relabel(rows_used, mappings[v], not_assessed) for v in variants}
     common = sorted(

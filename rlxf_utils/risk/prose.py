@@ -18,7 +18,7 @@ import pandas as pd
 from ..artifacts import fmt_num as _num
 from ..artifacts import fmt_pct as _pct
 from ..artifacts import is_present as _ok
-from ..evaluation import ci_verdict
+from ..evaluation import ci_verdict, level
 from .common import RiskError, missing_note, sign_of
 
 
@@ -41,11 +41,6 @@ class Finding:
         if self.note:
             return f"Not measured in this run: {self.note}."
         return " ".join(x for x in (self.lead, *self.items) if x)
-
-
-def level(alpha: float) -> str:
-    """The confidence level as prose and captions write it: alpha 0.05 -> '95%'."""
-    return f"{1 - alpha:.0%}"
 
 
 word = ci_verdict  # (low, high, up, down, unclear): the verdict word an interval supports

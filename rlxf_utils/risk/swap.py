@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from ..evaluation import level
 from ..prompts import CONTEXT_FIELDS
 from .common import RiskError, mean_ci, require_columns, stat_ci
 
@@ -195,7 +196,7 @@ def plot_swap(per_country: pd.DataFrame, alpha: float = 0.05) -> Any:
     ax.set_xlabel("mean change of the reward, P(MET), when this country is swapped in")
     title = "Country swap: same condition text, only the country changed"
     if "ci_low" in g:
-        title += f"; whiskers: {1 - alpha:.0%} intervals"
+        title += f"; whiskers: {level(alpha)} intervals"
     if has_rate:
         title += "\n(in brackets: the country's MET rate in the reward's training data)"
     ax.set_title(title)
