@@ -634,7 +634,13 @@ def plot_frontier(frontier: pd.DataFrame, start: str = "base", alpha: float = 0.
             ax.annotate(
                 str(r.step), (r.kl, r.reward), fontsize=7, xytext=(4, 4), textcoords="offset points"
             )
-    ax.set(xlabel=f"KL(policy || {start}), nats per response", ylabel="Ave(R) on held-out prompts")
+    xlabel = f"KL(policy || {start}), nats per response"
+    kl = frontier["kl"].dropna()
+    if len(kl) and kl.max() > 10 * max(bon["kl"].max() if not bon.empty else 1.0, 1.0):
+        # policies that drifted far would squeeze best-of-N and the close ones into one corner
+        ax.set_xscale("symlog", linthresh=1.0)
+        xlabel += " (linear below 1, log above)"
+    ax.set(xlabel=xlabel, ylabel="Ave(R) on held-out prompts")
     ax.set_title(f"Reward-KL frontier (labels: training step or N; bars: {ev.level(alpha)} CI)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)

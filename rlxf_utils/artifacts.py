@@ -170,6 +170,13 @@ def fmt_pct(x: Any, digits: int = 1) -> str:
     return f"{100 * x:.{digits}f}%" if is_present(x) else "n/a"
 
 
+def fmt_p(p: Any) -> str:
+    """A p-value for prose: 'p = 0.013', 'p < 0.001', or 'p n/a' when missing."""
+    if not is_present(p):
+        return "p n/a"
+    return "p < 0.001" if p < 0.001 else f"p = {p:.3f}"
+
+
 def listing(items: Sequence[str]) -> str:
     """'a', 'a and b', 'a, b and c' for prose ('nothing' when empty)."""
     items = list(items)

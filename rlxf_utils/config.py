@@ -163,6 +163,12 @@ ALGORITHM_LABELS: dict[str, str] = {
     "ilhf_history": "ILHF (history)",
     "ilhf_online": "ILHF (online)",
 }
+#: Display names of evaluation's references from history (not algorithms).
+REFERENCE_LABELS: dict[str, str] = {
+    "history_met": "history (MET)",
+    "history_nonmet": "history (Non-MET)",
+    "random_policy": "random policy",
+}
 #: The RL-with-guided-feedback algorithms (rlxf_utils.rlgf): they need the guide policy.
 RLGF_ALGORITHMS: tuple[str, ...] = ("ppo_pp", "aggrevated", "lols", "d2lols")
 #: Inclusive learning (rlxf_utils.ilhf): the policy is its own reward; ensembles of LoRA particles.
@@ -171,7 +177,7 @@ ILHF_ALGORITHMS: tuple[str, ...] = ("ilhf_history", "ilhf_online")
 
 def algorithm_label(name: str) -> str:
     """Display name of a policy or algorithm id ('d2lols' -> 'D²LOLS'); other names unchanged."""
-    return ALGORITHM_LABELS.get(name, name)
+    return ALGORITHM_LABELS.get(name) or REFERENCE_LABELS.get(name, name)
 
 
 class RLConfig(Section):

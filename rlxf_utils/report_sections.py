@@ -18,6 +18,7 @@ from .artifacts import (
     ArtifactMissing,
     RunDir,
     fmt_num,
+    fmt_p,
     fmt_pct,
     is_present,
     listing,
@@ -670,6 +671,29 @@ def forensic_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any
 # ---------------------------------------------------------------------------------------------
 # 03 RL fine-tuning
 # ---------------------------------------------------------------------------------------------
+def _rl_summary_display(summ: pd.DataFrame) -> pd.DataFrame:
+    """notebook 03's `rl_summary` with short headers a page can hold: one cell per quantity."""
+
+    def num(x: Any, digits: int) -> str:
+        return fmt_num(x, digits) if is_present(x) else "·"
+
+    def arrow(a: Any, b: Any, digits: int) -> str:
+        return f"{num(a, digits)} → {num(b, digits)}" if is_present(a) else "·"
+
+    rows = []
+    for _, r in summ.iterrows():
+        ev = r.get("explained_variance_last_third")
+        rows.append({
+            "algorithm": r["algorithm"], "steps": int(r["steps"]),
+            "reward (first → last 3 steps)": arrow(r.get("reward_first"), r.get("reward_last"), 3),
+            "final KL": num(r.get("kl_last"), 2), "entropy": num(r.get("entropy_last"), 2),
+            "critic EV, last third [CI]": ci(ev, r.get("explained_variance_low"), r.get("explained_variance_high")) if is_present(ev) else "·",
+            "β (first → last)": arrow(r.get("beta_first"), r.get("beta_last"), 4),
+            "s / step": num(r.get("step_time_s"), 1), "tokens / s": num(r.get("tokens_per_s"), 0),
+        })  # fmt: skip
+    return pd.DataFrame(rows)
+
+
 def rl_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
     stage = "notebook 03_ppo_finetuning"
     summ = run.read_table("rl_summary", stage)
@@ -741,7 +765,7 @@ def rl_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], dic
         if not sft.empty
         else "SFT was not run.",
         "rl_settings.md": markdown_table(settings),
-        "rl_summary.md": markdown_table(summ, floatfmt=".3f"),
+        "rl_summary.md": markdown_table(_rl_summary_display(summ)),
         "rl_samples.md": markdown_table(shown),
     }
     return variables, includes
@@ -810,7 +834,7 @@ def eval_section(run: RunDir, alpha: float = 0.05) -> tuple[dict[str, Any], dict
         if pd.isna(r.get(col)):
             return "·"
         low, high = r[col + "_low"], r[col + "_high"]
-        return f"{r[col]:+.3f} [{low:+.3f}, {high:+.3f}] (p={pval(r[col + '_p_holm'])})"
+        return f"{r[col]:+.3f} [{low:+.3f}, {high:+.3f}] ({fmt_p(r[col + '_p_holm'])})"
 
     rows, cost = [], []
     for pol, r in s.iterrows():
@@ -858,8 +882,8 @@ def eval_section(run: RunDir, alpha: float = 0.05) -> tuple[dict[str, Any], dict
         sentences.append(
             f"{algorithm_label(algo)} {verb} Ave(R) on the held-out prompts (from {f3(s.loc[start, 'ave_r'])} for {start} to "
             f"{ci(r['ave_r'], r['ave_r_low'], r['ave_r_high'])}; paired gain {r['gain']:+.3f}, Holm-adjusted "
-            f"Wilcoxon p = {pval(r['gain_p_holm'])}) and {a_verb} the audit model's reward ({r['audit_gain']:+.3f}, "
-            f"p = {pval(r['audit_gain_p_holm'])}), at a KL of {r['kl']:.2f} nats to the starting policy"
+            f"Wilcoxon {fmt_p(r['gain_p_holm'])}) and {a_verb} the audit model's reward ({r['audit_gain']:+.3f}, "
+            f"{fmt_p(r['audit_gain_p_holm'])}), at a KL of {r['kl']:.2f} nats to the starting policy"
         )
         gap_word = ci_verdict(r.get("gap_low", math.nan), r.get("gap_high", math.nan),
                               "larger than", "smaller than", "not distinguishable from")  # fmt: skip

@@ -249,7 +249,7 @@ def test_figure_has_every_policy_and_the_history_lines() -> None:
     fig = ilhf_eval.ilhf_figures(tables, "sft", 0.1)["eval_inclusive"]
     labels = [t.get_text() for t in fig.legends[0].get_texts()]
     assert labels[:5] == ["sft", "sft_met", "PPO", "GRPO", "ILHF (history)"]
-    assert "history_met" in labels and "history_met (no density)" in labels
+    assert "history (MET)" in labels and "history (MET) (no density)" in labels
     assert "90% CI" in fig._suptitle.get_text()
 
 
@@ -276,7 +276,7 @@ def test_report_section_reads_the_tables(tmp_path) -> None:
     assert "90% cluster-bootstrap CI" in v["collapse_sentence"]
     rows = [r for r in inc["ilhf_table.md"].splitlines() if r.startswith("| ")]
     assert [r.split("|")[1].strip() for r in rows[1:]] == [
-        "sft", "sft_met", "PPO", "GRPO", "ILHF (history)", "history_met", "history_nonmet"]  # fmt: skip
+        "sft", "sft_met", "PPO", "GRPO", "ILHF (history)", "history (MET)", "history (Non-MET)"]  # fmt: skip
     assert "pairwise similarity [90% CI]" in rows[0] and "reward SD" not in rows[0]
     assert "lower" in inc["ilhf_tests.md"] and "pairwise similarity" in inc["ilhf_tests.md"]
     # every variable the report source quotes is provided, every include is generated

@@ -16,6 +16,7 @@ from typing import Any
 import pandas as pd
 
 from ..artifacts import fmt_num as _num
+from ..artifacts import fmt_p
 from ..artifacts import fmt_pct as _pct
 from ..artifacts import is_present as _ok
 from ..evaluation import ci_verdict, level
@@ -204,13 +205,13 @@ def swap_text(cs: Mapping[str, Any], alpha: float = 0.05) -> Finding:
     elif p < alpha:
         fav = (
             f"The reward favours countries with {'higher' if rho > 0 else 'lower'} historical MET "
-            f"rates (Spearman ρ = {_num(rho, 2)}, p = {_num(p, 3)} < α = {alpha:g}, over {k} "
+            f"rates (Spearman ρ = {_num(rho, 2)}, {fmt_p(p)} < α = {alpha:g}, over {k} "
             "countries)."
         )
     else:
         fav = (
             "The favour is not distinguishably related to the countries' historical MET rates "
-            f"(Spearman ρ = {_num(rho, 2)}, p = {_num(p, 3)} ≥ α = {alpha:g}, over {k} "
+            f"(Spearman ρ = {_num(rho, 2)}, {fmt_p(p)} ≥ α = {alpha:g}, over {k} "
             "countries)."
         )
     counts = ""
