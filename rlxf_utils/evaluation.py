@@ -87,8 +87,7 @@ def bootstrap_ci(
     narrow. Resampling is vectorised in chunks of at most `chunk` drawn indices, so memory stays
     bounded; the result depends only on (values, clusters, n_boot, alpha, seed).
     """
-    if not 0 < alpha < 1:
-        raise ValueError(f"alpha must lie in (0, 1); got {alpha}")
+    check_alpha(alpha)
     if n_boot < 1:
         raise ValueError(f"n_boot must be >= 1; got {n_boot}")
     x = np.asarray(list(values) if not isinstance(values, np.ndarray) else values, dtype=float)
@@ -141,6 +140,12 @@ def _resampled_means(
     return (mean, float(low), float(high))
 
 
+def check_alpha(alpha: float) -> None:
+    """A clear error for a significance level outside (0, 1)."""
+    if not 0 < alpha < 1:
+        raise ValueError(f"alpha must lie in (0, 1); got {alpha}")
+
+
 def cluster_bootstrap(
     stat: Callable[[np.ndarray], float],
     clusters: Sequence[Hashable] | np.ndarray,
@@ -154,8 +159,7 @@ def cluster_bootstrap(
     cluster is drawn twice); it is called once on all rows for the point estimate. Resamples whose
     statistic is NaN (e.g. an AUC with one class) are dropped.
     """
-    if not 0 < alpha < 1:
-        raise ValueError(f"alpha must lie in (0, 1); got {alpha}")
+    check_alpha(alpha)
     g = np.asarray(list(clusters) if not isinstance(clusters, np.ndarray) else clusters)
     if g.size == 0:
         return (math.nan, math.nan, math.nan)
@@ -177,8 +181,7 @@ def cluster_bootstrap(
 
 def level(alpha: float) -> str:
     """The confidence level as prose and captions write it: alpha 0.05 -> '95%', 0.025 -> '97.5%'."""
-    if not 0 < alpha < 1:
-        raise ValueError(f"alpha must lie in (0, 1); got {alpha}")
+    check_alpha(alpha)
     return f"{1 - alpha:.0%}" if round(100 * (1 - alpha), 6).is_integer() else f"{1 - alpha:.1%}"
 
 

@@ -35,11 +35,11 @@ from rlxf_utils.data import (
     read_records,
     sha256_file,
 )
+from rlxf_utils.evaluation import check_alpha, level
 from rlxf_utils.prompts import serialize_frame
 from rlxf_utils.reward import PAPER_ACCURACY, classification_metrics, train_encoder, train_tfidf
 from rlxf_utils.reward_stats import (
     bootstrap_weights,
-    level,
     percentile_ci,
     weighted_auc,
     weighted_rates,
@@ -244,8 +244,7 @@ def bootstrap_metrics(
     `<metric>`, `<metric>_low`, `<metric>_high` for accuracy, precision, recall, F1 and ROC-AUC at
     level 1 - alpha, plus `n` and `n_clusters`. Depends only on its arguments.
     """
-    if not 0 < alpha < 1:
-        raise ValueError(f"alpha must lie in (0, 1); got {alpha}")
+    check_alpha(alpha)
     if n_boot < 1:
         raise ValueError(f"n_boot must be >= 1; got {n_boot}")
     y = np.asarray(y, dtype=int)

@@ -16,15 +16,14 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-from .evaluation import level
+from .evaluation import check_alpha, level
 
 __all__ = ["data_findings", "rate_heterogeneity", "rate_shift", "rate_trend", "wilson_z"]
 
 
 def wilson_z(alpha: float) -> float:
     """The normal quantile of a two-sided interval at level 1 - alpha (1.96 for alpha 0.05)."""
-    if not 0 < alpha < 1:
-        raise ValueError(f"alpha must lie in (0, 1); got {alpha}")
+    check_alpha(alpha)
     return float(stats.norm.ppf(1 - alpha / 2))
 
 

@@ -28,7 +28,7 @@ import numpy as np
 import pandas as pd
 from scipy import sparse, stats
 
-from .evaluation import ci_verdict, level
+from .evaluation import check_alpha, ci_verdict, level
 
 __all__ = [
     "CI_METRICS",
@@ -47,11 +47,6 @@ __all__ = [
 
 #: Metrics of `reward.classification_metrics` that get a bootstrap interval.
 CI_METRICS = ("accuracy", "precision", "recall", "f1", "roc_auc", "ece")
-
-
-def _check_alpha(alpha: float) -> None:
-    if not 0 < alpha < 1:
-        raise ValueError(f"alpha must lie in (0, 1); got {alpha}")
 
 
 def bootstrap_weights(
@@ -89,7 +84,7 @@ def basic_ci(point: float, replicates: np.ndarray, alpha: float) -> tuple[float,
 
 def percentile_ci(replicates: np.ndarray, alpha: float) -> tuple[float, float]:
     """Percentile interval of bootstrap replicates (NaN replicates dropped; NaN when none left)."""
-    _check_alpha(alpha)
+    check_alpha(alpha)
     r = np.asarray(replicates, dtype=float)
     r = r[~np.isnan(r)]
     if r.size < 2:
@@ -239,7 +234,7 @@ def protocol_statistics(
     table; the accuracy replicates per model, for comparisons across protocols).
     `extra_comparisons` are made after `COMPARISONS`, in the same (name, a, b, measure) form.
     """
-    _check_alpha(alpha)
+    check_alpha(alpha)
     y = pred["y"].astype(int).to_numpy()
     clusters = pred["arrangement_id"].astype(str).tolist() if "arrangement_id" in pred else None
     w = bootstrap_weights(len(pred), n_boot, seed, clusters)

@@ -34,8 +34,9 @@ def length_reward(
 
     Correlations: Spearman rho and Pearson r (NaN below 3 points or for a constant side; no
     p-values, which would treat the responses to one prompt as independent), and
-    `spearman_low`, `spearman_high`: a percentile-bootstrap interval at level 1 - alpha that resamples whole prompts
-    (`cluster_col`; rows when absent), since the samples of one prompt are not independent.
+    `spearman_low`, `spearman_high`: a percentile-bootstrap interval at level 1 - alpha that
+    resamples whole prompts (`cluster_col`; rows when absent), since the samples of one prompt
+    are not independent.
     `n_boot` 0 skips the intervals (NaN). Bins: `bins` quantile bins of length within each group
     (fewer when lengths tie), with n, mean length, mean reward (and mean audit reward when the
     table has `audit_reward`).

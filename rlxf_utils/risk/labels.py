@@ -32,14 +32,21 @@ def relabel(conditions: pd.DataFrame, mapping: Any, not_assessed: Iterable[str])
     from ..data import normalise_status
 
     met, exclude = mapping_statuses(mapping)
-    require_columns(conditions, ["status"], "conditions table")
-    status = conditions["status"].map(normalise_status)
-    drop = {normalise_status(s) for s in (*not_assessed, *exclude)}
-    keep = ~status.isin(drop)
+    keep = _kept(conditions, (*not_assessed, *exclude))
     out = conditions.loc[keep].copy()
-    out["y"] = status[keep].isin({normalise_status(s) for s in met}).astype(int)
+    out["y"] = out["status"].map(normalise_status).isin({normalise_status(s) for s in met})
+    out["y"] = out["y"].astype(int)
     out["label"] = np.where(out["y"] == 1, "MET", "Non-MET")
     return out.reset_index(drop=True)
+
+
+def _kept(conditions: pd.DataFrame, dropped: Iterable[str]) -> pd.Series:
+    """Rows whose status (after `data.normalise_status`) is none of the `dropped` statuses."""
+    from ..data import normalise_status
+
+    require_columns(conditions, ["status"], "conditions table")
+    drop = {normalise_status(s) for s in dropped}
+    return ~conditions["status"].map(normalise_status).isin(drop)
 
 
 def label_sensitivity(
@@ -78,10 +85,7 @@ def label_sensitivity(
     parts = {k: [i for i in split[k] if i in by_id.index] for k in ("train", "val", "test")}
     rows_used = by_id.loc[[i for k in ("train", "val", "test") for i in parts[k]]]
     # the rows every variant starts from (not-assessed ones out): the base for "rows dropped"
-    from ..data import normalise_status
-
-    na = {normalise_status(x) for x in not_assessed}
-    assessed = set(rows_used.loc[~rows_used["status"].map(normalise_status).isin(na), "row_id"])
+    assessed = set(rows_used.loc[_kept(rows_used, not_assessed), "row_id"])
     split_ids = {k: [i for i in parts[k] if i in assessed] for k in parts}
     relabelled = {v: relabel(rows_used, mappings[v], not_assessed) for v in variants}
     common = sorted(
