@@ -180,6 +180,13 @@ def algorithm_label(name: str) -> str:
     return ALGORITHM_LABELS.get(name) or REFERENCE_LABELS.get(name, name)
 
 
+#: How PPO's critic starts (`rl.critic_init`), in words for `settings.json` and the report.
+CRITIC_INIT = {
+    "reward": "reward model's score of the prefix + zero-initialised linear head (Stiennon et al.)",
+    "mean": "zero-initialised linear head, bias at the first batch's mean score",
+}
+
+
 class RLConfig(Section):
     """RL fine-tuning of the policy against the reward model: PPO (ours), GRPO and RLOO (TRL).
 
@@ -223,6 +230,10 @@ class RLConfig(Section):
     vf_coef: float = Field(default=0.5, ge=0.0)
     value_learning_rate: float | None = Field(default=None, gt=0.0)  # null: learning_rate
     value_warmup_steps: int = Field(default=0, ge=0)  # first steps train the critic only
+    # PPO's critic at the start. reward: V(s_t) = the reward model's score of the prefix y_<t in
+    # its context, plus a zero-initialised linear head (Stiennon et al. 2020 initialise the value
+    # function from the reward model); mean: the head alone, its bias at the first batch's mean.
+    critic_init: Literal["reward", "mean"] = "reward"
     max_grad_norm: float = Field(default=1.0, gt=0.0)
     whiten_advantages: bool = True
     approx_kl_stop: float | None = Field(default=0.1, gt=0.0)

@@ -10,9 +10,11 @@ One readable file in the CleanRL spirit: every implementation detail is named an
               policy's last hidden states); one pass with the LoRA adapters disabled gives the
               reference log-probs (the frozen starting policy, no second copy of the weights)
     reward    per-token  r_t = -beta * (log pi(a_t) - log pi_ref(a_t)),  plus the score on the last token
-    critic    a value head on the policy's last hidden states (detached: the critic does not move the
-              policy), zero weights and its bias at the first batch's mean score, so it starts on the
-              reward's scale; optional critic-only warm-up steps
+    critic    V(s_t) = the reward model's score of the prefix y_<t in its context (`critic_init:
+              reward`, Stiennon et al.'s value function initialised from the reward model) + a
+              zero-initialised linear head on the policy's last hidden states (detached: the
+              critic does not move the policy); `critic_init: mean`: the head alone, its bias at
+              the first batch's mean score; optional critic-only warm-up steps
     GAE       advantages and returns (gamma, lambda), advantages whitened over the batch
     update    several epochs of shuffled minibatches: clipped surrogate + clipped value loss,
               gradient clipping, early stop when the approximate KL to the rollout policy is too big
@@ -90,6 +92,7 @@ LOG_COLUMNS: tuple[str, ...] = (
     "policy_loss",
     "value_loss",
     "explained_variance",
+    "explained_variance_prior",
     "response_length",
     "scheme",
     "learner_share",
@@ -288,10 +291,11 @@ class FixedKLController:
 class ValueHead(nn.Module):
     """Scalar value V(s_t) from the policy's last hidden state at each position.
 
-    Zero weights: every state starts at the bias, which the trainer sets to the first batch's mean
-    score, so the critic starts on the reward's scale instead of at random on the hidden states'
-    scale. The hidden states are detached: the critic reads the policy's features, and its
-    loss never moves the policy.
+    Zero weights: every state starts at the bias. The trainer adds the reward model's score of
+    the prefix (`critic_init: reward`; the bias stays 0) or sets the bias to the first batch's
+    mean score (`mean`), so the critic starts on the reward's scale instead of at random on the
+    hidden states' scale. The hidden states are detached: the critic reads the policy's
+    features, and its loss never moves the policy.
     """
 
     def __init__(self, hidden_size: int):
@@ -394,6 +398,8 @@ class Rollout:
     value_mask: torch.Tensor | None = None  # (B, R)
     critic: str = "value_head"
     scheme: str = "ppo"
+    # The critic's prior (`critic_init: reward`): the reward model's score of each prefix y_<t
+    value_prior: torch.Tensor | None = None  # (B, R)
 
 
 @dataclass
@@ -409,6 +415,7 @@ class Prepared:
     returns: torch.Tensor
     kl_tokens: torch.Tensor
     entropy: torch.Tensor
+    value_prior: torch.Tensor  # (B, R) the critic's prior (zeros without one)
 
 
 def prompt_schedule(n_prompts: int, steps: int, per_step: int, seed: int) -> list[list[int]]:
@@ -667,6 +674,11 @@ class PPOTrainer:
         """Score the responses and pack prompt + response into a `Rollout` (`guided`: RLGF's
         masks, critic and scheme)."""
         texts, scores = self.score(idx, response)
+        prior = (
+            self.prefix_scores(idx, response, response_mask)
+            if self.cfg.critic_init == "reward"
+            else None
+        )
         return Rollout(
             context_idx=list(idx),
             input_ids=torch.cat([enc["input_ids"], response], 1),
@@ -676,8 +688,42 @@ class PPOTrainer:
             texts=texts,
             scores=scores,
             gen_time=gen_time,
+            value_prior=prior,
             **guided,
         )
+
+    def prefix_scores(
+        self, idx: Sequence[int], response: torch.Tensor, response_mask: torch.Tensor
+    ) -> torch.Tensor:
+        """The reward model's score of every prefix y_<t of every response in its context (B, R),
+        0 past the response: the critic's prior. Each distinct (context, prefix) text is scored
+        once, in one call of `reward_fn`."""
+        B, R = response.shape
+        lengths = response_mask.sum(1).tolist()
+        ids = response.tolist()
+        prefixes = [ids[i][:t] for i in range(B) for t in range(int(lengths[i]))]
+        owners = [(i, t) for i in range(B) for t in range(int(lengths[i]))]
+        decoded = self.tokenizer.batch_decode(prefixes, skip_special_tokens=True)
+        unique: dict[tuple[int, str], int] = {}
+        where = []
+        for (i, _t), text in zip(owners, decoded, strict=True):
+            key = (idx[i], postprocess_response(text, self.cfg.response_postprocess))
+            where.append(unique.setdefault(key, len(unique)))
+        keys = list(unique)
+        scores = np.asarray(
+            self.reward_fn([self.contexts[c] for c, _ in keys], [t for _, t in keys]),
+            dtype=np.float32,
+        )
+        if scores.shape != (len(keys),) or not np.isfinite(scores).all():
+            raise ValueError(
+                f"reward_fn returned shape {scores.shape} / non-finite values for the critic's "
+                f"prefixes; expected {len(keys)} finite floats"
+            )
+        prior = torch.zeros(B, R)
+        if owners:
+            rows, cols = zip(*owners, strict=True)
+            prior[list(rows), list(cols)] = torch.as_tensor(scores[where])
+        return prior.to(self.device)
 
     # -- phase 2: advantages ------------------------------------------------------------------
     @torch.no_grad()
@@ -691,15 +737,20 @@ class PPOTrainer:
         R = ro.response_ids.shape[1]
         T = cfg.temperature  # log-probs of the sampling distribution: logits / temperature
 
-        # Critic on the reward's scale from its first batch: its bias starts at the mean score.
+        # Critic on the reward's scale from the first step: the reward model's score of each
+        # prefix (its prior), or, without one, a bias at the first batch's mean score.
+        prior = torch.zeros_like(mask) if ro.value_prior is None else ro.value_prior * mask
         if ro.critic not in self.value_initialised:
-            getattr(self.unwrapped, ro.critic).summary.bias.fill_(self._global_mean(ro.scores))
+            if ro.value_prior is None:
+                head = getattr(self.unwrapped, ro.critic)
+                head.summary.bias.fill_(self._global_mean(ro.scores))
             self.value_initialised.add(ro.critic)
 
         with self._autocast():
             logits, old_values = self.unwrapped(
                 ro.input_ids, ro.attention_mask, R, critic=ro.critic
             )
+            old_values = old_values.float() + prior
             old_logprobs = logprobs_from_logits(logits / T, ro.response_ids)
             entropy = masked_mean(entropy_from_logits(logits / T), mask)
             del logits
@@ -722,7 +773,7 @@ class PPOTrainer:
         return Prepared(
             mask=mask, pg_mask=pg_mask, vf_mask=vf_mask, old_logprobs=old_logprobs,
             old_values=old_values, advantages=advantages * pg_mask, returns=returns,
-            kl_tokens=kl_tokens, entropy=entropy,
+            kl_tokens=kl_tokens, entropy=entropy, value_prior=prior,
         )  # fmt: skip
 
     def extra_loss(self, ro: Rollout, mb: torch.Tensor) -> torch.Tensor | None:
@@ -758,6 +809,7 @@ class PPOTrainer:
                         ro.input_ids[mb], ro.attention_mask[mb], R, critic=ro.critic
                     )
                 new_logprobs = logprobs_from_logits(new_logits / T, ro.response_ids[mb])
+                new_values = new_values.float() + pp.value_prior[mb]
                 pg, clip_frac, approx_kl = policy_loss(
                     new_logprobs, pp.old_logprobs[mb], pp.advantages[mb], pp.pg_mask[mb],
                     cfg.clip_range,
@@ -826,6 +878,12 @@ class PPOTrainer:
             "explained_variance": explained_variance(
                 pp.old_values, pp.returns, pp.vf_mask, reduce=self._sum
             ),
+            # the prior alone (NaN without one): what the learned head adds is the difference
+            "explained_variance_prior": explained_variance(
+                pp.value_prior, pp.returns, pp.vf_mask, reduce=self._sum
+            )
+            if ro.value_prior is not None
+            else float("nan"),
             "response_length": n_tokens / B,
             "scheme": ro.scheme,
             "learner_share": float(self._sum(pp.pg_mask.sum())) / max(n_tokens, 1.0),

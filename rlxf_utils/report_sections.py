@@ -24,7 +24,7 @@ from .artifacts import (
     listing,
     markdown_table,
 )
-from .config import ILHF_ALGORITHMS, RLGF_ALGORITHMS, algorithm_label
+from .config import CRITIC_INIT, ILHF_ALGORITHMS, RLGF_ALGORITHMS, algorithm_label
 from .evaluation import best_of_n_kl_bound, ci_verdict, level
 from .models import display_country
 from .reward_uncertainty import FOLDER as HEADS_FOLDER
@@ -53,6 +53,16 @@ PAPER_CLAIM = 0.82  # the paper's reported accuracy / precision / recall / F1 ("
 
 f3 = fmt_num  # three decimals, 'n/a' when missing
 pct = fmt_pct
+
+
+#: The report's sentence on how PPO's critic starts (`rl.critic_init`).
+CRITIC_SENTENCE = {
+    "reward": "The critic starts from the reward model, as in Stiennon et al. (2020): its value at each "
+    "token is the reward model's score of the response so far in its context, plus a linear head "
+    "on the policy's hidden states that starts at zero and learns the rest",
+    "mean": "The critic is a value head on the policy's hidden states that starts on the reward's "
+    "scale (zero weights, its bias at the first batch's mean reward)",
+}
 
 
 def ci(mid: float, low: float, high: float) -> str:
@@ -714,6 +724,7 @@ def rl_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], dic
             ("PPO clip (policy / value), value coefficient", f"{rl['clip_range']} / {rl['clip_range_value'] if rl['clip_range_value'] is not None else 'none'}, {rl['vf_coef']:g}"),
             ("mixed precision", pol.get("autocast") or "none (fp32)"),
             ("GAE gamma / lambda", f"{rl['gamma']} / {rl['lam']}"),
+            ("PPO critic at the start", CRITIC_INIT[rl.get("critic_init", "mean")]),
             ("training prompts", "all training contexts" if rl["max_prompts"] is None else str(rl["max_prompts"])),
         ],
         columns=["setting", "value"],
@@ -733,10 +744,13 @@ def rl_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], dic
                     f"{r['beta_first']:.4f} to {r['beta_last']:.4f}")  # fmt: skip
         else:
             beta = f"β stayed fixed at {r['beta_first']:.4f}"
+        prior_ev = r.get("explained_variance_prior_last_third", math.nan)
+        prior = (f"; the reward model's scores of the prefixes, its starting point, explained {prior_ev:.2f} "
+                 "on their own" if is_present(prior_ev) else "")  # fmt: skip
         ppo_sentence = (
             f"PPO's critic explained {ev_word} variance of the returns over the last third of its steps "
             f"(mean {r['explained_variance_last_third']:.2f}, t interval over those steps "
-            f"[{r.get('explained_variance_low', math.nan):.2f}, {r.get('explained_variance_high', math.nan):.2f}]); {beta}"
+            f"[{r.get('explained_variance_low', math.nan):.2f}, {r.get('explained_variance_high', math.nan):.2f}]{prior}); {beta}"
         )
     moves = []
     for algo, r in rows.iterrows():
@@ -758,6 +772,7 @@ def rl_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], dic
         "opt_steps": str(rl["update_epochs"] * (rl["batch_size"] // rl["minibatch_size"])),
         "start_policy": rl["start_policy"],
         "sft_sentence": _sft_sentence(sft),
+        "critic": CRITIC_SENTENCE[rl.get("critic_init", "mean")],
     }
     includes = {
         "rl_algorithm_settings.md": markdown_table(algo_settings),

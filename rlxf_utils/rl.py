@@ -30,6 +30,7 @@ import torch
 from rlxf_utils import stages
 from rlxf_utils.artifacts import ArtifactMissing, RunDir, atomic_path, to_jsonable
 from rlxf_utils.config import (
+    CRITIC_INIT,
     ILHF_ALGORITHMS,
     RLGF_ALGORITHMS,
     PolicyConfig,
@@ -190,6 +191,7 @@ def ppo_loss_settings(rl: RLConfig, advantage: str) -> dict[str, Any]:
         "advantage": advantage,
         "clip_range": rl.clip_range, "clip_range_value": rl.clip_range_value,
         "vf_coef": rl.vf_coef, "approx_kl_stop": rl.approx_kl_stop,
+        "critic_init": CRITIC_INIT[rl.critic_init],
     }  # fmt: skip
 
 
@@ -376,6 +378,7 @@ def run_trl(
                     "policy_loss": logs.get("loss", np.nan),
                     "value_loss": np.nan,
                     "explained_variance": np.nan,
+                    "explained_variance_prior": np.nan,
                     "response_length": length,
                     "tokens_per_s": gen_n / gen_t if gen_t and gen_t > 0 else np.nan,
                     "gen_time_s": gen_t,
@@ -737,7 +740,9 @@ def summary_table(logs: pd.DataFrame, window: int = 3, alpha: float = 0.05) -> p
 
     rows = []
     for algo, g in logs.groupby("algo", sort=False):
-        ev_tail = g["explained_variance"].tail(max(1, len(g) // 3)).dropna().to_numpy(float)
+        tail = g.tail(max(1, len(g) // 3))
+        ev_tail = tail["explained_variance"].dropna().to_numpy(float)
+        prior_tail = tail.get("explained_variance_prior", pd.Series(dtype=float)).dropna()
         if ev_tail.size > 1 and ev_tail.std(ddof=1) > 0:
             half = stats.t.ppf(1 - alpha / 2, ev_tail.size - 1) * stats.sem(ev_tail)
             ev_low, ev_high = ev_tail.mean() - half, ev_tail.mean() + half
@@ -754,6 +759,10 @@ def summary_table(logs: pd.DataFrame, window: int = 3, alpha: float = 0.05) -> p
                 "explained_variance_last_third": float(ev_tail.mean()) if ev_tail.size else np.nan,
                 "explained_variance_low": ev_low,
                 "explained_variance_high": ev_high,
+                # the critic's prior alone (the reward model's prefix scores); NaN without one
+                "explained_variance_prior_last_third": float(prior_tail.mean())
+                if len(prior_tail)
+                else np.nan,
                 "beta_first": g["kl_coef"].iloc[0],
                 "beta_last": g["kl_coef"].iloc[-1],
                 "step_time_s": g["step_time_s"].median(),

@@ -317,7 +317,8 @@ def test_critic_starts_on_the_rewards_scale(tmp_path):
     def constant(ctx, texts):
         return np.full(len(texts), 0.7, dtype=np.float32)
 
-    tr = PPOTrainer(model, tok, prompts, contexts, constant, small_cfg(steps=2), tmp_path, seed=0)
+    cfg = small_cfg(steps=2, critic_init="mean")
+    tr = PPOTrainer(model, tok, prompts, contexts, constant, cfg, tmp_path, seed=0)
     head = tr.unwrapped.value_head.summary
     assert not head.weight.any() and head.bias.item() == 0  # zero-initialised
     row = tr.train_step()
@@ -330,11 +331,41 @@ def test_critic_starts_on_the_rewards_scale(tmp_path):
 
     # a varying reward: the critic starts at the first batch's mean score
     model, tok = tiny_policy(seed=1)
-    tr = PPOTrainer(
-        model, tok, prompts, contexts, toy_reward, small_cfg(steps=1), tmp_path / "b", seed=1
-    )
+    cfg = small_cfg(steps=1, critic_init="mean")
+    tr = PPOTrainer(model, tok, prompts, contexts, toy_reward, cfg, tmp_path / "b", seed=1)
     row = tr.train_step()
     assert abs(row["value_mean"] - row["reward_mean"]) < 1e-6
+    assert math.isnan(row["explained_variance_prior"])  # no prior with critic_init: mean
+
+
+def test_critic_initialised_from_the_reward_model(tmp_path):
+    """critic_init: reward: before any update V(s_t) is the reward of the prefix y_<t in its
+    context (the head is zero), the bias stays 0, and the prior's own fit is logged."""
+    model, tok = tiny_policy(seed=2)
+    prompts, contexts = toy_contexts(8)
+
+    def by_context_and_length(ctx, texts):  # depends on both, as the reward model does
+        return np.asarray(
+            [0.1 * int(c["country"][-1]) + 0.01 * len(t) for c, t in zip(ctx, texts, strict=True)],
+            dtype=np.float32,
+        )
+
+    cfg = small_cfg(steps=1)
+    assert cfg.critic_init == "reward"  # the default
+    tr = PPOTrainer(model, tok, prompts, contexts, by_context_and_length, cfg, tmp_path, seed=2)
+    idx = tr._next_batch()
+    ro = tr.rollout(idx)
+    pp = tr.prepare(ro)
+    lengths = ro.response_mask.sum(1).tolist()
+    for i, n in enumerate(lengths):
+        for t in range(int(n)):
+            text = tok.decode(ro.response_ids[i, :t], skip_special_tokens=True)
+            want = by_context_and_length([contexts[idx[i]]], [text])[0]
+            assert pp.old_values[i, t].item() == pytest.approx(float(want), abs=1e-5), (i, t)
+        assert not pp.value_prior[i, int(n) :].any()  # nothing past the response
+    assert tr.unwrapped.value_head.summary.bias.item() == 0
+    row = tr.train_step()
+    assert np.isfinite(row["explained_variance_prior"])
 
 
 def test_critic_warmup_leaves_the_policy_alone(tmp_path):

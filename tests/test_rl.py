@@ -144,6 +144,11 @@ def test_summary_table_reads_the_critic_from_an_interval() -> None:
     assert 0 < clear["explained_variance_low"] < 0.31 < clear["explained_variance_high"]
     noisy = rl.summary_table(logs([0.0] * 6 + [0.5, -0.4, 0.3]), alpha=0.05).iloc[0]
     assert noisy["explained_variance_last_third"] > 0 > noisy["explained_variance_low"]
+    assert np.isnan(noisy["explained_variance_prior_last_third"])  # logs without a prior
+    prior = logs([0.5] * 9).assign(explained_variance_prior=[0.9] * 6 + [0.4, 0.5, 0.6])
+    assert rl.summary_table(prior).iloc[0]["explained_variance_prior_last_third"] == pytest.approx(
+        0.5
+    )
 
 
 def test_a_finished_algorithm_is_reused_only_while_its_inputs_are_unchanged(tmp_path, monkeypatch):
