@@ -820,6 +820,8 @@ def _read_profile(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
         raise ConfigError(f"{path}: the file is empty; expected a mapping with 'run' and 'data'")
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level, got {type(raw).__name__}")
+    if seen:  # a parent's own relative paths are read from its folder, not the child's
+        _anchor_paths(raw, path)
     parent = raw.pop("extends", None)
     if parent is None:
         return raw
@@ -831,13 +833,26 @@ def _read_profile(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     return _deep_merge(_read_profile(base_path, (*seen, path.resolve())), raw)
 
 
+#: Keys (section, field) that name files, relative to the parameters file that sets them.
+PATH_KEYS = (("data", "path"), ("risk", "regions_path"), ("compute", "accelerate_config"))
+
+
+def _anchor_paths(raw: dict[str, Any], path: Path) -> None:
+    """Make the relative file paths `raw` sets absolute against `path`'s folder (in place)."""
+    for section, key in PATH_KEYS:
+        block = raw.get(section)
+        value = block.get(key) if isinstance(block, dict) else None
+        if isinstance(value, str) and not Path(value).is_absolute():
+            block[key] = str((path.resolve().parent / value).resolve())
+
+
 def _resolve_file(params: Path, key: str, value: Path, expected: str) -> Path:
     """A file named in the parameters, relative to the parameters file's folder; it must exist."""
     target = value if value.is_absolute() else (params.resolve().parent / value).resolve()
     if not target.is_file():
         raise ConfigError(
             f"{params}: key '{key}': file not found at {target}; expected {expected} "
-            "(relative paths are read from the parameters file's folder)"
+            "(relative paths are read from the folder of the parameters file that sets them)"
         )
     return target
 

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlxf_utils.config import ConfigError, StudyConfig, load_config
+from rlxf_utils.config import PROJECT_ROOT, ConfigError, StudyConfig, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 PROFILES = sorted((ROOT / "params").glob("*.yaml"))
@@ -74,6 +74,21 @@ def test_extends_merges_sections_and_reports_loops(tmp_path: Path) -> None:
     missing.write_text("extends: nowhere.yaml\n")
     with pytest.raises(ConfigError, match="key 'extends': file not found"):
         load_config(missing)
+
+
+def test_a_profile_elsewhere_inherits_its_parents_paths(tmp_path: Path) -> None:
+    """Relative file paths a parent sets are read from the parent's folder; the child's own from
+    the child's."""
+    elsewhere = tmp_path / "mine"
+    elsewhere.mkdir()
+    child = elsewhere / "child.yaml"
+    child.write_text(f"extends: {PROJECT_ROOT / 'params' / 'default.yaml'}\nrun: {{name: c}}\n")
+    cfg, default = load_config(child), load_config(PROJECT_ROOT / "params" / "default.yaml")
+    assert cfg.data.path == default.data.path and cfg.data.path.is_file()
+    assert cfg.risk.regions_path == default.risk.regions_path
+    (elsewhere / "regions.csv").write_text("country,region\nX,Y\n")
+    child.write_text(child.read_text() + "risk: {regions_path: regions.csv}\n")
+    assert load_config(child).risk.regions_path == (elsewhere / "regions.csv").resolve()
 
 
 def test_guided_algorithms_need_the_guide_the_sft_stage_trains(tmp_path: Path) -> None:
