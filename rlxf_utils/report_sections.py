@@ -37,6 +37,7 @@ __all__ = [
     "eval_section",
     "gain_verb",
     "history_sentence",
+    "move_sentence",
     "forensic_section",
     "forensic_verdict",
     "ilhf_section",
@@ -53,6 +54,27 @@ PAPER_CLAIM = 0.82  # the paper's reported accuracy / precision / recall / F1 ("
 
 f3 = fmt_num  # three decimals, 'n/a' when missing
 pct = fmt_pct
+
+
+def _spaced(table: pd.DataFrame) -> pd.DataFrame:
+    """Column names with spaces for underscores, so long headers wrap in narrow PDF columns."""
+    return table.rename(columns=lambda c: str(c).replace("_", " "))
+
+
+def move_sentence(algo: str, r: pd.Series) -> str:
+    """How one algorithm's training reward moved (a row of `rl.summary_table`); an algorithm
+    that logs no training reward (ILHF from history: no reward model) is said to, not 'nan'."""
+    d = r["reward_last"] - r["reward_first"]
+    if not is_present(d):
+        return (
+            f"{algo} trains without the reward model, so it logs no training reward, "
+            f"{r['step_time_s']:.0f} s per step"
+        )
+    return (
+        f"{algo}'s mean training reward went from {f3(r['reward_first'])} to {f3(r['reward_last'])} "
+        f"({'+' if d >= 0 else '−'}{abs(d):.3f}) at a final KL of {r['kl_last']:.2f} nats, "
+        f"{r['step_time_s']:.0f} s per step"
+    )
 
 
 #: The report's sentence on how PPO's critic starts (`rl.critic_init`).
@@ -752,14 +774,7 @@ def rl_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], dic
             f"(mean {r['explained_variance_last_third']:.2f}, t interval over those steps "
             f"[{r.get('explained_variance_low', math.nan):.2f}, {r.get('explained_variance_high', math.nan):.2f}]{prior}); {beta}"
         )
-    moves = []
-    for algo, r in rows.iterrows():
-        d = r["reward_last"] - r["reward_first"]
-        moves.append(
-            f"{algo}'s mean training reward went from {f3(r['reward_first'])} to {f3(r['reward_last'])} "
-            f"({'+' if d >= 0 else '−'}{abs(d):.3f}) at a final KL of {r['kl_last']:.2f} nats, "
-            f"{r['step_time_s']:.0f} s per step"
-        )
+    moves = [move_sentence(algo, r) for algo, r in rows.iterrows()]
     variables = {
         "algorithms": listing([a for a in rows.index]),
         "steps": str(rl["steps"]),
@@ -775,8 +790,11 @@ def rl_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], dic
         "critic": CRITIC_SENTENCE[rl.get("critic_init", "mean")],
     }
     includes = {
-        "rl_algorithm_settings.md": markdown_table(algo_settings),
-        "sft_summary.md": markdown_table(sft, floatfmt=".3f")
+        # spaces, not underscores: long names wrap in the PDF's narrow columns
+        "rl_algorithm_settings.md": markdown_table(
+            algo_settings.assign(setting=algo_settings["setting"].str.replace("_", " "))
+        ),
+        "sft_summary.md": markdown_table(_spaced(sft), floatfmt=".3f")
         if not sft.empty
         else "SFT was not run.",
         "rl_settings.md": markdown_table(settings),

@@ -677,3 +677,19 @@ def test_history_sentence_is_read_from_the_interval() -> None:
     )
     assert "not distinguishably apart" in history_sentence(hist, contrast(-0.03, 0.01))
     assert "do not hold both" in history_sentence({"history_met": 0.6}, contrast(0.01, 0.03))
+
+
+def test_move_sentence_says_when_an_algorithm_logs_no_training_reward() -> None:
+    import pandas as pd
+
+    from rlxf_utils.report_sections import move_sentence
+
+    nan = float("nan")
+    rose = pd.Series({"reward_first": 0.6, "reward_last": 0.65, "kl_last": 1.5, "step_time_s": 12})
+    assert move_sentence("PPO", rose) == (
+        "PPO's mean training reward went from 0.600 to 0.650 (+0.050) at a final KL of 1.50 nats, "
+        "12 s per step"
+    )
+    none = pd.Series({"reward_first": nan, "reward_last": nan, "kl_last": nan, "step_time_s": 6})
+    said = move_sentence("ILHF (history)", none)
+    assert "no training reward" in said and "nan" not in said and "n/a" not in said
