@@ -638,17 +638,23 @@ class PPOTrainer:
         )
         return {k: v.to(self.device) for k, v in enc.items()}
 
+    def _reward(self, idx: Sequence[int], texts: list[str], what: str) -> np.ndarray:
+        """`reward_fn` on (contexts[idx[k]], texts[k]), checked: one finite float per text."""
+        scores = np.asarray(
+            self.reward_fn([self.contexts[i] for i in idx], texts), dtype=np.float32
+        )
+        if scores.shape != (len(texts),) or not np.isfinite(scores).all():
+            raise ValueError(
+                f"reward_fn returned shape {scores.shape} / non-finite values for {what}; "
+                f"expected {len(texts)} finite floats"
+            )
+        return scores
+
     def score(self, idx: Sequence[int], response: torch.Tensor) -> tuple[list[str], torch.Tensor]:
         """Post-processed texts of `response` and their reward-model scores."""
         texts = self.tokenizer.batch_decode(response, skip_special_tokens=True)
         cleaned = [postprocess_response(t, self.cfg.response_postprocess) for t in texts]
-        scores = np.asarray(
-            self.reward_fn([self.contexts[i] for i in idx], cleaned), dtype=np.float32
-        )
-        if scores.shape != (len(idx),) or not np.isfinite(scores).all():
-            raise ValueError(
-                f"reward_fn returned shape {scores.shape} / non-finite values; expected {len(idx)} finite floats"
-            )
+        scores = self._reward(idx, cleaned, "the responses")
         return cleaned, torch.as_tensor(scores, device=self.device)
 
     @torch.no_grad()
@@ -701,24 +707,18 @@ class PPOTrainer:
         B, R = response.shape
         lengths = response_mask.sum(1).tolist()
         ids = response.tolist()
-        prefixes = [ids[i][:t] for i in range(B) for t in range(int(lengths[i]))]
         owners = [(i, t) for i in range(B) for t in range(int(lengths[i]))]
-        decoded = self.tokenizer.batch_decode(prefixes, skip_special_tokens=True)
+        decoded = self.tokenizer.batch_decode(
+            [ids[i][:t] for i, t in owners], skip_special_tokens=True
+        )
         unique: dict[tuple[int, str], int] = {}
         where = []
         for (i, _t), text in zip(owners, decoded, strict=True):
             key = (idx[i], postprocess_response(text, self.cfg.response_postprocess))
             where.append(unique.setdefault(key, len(unique)))
-        keys = list(unique)
-        scores = np.asarray(
-            self.reward_fn([self.contexts[c] for c, _ in keys], [t for _, t in keys]),
-            dtype=np.float32,
+        scores = self._reward(
+            [c for c, _ in unique], [t for _, t in unique], "the critic's prefixes"
         )
-        if scores.shape != (len(keys),) or not np.isfinite(scores).all():
-            raise ValueError(
-                f"reward_fn returned shape {scores.shape} / non-finite values for the critic's "
-                f"prefixes; expected {len(keys)} finite floats"
-            )
         prior = torch.zeros(B, R)
         if owners:
             rows, cols = zip(*owners, strict=True)
