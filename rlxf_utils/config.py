@@ -791,15 +791,12 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> St
         cfg = StudyConfig.model_validate(raw)
     except ValidationError as err:
         raise ConfigError(_format_errors(path, err, StudyConfig)) from None
-    cfg.data.path = _resolve_file(path, "data.path", cfg.data.path, "a MONA file (CSV or .xlsx)")
-    cfg.risk.regions_path = _resolve_file(
-        path, "risk.regions_path", cfg.risk.regions_path, "a CSV with columns country,region"
-    )
-    if cfg.compute.accelerate_config is not None:
-        cfg.compute.accelerate_config = _resolve_file(
-            path, "compute.accelerate_config", cfg.compute.accelerate_config,
-            "an accelerate config file (params/accelerate/)",
-        )  # fmt: skip
+    for (section, key), expected in PATH_KEYS.items():
+        block = getattr(cfg, section)
+        if getattr(block, key) is not None:  # compute.accelerate_config is optional
+            setattr(
+                block, key, _resolve_file(path, f"{section}.{key}", getattr(block, key), expected)
+            )
     cfg.source = path.resolve()
     return cfg
 
@@ -833,8 +830,13 @@ def _read_profile(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     return _deep_merge(_read_profile(base_path, (*seen, path.resolve())), raw)
 
 
-#: Keys (section, field) that name files, relative to the parameters file that sets them.
-PATH_KEYS = (("data", "path"), ("risk", "regions_path"), ("compute", "accelerate_config"))
+#: Keys (section, field) that name files, relative to the parameters file that sets them, and
+#: what each file must be.
+PATH_KEYS = {
+    ("data", "path"): "a MONA file (CSV or .xlsx)",
+    ("risk", "regions_path"): "a CSV with columns country,region",
+    ("compute", "accelerate_config"): "an accelerate config file (params/accelerate/)",
+}
 
 
 def _anchor_paths(raw: dict[str, Any], path: Path) -> None:
