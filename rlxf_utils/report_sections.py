@@ -56,9 +56,9 @@ f3 = fmt_num  # three decimals, 'n/a' when missing
 pct = fmt_pct
 
 
-def _spaced(table: pd.DataFrame) -> pd.DataFrame:
-    """Column names with spaces for underscores, so long headers wrap in narrow PDF columns."""
-    return table.rename(columns=lambda c: str(c).replace("_", " "))
+def _spaced(name: Any) -> str:
+    """A name with spaces for underscores, so a long one wraps in a narrow PDF column."""
+    return str(name).replace("_", " ")
 
 
 def move_sentence(algo: str, r: pd.Series) -> str:
@@ -733,6 +733,7 @@ def rl_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], dic
     algo_settings = run.read_table("rl_algorithm_settings", stage)
     sft = run.read_table("sft_summary", stage) if params["sft"]["enabled"] else pd.DataFrame()
     rl, pol = params["rl"], params["policy"]
+    critic_init = rl.get("critic_init", "mean")  # runs from before the setting: the head alone
     settings = pd.DataFrame(
         [
             ("policy", pol["model"] if pol["model"] != "embedded" else "SmolLM2-135M-Instruct (embedded)"),
@@ -746,7 +747,7 @@ def rl_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], dic
             ("PPO clip (policy / value), value coefficient", f"{rl['clip_range']} / {rl['clip_range_value'] if rl['clip_range_value'] is not None else 'none'}, {rl['vf_coef']:g}"),
             ("mixed precision", pol.get("autocast") or "none (fp32)"),
             ("GAE gamma / lambda", f"{rl['gamma']} / {rl['lam']}"),
-            ("PPO critic at the start", CRITIC_INIT[rl.get("critic_init", "mean")]),
+            ("PPO critic at the start", CRITIC_INIT[critic_init]),
             ("training prompts", "all training contexts" if rl["max_prompts"] is None else str(rl["max_prompts"])),
         ],
         columns=["setting", "value"],
@@ -787,14 +788,14 @@ def rl_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], dic
         "opt_steps": str(rl["update_epochs"] * (rl["batch_size"] // rl["minibatch_size"])),
         "start_policy": rl["start_policy"],
         "sft_sentence": _sft_sentence(sft),
-        "critic": CRITIC_SENTENCE[rl.get("critic_init", "mean")],
+        "critic": CRITIC_SENTENCE[critic_init],
     }
     includes = {
         # spaces, not underscores: long names wrap in the PDF's narrow columns
         "rl_algorithm_settings.md": markdown_table(
-            algo_settings.assign(setting=algo_settings["setting"].str.replace("_", " "))
+            algo_settings.assign(setting=algo_settings["setting"].map(_spaced))
         ),
-        "sft_summary.md": markdown_table(_spaced(sft), floatfmt=".3f")
+        "sft_summary.md": markdown_table(sft.rename(columns=_spaced), floatfmt=".3f")
         if not sft.empty
         else "SFT was not run.",
         "rl_settings.md": markdown_table(settings),
