@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import time
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,6 +61,25 @@ from .rl import _CTX_KEYS, load_contexts
 from .sft import SFT_POLICIES, heldout_rows
 
 log = logging.getLogger(__name__)
+
+
+class PhaseTimer:
+    """Wall seconds per named phase of a long stage, logged as each ends (the stage's progress)
+    and kept in `seconds` for its summary file."""
+
+    def __init__(self, stage: str):
+        self.stage, self.seconds = stage, {}
+        self._t0 = time.perf_counter()
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        yield
+        dt = time.perf_counter() - t0
+        self.seconds[phase] = round(self.seconds.get(phase, 0.0) + dt, 1)
+        log.info("%s: %s took %.0f s (%.0f s so far)", self.stage, phase, dt,
+                 time.perf_counter() - self._t0)  # fmt: skip
+
 
 HISTORY_POLICIES = ("history_met", "history_nonmet", "random_policy")
 
@@ -836,58 +856,65 @@ def run_evaluation_stage(cfg: Any, run: RunDir, progress: bool = True) -> EvalSt
     ec, rl = cfg.evaluation, cfg.rl
     if ec.num_threads is not None:
         torch.set_num_threads(ec.num_threads)
-    contexts = load_contexts(run.root, "eval", ec.max_prompts, cfg.run.seed)
-    reward_model, audit_model = load_reward(
-        run.require("reward_model", stage="notebook 02 (reward model)")
-    )
-    if audit_model is None:
-        raise ArtifactMissing(f"{run.path('reward_model')}: no audit model; rerun notebook 02")
-    heads = reward_uncertainty.fit_or_load(run, cfg, reward_model)  # None: no reward_sd
-    labelled, _ = load_splits(run)
-    labelled = labelled.reset_index(drop=True)
-    algos = list(rl.algorithm)
-    pset = PolicySet(cfg, run, algos)
+    timer = PhaseTimer("evaluation")
+    with timer("loading"):
+        contexts = load_contexts(run.root, "eval", ec.max_prompts, cfg.run.seed)
+        reward_model, audit_model = load_reward(
+            run.require("reward_model", stage="notebook 02 (reward model)")
+        )
+        if audit_model is None:
+            raise ArtifactMissing(f"{run.path('reward_model')}: no audit model; rerun notebook 02")
+        heads = reward_uncertainty.fit_or_load(run, cfg, reward_model)  # None: no reward_sd
+        labelled, _ = load_splits(run)
+        labelled = labelled.reset_index(drop=True)
+        algos = list(rl.algorithm)
+        pset = PolicySet(cfg, run, algos)
     start = pset.start_name
     prompts = build_prompts(contexts, pset.tok, rl.prompt_template, cfg.policy)
     gen_kw = sampling_kwargs(cfg, progress)
     k = ec.samples_per_prompt
-    frames = [
-        sample_tuned(pset, name, prompts, k, gen_kw, ec.logprob_batch_size, desc=name).assign(policy=name)
-        for name in pset.names
-    ]  # fmt: skip
-    gen = add_rewards(pd.concat(frames, ignore_index=True), contexts, reward_model, audit_model,
-                      rl.reward_batch_size, heads)  # fmt: skip
+    frames = []
+    for name in pset.names:
+        with timer(f"samples {name}"):
+            frames.append(sample_tuned(pset, name, prompts, k, gen_kw, ec.logprob_batch_size,
+                                       desc=name).assign(policy=name))  # fmt: skip
+    with timer("rewards"):
+        gen = add_rewards(pd.concat(frames, ignore_index=True), contexts, reward_model,
+                          audit_model, rl.reward_batch_size, heads)  # fmt: skip
     # Best-of-N candidates: a separate draw from the start policy (another seed), so best-of-N is
     # never compared with the very samples it was selected from.
-    n_pool = max(max(ec.best_of_n_curve), ec.best_of_n)
-    pool = best_of_n_pool(pset, prompts, n_pool, gen_kw, ec.logprob_batch_size)
-    add_rewards(pool, contexts, reward_model, audit_model, rl.reward_batch_size, heads)
-    best = ev.best_of_n_frame(pool[pool["sample_id"] < ec.best_of_n], "reward", ("prompt_id",))
-    best = best.assign(policy="best_of_n", sample_id=0)
-    add_judge_logprobs(pset, best, start, ec.logprob_batch_size)
+    with timer("best-of-N pool"):
+        n_pool = max(max(ec.best_of_n_curve), ec.best_of_n)
+        pool = best_of_n_pool(pset, prompts, n_pool, gen_kw, ec.logprob_batch_size)
+        add_rewards(pool, contexts, reward_model, audit_model, rl.reward_batch_size, heads)
+        best = ev.best_of_n_frame(pool[pool["sample_id"] < ec.best_of_n], "reward", ("prompt_id",))
+        best = best.assign(policy="best_of_n", sample_id=0)
+        add_judge_logprobs(pset, best, start, ec.logprob_batch_size)
     best["logp_policy"] = np.nan  # best-of-N has no tractable density; its KL is bounded above
     gen = pd.concat([gen, best], ignore_index=True)
 
-    holdout = load_holdout(run)
-    hist = history_references(labelled, contexts, k, cfg.run.seed, holdout["reference"])
-    with pset.use("base") as m:
-        lp, n_tok = ev.sequence_logprobs(
-            m, pset.tok, [prompts[i] for i in hist["prompt_id"]], hist["response"].tolist(),
-            batch_size=ec.logprob_batch_size, append_eos=True, padding_side="left",
-        )  # fmt: skip
-    hist["logp_base"], hist["n_tokens"] = lp, n_tok
-    hist["logp_policy"] = hist["logp_ref"] = np.nan
-    add_rewards(hist, contexts, reward_model, audit_model, rl.reward_batch_size, heads)
+    with timer("history references"):
+        holdout = load_holdout(run)
+        hist = history_references(labelled, contexts, k, cfg.run.seed, holdout["reference"])
+        with pset.use("base") as m:
+            lp, n_tok = ev.sequence_logprobs(
+                m, pset.tok, [prompts[i] for i in hist["prompt_id"]], hist["response"].tolist(),
+                batch_size=ec.logprob_batch_size, append_eos=True, padding_side="left",
+            )  # fmt: skip
+        hist["logp_base"], hist["n_tokens"] = lp, n_tok
+        hist["logp_policy"] = hist["logp_ref"] = np.nan
+        add_rewards(hist, contexts, reward_model, audit_model, rl.reward_batch_size, heads)
 
     samples = pd.concat([gen, hist], ignore_index=True)
-    encoder = ev.minilm_encoder(str(pset.base.device))  # grounding, and ILHF's pairwise similarity
-    index = ev.HistoricalIndex.load_or_build(
-        run.path("eval/historical_index"), labelled["description"].astype(str).tolist(),
-        labelled["y"].to_numpy(), labelled["econ_area"].astype(str).tolist(), encoder,
-    )  # fmt: skip
-    samples[["grounded_met_rate", "max_sim", "novelty", "top_area"]] = _ground(
-        index, samples, ec.grounding_k, labelled["arrangement_id"].astype(str).tolist()
-    )
+    with timer("grounding"):
+        encoder = ev.minilm_encoder(str(pset.base.device))  # grounding, and ILHF's similarity
+        index = ev.HistoricalIndex.load_or_build(
+            run.path("eval/historical_index"), labelled["description"].astype(str).tolist(),
+            labelled["y"].to_numpy(), labelled["econ_area"].astype(str).tolist(), encoder,
+        )  # fmt: skip
+        samples[["grounded_met_rate", "max_sim", "novelty", "top_area"]] = _ground(
+            index, samples, ec.grounding_k, labelled["arrangement_id"].astype(str).tolist()
+        )
     for key in (*_CTX_KEYS, "econ_area"):
         samples[key] = [contexts[i][key] for i in samples["prompt_id"]]
     order = [*pset.names, "best_of_n", *HISTORY_POLICIES]
@@ -895,14 +922,15 @@ def run_evaluation_stage(cfg: Any, run: RunDir, progress: bool = True) -> EvalSt
     samples = samples.sort_values(["policy", "prompt_id", "sample_id"]).reset_index(drop=True)
     samples["policy"] = samples["policy"].astype(str)
 
-    summary, paired = summary_table(samples, pset.names, start, ec.best_of_n, ec.n_boot, ec.alpha,
-                                    cfg.run.seed)  # fmt: skip
-    country = pd.Series([c["country"] for c in contexts])  # the bootstrap's cluster, per prompt
-    per_prompt_bon, curve = best_of_n_curve(pool, sorted(set(ec.best_of_n_curve)), ec.n_boot,
-                                            ec.alpha, cfg.run.seed, country)  # fmt: skip
-    vs_bon = versus_best_of_n(
-        samples, per_prompt_bon, summary, algos, ec.n_boot, ec.alpha, cfg.run.seed, country
-    )
+    with timer("statistics"):
+        summary, paired = summary_table(samples, pset.names, start, ec.best_of_n, ec.n_boot,
+                                        ec.alpha, cfg.run.seed)  # fmt: skip
+        country = pd.Series([c["country"] for c in contexts])  # the bootstrap's cluster, per prompt
+        per_prompt_bon, curve = best_of_n_curve(pool, sorted(set(ec.best_of_n_curve)), ec.n_boot,
+                                                ec.alpha, cfg.run.seed, country)  # fmt: skip
+        vs_bon = versus_best_of_n(
+            samples, per_prompt_bon, summary, algos, ec.n_boot, ec.alpha, cfg.run.seed, country
+        )
     final = []
     for name in pset.names:
         r = summary[summary.policy == name].iloc[0]
@@ -910,38 +938,47 @@ def run_evaluation_stage(cfg: Any, run: RunDir, progress: bool = True) -> EvalSt
                       "reward_low": r["ave_r_low"], "reward_high": r["ave_r_high"], "audit_reward": r["audit"],
                       "kl": r["kl"], "kl_se": r["kl_se"],
                       "source": "final" if name in algos or name == start else "reference"})  # fmt: skip
-    snaps = (
-        frontier_points(pset, run, prompts, contexts, reward_model, audit_model, cfg, progress)
-        if ec.frontier
-        else pd.DataFrame()
-    )
+    with timer("frontier snapshots"):
+        snaps = (
+            frontier_points(pset, run, prompts, contexts, reward_model, audit_model, cfg, progress)
+            if ec.frontier
+            else pd.DataFrame()
+        )
     frontier = pd.concat([pd.DataFrame(final), snaps, curve], ignore_index=True)
-    held = heldout_rows(
-        labelled, run.read_parquet("data/contexts.parquet"), ec.heldout_rows, cfg.run.seed
-    )
-    ppl, ppl_rows = heldout_perplexity(pset, held, rl.prompt_template, cfg, ec.logprob_batch_size)
-    t3 = table3(pset, contexts, labelled, reward_model, audit_model, cfg)
-    extra = {
-        "eval_vs_best_of_n": vs_bon,
-        "eval_heldout_perplexity": ppl,
-        "eval_heldout_nll_rows": ppl_rows,
-        "eval_best_of_n_curve": curve,
-        # the RLGF paper's table, easy vs hard prompts and the guidance verdicts (rlgf_eval)
-        **rlgf_eval.rlgf_tables(
-            samples, summary, ppl, labelled, algos, start, ec.n_boot, ec.alpha, cfg.run.seed
-        ),  # fmt: skip
-        # the ILHF paper's questions: variety and closeness to the population, at what reward
-        **ilhf_eval.ilhf_tables(
-            samples, summary, ppl_rows, algos, start, ec.n_boot, ec.alpha, cfg.run.seed, encoder
-        ),  # fmt: skip
-    }
-    stage = _write(run, samples, summary, paired, frontier, t3, algos, order, cfg, start, extra)
+    with timer("held-out perplexity"):
+        held = heldout_rows(
+            labelled, run.read_parquet("data/contexts.parquet"), ec.heldout_rows, cfg.run.seed
+        )
+        ppl, ppl_rows = heldout_perplexity(
+            pset, held, rl.prompt_template, cfg, ec.logprob_batch_size
+        )
+    with timer("table 3"):
+        t3 = table3(pset, contexts, labelled, reward_model, audit_model, cfg)
+    with timer("RLGF and ILHF tables"):
+        extra = {
+            "eval_vs_best_of_n": vs_bon,
+            "eval_heldout_perplexity": ppl,
+            "eval_heldout_nll_rows": ppl_rows,
+            "eval_best_of_n_curve": curve,
+            # the RLGF paper's table, easy vs hard prompts and the guidance verdicts (rlgf_eval)
+            **rlgf_eval.rlgf_tables(
+                samples, summary, ppl, labelled, algos, start, ec.n_boot, ec.alpha, cfg.run.seed
+            ),  # fmt: skip
+            # the ILHF paper's questions: variety and closeness to the population, at what reward
+            **ilhf_eval.ilhf_tables(
+                samples, summary, ppl_rows, algos, start, ec.n_boot, ec.alpha, cfg.run.seed, encoder
+            ),  # fmt: skip
+        }
+    with timer("writing"):
+        stage = _write(run, samples, summary, paired, frontier, t3, algos, order, cfg, start,
+                       extra, timer.seconds)  # fmt: skip
     return stage
 
 
 def _write(run: RunDir, samples: pd.DataFrame, summary: pd.DataFrame, paired: pd.DataFrame,
            frontier: pd.DataFrame, t3: pd.DataFrame, algos: list[str], order: list[str], cfg: Any,
-           start: str, extra: dict[str, pd.DataFrame]) -> EvalStage:  # fmt: skip
+           start: str, extra: dict[str, pd.DataFrame],
+           seconds: Mapping[str, float] | None = None) -> EvalStage:  # fmt: skip
     import matplotlib.pyplot as plt
 
     keep = [c for c in samples.columns if c not in ("prompt_ids", "response_ids")]
@@ -1022,6 +1059,7 @@ def _write(run: RunDir, samples: pd.DataFrame, summary: pd.DataFrame, paired: pd
             ),
             "reference_rows": int(samples["hist_idx"].notna().sum()),
             "summary": rec.reset_index().to_dict("records"),
+            "seconds": dict(seconds or {}),  # wall time per phase, up to this write
         },
     )
     return EvalStage(samples, summary, paired, frontier, t3, algos, tables)
