@@ -26,6 +26,7 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+from transformers.cache_utils import DynamicLayer
 
 from rlxf_utils.config import PROJECT_ROOT, LoraSettings, PolicyConfig
 from rlxf_utils.prompts import build_policy_prompt
@@ -35,6 +36,7 @@ __all__ = [
     "EMBEDDED_NAME",
     "apply_lora",
     "autocast",
+    "autocast_kv_cache",
     "build_prompts",
     "encode_prompts",
     "cache_root",
@@ -169,7 +171,57 @@ def load_policy(
     model.generation_config.pad_token_id = tok.pad_token_id
     if device is not None:
         model.to(device)
+    cache_in_autocast_dtype(model)
     return model, tok
+
+
+class _AutocastKVLayer(DynamicLayer):
+    """A KV-cache layer that stores keys and values in the autocast dtype while autocast is on.
+
+    Under bf16 autocast, Llama-style keys leave the rotary embedding in float32 (an fp32 cos/sin
+    times a bf16 projection), so the default cache grows in fp32 and attention (an autocast op)
+    casts the whole cache to bf16 again at every decoding step. Casting each new key and value
+    once, as they enter, gives attention the very same bf16 tensors (bit-identical samples) with
+    half the bytes to concatenate and no per-step cast (bench: ~10-20% faster generation)."""
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ):
+        kind = key_states.device.type
+        if torch.is_autocast_enabled(kind):
+            dtype = torch.get_autocast_dtype(kind)
+            key_states, value_states = key_states.to(dtype), value_states.to(dtype)
+        return super().update(key_states, value_states, *args, **kwargs)
+
+
+def autocast_kv_cache(model: Any) -> Any | None:
+    """A fresh dynamic KV cache for `model` whose layers keep the autocast dtype, or None when the
+    model's cache has other layer types (sliding windows...): those keep transformers' default."""
+    from transformers.cache_utils import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    if not cache.layers or any(type(layer) is not DynamicLayer for layer in cache.layers):
+        return None
+    cache.layers = [_AutocastKVLayer() for _ in cache.layers]
+    return cache
+
+
+def _generate_with_autocast_cache(self: Any, *args: Any, **kwargs: Any) -> Any:
+    if kwargs.get("past_key_values") is None and torch.is_autocast_enabled(self.device.type):
+        cache = autocast_kv_cache(self)
+        if cache is not None:
+            kwargs["past_key_values"] = cache
+    return type(self).generate(self, *args, **kwargs)
+
+
+def cache_in_autocast_dtype(model: PreTrainedModel) -> PreTrainedModel:
+    """Make `model.generate` (also when called through peft or TRL, which reach this model's
+    method) use `autocast_kv_cache` whenever it runs under autocast; outside autocast, and when
+    the caller passes its own cache, generation is unchanged."""
+    import types
+
+    model.generate = types.MethodType(_generate_with_autocast_cache, model)
+    return model
 
 
 def lora_config(settings: LoraSettings) -> Any:

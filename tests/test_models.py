@@ -158,3 +158,31 @@ def test_autocast_sees_weight_updates_inside_one_context() -> None:
             lin.weight.add_(1.0)
         after = lin(x).float().item()
     assert before == 0.0 and after == 4.0
+
+
+def test_generation_cache_in_autocast_dtype_is_bit_identical():
+    """Under bf16 autocast the policy's KV cache keeps bf16 keys and values (attention would cast
+    them anyway): the same scores and tokens as transformers' fp32 cache, for left-padded prompts.
+    Outside autocast the default cache is used."""
+    from transformers.cache_utils import DynamicLayer
+
+    tok = tiny_tokenizer()
+    model = models.cache_in_autocast_dtype(tiny_llama(tok, init=0.5).eval())
+    enc = tok(["a b c d", "b"], return_tensors="pt", padding=True)
+    kw = dict(do_sample=True, max_new_tokens=8, top_k=0, output_scores=True,
+              return_dict_in_generate=True, pad_token_id=tok.pad_token_id)  # fmt: skip
+    runs = {}
+    for name, generate in (("default", lambda **k: type(model).generate(model, **k)),
+                           ("cast", model.generate)):  # fmt: skip
+        torch.manual_seed(0)
+        with torch.inference_mode(), models.autocast("bfloat16", "cpu"):
+            runs[name] = generate(**enc, **kw)
+    assert type(runs["cast"].past_key_values.layers[0]) is not DynamicLayer
+    assert runs["cast"].past_key_values.layers[0].keys.dtype == torch.bfloat16
+    assert runs["default"].past_key_values.layers[0].keys.dtype == torch.float32
+    assert torch.equal(runs["cast"].sequences, runs["default"].sequences)
+    for a, b in zip(runs["cast"].scores, runs["default"].scores, strict=True):
+        assert torch.equal(a, b)
+    with torch.inference_mode():
+        out = model.generate(**enc, **kw)  # no autocast: transformers' own cache
+    assert type(out.past_key_values.layers[0]) is DynamicLayer
