@@ -709,8 +709,9 @@ def _cell(v: Any) -> str:
 
 
 def training_curves_figure(logs: pd.DataFrame) -> Any:
-    """Per step and algorithm: reward, KL to the start policy, PPO's critic (explained variance)
-    and the KL coefficient beta."""
+    """Per step and algorithm: reward, KL to the start policy, PPO's critic (explained variance;
+    dashed, in the same colour: the reward-model prior's alone, what the learned head adds is the
+    gap) and the KL coefficient beta."""
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 4, figsize=(15, 3.6))
@@ -723,7 +724,11 @@ def training_curves_figure(logs: pd.DataFrame) -> Any:
     for ax, (col, ylabel, title) in zip(axes, panels, strict=True):
         for algo, g in logs.groupby("algo", sort=False):
             if g[col].notna().any():
-                ax.plot(g["step"], g[col], marker=".", label=algorithm_label(algo))
+                (line,) = ax.plot(g["step"], g[col], marker=".", label=algorithm_label(algo))
+                prior = g.get(f"{col}_prior")
+                if prior is not None and prior.notna().any():
+                    ax.plot(g["step"], prior, ls="--", color=line.get_color(), lw=1,
+                            label=f"{algorithm_label(algo)}: prior alone")  # fmt: skip
         ax.set(xlabel="step", ylabel=ylabel, title=title)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)

@@ -247,3 +247,25 @@ def test_trl_resumes_an_interrupted_run_where_it_stopped(tmp_path, algo):
     b = load_file(str(tmp_path / "cut" / "adapter" / "adapter_model.safetensors"))
     for k in a:
         np.testing.assert_allclose(a[k].numpy(), b[k].numpy(), atol=1e-6, err_msg=k)
+
+
+def test_training_curves_show_the_critic_prior_beside_the_critic():
+    """The critic panel draws each PPO-family critic's EV and, dashed in its colour, the
+    reward-model prior's EV alone; an algorithm without a critic (GRPO) draws neither."""
+    import matplotlib.pyplot as plt
+
+    steps = [1, 2, 3]
+    logs = pd.concat([
+        pd.DataFrame({"algo": "ppo", "step": steps, "reward_mean": 0.5, "kl": 0.1, "kl_coef": 0.05,
+                      "explained_variance": [0.2, 0.4, 0.5], "explained_variance_prior": [0.1, 0.3, 0.5]}),
+        pd.DataFrame({"algo": "grpo", "step": steps, "reward_mean": 0.5, "kl": 0.1, "kl_coef": 0.05,
+                      "explained_variance": np.nan, "explained_variance_prior": np.nan}),
+    ])  # fmt: skip
+    fig = rl.training_curves_figure(logs)
+    critic = fig.axes[2]
+    lines = {ln.get_label(): ln for ln in critic.get_lines() if not ln.get_label().startswith("_")}
+    assert sorted(lines) == ["PPO", "PPO: prior alone"]
+    assert lines["PPO: prior alone"].get_linestyle() == "--"
+    assert lines["PPO: prior alone"].get_color() == lines["PPO"].get_color()
+    assert list(lines["PPO: prior alone"].get_ydata()) == [0.1, 0.3, 0.5]
+    plt.close(fig)
