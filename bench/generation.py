@@ -38,6 +38,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from rlxf_utils import models  # noqa: E402
+from rlxf_utils.alignment import sampling_kwargs  # noqa: E402
 from rlxf_utils.artifacts import RunDir, to_jsonable  # noqa: E402
 from rlxf_utils.config import load_config  # noqa: E402
 from rlxf_utils.data import run_data_stage  # noqa: E402
@@ -107,9 +108,7 @@ def main() -> None:
         model, policy = models.merge_adapter(model, adapter), "sft"
     model.eval()
     prompts = models.build_prompts(contexts, tok, cfg.rl.prompt_template, cfg.policy)
-    kw = dict(max_new_tokens=cfg.rl.max_new_tokens, temperature=cfg.rl.temperature,
-              top_p=cfg.rl.top_p, postprocess=cfg.rl.response_postprocess, seed=cfg.run.seed,
-              batch_size=cfg.evaluation.batch_size, progress=False)  # fmt: skip
+    kw = sampling_kwargs(cfg, progress=False)  # notebook 04's settings
     default_generate = model.generate
 
     def fp32_cache(*a, **k):  # what transformers builds when no cache is passed
@@ -120,7 +119,7 @@ def main() -> None:
     with torch.inference_mode(), models.autocast(cfg.policy.autocast, model.device):
         models.generate(model, tok, prompts[:2], 1, **kw)  # warm-up
         seconds = {name: [] for name in CACHES}
-        tokens = {}
+        tokens = {name: [] for name in CACHES}
         for _ in range(args.reps):
             for name, gen in zip(CACHES, (fp32_cache, default_generate), strict=True):
                 model.generate = gen
@@ -128,7 +127,7 @@ def main() -> None:
                 df = models.generate(model, tok, prompts, args.k, **kw)
                 seconds[name].append(time.perf_counter() - t0)
                 ids = df["response_ids"].map(tuple).tolist()
-                tokens.setdefault(name, []).append(ids)
+                tokens[name].append(ids)
         model.generate = default_generate
     n = len(prompts) * args.k
     first = tokens[CACHES[0]][0]
