@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import tempfile
+import types
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from rlxf_utils.config import PROJECT_ROOT, LoraSettings, PolicyConfig
 from rlxf_utils.prompts import build_policy_prompt
@@ -37,6 +38,7 @@ __all__ = [
     "apply_lora",
     "autocast",
     "autocast_kv_cache",
+    "cache_in_autocast_dtype",
     "build_prompts",
     "encode_prompts",
     "cache_root",
@@ -182,7 +184,8 @@ class _AutocastKVLayer(DynamicLayer):
     times a bf16 projection), so the default cache grows in fp32 and attention (an autocast op)
     casts the whole cache to bf16 again at every decoding step. Casting each new key and value
     once, as they enter, gives attention the very same bf16 tensors (bit-identical samples) with
-    half the bytes to concatenate and no per-step cast (bench: ~10-20% faster generation)."""
+    half the bytes to concatenate and no per-step cast (bench/generation.py: x1.19 on the sft
+    policy, identical tokens)."""
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
@@ -197,8 +200,6 @@ class _AutocastKVLayer(DynamicLayer):
 def autocast_kv_cache(model: Any) -> Any | None:
     """A fresh dynamic KV cache for `model` whose layers keep the autocast dtype, or None when the
     model's cache has other layer types (sliding windows...): those keep transformers' default."""
-    from transformers.cache_utils import DynamicCache
-
     cache = DynamicCache(config=model.config)
     if not cache.layers or any(type(layer) is not DynamicLayer for layer in cache.layers):
         return None
@@ -218,8 +219,6 @@ def cache_in_autocast_dtype(model: PreTrainedModel) -> PreTrainedModel:
     """Make `model.generate` (also when called through peft or TRL, which reach this model's
     method) use `autocast_kv_cache` whenever it runs under autocast; outside autocast, and when
     the caller passes its own cache, generation is unchanged."""
-    import types
-
     model.generate = types.MethodType(_generate_with_autocast_cache, model)
     return model
 
