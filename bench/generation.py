@@ -2,7 +2,7 @@
 
 Under bf16 autocast, Llama-style keys leave the rotary embedding in float32, so transformers'
 dynamic cache grows in fp32 and attention casts the whole cache to bf16 at every decoding step.
-`rlxf_utils.models.cache_in_autocast_dtype` (installed by `load_policy`) keeps the cache in bf16
+`models.generation.cache_in_autocast_dtype` (installed by `load_policy`) keeps the cache in bf16
 instead. This script times both on the real policy, interleaved (A, B, A, B, ...) so drifting
 cores hit both alike, with the same seed, and checks that they sample the very same tokens.
 
@@ -37,12 +37,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from rlxf_utils import models  # noqa: E402
-from rlxf_utils.alignment import sampling_kwargs  # noqa: E402
 from rlxf_utils.artifacts import RunDir, to_jsonable  # noqa: E402
 from rlxf_utils.config import load_config  # noqa: E402
-from rlxf_utils.data import run_data_stage  # noqa: E402
-from rlxf_utils.rl import load_contexts  # noqa: E402
+from rlxf_utils.data.contexts import load_contexts  # noqa: E402
+from rlxf_utils.data.stage import run_data_stage  # noqa: E402
+from rlxf_utils.models.generation import (
+    autocast,
+    build_prompts,
+    generate,
+    sampling_kwargs,  # noqa: E402
+)
+from rlxf_utils.models.loading import load_policy, merge_adapter
 
 CACHES = ("transformers' fp32 cache", "cache in the autocast dtype")
 
@@ -101,13 +106,13 @@ def main() -> None:
         run = RunDir(tmp.name)
         run_data_stage(cfg, run)
     contexts = load_contexts(run.root, "eval", args.prompts, cfg.run.seed)
-    model, tok = models.load_policy(cfg.policy)
+    model, tok = load_policy(cfg.policy)
     adapter = run.path("policy/sft/adapter")
     policy = "base"
     if (adapter / "adapter_config.json").is_file():
-        model, policy = models.merge_adapter(model, adapter), "sft"
+        model, policy = merge_adapter(model, adapter), "sft"
     model.eval()
-    prompts = models.build_prompts(contexts, tok, cfg.rl.prompt_template, cfg.policy)
+    prompts = build_prompts(contexts, tok, cfg.rl.prompt_template, cfg.policy)
     kw = sampling_kwargs(cfg, progress=False)  # notebook 04's settings
     default_generate = model.generate
 
@@ -116,15 +121,15 @@ def main() -> None:
 
         return default_generate(*a, past_key_values=DynamicCache(config=model.config), **k)
 
-    with torch.inference_mode(), models.autocast(cfg.policy.autocast, model.device):
-        models.generate(model, tok, prompts[:2], 1, **kw)  # warm-up
+    with torch.inference_mode(), autocast(cfg.policy.autocast, model.device):
+        generate(model, tok, prompts[:2], 1, **kw)  # warm-up
         seconds = {name: [] for name in CACHES}
         tokens = {name: [] for name in CACHES}
         for _ in range(args.reps):
             for name, gen in zip(CACHES, (fp32_cache, default_generate), strict=True):
                 model.generate = gen
                 t0 = time.perf_counter()
-                df = models.generate(model, tok, prompts, args.k, **kw)
+                df = generate(model, tok, prompts, args.k, **kw)
                 seconds[name].append(time.perf_counter() - t0)
                 ids = df["response_ids"].map(tuple).tolist()
                 tokens[name].append(ids)

@@ -9,7 +9,7 @@ within a few steps.
 Setup: the profile's (`--params`, default params/default.yaml) policy, LoRA and rl settings as
 they are (bf16 autocast, batch, update epochs, learning rate, KL, approx-KL stop, ...); only
 `rl.steps` may be overridden (`--steps`). Each algorithm runs through the study's own entry
-points (rlxf_utils.rl.run_ppo / run_trl) into a temporary folder, from a freshly loaded start
+points (the registry's trainers, `rlxf_utils.algorithms`) into a temporary folder, from a freshly loaded start
 policy: the run dir's `sft` policy when `<run-dir>/policy/sft/adapter` exists, else the base
 model (recorded as `start_policy`). Prompts: `--contexts` training contexts of the run dir
 (rl.load_contexts, seeded sample), or the 8 CONTEXTS of bench/rl.py when the run dir has no
@@ -57,11 +57,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from rlxf_utils.algorithms import algorithm  # noqa: E402
 from rlxf_utils.artifacts import to_jsonable  # noqa: E402
-from rlxf_utils.config import RLConfig, load_config  # noqa: E402
-from rlxf_utils.models import build_prompts, load_start_policy  # noqa: E402
-from rlxf_utils.ppo import _seed_everything  # noqa: E402
-from rlxf_utils.rl import load_contexts, run_ppo, run_trl  # noqa: E402
+from rlxf_utils.config import (
+    RLConfig,  # noqa: E402
+    load_config,  # noqa: E402
+)
+from rlxf_utils.data.contexts import load_contexts  # noqa: E402
+from rlxf_utils.models.generation import build_prompts  # noqa: E402
+from rlxf_utils.models.loading import load_start_policy  # noqa: E402
+from rlxf_utils.rl.trainer import TrainJob  # noqa: E402
+from rlxf_utils.runtime import seed_everything  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 # fmt: off
@@ -183,18 +189,14 @@ def main() -> None:
     results: dict[str, Any] = {}
     t_all = time.time()
     for algo in [x.strip() for x in a.algos.split(",") if x.strip()]:
-        _seed_everything(cfg.run.seed)
+        seed_everything(cfg.run.seed)
         model, tok = load_start_policy(cfg.policy, start, run_dir)
         prompts = build_prompts(contexts, tok, rl.prompt_template, cfg.policy)
         t0 = time.time()
         with tempfile.TemporaryDirectory(prefix=f"learn_{algo}_") as d:
-            kw = dict(seed=cfg.run.seed, progress=False, steps=rl.steps)
-            if algo == "ppo":
-                log = run_ppo(model, tok, prompts, contexts, toy_reward, rl, cfg.policy, d, **kw)
-            else:
-                log = run_trl(
-                    algo, model, tok, prompts, contexts, toy_reward, rl, cfg.policy, d, **kw
-                )
+            job = TrainJob(algo, model, tok, prompts, contexts, toy_reward, rl, cfg.policy, Path(d),
+                           seed=cfg.run.seed, progress=False, steps=rl.steps)  # fmt: skip
+            log = algorithm(algo).train(job)
         rewards = [float(x) for x in log["reward_mean"]]
         results[algo] = {
             "reward_per_step": rewards,

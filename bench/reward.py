@@ -45,14 +45,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from rlxf_utils import reward as R  # noqa: E402
 from rlxf_utils.artifacts import RunDir, to_jsonable  # noqa: E402
 from rlxf_utils.config import load_config  # noqa: E402
-from rlxf_utils.data import load_splits, run_data_stage  # noqa: E402
+from rlxf_utils.data.splits import load_splits  # noqa: E402
+from rlxf_utils.data.stage import run_data_stage  # noqa: E402
 from rlxf_utils.prompts import serialize_frame  # noqa: E402
+from rlxf_utils.reward.encoders import EMBEDDED_MINILM, EMBEDDED_MPNET
+from rlxf_utils.reward.model import RewardModel
+from rlxf_utils.reward.training import configure_threads, train_encoder
 
 
-def _naive_texts_per_s(rm: R.RewardModel, texts: list[str], batch: int = 32) -> float:
+def _naive_texts_per_s(rm: RewardModel, texts: list[str], batch: int = 32) -> float:
     """Throughput of the naive loop: fixed padding to max_length, input order, batch 32."""
     t0 = time.perf_counter()
     with torch.inference_mode():
@@ -68,19 +71,19 @@ def _naive_texts_per_s(rm: R.RewardModel, texts: list[str], batch: int = 32) -> 
     return len(texts) / (time.perf_counter() - t0)
 
 
-def _scorer(rm: R.RewardModel, variant: str) -> R.RewardModel:
+def _scorer(rm: RewardModel, variant: str) -> RewardModel:
     """The scorer for one variant: a `score_precision`, or `bf16_weights` (weights cast, no autocast)."""
     if variant != "bf16_weights":
         return rm.with_precision(variant)
     import copy
 
-    return R.RewardModel(
+    return RewardModel(
         copy.deepcopy(rm.model).to(torch.bfloat16), rm.tokenizer, rm.max_length, rm.temperature,
         rm.meta, rm.bias, rm.offset,
     )  # fmt: skip
 
 
-def _score(rm: R.RewardModel, texts: list[str], batch: int) -> tuple[np.ndarray, float]:
+def _score(rm: RewardModel, texts: list[str], batch: int) -> tuple[np.ndarray, float]:
     """(calibrated P(MET), texts/s) after a warm-up batch."""
     rm.score_texts(texts[:batch], batch)
     t0 = time.perf_counter()
@@ -103,13 +106,13 @@ def choose(scoring: dict[str, dict[str, float]], threads: int, tolerance: float)
     return min(tied, key=lambda k: tied[k]["max_abs_diff"])
 
 
-def _train_timing(rc, tr, steps: int, seed: int) -> tuple[R.RewardModel, dict[str, float]]:
+def _train_timing(rc, tr, steps: int, seed: int) -> tuple[RewardModel, dict[str, float]]:
     """s/step of `steps` optimiser steps (one epoch of that many batches) for the settings `rc`."""
     n_rows = min(len(tr), steps * rc.batch_size)
     sub, val = tr.iloc[:n_rows], tr.iloc[n_rows : n_rows + 64]
     timed = rc.model_copy(update={"epochs": 1.0, "evals_per_epoch": 1})
     t0 = time.perf_counter()
-    rm, log = R.train_encoder(
+    rm, log = train_encoder(
         serialize_frame(sub), sub["y"].astype(int).to_numpy(),
         serialize_frame(val), val["y"].astype(int).to_numpy(), timed, seed,
     )  # fmt: skip
@@ -173,7 +176,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--params", default="params/default.yaml")
     ap.add_argument("--run-dir", default=None, help="reuse data/ (and reward_model/) of a run dir")
-    ap.add_argument("--encoders", nargs="+", default=[R.EMBEDDED_MINILM, R.EMBEDDED_MPNET])
+    ap.add_argument("--encoders", nargs="+", default=[EMBEDDED_MINILM, EMBEDDED_MPNET])
     ap.add_argument("--steps", type=int, default=8, help="optimiser steps to time per setting")
     ap.add_argument("--n-score", type=int, default=None, help="test rows to score (default all)")
     ap.add_argument("--tolerance", type=float, default=None, help="default reward.score_tolerance")
@@ -203,7 +206,7 @@ def main() -> None:
     results = {}
     for name in args.encoders:
         print(f"== {name}", flush=True)
-        R.configure_threads(cpus)
+        configure_threads(cpus)
         rc = cfg.reward.model_copy(
             update={
                 "encoder": name,
@@ -229,7 +232,7 @@ def main() -> None:
             marker = json.loads((saved / "rlxf_reward.json").read_text())
             if marker.get("encoder") == name:
                 rm, scorer_from = (
-                    R.RewardModel.load(saved, "cpu"),
+                    RewardModel.load(saved, "cpu"),
                     f"{saved} (the run's reward model)",
                 )
         tok_len = float(np.mean([len(x) for x in rm.tokenizer(texts)["input_ids"]]))

@@ -1,7 +1,7 @@
 """Does bf16 fine-tuning of the reward encoder change what it learns? A paired test on MONA.
 
 Trains the profile's encoder on the `grouped` protocol twice through notebook 02's own path
-(`reward.run_protocol`): the main model with `train_precision: bf16`, its twin (a compared encoder
+(`reward.protocol.run_protocol`): the main model with `train_precision: bf16`, its twin (a compared encoder
 with the same settings) in fp32, on the same rows, seed, selection and calibration halves. The
 paired bootstrap intervals of (fp32 twin - bf16) in accuracy and AUC on the test rows, both
 training times and both models' test metrics go to the JSON.
@@ -26,24 +26,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from rlxf_utils import reward as R  # noqa: E402
 from rlxf_utils.artifacts import RunDir, to_jsonable  # noqa: E402
-from rlxf_utils.config import CompareEncoder, load_config  # noqa: E402
-from rlxf_utils.data import load_splits, run_data_stage  # noqa: E402
+from rlxf_utils.config import (
+    CompareEncoder,  # noqa: E402
+    load_config,  # noqa: E402
+)
+from rlxf_utils.data.splits import load_splits  # noqa: E402
+from rlxf_utils.data.stage import run_data_stage  # noqa: E402
+from rlxf_utils.reward.encoders import EMBEDDED_MINILM
+from rlxf_utils.reward.protocol import run_protocol
+from rlxf_utils.reward.training import configure_threads
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--params", default="params/default.yaml")
     ap.add_argument("--run-dir", default=None, help="reuse data/ of an existing run dir")
-    ap.add_argument("--encoder", default=R.EMBEDDED_MINILM)
+    ap.add_argument("--encoder", default=EMBEDDED_MINILM)
     ap.add_argument("--protocol", default="grouped")
     ap.add_argument("--out", default="bench/results/reward_precision.json")
     args = ap.parse_args()
 
     load_before = os.getloadavg()
     cfg = load_config(args.params)
-    threads = R.configure_threads(None)
+    threads = configure_threads(None)
     rc = cfg.reward.model_copy(
         update={"encoder": args.encoder, "train_precision": "bf16", "compare_encoders": [],
                 "num_threads": threads, "progress": False}
@@ -54,7 +60,7 @@ def main() -> None:
         if not run.exists("data/splits.json"):
             run_data_stage(cfg, run)
         labelled, splits = load_splits(run)
-    res = R.run_protocol(
+    res = run_protocol(
         labelled, splits, args.protocol, rc, cfg.run.seed, alpha=cfg.evaluation.alpha,
         n_boot=cfg.evaluation.n_boot, compare=[twin],
     )  # fmt: skip

@@ -13,7 +13,7 @@ and timed steps come after `--warmup` untimed steps; the median is reported.
      = 4 prompts x 4, minibatch 8, update_epochs 2, its short system prompt). Throughput is
      responses per second of the whole PPO step (rollout + scoring + update); target after/before
      >= 2.5. Also the generation share of the step and tokens/s.
-  b. equal work under "after": PPO (ours) vs GRPO and RLOO (TRL, rlxf_utils.rl.run_trl): same
+  b. equal work under "after": PPO (ours) vs GRPO and RLOO (TRL, rlxf_utils.rl.trl_runs.run_trl): same
      prompts, responses, tokens and optimiser steps per batch. TRL's step time is measured here
      from trainer callbacks, from the first optimiser step of a generation batch to the end of its
      last one (run_trl's own `step_time_s` covers only the optimiser step that generated).
@@ -22,7 +22,7 @@ and timed steps come after `--warmup` untimed steps; the median is reported.
      differences, the PPO policy loss computed both ways, and forward+backward time of each.
   d. threads 1 vs 2 for one PPO step (bf16, "after"), and the prompt length in tokens with the
      template's default system turn vs the profile's short system prompt.
-  e. SFT throughput: rlxf_utils.sft.train_sft on ~64 real examples (built from `--run-dir`'s
+  e. SFT throughput: rlxf_utils.rl.sft.train_sft on ~64 real examples (built from `--run-dir`'s
      data when it has them, else synthetic), tokens/s (prompt + target tokens, as run_sft_stage)
      with bf16 autocast on all cores vs fp32 on 1 thread; target >= 566 / 1.5 tokens/s.
 
@@ -64,17 +64,18 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from rlxf_utils.artifacts import to_jsonable  # noqa: E402
-from rlxf_utils.config import PolicyConfig, RLConfig, SFTConfig, load_config  # noqa: E402
-from rlxf_utils.models import (  # noqa: E402
-    apply_lora,
-    autocast,
-    build_prompts,
-    encode_prompts,
-    eos_ids,
-    load_policy,
+from rlxf_utils.config import (  # noqa: E402
+    PolicyConfig,
+    RLConfig,
+    SFTConfig,
+    load_config,  # noqa: E402
 )
-from rlxf_utils.ppo import PolicyWithValue, PPOTrainer, logprobs_from_logits, policy_loss  # noqa: E402
-from rlxf_utils.rl import run_trl  # noqa: E402
+from rlxf_utils.models.generation import autocast, build_prompts, encode_prompts, eos_ids  # noqa: E402
+from rlxf_utils.models.loading import apply_lora, load_policy  # noqa: E402
+from rlxf_utils.rl.core import PolicyWithValue, logprobs_from_logits, policy_loss  # noqa: E402
+from rlxf_utils.rl.ppo import PPOTrainer  # noqa: E402
+from rlxf_utils.rl.trainer import TrainJob  # noqa: E402
+from rlxf_utils.rl.trl_runs import run_trl  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SFT_REFERENCE_TOKENS_PER_S = 566.0  # the reference SFT throughput the target is set against
@@ -217,10 +218,10 @@ def bench_trl(
     stamps: dict[str, list[float]] = {"begin": [], "end": []}
     cls = trl.GRPOTrainer if algo == "grpo" else trl.RLOOTrainer
     with tempfile.TemporaryDirectory() as d, batch_timer(cls, stamps):
-        log = run_trl(
-            algo, base, tok, prompts, contexts, stand_in_reward, rl, policy, d, seed=0,
+        log = run_trl(TrainJob(
+            algo, base, tok, prompts, contexts, stand_in_reward, rl, policy, Path(d), seed=0,
             progress=False, steps=warmup + steps, generation_kwargs=gen_kw,
-        )  # fmt: skip
+        ))  # fmt: skip
     per = rl.optimizer_steps_per_batch
     n_batches = len(stamps["end"]) // per
     batch_times = [
@@ -370,8 +371,8 @@ def sft_rows(run_dir: Path, cfg: Any, n: int) -> tuple[Any, str]:
     import pandas as pd
 
     from rlxf_utils.artifacts import RunDir
-    from rlxf_utils.data import load_splits
-    from rlxf_utils.sft import eligible_rows
+    from rlxf_utils.data.contexts import eligible_rows
+    from rlxf_utils.data.splits import load_splits
 
     if (run_dir / "data" / "conditions.parquet").is_file():
         rd = RunDir(run_dir)
@@ -397,7 +398,7 @@ def sft_rows(run_dir: Path, cfg: Any, n: int) -> tuple[Any, str]:
 
 def bench_sft(cfg: Any, policy: PolicyConfig, threads: int, examples: list, warm: bool) -> dict:
     """train_sft tokens/s (prompt + target tokens per second of the optimiser steps)."""
-    from rlxf_utils.sft import train_sft
+    from rlxf_utils.rl.sft import train_sft
 
     set_threads(threads)
     model, tok = load_policy(policy)
@@ -576,7 +577,7 @@ def main() -> None:
         res["prompt_length_tokens"] = prompt_lengths(after_pol, after.prompt_template)
         walls["d"] = time.time() - t0
     if "e" in a.parts:
-        from rlxf_utils.sft import build_examples
+        from rlxf_utils.rl.sft import build_examples
 
         t0 = time.time()
         rows, source = sft_rows(Path(a.run_dir), cfg, a.sft_examples)

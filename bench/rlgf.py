@@ -40,19 +40,21 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from rl import CONTEXTS, machine_info, rl_settings, set_threads, stand_in_reward  # noqa: E402
 
+from rlxf_utils.algorithms import RLGF_ALGORITHMS, algorithm_label  # noqa: E402
 from rlxf_utils.artifacts import atomic_path, to_jsonable  # noqa: E402
-from rlxf_utils.config import RLGF_ALGORITHMS, algorithm_label, load_config  # noqa: E402
-from rlxf_utils.models import apply_lora, build_prompts, load_policy  # noqa: E402
-from rlxf_utils.ppo import PPOTrainer  # noqa: E402
-from rlxf_utils.rlgf import GuidedPPOTrainer  # noqa: E402
-from rlxf_utils.sft import target_ids  # noqa: E402
+from rlxf_utils.config import load_config  # noqa: E402
+from rlxf_utils.models.generation import build_prompts  # noqa: E402
+from rlxf_utils.models.loading import apply_lora, load_policy  # noqa: E402
+from rlxf_utils.rl.ppo import PPOTrainer  # noqa: E402
+from rlxf_utils.rl.rlgf import GuidedPPOTrainer  # noqa: E402
+from rlxf_utils.rl.sft import target_ids  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def met_descriptions(cfg, n: int = 64) -> list[str]:
     """Real MET descriptions from the study's MONA file (the MLE term's references)."""
-    from rlxf_utils.data import load_mona
+    from rlxf_utils.data.mona import load_mona
 
     table = load_mona(cfg.data.path, cfg.data.labels.met, cfg.data.labels.not_assessed)
     df = table.labelled

@@ -7,18 +7,32 @@ interrupted run never leaves a half-written artifact that a later stage would re
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import os
+import shutil
 import tempfile
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
-__all__ = ["ArtifactMissing", "RunDir", "atomic_path", "to_jsonable"]
+from rlxf_utils.report.wording import markdown_table
+
+__all__ = [
+    "ArtifactMissing",
+    "RunDir",
+    "atomic_dir",
+    "atomic_path",
+    "sha256_file",
+    "to_jsonable",
+    "write_json",
+    "write_jsonl",
+    "write_text",
+]
 
 
 _UMASK = os.umask(0)
@@ -72,6 +86,27 @@ def to_jsonable(obj: Any) -> Any:
     return obj
 
 
+def write_text(target: str | Path, text: str) -> Path:
+    """`text` (UTF-8) written atomically to `target`."""
+    target = Path(target)
+    with atomic_path(target) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+    return target
+
+
+def write_json(target: str | Path, obj: Any) -> Path:
+    """`obj` as indented JSON (numpy and pandas values made plain, NaN as null), atomically."""
+    return write_text(target, json.dumps(to_jsonable(obj), indent=2) + "\n")
+
+
+def write_jsonl(
+    target: str | Path, rows: Iterable[dict[str, Any]], ensure_ascii: bool = False
+) -> Path:
+    """One JSON object per line, atomically (`ensure_ascii`: escape non-ASCII characters)."""
+    lines = [json.dumps(to_jsonable(r), ensure_ascii=ensure_ascii) for r in rows]
+    return write_text(target, "".join(line + "\n" for line in lines))
+
+
 class RunDir:
     """One run's folder (`runs/<name>/`): typed read/write helpers with atomic writes.
 
@@ -105,17 +140,13 @@ class RunDir:
 
     # -- writers ---------------------------------------------------------------------------
     def write_text(self, rel: str | Path, text: str) -> Path:
-        target = self.path(rel)
-        with atomic_path(target) as tmp:
-            tmp.write_text(text, encoding="utf-8")
-        return target
+        return write_text(self.path(rel), text)
 
     def write_json(self, rel: str | Path, obj: Any) -> Path:
-        return self.write_text(rel, json.dumps(to_jsonable(obj), indent=2, sort_keys=False) + "\n")
+        return write_json(self.path(rel), obj)
 
     def write_jsonl(self, rel: str | Path, rows: Iterable[dict[str, Any]]) -> Path:
-        lines = [json.dumps(to_jsonable(r), ensure_ascii=False) for r in rows]
-        return self.write_text(rel, "\n".join(lines) + ("\n" if lines else ""))
+        return write_jsonl(self.path(rel), rows)
 
     def write_parquet(self, rel: str | Path, df: pd.DataFrame) -> Path:
         target = self.path(rel)
@@ -155,64 +186,43 @@ class RunDir:
         return pd.read_csv(self.require(f"tables/{name}.csv", stage))
 
 
-def is_present(x: Any) -> bool:
-    """Not None and not a float NaN (a value a sentence can quote)."""
-    return x is not None and not (isinstance(x, float) and math.isnan(x))
+def atomic_dir(target: Path, write: Callable[[Path], Any]) -> None:
+    """Fill a temporary folder with `write`, then swap it into `target` (never half-written)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        write(tmp)
+        if target.exists():
+            old = target.with_name(f".{target.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(target, old)
+            os.replace(tmp, target)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
-def fmt_num(x: Any, digits: int = 3) -> str:
-    """A number for prose: fixed `digits`, or 'n/a' when missing."""
-    return f"{x:.{digits}f}" if is_present(x) else "n/a"
+def sha256_file(path: str | Path) -> str:
+    """sha256 of a file's bytes (read in 1 MiB chunks), as hex."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
-def fmt_pct(x: Any, digits: int = 1) -> str:
-    """A share as a percentage for prose, or 'n/a' when missing."""
-    return f"{100 * x:.{digits}f}%" if is_present(x) else "n/a"
-
-
-def fmt_p(p: Any) -> str:
-    """A p-value for prose: 'p = 0.013', 'p < 0.001', or 'p n/a' when missing."""
-    if not is_present(p):
-        return "p n/a"
-    return "p < 0.001" if p < 0.001 else f"p = {p:.3f}"
-
-
-def listing(items: Sequence[str]) -> str:
-    """'a', 'a and b', 'a, b and c' for prose ('nothing' when empty)."""
-    items = list(items)
-    if not items:
-        return "nothing"
-    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
-
-
-def _fmt_cell(v: Any, floatfmt: str) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)) or v is pd.NA:
-        return ""
-    if isinstance(v, float | np.floating):
-        return format(float(v), floatfmt)
-    return str(v).replace("|", "\\|").replace("\n", " ")
-
-
-def markdown_table(df: pd.DataFrame, floatfmt: str = ".3f", index: bool = False) -> str:
-    """A pipe table (pandoc and Quarto read it) without the optional `tabulate` dependency."""
-    if index:
-        df = df.reset_index()
-    cols = [str(c) for c in df.columns]
-    numeric = [pd.api.types.is_numeric_dtype(df[c]) for c in df.columns]
-    header = "| " + " | ".join(c.replace("|", "\\|") for c in cols) + " |"
-    # Dash counts set pandoc's relative column widths when cells wrap: a short column gets its
-    # longest cell plus a margin (so numbers and labels never break), a wordy one at most 44.
-    longest = [max([len(_fmt_cell(v, floatfmt)) for v in df[col].head(200)] or [0]) for col in df]
-    widths = [4 + max(3, len(c), min(40, n)) for c, n in zip(cols, longest, strict=True)]
-    align = (
-        "|"
-        + "|".join(
-            ("-" * w + ":") if n else (":" + "-" * w) for n, w in zip(numeric, widths, strict=True)
-        )
-        + "|"
-    )
-    rows = [
-        "| " + " | ".join(_fmt_cell(v, floatfmt) for v in rec) + " |"
-        for rec in df.itertuples(index=False, name=None)
-    ]
-    return "\n".join([header, align, *rows]) + "\n"
+def hash_path(path: Path) -> str | None:
+    """sha256 of a file, or of a folder's files (sorted relative paths and contents); None if absent."""
+    path = Path(path)
+    if path.is_file():
+        return sha256_file(path)
+    if not path.is_dir():
+        return None
+    h = hashlib.sha256()
+    for f in sorted(p for p in path.rglob("*") if p.is_file()):
+        h.update(f.relative_to(path).as_posix().encode() + b"\0")
+        h.update(bytes.fromhex(sha256_file(f)))
+    return h.hexdigest()

@@ -10,15 +10,17 @@ import argparse
 import logging
 import sys
 
-from .config import ConfigError
+from rlxf_utils.config import ConfigError, LabelConfig
 
 __all__ = ["main"]
 
 EXIT_BAD_INPUT = 2
 
 
+# Each command imports what it runs when it runs: `rlxf --help` answers without loading pandas,
+# papermill or the report's renderers.
 def _cmd_run(args: argparse.Namespace) -> int:
-    from .pipeline import NotebookFailed, run_study
+    from rlxf_utils.pipeline import NotebookFailed, run_study
 
     only = args.only.split(",") if args.only else None
     try:
@@ -34,8 +36,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_data_summary(args: argparse.Namespace) -> int:
-    from .config import LabelConfig
-    from .data import DataError, load_mona
+    from rlxf_utils.data.mona import load_mona
+    from rlxf_utils.data.schema import DataError
 
     labels = LabelConfig()
     try:
@@ -53,8 +55,8 @@ def _cmd_data_summary(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from .artifacts import ArtifactMissing
-    from .report import ReportError, render_report
+    from rlxf_utils.artifacts import ArtifactMissing
+    from rlxf_utils.report.render import ReportError, render_report
 
     try:
         res = render_report(args.run_dir, engine=args.engine)

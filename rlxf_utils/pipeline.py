@@ -5,7 +5,7 @@ executes `notebooks/NN_*.ipynb` in number order with `params_file` and `run_dir`
 saves executed copies to `<run_dir>/notebooks/`, and rewrites `manifest.json` after each
 notebook so that an interrupted run still says what ran.
 
-A notebook whose fingerprint is unchanged and whose outputs are intact (`rlxf_utils.stages`) is
+A notebook whose fingerprint is unchanged and whose outputs are intact (`rlxf_utils.freshness`) is
 skipped ("up to date"); once one notebook reruns, every later one reruns too. `force` reruns
 everything, `from_` everything from that notebook on.
 """
@@ -25,10 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import stages
-from .artifacts import RunDir
-from .config import PROJECT_ROOT, load_config
-from .data import sha256_file
+from rlxf_utils.artifacts import RunDir, sha256_file
+from rlxf_utils.config import PROJECT_ROOT, load_config
+from rlxf_utils.freshness import clear_record, fingerprint, stage_spec, up_to_date, write_record
+from rlxf_utils.runtime import hub_environment
 
 __all__ = ["KERNEL_NAME", "NotebookFailed", "discover_notebooks", "run_study", "write_manifest"]
 
@@ -209,13 +209,12 @@ def run_study(
     numbers = [NOTEBOOK_RE.match(nb.name).group(1) for nb in notebooks]
     if from_ is not None and from_.strip().zfill(2) not in numbers:
         raise ValueError(f"--from {from_}: no such notebook; found {[nb.name for nb in notebooks]}")
-    specs = {nb.stem: stages.stage_spec(nb) for nb in notebooks}  # malformed metadata: stop now
+    specs = {nb.stem: stage_spec(nb) for nb in notebooks}  # malformed metadata: stop now
     if not _kernel_available(kernel_name):
         raise RuntimeError(
             f"Jupyter kernel '{kernel_name}' is not installed; run `make install` or "
             f"`python -m ipykernel install --sys-prefix --name {kernel_name}`"
         )
-    from rlxf_utils.launch import hub_environment
 
     # the kernels (and the stages they launch) inherit it; read once, when transformers loads
     log.info("hub: %s", hub_environment(cfg))
@@ -228,11 +227,11 @@ def run_study(
     for i, (nb, number) in enumerate(zip(notebooks, numbers, strict=True), start=1):
         out = run.path(f"notebooks/{nb.name}")
         spec = specs[nb.stem]
-        digest, parts = stages.fingerprint(nb, cfg, run, spec)
+        digest, parts = fingerprint(nb, cfg, run, spec)
         if from_ is not None and number >= from_.strip().zfill(2):
             rerun = True
         if not rerun:
-            fresh, why, rec = stages.up_to_date(run, nb.stem, digest, spec, parts)
+            fresh, why, rec = up_to_date(run, nb.stem, digest, spec, parts)
             if fresh:
                 print(f"[{i}/{total}] {nb.stem}: up to date, skipped ({why})", flush=True)
                 old = rec or {}
@@ -244,7 +243,7 @@ def run_study(
                 continue
             print(f"[{i}/{total}] {nb.stem}: rerun ({why})", flush=True)
             rerun = True
-        stages.clear_record(run, nb.stem)
+        clear_record(run, nb.stem)
         print(f"[{i}/{total}] {nb.stem}  ->  {out}", flush=True)
         started = dt.datetime.now(dt.UTC)
         t0 = time.perf_counter()
@@ -280,7 +279,7 @@ def run_study(
             error=error,
         )
         if status == "ok":
-            stages.write_record(run, nb.stem, digest, parts, spec, seconds)
+            write_record(run, nb.stem, digest, parts, spec, seconds)
         write_manifest(run, cfg, [result])
         print(f"      {status} in {seconds:.1f} s", flush=True)
         if error:

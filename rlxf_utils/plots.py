@@ -10,7 +10,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from .evaluation import level  # noqa: E402
+from rlxf_utils.stats import level  # noqa: E402
 
 __all__ = ["bar_counts", "hist_by", "rate_bars", "rate_by_year", "setup_style", "split_balance"]
 
@@ -63,7 +63,7 @@ def rate_bars(
     min_n: int = 1,
     alpha: float = 0.05,
 ):
-    """MET rate with Wilson intervals per category (from `data.rate_by` at the same `alpha`)."""
+    """MET rate with Wilson intervals per category (from `stats.rates.rate_by` at the same `alpha`)."""
     setup_style()
     r = rates[rates["n"] >= min_n].sort_values("met_rate")
     fig, ax = plt.subplots(figsize=(WIDTH, 0.24 * len(r) + 1.1))
@@ -148,3 +148,13 @@ def split_balance(summary: pd.DataFrame, title: str):
     fig.suptitle(title)
     fig.tight_layout()
     return fig
+
+
+def ci_err(
+    df: pd.DataFrame, mid: str, low: str, high: str, fill_missing: bool = False
+) -> np.ndarray:
+    """Error-bar lengths (2, n) of intervals `low`..`high` around `mid` for matplotlib's
+    `yerr`/`xerr`; `fill_missing`: a missing end draws no bar instead of NaN."""
+    if fill_missing:
+        df = df.fillna({low: df[mid], high: df[mid]})
+    return np.vstack([df[mid] - df[low], df[high] - df[mid]]).astype(float).clip(min=0)

@@ -120,7 +120,7 @@ def check_no_forbidden(columns: Sequence[str]) -> None:
     """Raise if any model-input column is an outcome field (the Comments rule and its kin).
 
     Called wherever model inputs are assembled from table columns (`serialize_frame`,
-    `reward.run_protocol`), case-insensitively.
+    `reward.protocol.run_protocol`), case-insensitively.
     """
     bad = sorted({c.lower() for c in columns} & FORBIDDEN_FIELDS)
     if bad:

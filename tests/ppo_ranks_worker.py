@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_ppo import small_cfg, tiny_policy, toy_contexts  # noqa: E402
 
-from rlxf_utils.ppo import PPOTrainer  # noqa: E402
+from rlxf_utils.rl.ppo import PPOTrainer  # noqa: E402
 
 STEPS, NEW_TOKENS = 3, 6
 
@@ -37,7 +37,7 @@ def main(out: Path, algo: str = "ppo") -> None:
         from test_rlgf import tiny_guide
 
         from rlxf_utils.config import RLGFConfig
-        from rlxf_utils.rlgf import GuidedPPOTrainer
+        from rlxf_utils.rl.rlgf import GuidedPPOTrainer
 
         ref = tok(" ".join(f"w{i}" for i in range(40, 44)), add_special_tokens=False)["input_ids"]
         refs = [[ref + [tok.eos_token_id]] for _ in prompts]

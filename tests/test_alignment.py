@@ -12,9 +12,16 @@ import torch
 from test_ppo import tiny_tokenizer
 from tiny import tiny_llama
 
-from rlxf_utils import alignment, models
 from rlxf_utils.artifacts import ArtifactMissing, RunDir
 from rlxf_utils.config import ComputeConfig, LoraSettings, PolicyConfig
+from rlxf_utils.evaluation.best_of_n import best_of_n_pool, versus_best_of_n
+from rlxf_utils.evaluation.figures import plot_frontier
+from rlxf_utils.evaluation.history import history_references
+from rlxf_utils.evaluation.sampling import frame_logprobs, sample_tuned
+from rlxf_utils.evaluation.tables import frontier_points, summary_table
+from rlxf_utils.models.generation import generate, trim_response
+from rlxf_utils.models.policies import PolicySet
+from rlxf_utils.report.wording import display_country
 
 
 def _base(seed: int = 0):
@@ -23,17 +30,17 @@ def _base(seed: int = 0):
 
 
 def test_trim_response_keeps_the_first_end_token() -> None:
-    assert models.trim_response([5, 6, 0, 0, 0], {0}) == [5, 6, 0]
-    assert models.trim_response([5, 6, 7], {0}) == [5, 6, 7]  # ran to max_new_tokens
-    assert models.trim_response([2, 9, 3], {9, 3}) == [2, 9]
+    assert trim_response([5, 6, 0, 0, 0], {0}) == [5, 6, 0]
+    assert trim_response([5, 6, 7], {0}) == [5, 6, 7]  # ran to max_new_tokens
+    assert trim_response([2, 9, 3], {9, 3}) == [2, 9]
 
 
 def test_generate_is_batched_seeded_and_trimmed() -> None:
     model, tok = _base()
     prompts = ["w10 w11 w12", "w13", "w14 w15"]
     kw = dict(max_new_tokens=6, temperature=1.0, top_p=1.0, postprocess="none", progress=False)
-    a = models.generate(model, tok, prompts, 2, seed=3, batch_size=4, **kw)
-    b = models.generate(model, tok, prompts, 2, seed=3, batch_size=4, **kw)
+    a = generate(model, tok, prompts, 2, seed=3, batch_size=4, **kw)
+    b = generate(model, tok, prompts, 2, seed=3, batch_size=4, **kw)
     assert len(a) == 6 and a[["prompt_id", "sample_id"]].values.tolist() == [
         [0, 0], [0, 1], [1, 0], [1, 1], [2, 0], [2, 1]
     ]  # fmt: skip
@@ -42,10 +49,10 @@ def test_generate_is_batched_seeded_and_trimmed() -> None:
         assert row.prompt_ids == tok(prompts[row.prompt_id])["input_ids"]  # padding removed
         assert 1 <= row.n_tokens <= 6 and len(row.response_ids) == row.n_tokens
         assert tok.eos_token_id not in row.response_ids[:-1]  # nothing after the first end token
-    c = models.generate(model, tok, prompts, 2, seed=4, batch_size=4, **kw)
+    c = generate(model, tok, prompts, 2, seed=4, batch_size=4, **kw)
     assert c["response_ids"].tolist() != a["response_ids"].tolist()
     # log-probs of the generated ids under the model: finite, negative
-    lp = alignment._logprobs(model, tok, a, batch_size=4)
+    lp = frame_logprobs(model, tok, a, batch_size=4)
     assert lp.shape == (6,) and np.all(np.isfinite(lp)) and np.all(lp < 0)
 
 
@@ -53,7 +60,7 @@ def test_policy_set_switches_adapters_on_one_base(tmp_path, monkeypatch) -> None
     from peft import get_peft_model_state_dict
     from safetensors.torch import save_file
 
-    from rlxf_utils.models import apply_lora
+    from rlxf_utils.models.loading import apply_lora
 
     trained, tok = _base()
     peft = apply_lora(trained, LoraSettings(rank=4, alpha=8, target_modules=["q_proj", "v_proj"]))
@@ -66,14 +73,14 @@ def test_policy_set_switches_adapters_on_one_base(tmp_path, monkeypatch) -> None
     zeros = {k: torch.zeros_like(v) for k, v in get_peft_model_state_dict(peft).items()}
     save_file(zeros, str(run.path("policy/ppo/snapshots/step_000001/adapter_model.safetensors")))
 
-    monkeypatch.setattr(alignment, "load_policy", lambda cfg, device=None: _base())
+    monkeypatch.setattr("rlxf_utils.models.policies.load_policy", lambda cfg, device=None: _base())
     cfg = SimpleNamespace(
         policy=PolicyConfig(),
         rl=SimpleNamespace(start_policy="base"),
         sft=SimpleNamespace(enabled=False),
         compute=ComputeConfig(device="cpu"),
     )
-    pset = alignment.PolicySet(cfg, run, ["ppo"])
+    pset = PolicySet(cfg, run, ["ppo"])
     ref, _ = _base()
     ids = torch.tensor([tok("w10 w11 w12")["input_ids"]])
     with torch.no_grad():
@@ -95,7 +102,7 @@ def test_policy_set_switches_adapters_on_one_base(tmp_path, monkeypatch) -> None
     torch.testing.assert_close(again, got_ppo)  # loading a snapshot leaves the final adapter alone
 
     with pytest.raises(ArtifactMissing, match="grpo"):
-        alignment.PolicySet(cfg, run, ["grpo"])
+        PolicySet(cfg, run, ["grpo"])
 
 
 def _labelled() -> pd.DataFrame:
@@ -118,7 +125,7 @@ def test_history_references_match_context_and_label() -> None:
         {"country": "B", "arrangement_type": "SBA", "econ_descriptor": "1.1"},
         {"country": "C", "arrangement_type": "SBA", "econ_descriptor": "1.1"},
     ]
-    h = alignment.history_references(lab, ctx, k=2, seed=0)
+    h = history_references(lab, ctx, k=2, seed=0)
     counts = h.groupby(["policy", "prompt_id"]).size().to_dict()
     assert counts[("history_met", 0)] == 2 and counts[("history_nonmet", 0)] == 1
     assert counts[("history_met", 1)] == 2 and ("history_nonmet", 1) not in counts
@@ -128,7 +135,7 @@ def test_history_references_match_context_and_label() -> None:
     assert (lab.loc[met.hist_idx, "y"] == 1).all()
     assert (lab.loc[met.hist_idx, "country"].to_numpy() == np.array(["A", "A", "B", "B"])).all()
     assert (h["response"].to_numpy() == lab.loc[h.hist_idx, "description"].to_numpy()).all()
-    assert h.equals(alignment.history_references(lab, ctx, k=2, seed=0))  # seeded
+    assert h.equals(history_references(lab, ctx, k=2, seed=0))  # seeded
 
 
 def test_history_references_draw_only_reference_rows() -> None:
@@ -138,14 +145,14 @@ def test_history_references_draw_only_reference_rows() -> None:
         {"country": "B", "arrangement_type": "SBA", "econ_descriptor": "1.1"},
     ]
     reference = [11, 13, 15]  # rows no reward or audit model trained on
-    h = alignment.history_references(lab, ctx, k=3, seed=0, reference_ids=reference)
+    h = history_references(lab, ctx, k=3, seed=0, reference_ids=reference)
     assert set(lab.loc[h.hist_idx, "row_id"]) <= set(reference)  # random policy included
     assert len(h[h.policy == "random_policy"]) == 6
     counts = h.groupby(["policy", "prompt_id"]).size().to_dict()
     assert counts[("history_met", 0)] == 1 and counts[("history_nonmet", 0)] == 1
     assert counts[("history_met", 1)] == 1
     with pytest.raises(ValueError, match="reference row"):
-        alignment.history_references(lab, ctx, k=1, seed=0, reference_ids=[999])
+        history_references(lab, ctx, k=1, seed=0, reference_ids=[999])
 
 
 def test_best_of_n_pool_is_drawn_apart_from_the_compared_samples() -> None:
@@ -161,17 +168,17 @@ def test_best_of_n_pool_is_drawn_apart_from_the_compared_samples() -> None:
 
     pset = SimpleNamespace(use=use, tok=tok, start_name="sft", particles={})
     for name in ("generate", "sequence_logprobs"):  # PolicySet's own, on the fake
-        setattr(pset, name, MethodType(getattr(alignment.PolicySet, name), pset))
+        setattr(pset, name, MethodType(getattr(PolicySet, name), pset))
     prompts = ["w10 w11 w12", "w13", "w14 w15"]
     kw = dict(max_new_tokens=8, temperature=1.0, top_p=1.0, postprocess="none", progress=False,
               seed=7, batch_size=4)  # fmt: skip
-    own = alignment.sample_tuned(pset, "sft", prompts, 3, kw, 4, desc="sft", judges=False)
-    pool = alignment.best_of_n_pool(pset, prompts, 3, kw, 4)
+    own = sample_tuned(pset, "sft", prompts, 3, kw, 4, desc="sft", judges=False)
+    pool = best_of_n_pool(pset, prompts, 3, kw, 4)
     for pid in range(len(prompts)):
         a = {tuple(r) for r in own.loc[own.prompt_id == pid, "response_ids"]}
         b = {tuple(r) for r in pool.loc[pool.prompt_id == pid, "response_ids"]}
         assert a.isdisjoint(b)  # another seed: no candidate is one of the compared samples
-    again = alignment.best_of_n_pool(pset, prompts, 3, kw, 4)
+    again = best_of_n_pool(pset, prompts, 3, kw, 4)
     assert again["response_ids"].tolist() == pool["response_ids"].tolist()  # still seeded
 
 
@@ -191,7 +198,7 @@ def _samples(gain: float, n_prompts: int = 30, k: int = 3) -> pd.DataFrame:
 
 
 def test_summary_table_finds_a_real_gain_and_only_it() -> None:
-    s, paired = alignment.summary_table(
+    s, paired = summary_table(
         _samples(0.1), ["base", "ppo"], "base", 4, n_boot=500, alpha=0.05, seed=0
     )
     s = s.set_index("policy")
@@ -207,52 +214,52 @@ def test_summary_table_finds_a_real_gain_and_only_it() -> None:
     assert set(paired["measure"]) == {"reward", "audit_reward", "gap"}
     assert s.loc["ppo", "gap"] == pytest.approx(0.1, abs=0.01) and s.loc["ppo", "gap_low"] > 0
     assert (paired["n_clusters"] == 10).all()  # tests run over the 10 countries, not 30 prompts
-    null, _ = alignment.summary_table(
+    null, _ = summary_table(
         _samples(0.0), ["base", "ppo"], "base", 4, n_boot=500, alpha=0.05, seed=0
     )
     assert null.set_index("policy").loc["ppo", "gain_p_holm"] > 0.05
 
 
 def test_display_country() -> None:
-    assert models.display_country("GAMBIA, THE") == "Gambia, the"
-    assert models.display_country("BOSNIA AND HERZEGOVINA") == "Bosnia and Herzegovina"
-    assert models.display_country("MACEDONIA (FYR)") == "Macedonia (FYR)"
+    assert display_country("GAMBIA, THE") == "Gambia, the"
+    assert display_country("BOSNIA AND HERZEGOVINA") == "Bosnia and Herzegovina"
+    assert display_country("MACEDONIA (FYR)") == "Macedonia (FYR)"
 
 
 def test_expected_max_of_n_is_exact_order_statistics() -> None:
     import itertools
 
-    from rlxf_utils import evaluation as ev
+    from rlxf_utils.evaluation.best_of_n import best_of_n_kl_bound, expected_max_of_n
 
     pool = [0.3, 0.9, 0.1, 0.5, 0.7]
     for n in (1, 2, 3, 5):
         subsets = list(itertools.combinations(pool, n))
-        assert ev.expected_max_of_n(pool, n) == pytest.approx(np.mean([max(c) for c in subsets]))
-    assert ev.best_of_n_kl_bound(1) == 0.0
+        assert expected_max_of_n(pool, n) == pytest.approx(np.mean([max(c) for c in subsets]))
+    assert best_of_n_kl_bound(1) == 0.0
     with pytest.raises(ValueError, match="pool of at least"):
-        ev.expected_max_of_n(pool, 6)
+        expected_max_of_n(pool, 6)
 
 
 def test_versus_best_of_n_interpolates_in_kl() -> None:
-    from rlxf_utils import evaluation as ev
+    from rlxf_utils.evaluation.best_of_n import best_of_n_kl_bound
 
     per_prompt = pd.DataFrame({1: [0.5] * 20, 2: [0.6] * 20, 4: [0.7] * 20})
-    kl_mid = (ev.best_of_n_kl_bound(2) + ev.best_of_n_kl_bound(4)) / 2
+    kl_mid = (best_of_n_kl_bound(2) + best_of_n_kl_bound(4)) / 2
     samples = pd.DataFrame(
         {"policy": "ppo", "prompt_id": np.arange(20), "reward": 0.8 + 0.01 * np.sin(np.arange(20))}
     )
     summary = pd.DataFrame({"policy": ["ppo"], "kl": [kl_mid]})
-    out = alignment.versus_best_of_n(samples, per_prompt, summary, ["ppo"], 500, 0.05, 0)
+    out = versus_best_of_n(samples, per_prompt, summary, ["ppo"], 500, 0.05, 0)
     r = out.iloc[0]
     assert r["best_of_n_at_kl"] == pytest.approx(0.65)
     assert r["verdict"] == "above" and not r["beyond_curve"]
     assert r["best_of_n_kl"] == pytest.approx(kl_mid)
     summary["kl"] = 5.0  # beyond the largest N: compared with N = 4, and flagged
-    r = alignment.versus_best_of_n(
+    r = versus_best_of_n(
         samples.assign(reward=0.7), per_prompt, summary, ["ppo"], 500, 0.05, 0
     ).iloc[0]
     assert r["beyond_curve"] and r["verdict"] == "not distinguishable"
-    assert r["best_of_n_kl"] == pytest.approx(ev.best_of_n_kl_bound(4))  # the curve's end
+    assert r["best_of_n_kl"] == pytest.approx(best_of_n_kl_bound(4))  # the curve's end
 
 
 # ---------------------------------------------------------------------------------------------
@@ -313,18 +320,18 @@ SHIFT = {
 def _rlgf_inputs(**kw):
     samples = _rlgf_samples(SHIFT, **kw)
     pols = [p for p in SHIFT]
-    summary, _ = alignment.summary_table(samples, pols, "sft", 4, n_boot=300, alpha=0.05, seed=0)
+    summary, _ = summary_table(samples, pols, "sft", 4, n_boot=300, alpha=0.05, seed=0)
     ppl = pd.DataFrame({"policy": pols, "ppl_met": [40.0, 12.0, 11.0, 13.0, 12.5, 14.0, 12.8],
                         "ppl_nonmet": 20.0, "ppl_all": 15.0})  # fmt: skip
     return samples, summary, ppl
 
 
 def test_rlgf_table_assembles_the_summary_in_the_papers_order() -> None:
-    from rlxf_utils import rlgf_eval
+    from rlxf_utils.evaluation.rlgf import rlgf_table
 
     samples, summary, ppl = _rlgf_inputs()
     shuffled = summary.sample(frac=1.0, random_state=3)  # the table's order is its own
-    t = rlgf_eval.rlgf_table(shuffled, ppl, ALGOS)
+    t = rlgf_table(shuffled, ppl, ALGOS)
     assert t["policy"].tolist() == ["base", "sft", "sft_met", *ALGOS, "best_of_n"]
     assert t["label"].tolist() == ["zero-shot (base)", "sft", "sft_met", "PPO", "PPO++", "GRPO",
                                    "D²LOLS", "best-of-N"]  # fmt: skip
@@ -341,13 +348,13 @@ def test_rlgf_table_assembles_the_summary_in_the_papers_order() -> None:
     assert tt.loc["ppo_pp", "met_ppl"] == 12.5 and math.isnan(tt.loc["best_of_n", "met_ppl"])
     assert tt.loc["best_of_n", "kl_kind"] == "upper bound"
     # a run without sft_met and with the algorithms in another order
-    t2 = rlgf_eval.rlgf_table(summary[summary.policy != "sft_met"], None, ["grpo", "ppo"])
+    t2 = rlgf_table(summary[summary.policy != "sft_met"], None, ["grpo", "ppo"])
     assert t2["policy"].tolist() == ["base", "sft", "grpo", "ppo", "best_of_n"]
     assert t2["met_ppl"].isna().all()
 
 
 def test_median_split_keeps_ties_together_and_refuses_no_split() -> None:
-    from rlxf_utils.rlgf_eval import median_split
+    from rlxf_utils.evaluation.rlgf import median_split
 
     med, half = median_split([1.0, 1.0, 1.0, 1.0, 0.5, 0.3])
     assert med == 1.0 and half.tolist() == ["easy"] * 4 + ["hard"] * 2  # ties: the balancing side
@@ -369,7 +376,7 @@ def test_median_split_keeps_ties_together_and_refuses_no_split() -> None:
 
 
 def test_prompt_difficulty_reads_each_contexts_history() -> None:
-    from rlxf_utils.rlgf_eval import prompt_difficulty
+    from rlxf_utils.evaluation.rlgf import prompt_difficulty
 
     samples = _rlgf_samples(SHIFT)
     lab = _history()
@@ -387,7 +394,7 @@ def test_prompt_difficulty_reads_each_contexts_history() -> None:
 
 
 def test_easy_hard_table_finds_a_gain_only_on_hard_prompts() -> None:
-    from rlxf_utils.rlgf_eval import easy_hard_table, prompt_difficulty
+    from rlxf_utils.evaluation.rlgf import easy_hard_table, prompt_difficulty
 
     samples = _rlgf_samples(SHIFT, hard_shift={"grpo": 0.1})
     d = prompt_difficulty(samples[samples.policy == "sft"], _history())
@@ -420,7 +427,8 @@ def test_easy_hard_table_finds_a_gain_only_on_hard_prompts() -> None:
 
 
 def test_guidance_verdicts_follow_the_intervals() -> None:
-    from rlxf_utils.rlgf_eval import guidance_sentences, guidance_table
+    from rlxf_utils.evaluation.rlgf import guidance_table
+    from rlxf_utils.report.rlgf import guidance_sentences
 
     samples, _, _ = _rlgf_inputs()
     g = guidance_table(samples, ALGOS, 500, 0.05, 0)
@@ -458,7 +466,8 @@ def test_guidance_verdicts_follow_the_intervals() -> None:
 
 
 def test_guidance_without_ppo_or_without_a_guided_algorithm_says_so() -> None:
-    from rlxf_utils.rlgf_eval import guidance_sentences, guidance_table
+    from rlxf_utils.evaluation.rlgf import guidance_table
+    from rlxf_utils.report.rlgf import guidance_sentences
 
     samples, _, _ = _rlgf_inputs()
     no_ppo = samples[samples.policy != "ppo"]
@@ -475,7 +484,8 @@ def test_guidance_without_ppo_or_without_a_guided_algorithm_says_so() -> None:
 
 
 def test_easy_hard_sentences_read_the_intervals() -> None:
-    from rlxf_utils.rlgf_eval import easy_hard_sentences, easy_hard_table, prompt_difficulty
+    from rlxf_utils.evaluation.rlgf import easy_hard_table, prompt_difficulty
+    from rlxf_utils.report.rlgf import easy_hard_sentences
 
     samples = _rlgf_samples(SHIFT, hard_shift={"grpo": 0.1})
     d = prompt_difficulty(samples[samples.policy == "sft"], _history())
@@ -493,12 +503,12 @@ def test_rlgf_figures_and_frontier_use_algorithm_labels() -> None:
     import matplotlib
 
     matplotlib.use("Agg")
-    from rlxf_utils import rlgf_eval
+    from rlxf_utils.evaluation.rlgf import rlgf_figures, rlgf_tables
 
     samples, summary, ppl = _rlgf_inputs()
-    tables = rlgf_eval.rlgf_tables(samples, summary, ppl, _history(), ALGOS, "sft", 200, 0.05, 0)
+    tables = rlgf_tables(samples, summary, ppl, _history(), ALGOS, "sft", 200, 0.05, 0)
     assert set(tables) == {"eval_rlgf", "eval_prompt_difficulty", "eval_easy_hard", "eval_guidance"}
-    figs = rlgf_eval.rlgf_figures(tables, "sft", 0.1)
+    figs = rlgf_figures(tables, "sft", 0.1)
     legend = [t.get_text() for t in figs["eval_reward_perplexity"].legends[0].get_texts()]
     assert legend == tables["eval_rlgf"]["label"].tolist()  # every policy, best-of-N included
     assert "90% CI" in figs["eval_reward_perplexity"]._suptitle.get_text()
@@ -509,7 +519,7 @@ def test_rlgf_figures_and_frontier_use_algorithm_labels() -> None:
         + [{"algo": a, "step": s, "reward": 0.5 + 0.01 * s, "reward_low": 0.45, "reward_high": 0.6,
             "kl": 0.1 * s, "source": "snapshot" if s == 1 else "final"} for a in ALGOS for s in (1, 2)]
     )  # fmt: skip
-    fig = alignment.plot_frontier(frontier, "sft", 0.05)
+    fig = plot_frontier(frontier, "sft", 0.05)
     labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
     assert labels == ["start (sft)", "PPO", "PPO++", "GRPO", "D²LOLS"]
 
@@ -541,9 +551,11 @@ def test_frontier_points_score_every_algorithms_snapshots(tmp_path, monkeypatch)
         df["reward"], df["audit_reward"] = 0.5, 0.6
         return df
 
-    monkeypatch.setattr(alignment, "sample_tuned", fake_sample)
-    monkeypatch.setattr(alignment, "_logprobs", lambda m, tok, df, b: np.full(len(df), -5.0))
-    monkeypatch.setattr(alignment, "add_rewards", fake_rewards)
+    monkeypatch.setattr("rlxf_utils.evaluation.tables.sample_tuned", fake_sample)
+    monkeypatch.setattr(
+        "rlxf_utils.evaluation.tables.frame_logprobs", lambda m, tok, df, b: np.full(len(df), -5.0)
+    )
+    monkeypatch.setattr("rlxf_utils.evaluation.tables.add_rewards", fake_rewards)
     cfg = SimpleNamespace(
         evaluation=SimpleNamespace(frontier_max_checkpoints=None, frontier_samples_per_prompt=1,
                                    logprob_batch_size=4, n_boot=100, alpha=0.05),
@@ -551,9 +563,11 @@ def test_frontier_points_score_every_algorithms_snapshots(tmp_path, monkeypatch)
                            response_postprocess="none"),
         run=SimpleNamespace(seed=0),
     )  # fmt: skip
-    monkeypatch.setattr(alignment, "sampling_kwargs", lambda cfg, progress=True: {})
+    monkeypatch.setattr(
+        "rlxf_utils.evaluation.tables.sampling_kwargs", lambda cfg, progress=True: {}
+    )
     contexts = [{"country": f"C{i}"} for i in range(3)]
-    f = alignment.frontier_points(pset, run, ["a", "b", "c"], contexts, None, None, cfg, False)
+    f = frontier_points(pset, run, ["a", "b", "c"], contexts, None, None, cfg, False)
     assert sorted(zip(f["algo"], f["step"], strict=True)) == sorted(
         (a, s) for a in ALGOS for s in (1, 2)
     )
@@ -562,7 +576,7 @@ def test_frontier_points_score_every_algorithms_snapshots(tmp_path, monkeypatch)
 
 
 def _eval_run(tmp_path, algos: list[str], alpha: float = 0.05, with_tables: bool = True) -> RunDir:
-    from rlxf_utils import rlgf_eval
+    from rlxf_utils.evaluation.rlgf import rlgf_tables
 
     run = RunDir(tmp_path / "run")
     samples, summary, ppl = _rlgf_inputs()
@@ -573,16 +587,14 @@ def _eval_run(tmp_path, algos: list[str], alpha: float = 0.05, with_tables: bool
         "eval/summary.json", {"algorithms": algos, "start_policy": "sft", "alpha": alpha}
     )
     if with_tables:
-        tables = rlgf_eval.rlgf_tables(
-            samples, summary, ppl, _history(), algos, "sft", 300, alpha, 0
-        )
+        tables = rlgf_tables(samples, summary, ppl, _history(), algos, "sft", 300, alpha, 0)
         for name, df in tables.items():
             run.write_table(name, df)
     return run
 
 
 def test_report_rlgf_section_words_follow_the_intervals(tmp_path) -> None:
-    from rlxf_utils.report_sections import rlgf_section
+    from rlxf_utils.report.rlgf import rlgf_section
 
     run = _eval_run(tmp_path, ALGOS, alpha=0.1)
     v, inc = rlgf_section(run, {"rlgf": {"guide": "sft_met"}})
@@ -615,7 +627,7 @@ def test_report_rlgf_section_words_follow_the_intervals(tmp_path) -> None:
 
 
 def test_report_rlgf_section_without_guidance_or_tables(tmp_path) -> None:
-    from rlxf_utils.report_sections import rlgf_section
+    from rlxf_utils.report.rlgf import rlgf_section
 
     v, inc = rlgf_section(_eval_run(tmp_path / "a", ["ppo", "grpo"]), {})
     assert v["ran_sentence"] == "This run trained PPO and GRPO; none of them is guided"
@@ -632,7 +644,7 @@ def test_report_rlgf_section_without_guidance_or_tables(tmp_path) -> None:
 
 
 def test_report_draws_a_placeholder_for_a_figure_the_run_lacks(tmp_path) -> None:
-    from rlxf_utils.report import OPTIONAL_FIGURES, placeholder_figures
+    from rlxf_utils.report.render import OPTIONAL_FIGURES, placeholder_figures
 
     figs = tmp_path / "figures"
     figs.mkdir()
@@ -646,7 +658,7 @@ def test_report_draws_a_placeholder_for_a_figure_the_run_lacks(tmp_path) -> None
 
 # -- the report's verdict words ----------------------------------------------------------------
 def test_gain_verb_follows_the_test_not_the_sign() -> None:
-    from rlxf_utils.report_sections import gain_verb
+    from rlxf_utils.report.evaluation import gain_verb
 
     assert gain_verb(+0.02, 0.001, 0.05) == "raised"
     assert gain_verb(-0.02, 0.001, 0.05) == "lowered"
@@ -657,7 +669,7 @@ def test_gain_verb_follows_the_test_not_the_sign() -> None:
 
 
 def test_history_sentence_is_read_from_the_interval() -> None:
-    from rlxf_utils.report_sections import history_sentence
+    from rlxf_utils.report.evaluation import history_sentence
 
     hist = {"history_met": 0.60, "history_nonmet": 0.65}  # the point estimates say "below"
     both = {"n": 24, "n_clusters": 14}
@@ -682,7 +694,7 @@ def test_history_sentence_is_read_from_the_interval() -> None:
 def test_move_sentence_says_when_an_algorithm_logs_no_training_reward() -> None:
     import pandas as pd
 
-    from rlxf_utils.report_sections import move_sentence
+    from rlxf_utils.report.rl import move_sentence
 
     nan = float("nan")
     rose = pd.Series({"reward_first": 0.6, "reward_last": 0.65, "kl_last": 1.5, "step_time_s": 12})

@@ -7,7 +7,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from rlxf_utils.artifacts import ArtifactMissing, RunDir, atomic_path, markdown_table, to_jsonable
+from rlxf_utils.artifacts import ArtifactMissing, RunDir, atomic_path, to_jsonable
+from rlxf_utils.report.wording import markdown_table
 
 
 def test_atomic_write_keeps_old_file_when_writer_fails(tmp_path: Path) -> None:

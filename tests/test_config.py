@@ -39,9 +39,9 @@ def test_full_extends_default_and_lists_only_its_changes() -> None:
         load_config(ROOT / "params/full.yaml"),
         load_config(ROOT / "params/default.yaml"),
     )
-    from rlxf_utils.config import ALGORITHM_LABELS
+    from rlxf_utils.algorithms import ALGORITHMS
 
-    assert set(full.rl.algorithm) == set(ALGORITHM_LABELS)  # every algorithm the study has
+    assert set(full.rl.algorithm) == set(ALGORITHMS)  # every algorithm the study has
     assert full.rl.steps > default.rl.steps
     assert full.ilhf.particles > default.ilhf.particles
     # everything full.yaml does not name is default.yaml's
@@ -185,3 +185,19 @@ def test_bad_sha_format(tmp_path: Path) -> None:
     p = write_params(tmp_path, lambda r: r["data"].update(sha256="abc"))
     with pytest.raises(ConfigError, match=r"data\.sha256"):
         load_config(p)
+
+
+def test_every_parameter_has_a_docstring() -> None:
+    """Each field of every section says what it is (`use_attribute_docstrings`: the line under
+    the field, as CleanRL's Args)."""
+    import inspect
+
+    from rlxf_utils import config
+
+    sections = [
+        c for c in vars(config).values() if inspect.isclass(c) and issubclass(c, config.Section)
+    ]
+    assert len(sections) > 10
+    bare = [f"{c.__name__}.{n}" for c in sections for n, f in c.model_fields.items()
+            if not (f.description and len(f.description) > 10)]  # fmt: skip
+    assert not bare, bare

@@ -8,20 +8,13 @@ import pandas as pd
 import pytest
 from conftest import read_rows, write_csv
 
-from rlxf_utils.data import (
-    DataError,
-    build_contexts,
-    derive_test_year,
-    label_statuses,
-    load_mona,
-    make_splits,
-    near_duplicates_across,
-    nest_evaluation_holdout,
-    normalise_status,
-    rate_by,
-    subsample_arrangements,
-)
+from rlxf_utils.data.contexts import build_contexts
+from rlxf_utils.data.labels import derive_test_year, label_statuses, normalise_status
+from rlxf_utils.data.mona import load_mona, subsample_arrangements
+from rlxf_utils.data.schema import DataError
+from rlxf_utils.data.splits import make_splits, near_duplicates_across, nest_evaluation_holdout
 from rlxf_utils.prompts import serialize_frame
+from rlxf_utils.stats import rate_by
 
 SHA = "df8a2a242868460ebf302904c19b7fa6be95a9249cbc140972d56476d0c20a2a"
 
@@ -571,7 +564,7 @@ def test_spelled_out_statuses_become_codes(raw, code) -> None:
 
 
 def test_every_code_and_spelling_normalises_to_its_code() -> None:
-    from rlxf_utils.data import KNOWN_STATUSES, STATUS_WORDS
+    from rlxf_utils.data.schema import KNOWN_STATUSES, STATUS_WORDS
 
     for code in KNOWN_STATUSES:
         assert normalise_status(code) == code

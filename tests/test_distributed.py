@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 
 from rlxf_utils.config import load_config
-from rlxf_utils.launch import StageFailed, accelerate_args, launch_env, run_stage
+from rlxf_utils.rl.launch import StageFailed, accelerate_args, launch_env, run_stage
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "ppo_ranks_worker.py"
@@ -96,7 +96,7 @@ def test_stage_commands_take_the_config_file_only_where_every_process_is_used(
 ) -> None:
     (tmp_path / "acc.yaml").write_text("distributed_type: MULTI_GPU\n")
     cfg = load_config(_params(tmp_path, accelerate_config="acc.yaml", num_processes=2))
-    from rlxf_utils.launch import stage_command
+    from rlxf_utils.rl.launch import stage_command
 
     ppo = stage_command(cfg, tmp_path / "p.yaml", tmp_path, "rl", "ppo")
     assert ppo[ppo.index("--config_file") + 1] == str(tmp_path / "acc.yaml")
@@ -111,7 +111,7 @@ def test_stage_commands_take_the_config_file_only_where_every_process_is_used(
 def test_hub_access_follows_the_profile_unless_the_environment_says(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from rlxf_utils.launch import hub_environment
+    from rlxf_utils.runtime import hub_environment
 
     for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
         monkeypatch.delenv(var, raising=False)
@@ -126,7 +126,7 @@ def test_hub_access_follows_the_profile_unless_the_environment_says(
 def test_resolve_device() -> None:
     import torch
 
-    from rlxf_utils.models import resolve_device
+    from rlxf_utils.runtime import resolve_device
 
     assert resolve_device("cpu") == torch.device("cpu")
     if not torch.cuda.is_available():
@@ -152,7 +152,7 @@ def test_accelerate_configs_load_and_the_readme_shows_how_to_use_them(path: Path
 
 
 def test_readme_memory_table_is_the_computed_one() -> None:
-    from rlxf_utils.launch import memory_per_gpu, memory_table
+    from rlxf_utils.rl.memory import memory_per_gpu, memory_table
 
     assert memory_table() in (ROOT / "README.md").read_text()
     # 1B frozen bf16 parameters on one GPU: 2e9 bytes; ZeRO-3 on 4 GPUs shards them
@@ -174,7 +174,7 @@ def test_a_launched_process_dies_with_its_parent(tmp_path: Path) -> None:
     pid_file = tmp_path / "pid"
     grandchild = (
         "import os, time\n"
-        "from rlxf_utils.launch import die_with_parent\n"
+        "from rlxf_utils.rl.launch import die_with_parent\n"
         "die_with_parent()\n"
         f"open({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
         "time.sleep(60)\n"

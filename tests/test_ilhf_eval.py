@@ -1,4 +1,4 @@
-"""The ILHF evaluation (`ilhf_eval`): cross-entropy of held-out MET descriptions, variety against
+"""The ILHF evaluation (`evaluation.ilhf`): cross-entropy of held-out MET descriptions, variety against
 the history of the same contexts, verdicts from intervals, the report section. Synthetic frames
 and a bag-of-words encoder stand in for the models."""
 
@@ -11,8 +11,15 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from rlxf_utils import ilhf_eval
 from rlxf_utils.artifacts import RunDir
+from rlxf_utils.evaluation.ilhf import (
+    ilhf_figures,
+    ilhf_tables,
+    pairwise_similarity,
+    xent_difference,
+    xent_met,
+)
+from rlxf_utils.report.ilhf import ilhf_markdown, inclusive_sentences
 
 N_PROMPTS, K, N_COUNTRIES = 20, 3, 10
 ALGOS = ["ppo", "grpo", "ilhf_history"]
@@ -104,7 +111,7 @@ def _computed(algos: tuple[str, ...], alpha: float, n_history_met: int) -> dict[
     samples = samples[samples.policy.isin(keep)]
     ppl = _ppl_rows()
     ppl = ppl[ppl.policy.isin(["base", "sft", "sft_met", *algos])]
-    return ilhf_eval.ilhf_tables(
+    return ilhf_tables(
         samples, _summary(samples), ppl, list(algos), "sft", 400, alpha, 0, bag_of_words
     )
 
@@ -113,9 +120,9 @@ def test_xent_met_and_its_difference_by_hand() -> None:
     rows = pd.DataFrame({"policy": ["a", "a", "a", "b", "b", "b"], "row": [0, 1, 2] * 2,
                          "country": ["X", "Y", "X"] * 2, "y": [1, 1, 0] * 2,
                          "nll": [10.0, 6.0, 99.0, 8.0, 4.0, 1.0], "n_tokens": [4, 2, 7] * 2})  # fmt: skip
-    xe = ilhf_eval.xent_met(rows)
+    xe = xent_met(rows)
     assert xe["a"] == pytest.approx(16 / 6) and xe["b"] == pytest.approx(12 / 6)  # MET rows only
-    d = ilhf_eval.xent_difference(rows, "a", "b", 200, 0.05, 0)
+    d = xent_difference(rows, "a", "b", 200, 0.05, 0)
     assert d["diff"] == pytest.approx(4 / 6) and d["n"] == 2 and d["n_clusters"] == 2
     # resampling countries: X twice gives (10 - 8) / 4 = 0.5, Y twice (6 - 4) / 2 = 1
     assert d["low"] == pytest.approx(0.5) and d["high"] == pytest.approx(1.0)
@@ -132,7 +139,7 @@ def test_xent_met_and_its_difference_by_hand() -> None:
 
 def test_pairwise_similarity_is_one_for_identical_samples_and_lower_for_distinct_ones() -> None:
     samples = _samples(n_history_met=1)
-    sims = ilhf_eval.pairwise_similarity(samples, ["sft", "ppo", "ilhf_history", "history_met"],
+    sims = pairwise_similarity(samples, ["sft", "ppo", "ilhf_history", "history_met"],
                                          bag_of_words)  # fmt: skip
     by = sims.groupby("policy")["pairwise_sim"]
     assert np.allclose(by.get_group("ppo"), 1.0)
@@ -147,7 +154,7 @@ def test_pairwise_similarity_is_one_for_identical_samples_and_lower_for_distinct
     assert t.loc["ilhf_history", "pairwise_sim"] == pytest.approx(0.0, abs=1e-12)
     assert t.loc["history_met", "n_prompts_sim"] == 10 and t.loc["sft", "n_prompts_sim"] == 20
     with pytest.raises(ValueError, match="one embedding row per text"):
-        ilhf_eval.pairwise_similarity(samples, ["sft"], lambda texts: np.ones((1, 3)))
+        pairwise_similarity(samples, ["sft"], lambda texts: np.ones((1, 3)))
 
 
 def test_area_entropy_and_kl_from_history_by_hand() -> None:
@@ -181,7 +188,7 @@ def test_table_rows_and_columns() -> None:
     assert np.allclose(t.set_index("policy")["ave_r"], s.loc[t["policy"], "ave_r"])
     samples = _samples()
     summary = _summary(samples).assign(reward_sd=0.1)
-    with_sd = ilhf_eval.ilhf_tables(samples, summary, _ppl_rows(), ALGOS, "sft", 50, 0.05, 0,
+    with_sd = ilhf_tables(samples, summary, _ppl_rows(), ALGOS, "sft", 50, 0.05, 0,
                                     bag_of_words)["eval_inclusive"]  # fmt: skip
     assert (with_sd["reward_sd"] == 0.1).all()
 
@@ -203,7 +210,7 @@ def test_verdicts_follow_the_intervals() -> None:
     assert g.loc[("xent_met", "ilhf_history", "sft"), "verdict"] == "lower"
     assert g.loc[("xent_met", "ilhf_history", "ppo"), "verdict"] == "not distinguishable"
     assert g.loc[("xent_met", "ilhf_history", "sft"), "n"] == 20  # the MET rows, paired
-    md = ilhf_eval.ilhf_markdown(_tables(), ALGOS, "sft", 0.05)
+    md = ilhf_markdown(_tables(), ALGOS, "sft", 0.05)
     assert "ILHF (history) writes more varied samples of one prompt than PPO (-1.000" in md
     assert "ILHF (history) cannot be told apart in Ave(R) from PPO" in md
     assert (
@@ -221,7 +228,7 @@ def test_verdicts_follow_the_intervals() -> None:
     t = fake["eval_inclusive_tests"]
     sel = (t.measure == "reward") & (t.policy == "ilhf_history") & (t.versus == "sft")
     t.loc[sel, ["diff", "low", "high", "verdict"]] = [0.08, -0.01, 0.17, "not distinguishable"]
-    s = ilhf_eval.inclusive_sentences(fake, ALGOS, "sft", 0.05)
+    s = inclusive_sentences(fake, ALGOS, "sft", 0.05)
     assert s["reward"].startswith("ILHF (history) cannot be told apart in Ave(R) from PPO (")
     assert (
         "and sft (+0.080 [-0.010, +0.170]); it reaches a higher Ave(R) than sft_met ("
@@ -232,12 +239,12 @@ def test_verdicts_follow_the_intervals() -> None:
 def test_markdown_says_when_no_ilhf_algorithm_ran() -> None:
     tables = _tables(["ppo", "grpo"])
     assert set(tables["eval_inclusive_tests"]["policy"]) == {"ppo"}  # PPO vs start only
-    md = ilhf_eval.ilhf_markdown(tables, ["ppo", "grpo"], "sft", 0.05)
+    md = ilhf_markdown(tables, ["ppo", "grpo"], "sft", 0.05)
     assert md.startswith("- No ILHF algorithm ran: this run trained PPO and GRPO")
     assert "more alike than those of sft" in md
     none = _tables(["grpo"])
     assert none["eval_inclusive_tests"].empty
-    s = ilhf_eval.inclusive_sentences(none, ["grpo"], "sft", 0.05)
+    s = inclusive_sentences(none, ["grpo"], "sft", 0.05)
     assert s["collapse"].startswith("PPO did not run") and s["verdicts"].startswith("No ILHF")
 
 
@@ -246,7 +253,7 @@ def test_figure_has_every_policy_and_the_history_lines() -> None:
 
     matplotlib.use("Agg")
     tables = _tables()
-    fig = ilhf_eval.ilhf_figures(tables, "sft", 0.1)["eval_inclusive"]
+    fig = ilhf_figures(tables, "sft", 0.1)["eval_inclusive"]
     labels = [t.get_text() for t in fig.legends[0].get_texts()]
     assert labels[:5] == ["sft", "sft_met", "PPO", "GRPO", "ILHF (history)"]
     assert "history (MET)" in labels and "history (MET) (no density)" in labels
@@ -266,7 +273,7 @@ def test_report_section_reads_the_tables(tmp_path) -> None:
     import re
 
     from rlxf_utils.config import PROJECT_ROOT
-    from rlxf_utils.report_sections import ilhf_section
+    from rlxf_utils.report.ilhf import ilhf_section
 
     v, inc = ilhf_section(_eval_run(tmp_path, ALGOS), {"ilhf": {"particles": 3}})
     assert v["level"] == "90%" and v["start"] == "sft"
@@ -287,7 +294,7 @@ def test_report_section_reads_the_tables(tmp_path) -> None:
 
 
 def test_report_section_without_ilhf_or_without_tables(tmp_path) -> None:
-    from rlxf_utils.report_sections import ilhf_section
+    from rlxf_utils.report.ilhf import ilhf_section
 
     v, inc = ilhf_section(_eval_run(tmp_path / "a", ["ppo", "grpo"]), {})
     assert v["ran_sentence"].startswith("This run trained PPO and GRPO; no ILHF algorithm ran")

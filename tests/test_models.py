@@ -7,8 +7,9 @@ import torch
 from test_ppo import tiny_tokenizer
 from tiny import tiny_llama
 
-from rlxf_utils import models
+from rlxf_utils import runtime
 from rlxf_utils.config import LoraSettings, PolicyConfig
+from rlxf_utils.models import generation, loading
 
 
 def _tiny_model():
@@ -26,11 +27,11 @@ def _tiny_model():
 
 def test_convert_writes_plain_folder_atomically(tmp_path, monkeypatch):
     monkeypatch.setattr(
-        models.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: _tiny_model()
+        loading.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: _tiny_model()
     )
-    monkeypatch.setattr(models.AutoTokenizer, "from_pretrained", lambda *a, **k: tiny_tokenizer())
+    monkeypatch.setattr(loading.AutoTokenizer, "from_pretrained", lambda *a, **k: tiny_tokenizer())
     target = tmp_path / "cache" / "m"
-    models._convert_gguf(tmp_path, "x.gguf", target)
+    loading._convert_gguf(tmp_path, "x.gguf", target)
     assert (target / "model.safetensors").is_file()
     assert "quantization_config" not in (target / "config.json").read_text()
 
@@ -41,51 +42,51 @@ def test_convert_writes_plain_folder_atomically(tmp_path, monkeypatch):
         raise RuntimeError("disk full")
 
     tok.save_pretrained = boom
-    monkeypatch.setattr(models.AutoTokenizer, "from_pretrained", lambda *a, **k: tok)
+    monkeypatch.setattr(loading.AutoTokenizer, "from_pretrained", lambda *a, **k: tok)
     with pytest.raises(RuntimeError, match="disk full"):
-        models._convert_gguf(tmp_path, "x.gguf", tmp_path / "cache" / "broken")
+        loading._convert_gguf(tmp_path, "x.gguf", tmp_path / "cache" / "broken")
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["m"]
 
 
 def test_cache_root_env(monkeypatch, tmp_path):
     monkeypatch.setenv("RLXF_CACHE", str(tmp_path))
-    assert models.cache_root() == tmp_path
+    assert runtime.cache_root() == tmp_path
     monkeypatch.delenv("RLXF_CACHE")
-    assert models.cache_root().parts[-2:] == (".cache", "models")
+    assert runtime.cache_root().parts[-2:] == (".cache", "models")
 
 
 def test_resolve_policy_source_prefers_local_folders(tmp_path, monkeypatch):
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="config.json"):
-        models.resolve_policy_source(str(tmp_path / "empty"))
+        loading.resolve_policy_source(str(tmp_path / "empty"))
     # a model folder resolves to its path, with `~` expanded
     good = tmp_path / "home" / "m"
     good.mkdir(parents=True)
     (good / "config.json").write_text("{}")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert models.resolve_policy_source("~/m") == str(good)
+    assert loading.resolve_policy_source("~/m") == str(good)
     # a name that exists as a local folder is that folder, not a hub id: it is checked as one
     monkeypatch.chdir(tmp_path)
     (tmp_path / "meta-llama" / "Llama-2-7b-chat-hf").mkdir(parents=True)
     with pytest.raises(FileNotFoundError, match="config.json"):
-        models.resolve_policy_source("meta-llama/Llama-2-7b-chat-hf")
+        loading.resolve_policy_source("meta-llama/Llama-2-7b-chat-hf")
 
 
 def test_format_prompt_plain_and_chat():
     tok = tiny_tokenizer()
-    assert models.format_prompt(tok, "w1 w2") == "w1 w2"
+    assert generation.format_prompt(tok, "w1 w2") == "w1 w2"
     tok.chat_template = (
         "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
     )
-    assert models.format_prompt(tok, "hi") == "<user>hi<assistant>"
-    assert models.format_prompt(tok, "hi", system_prompt="S") == "<system>S<user>hi<assistant>"
-    assert models.format_prompt(tok, "hi", use_chat_template=False) == "hi"
+    assert generation.format_prompt(tok, "hi") == "<user>hi<assistant>"
+    assert generation.format_prompt(tok, "hi", system_prompt="S") == "<system>S<user>hi<assistant>"
+    assert generation.format_prompt(tok, "hi", use_chat_template=False) == "hi"
 
 
 def test_apply_lora_checks_target_modules():
     with pytest.raises(ValueError, match="target_modules"):
-        models.apply_lora(_tiny_model(), LoraSettings(target_modules=["nope_proj"]))
-    peft_model = models.apply_lora(_tiny_model(), LoraSettings(rank=2, target_modules=["q_proj"]))
+        loading.apply_lora(_tiny_model(), LoraSettings(target_modules=["nope_proj"]))
+    peft_model = loading.apply_lora(_tiny_model(), LoraSettings(rank=2, target_modules=["q_proj"]))
     trainable = [n for n, p in peft_model.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
 
@@ -95,11 +96,11 @@ def test_embedded_cache_gives_identical_logits():
     """The cached safetensors copy of the embedded GGUF policy reproduces its logits exactly."""
     from transformers import AutoModelForCausalLM
 
-    src = models.embedded_gguf_dir()
+    src = loading.embedded_gguf_dir()
     ref = AutoModelForCausalLM.from_pretrained(
-        src, gguf_file=models.EMBEDDED_GGUF_FILE, dtype=torch.float32
+        src, gguf_file=loading.EMBEDDED_GGUF_FILE, dtype=torch.float32
     )
-    cached, tok = models.load_policy(PolicyConfig())
+    cached, tok = loading.load_policy(PolicyConfig())
     ids = tok(["The IMF programme requires"], return_tensors="pt")
     with torch.no_grad():
         a = ref(**ids).logits
@@ -116,38 +117,38 @@ def test_load_start_policy_merges_the_sft_adapter(tmp_path):
     tok.save_pretrained(tmp_path / "base")
     cfg = PolicyConfig(model=str(tmp_path / "base"))
     lora = LoraSettings(rank=4, alpha=8, target_modules=["q_proj", "v_proj"])
-    sft = models.apply_lora(tiny_llama(tok, seed=0, init=0.3), lora)
+    sft = loading.apply_lora(tiny_llama(tok, seed=0, init=0.3), lora)
     torch.manual_seed(1)
     for name, p in sft.named_parameters():
         if "lora_B" in name:  # a trained adapter (LoRA starts with B = 0)
             p.data.normal_(0.0, 0.3)
     sft.save_pretrained(tmp_path / "run" / "policy" / "sft" / "adapter")
 
-    enc = models.encode_prompts(tok, ["w1 w2 w3", "w4"], return_tensors="pt", padding=True)
+    enc = generation.encode_prompts(tok, ["w1 w2 w3", "w4"], return_tensors="pt", padding=True)
     pos = (enc["attention_mask"].cumsum(-1) - 1).clamp(min=0)
 
     def logits(m):
         with torch.no_grad():
             return m(**enc, position_ids=pos).logits
 
-    start, start_tok = models.load_start_policy(cfg, "sft", tmp_path / "run")
-    base, _ = models.load_start_policy(cfg, "base", tmp_path / "run")
+    start, start_tok = loading.load_start_policy(cfg, "sft", tmp_path / "run")
+    base, _ = loading.load_start_policy(cfg, "base", tmp_path / "run")
     assert not hasattr(start, "peft_config") and start_tok.padding_side == "left"
     want = logits(sft.eval())
     got = logits(start)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
     assert (want - logits(base)).abs().max() > 1e-2  # the adapter matters
     # a fresh RL LoRA on the start policy: adapters off is exactly the start policy
-    rl = models.apply_lora(start, LoraSettings(rank=2, alpha=4, target_modules=["q_proj"]))
+    rl = loading.apply_lora(start, LoraSettings(rank=2, alpha=4, target_modules=["q_proj"]))
     with rl.disable_adapter():
         torch.testing.assert_close(logits(rl), got, rtol=0, atol=1e-6)
     with pytest.raises(FileNotFoundError, match="SFT stage"):
-        models.load_start_policy(cfg, "sft", tmp_path / "elsewhere")
+        loading.load_start_policy(cfg, "sft", tmp_path / "elsewhere")
 
 
 def test_autocast_sees_weight_updates_inside_one_context() -> None:
     """A training loop inside one autocast context (TRL's train()) must use the updated weights."""
-    from rlxf_utils.models import autocast
+    from rlxf_utils.models.generation import autocast
 
     lin = torch.nn.Linear(4, 1, bias=False)
     torch.nn.init.zeros_(lin.weight)
@@ -167,7 +168,7 @@ def test_generation_cache_in_autocast_dtype_is_bit_identical():
     from transformers.cache_utils import DynamicLayer
 
     tok = tiny_tokenizer()
-    model = models.cache_in_autocast_dtype(tiny_llama(tok, init=0.5).eval())
+    model = generation.cache_in_autocast_dtype(tiny_llama(tok, init=0.5).eval())
     enc = tok(["a b c d", "b"], return_tensors="pt", padding=True)
     kw = dict(do_sample=True, max_new_tokens=8, top_k=0, output_scores=True,
               return_dict_in_generate=True, pad_token_id=tok.pad_token_id)  # fmt: skip
@@ -175,7 +176,7 @@ def test_generation_cache_in_autocast_dtype_is_bit_identical():
     for name, generate in (("default", lambda **k: type(model).generate(model, **k)),
                            ("cast", model.generate)):  # fmt: skip
         torch.manual_seed(0)
-        with torch.inference_mode(), models.autocast("bfloat16", "cpu"):
+        with torch.inference_mode(), generation.autocast("bfloat16", "cpu"):
             runs[name] = generate(**enc, **kw)
     assert type(runs["cast"].past_key_values.layers[0]) is not DynamicLayer
     assert runs["cast"].past_key_values.layers[0].keys.dtype == torch.bfloat16

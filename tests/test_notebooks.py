@@ -10,6 +10,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from rlxf_utils.compare import compare_runs
 from rlxf_utils.pipeline import NotebookFailed, discover_notebooks, run_study
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -181,11 +182,10 @@ def smoke_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.slow
 def test_smoke_study_renders_the_report(smoke_run: Path) -> None:
     """The smoke run's report: both files, figures embedded, no holes, numbers equal the artifacts."""
-    import re
 
     import pypdf
 
-    from rlxf_utils.report import load_variables, render_report
+    from rlxf_utils.report.render import load_variables, render_report
 
     run_dir = smoke_run
     # run again with nothing changed: every notebook is up to date (no notebook rewrites an
@@ -300,54 +300,11 @@ def test_smoke_study_renders_the_report(smoke_run: Path) -> None:
     assert sorted(frontier.loc[frontier["algo"] == "best_of_n", "step"]) == [1, 2, 4]
 
 
-#: What differs between two runs of the same study by design: the runner's records and the
-#: executed notebooks (times, paths), the rendered report (the report test renders one into the
-#: run dir; it shows timings and versions), the stages' logs, resume state (checkpoints hold logs with
-#: step times) and the RL stages' bookkeeping (`started.json`/`complete.json` hash input folders
-#: whose metrics hold timings); in tables and JSON, the columns and keys that are timings (or
-#: ratios of timings: `cost_vs_ppo`).
-_VOLATILE_PATHS = re.compile(
-    r"^(manifest\.json|\.rlxf/|notebooks/|report/)|/launch\.log$|/(checkpoints|trl)/"
-    r"|^policy/[^/]+/(started|complete)\.json$"
-)
-_TIMING = re.compile(r"(_s|seconds|per_s|_time|cost_vs_ppo)$")
-
-
-def _artifacts(run_dir: Path) -> dict[str, object]:
-    """Every artifact of a run dir as comparable content: bytes, or for tables and JSON the
-    content without timing columns/keys (a .md table is the rendering of its .csv twin)."""
-    import hashlib
-
-    import pandas as pd
-
-    def strip(obj: object) -> object:
-        if isinstance(obj, dict):
-            return {k: strip(v) for k, v in obj.items() if not _TIMING.search(str(k))}
-        if isinstance(obj, list):
-            return [strip(v) for v in obj]
-        return obj
-
-    out: dict[str, object] = {}
-    for f in sorted(p for p in run_dir.rglob("*") if p.is_file()):
-        rel = f.relative_to(run_dir).as_posix()
-        if _VOLATILE_PATHS.search(rel) or (f.suffix == ".md" and f.with_suffix(".csv").exists()):
-            continue
-        if f.suffix in (".parquet", ".csv"):
-            df = pd.read_parquet(f) if f.suffix == ".parquet" else pd.read_csv(f)
-            df = df[[c for c in df.columns if not _TIMING.search(str(c))]]
-            out[rel] = df.to_json(orient="split", double_precision=15)
-        elif f.suffix == ".json":
-            out[rel] = json.dumps(strip(json.loads(f.read_text(encoding="utf-8"))), sort_keys=True)
-        else:
-            out[rel] = hashlib.sha256(f.read_bytes()).hexdigest()
-    return out
-
-
 @pytest.mark.slow
 def test_a_killed_study_resumes_to_the_same_artifacts(smoke_run: Path, tmp_path: Path) -> None:
     """Kill a smoke study (runner, kernel and the training process) in the middle of PPO in
     notebook 03, rerun it: 01 and 02 are reused, PPO resumes from its checkpoint, and every
-    artifact equals the uninterrupted run's (timings aside)."""
+    artifact equals the uninterrupted run's (timings aside; `rlxf_utils.compare`)."""
     import os
     import subprocess
     import sys
@@ -378,7 +335,6 @@ def test_a_killed_study_resumes_to_the_same_artifacts(smoke_run: Path, tmp_path:
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert [n["how"] for n in manifest["notebooks"]] == ["reused"] * 2 + ["ran"] * 3
     assert "resumed ppo from" in (run_dir / "policy/ppo/launch.log").read_text()
-    want, got = _artifacts(smoke_run), _artifacts(run_dir)
-    assert sorted(got) == sorted(want)
-    differ = [k for k in want if got[k] != want[k]]
-    assert not differ, differ
+    result = compare_runs(smoke_run, run_dir)
+    assert result.same, {s: result.paths(s) for s in ("differs", "missing", "extra")}
+    assert result.paths("identical"), "nothing was compared"

@@ -9,13 +9,12 @@ import pytest
 import torch
 from tiny import tiny_llama, word_tokenizer
 
-from rlxf_utils import ppo as ppo_module
 from rlxf_utils.config import PROJECT_ROOT, LoraSettings, RLConfig, load_config
-from rlxf_utils.models import apply_lora, encode_prompts, eos_ids, generate
-from rlxf_utils.ppo import (
+from rlxf_utils.models.generation import encode_prompts, eos_ids, generate
+from rlxf_utils.models.loading import apply_lora
+from rlxf_utils.rl.core import (
     AdaptiveKLController,
     FixedKLController,
-    PPOTrainer,
     compute_gae,
     explained_variance,
     policy_loss,
@@ -23,6 +22,7 @@ from rlxf_utils.ppo import (
     value_loss,
     whiten,
 )
+from rlxf_utils.rl.ppo import PPOTrainer
 
 WORDS = [f"w{i}" for i in range(60)]
 TARGET = "w7"
@@ -241,7 +241,7 @@ def test_first_minibatch_has_ratio_one(tmp_path, monkeypatch):
         )
         return out
 
-    monkeypatch.setattr(ppo_module, "policy_loss", spy)
+    monkeypatch.setattr("rlxf_utils.rl.ppo.policy_loss", spy)
     model, tok = tiny_policy(seed=0)
     prompts, contexts = varied_contexts(8)
     # temperature != 1: both passes must divide the logits by it
@@ -424,7 +424,7 @@ def test_trainer_batch_follows_the_schedule(tmp_path):
 
 
 def test_rollout_stops_at_the_end_tokens_generate_uses(tmp_path):
-    """A generation config with an extra end id: PPO's mask and `models.generate` both stop there."""
+    """A generation config with an extra end id: PPO's mask and `models.generation.generate` both stop there."""
     model, tok = tiny_policy(seed=0)
     extra = tok.convert_tokens_to_ids("w3")
     model.generation_config.eos_token_id = [tok.eos_token_id, extra]

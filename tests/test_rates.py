@@ -1,4 +1,4 @@
-"""MET-rate tests with arrangement-clustered variances (rlxf_utils.rates)."""
+"""MET-rate tests with arrangement-clustered variances (rlxf_utils.stats.rates)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from rlxf_utils import rates
+from rlxf_utils.report.data import data_findings
+from rlxf_utils.stats import rate_heterogeneity, rate_shift, wilson_z
 
 
 def _labelled(n_arr: int = 120, per: int = 8, slope: float = 0.0, seed: int = 0) -> pd.DataFrame:
@@ -28,28 +29,28 @@ def _labelled(n_arr: int = 120, per: int = 8, slope: float = 0.0, seed: int = 0)
 
 
 def test_trend_is_called_only_when_there_is_one():
-    up = rates.data_findings(_labelled(slope=0.4), cutoff=2010)
+    up = data_findings(_labelled(slope=0.4), cutoff=2010)
     assert up["trend"]["or_low"] > 1 and up["trend_sentence"].startswith("The MET rate rises")
-    down = rates.data_findings(_labelled(slope=-0.4), cutoff=2010)
+    down = data_findings(_labelled(slope=-0.4), cutoff=2010)
     assert down["trend_sentence"].startswith("The MET rate falls")
     assert "significantly lower" in down["shift_sentence"]
-    flat = rates.data_findings(_labelled(slope=0.0, seed=3), cutoff=2010)
+    flat = data_findings(_labelled(slope=0.0, seed=3), cutoff=2010)
     assert flat["trend"]["or_low"] < 1 < flat["trend"]["or_high"]
     assert "no linear trend" in flat["trend_sentence"] and "95% CI" in flat["trend_sentence"]
-    assert "90% CI" in rates.data_findings(_labelled(), 2010, alpha=0.1)["trend_sentence"]
+    assert "90% CI" in data_findings(_labelled(), 2010, alpha=0.1)["trend_sentence"]
 
 
 def test_clustered_rows_widen_the_interval():
     df = _labelled(n_arr=60, per=20, seed=1)
-    clustered = rates.rate_shift(df["y"], df["test_year"] > 2008, df["arrangement_id"])
-    independent = rates.rate_shift(df["y"], df["test_year"] > 2008, np.arange(len(df)))
+    clustered = rate_shift(df["y"], df["test_year"] > 2008, df["arrangement_id"])
+    independent = rate_shift(df["y"], df["test_year"] > 2008, np.arange(len(df)))
     assert clustered["diff"] == pytest.approx(independent["diff"])
     assert clustered["diff_high"] - clustered["diff_low"] > 1.5 * (
         independent["diff_high"] - independent["diff_low"]
     )
     assert clustered["diff"] == pytest.approx(clustered["rate_after"] - clustered["rate_before"])
     with pytest.raises(ValueError, match="both sides"):
-        rates.rate_shift(df["y"], df["test_year"] > 3000, df["arrangement_id"])
+        rate_shift(df["y"], df["test_year"] > 3000, df["arrangement_id"])
 
 
 def test_heterogeneity_detects_different_rates_and_drops_small_groups():
@@ -58,31 +59,31 @@ def test_heterogeneity_detects_different_rates_and_drops_small_groups():
     same = (rng.random(900) < 0.6).astype(int)
     diff = (rng.random(900) < np.repeat([0.3, 0.6, 0.9], 300)).astype(int)
     clusters = np.arange(900) // 3
-    assert rates.rate_heterogeneity(same, g, clusters)["p_value"] > 0.05
-    r = rates.rate_heterogeneity(diff, g, clusters)
+    assert rate_heterogeneity(same, g, clusters)["p_value"] > 0.05
+    r = rate_heterogeneity(diff, g, clusters)
     assert r["p_value"] < 1e-6 and r["df"] == 2 and r["groups"] == 3
-    tiny = rates.rate_heterogeneity(diff, np.where(np.arange(900) < 5, "z", g), clusters, min_n=20)
+    tiny = rate_heterogeneity(diff, np.where(np.arange(900) < 5, "z", g), clusters, min_n=20)
     assert tiny["groups"] == 3  # the five-row group is left out
-    assert np.isnan(rates.rate_heterogeneity(same, ["a"] * 900, clusters)["p_value"])
+    assert np.isnan(rate_heterogeneity(same, ["a"] * 900, clusters)["p_value"])
 
 
 def test_wilson_z_follows_alpha():
-    assert rates.wilson_z(0.05) == pytest.approx(1.959964, abs=1e-6)
-    assert rates.wilson_z(0.1) == pytest.approx(1.644854, abs=1e-6)
+    assert wilson_z(0.05) == pytest.approx(1.959964, abs=1e-6)
+    assert wilson_z(0.1) == pytest.approx(1.644854, abs=1e-6)
     with pytest.raises(ValueError, match="alpha"):
-        rates.wilson_z(0)
+        wilson_z(0)
 
 
 def test_rate_figures_label_their_level():
     from rlxf_utils import plots
-    from rlxf_utils.data import rate_by
+    from rlxf_utils.stats import rate_by
 
     df = _labelled()
-    by_type = rate_by(df, "arrangement_type", z=rates.wilson_z(0.1))
+    by_type = rate_by(df, "arrangement_type", z=wilson_z(0.1))
     fig = plots.rate_bars(by_type, "arrangement_type", "t", alpha=0.1)
     assert fig.axes[0].get_xlabel() == "MET rate (90% Wilson interval)"
-    wide = rate_by(df, "arrangement_type", z=rates.wilson_z(0.01))
+    wide = rate_by(df, "arrangement_type", z=wilson_z(0.01))
     assert (wide["ci_high"] - wide["ci_low"] > by_type["ci_high"] - by_type["ci_low"]).all()
-    by_year = rate_by(df, "test_year", z=rates.wilson_z(0.01))
+    by_year = rate_by(df, "test_year", z=wilson_z(0.01))
     fig = plots.rate_by_year(by_year, "t", cutoff=2010, alpha=0.01)
     assert fig.axes[0].get_ylabel() == "MET rate (99% Wilson interval)"

@@ -13,9 +13,21 @@ from sklearn import metrics as skm
 from sklearn.feature_extraction.text import TfidfVectorizer
 from sklearn.linear_model import LogisticRegression
 
-from rlxf_utils import reward as R
 from rlxf_utils.config import RewardConfig
 from rlxf_utils.prompts import serialize_frame
+from rlxf_utils.reward.bundle import load_reward, save_reward_bundle, train_disjoint_audit
+from rlxf_utils.reward.calibration import (
+    calibration_report,
+    classification_metrics,
+    expected_calibration_error,
+    fit_platt,
+    prior_bias,
+)
+from rlxf_utils.reward.model import RewardModel, RewardModelError, serialize_inputs
+from rlxf_utils.reward.protocol import run_protocol, split_validation
+from rlxf_utils.reward.tables import accuracy_table, comparison_tables, reference_check_table
+from rlxf_utils.reward.tfidf import TfidfAuditModel, train_tfidf
+from rlxf_utils.reward.training import train_encoder
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -98,27 +110,27 @@ def _cfg(**kw) -> RewardConfig:
 # --------------------------------------------------------------------------------------------
 def test_serialisation_is_shared_and_excludes_outcome_fields():
     df = _synthetic_conditions(20)
-    texts = R.serialize_inputs(df, df["description"].tolist())
+    texts = serialize_inputs(df, df["description"].tolist())
     assert texts == serialize_frame(df)
     records = df.to_dict("records")  # whole rows, outcome fields included, must not leak
-    assert R.serialize_inputs(records, df["description"].tolist()) == texts
+    assert serialize_inputs(records, df["description"].tolist()) == texts
     # flipping every outcome field leaves the model input unchanged, while a context field does not
     flipped = df.assign(
         status=np.where(df["status"] == "M", "NM", "M"), comments="other", y=1 - df["y"]
     )
-    assert R.serialize_inputs(flipped.to_dict("records"), df["description"].tolist()) == texts
-    assert R.serialize_inputs(df.assign(country="CHILE"), df["description"].tolist()) != texts
+    assert serialize_inputs(flipped.to_dict("records"), df["description"].tolist()) == texts
+    assert serialize_inputs(df.assign(country="CHILE"), df["description"].tolist()) != texts
     with pytest.raises(ValueError, match="one text per context"):
-        R.serialize_inputs(df, df["description"].tolist()[:-1])
+        serialize_inputs(df, df["description"].tolist()[:-1])
     with pytest.raises(KeyError, match="country"):
-        R.serialize_inputs(df.drop(columns="country"), df["description"].tolist())
+        serialize_inputs(df.drop(columns="country"), df["description"].tolist())
 
 
 def test_metrics_agree_with_sklearn():
     rng = np.random.default_rng(1)
     y = rng.integers(0, 2, 500)
     p = np.clip(0.3 * y + 0.7 * rng.random(500), 0.01, 0.99)
-    m = R.classification_metrics(y, p)
+    m = classification_metrics(y, p)
     pred = (p >= 0.5).astype(int)
     assert m["accuracy"] == pytest.approx(skm.accuracy_score(y, pred))
     assert m["precision"] == pytest.approx(skm.precision_score(y, pred))
@@ -131,7 +143,7 @@ def test_metrics_agree_with_sklearn():
     # ECE by hand: two bins, each off by a known amount
     y2 = np.array([1, 0, 0, 0, 1, 1, 1, 0])
     p2 = np.array([0.2, 0.2, 0.2, 0.2, 0.9, 0.9, 0.9, 0.9])
-    assert R.expected_calibration_error(y2, p2, n_bins=10) == pytest.approx(0.5 * 0.05 + 0.5 * 0.15)
+    assert expected_calibration_error(y2, p2, n_bins=10) == pytest.approx(0.5 * 0.05 + 0.5 * 0.15)
 
 
 def test_platt_scaling_undoes_overconfidence_and_a_shifted_prior():
@@ -139,32 +151,32 @@ def test_platt_scaling_undoes_overconfidence_and_a_shifted_prior():
     z = rng.normal(0, 1.5, 4000)
     y = (rng.random(4000) < 1 / (1 + np.exp(-z))).astype(int)
     margin = 4.0 * z + 1.5  # four times too confident and shifted towards MET
-    t, offset = R.fit_platt(margin, y)
+    t, offset = fit_platt(margin, y)
     assert 3.5 < t < 4.5 and offset == pytest.approx(-1.5 / t, abs=0.1)
-    rep = R.calibration_report(margin, y, t, offset)
+    rep = calibration_report(margin, y, t, offset)
     assert rep["nll_after"] < rep["nll_before"] - 0.05
     assert rep["ece_after"] < rep["ece_before"] / 3
     assert rep["brier_after"] < rep["brier_before"]
-    assert R.fit_platt(margin, np.ones_like(y)) == (1.0, 0.0)  # one class: nothing to fit
+    assert fit_platt(margin, np.ones_like(y)) == (1.0, 0.0)  # one class: nothing to fit
 
 
 def test_validation_split_keeps_arrangements_whole_and_classes_stratified():
     df = _synthetic_conditions(200, seed=4)
-    sel, cal = R.split_validation(df, "grouped", seed=0)
+    sel, cal = split_validation(df, "grouped", seed=0)
     assert set(sel["row_id"]).isdisjoint(cal["row_id"]) and len(sel) + len(cal) == len(df)
     assert set(sel["arrangement_id"]).isdisjoint(cal["arrangement_id"])
     assert 0.35 < len(cal) / len(df) < 0.65
-    sel, cal = R.split_validation(df, "random", seed=0)
+    sel, cal = split_validation(df, "random", seed=0)
     y = df["y"].astype(int)
     assert abs(int(cal["y"].sum()) - y.sum() / 2) <= 1 and abs(len(cal) - len(df) / 2) <= 1
     with pytest.raises(ValueError, match="selection and a calibration half"):
-        R.split_validation(df.iloc[:1], "random", seed=0)
+        split_validation(df.iloc[:1], "random", seed=0)
 
 
 def test_prior_bias_undoes_balanced_weighting():
     y = np.array([1] * 75 + [0] * 25)
-    assert R.prior_bias(y, RewardConfig(class_weighting="balanced")) == pytest.approx(np.log(3.0))
-    assert R.prior_bias(y, RewardConfig(class_weighting="none")) == 0.0
+    assert prior_bias(y, RewardConfig(class_weighting="balanced")) == pytest.approx(np.log(3.0))
+    assert prior_bias(y, RewardConfig(class_weighting="none")) == 0.0
 
 
 def test_tiny_bert_trains_saves_reloads_and_scores_identically(tmp_path: Path):
@@ -173,7 +185,7 @@ def test_tiny_bert_trains_saves_reloads_and_scores_identically(tmp_path: Path):
     y = df["y"].astype(int).to_numpy()
     factory = _tiny_factory(texts)
     cfg = _cfg()
-    rm, log = R.train_encoder(
+    rm, log = train_encoder(
         texts[:160], y[:160], texts[160:180], y[160:180], cfg, seed=7, model_factory=factory,
         cal_texts=texts[180:200], cal_y=y[180:200],
     )  # fmt: skip
@@ -187,7 +199,7 @@ def test_tiny_bert_trains_saves_reloads_and_scores_identically(tmp_path: Path):
     out = rm.save(tmp_path / "rm")
     assert (out / "model.safetensors").is_file() and (out / "calibration.json").is_file()
     assert not list(out.glob("*.bin")) and not list(out.glob("*.pkl"))
-    again = R.RewardModel.load(out, device="cpu")
+    again = RewardModel.load(out, device="cpu")
     assert again.temperature == pytest.approx(rm.temperature) and again.bias == pytest.approx(
         rm.bias
     )
@@ -200,7 +212,7 @@ def test_audit_model_round_trips_through_json_and_npz(tmp_path: Path):
     texts = serialize_frame(df)
     y = df["y"].astype(int).to_numpy()
     cfg = _cfg(class_weighting="none")
-    audit = R.train_tfidf(texts[:150], y[:150], texts[150:170], y[150:170], cfg, seed=0)
+    audit = train_tfidf(texts[:150], y[:150], texts[150:170], y[150:170], cfg, seed=0)
     # the rebuilt scorer equals scikit-learn's own pipeline (before temperature)
     vec = TfidfVectorizer(ngram_range=(1, 2), min_df=1, max_features=50000, sublinear_tf=True)
     lr = LogisticRegression(C=1.0, max_iter=2000, random_state=0).fit(
@@ -216,7 +228,7 @@ def test_audit_model_round_trips_through_json_and_npz(tmp_path: Path):
         "arrays.npz",
         "rlxf_audit.json",
     ]
-    again = R.TfidfAuditModel.load(tmp_path / "audit")
+    again = TfidfAuditModel.load(tmp_path / "audit")
     np.testing.assert_allclose(
         again.score(df.iloc[170:], df["description"].iloc[170:].tolist()),
         audit.score_texts(texts[170:]),
@@ -226,21 +238,21 @@ def test_audit_model_round_trips_through_json_and_npz(tmp_path: Path):
 
 
 def test_corrupt_or_foreign_folders_give_clear_errors(tmp_path: Path):
-    with pytest.raises(R.RewardModelError, match="not a folder"):
-        R.RewardModel.load(tmp_path / "nope")
+    with pytest.raises(RewardModelError, match="not a folder"):
+        RewardModel.load(tmp_path / "nope")
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "config.json").write_text("{}")
-    with pytest.raises(R.RewardModelError, match="rlxf_reward.json"):
-        R.RewardModel.load(foreign)
+    with pytest.raises(RewardModelError, match="rlxf_reward.json"):
+        RewardModel.load(foreign)
     (foreign / "rlxf_reward.json").write_text(
         json.dumps({"kind": "something-else", "format_version": 1})
     )
-    with pytest.raises(R.RewardModelError, match="expected 'rlxf-reward-encoder'"):
-        R.RewardModel.load(foreign)
+    with pytest.raises(RewardModelError, match="expected 'rlxf-reward-encoder'"):
+        RewardModel.load(foreign)
     (foreign / "rlxf_reward.json").write_text("{not json")
-    with pytest.raises(R.RewardModelError, match="not valid JSON"):
-        R.RewardModel.load(foreign)
+    with pytest.raises(RewardModelError, match="not valid JSON"):
+        RewardModel.load(foreign)
     marker = {
         "kind": "rlxf-reward-encoder",
         "format_version": 1,
@@ -248,11 +260,11 @@ def test_corrupt_or_foreign_folders_give_clear_errors(tmp_path: Path):
         "temperature": 1.0,
     }
     (foreign / "rlxf_reward.json").write_text(json.dumps(marker))
-    with pytest.raises(R.RewardModelError, match="safetensors"):
-        R.RewardModel.load(foreign)
+    with pytest.raises(RewardModelError, match="safetensors"):
+        RewardModel.load(foreign)
     (foreign / "model.safetensors").write_bytes(b"garbage" * 10)
-    with pytest.raises(R.RewardModelError, match="could not load"):
-        R.RewardModel.load(foreign)
+    with pytest.raises(RewardModelError, match="could not load"):
+        RewardModel.load(foreign)
     # audit: corrupt arrays
     audit = tmp_path / "audit"
     audit.mkdir()
@@ -268,10 +280,10 @@ def test_corrupt_or_foreign_folders_give_clear_errors(tmp_path: Path):
         )
     )
     (audit / "arrays.npz").write_bytes(b"not an npz")
-    with pytest.raises(R.RewardModelError, match="arrays.npz"):
-        R.TfidfAuditModel.load(audit)
-    with pytest.raises(R.RewardModelError, match="bundle.json"):
-        R.load_reward(tmp_path)
+    with pytest.raises(RewardModelError, match="arrays.npz"):
+        TfidfAuditModel.load(audit)
+    with pytest.raises(RewardModelError, match="bundle.json"):
+        load_reward(tmp_path)
 
 
 def test_run_protocol_and_bundle(tmp_path: Path):
@@ -279,7 +291,7 @@ def test_run_protocol_and_bundle(tmp_path: Path):
     ids = df["row_id"].tolist()
     splits = {"random": {"train": ids[:150], "val": ids[150:180], "test": ids[180:]}}
     cfg = _cfg(epochs=2, protocols=["random"], reward_protocol="random")
-    res = R.run_protocol(
+    res = run_protocol(
         df, splits, "random", cfg, seed=0, model_factory=_tiny_factory(serialize_frame(df))
     )
     assert set(res.metrics["model"]) == {
@@ -290,18 +302,18 @@ def test_run_protocol_and_bundle(tmp_path: Path):
         "encoder",
     }
     assert len(res.predictions) == 60 and res.predictions["p_encoder"].between(0, 1).all()
-    table = R.accuracy_table([res])
+    table = accuracy_table([res])
     assert list(table.columns) == ["protocol", "paper_claim", "majority", "tfidf_lr", "encoder"]
     assert table.loc[0, "majority"] == pytest.approx(
         max(res.predictions["y"].mean(), 1 - res.predictions["y"].mean())
     )
     # both models are Platt-scaled on the calibration half only, which chose no checkpoint
     va = df.set_index("row_id", drop=False).loc[ids[150:180]].reset_index(drop=True)
-    sel, cal = R.split_validation(va, "random", seed=0)
+    sel, cal = split_validation(va, "random", seed=0)
     assert (res.extra["n_selection"], res.extra["n_calibration"]) == (len(sel), len(cal))
     y_cal = cal["y"].astype(int).to_numpy()
     for scorer in (res.encoder, res.audit):
-        t, off = R.fit_platt(scorer.margins_texts(serialize_frame(cal)), y_cal)
+        t, off = fit_platt(scorer.margins_texts(serialize_frame(cal)), y_cal)
         assert scorer.temperature == pytest.approx(t, rel=1e-5)
         assert scorer.offset == pytest.approx(off, abs=1e-5)
     cal_row = res.calibration.set_index("model").loc["encoder"]
@@ -315,16 +327,16 @@ def test_run_protocol_and_bundle(tmp_path: Path):
     assert {"encoder vs TF-IDF", "encoder calibrated vs raw"} <= set(res.comparisons["comparison"])
     # an outcome column as the text the models read is refused before anything is trained
     with pytest.raises(ValueError, match="outcome fields"):
-        R.run_protocol(df, splits, "random", cfg, seed=0, text_column="comments")
+        run_protocol(df, splits, "random", cfg, seed=0, text_column="comments")
     # the disjoint-rows audit: trained on held-out rows only (data/holdout.json)
     df.loc[df["row_id"] < 180, "description"] += " rewardonly"  # a token only training rows carry
     h = {"reference": ids[180:210], "audit_train": ids[210:232], "audit_val": ids[232:]}
-    audit = R.train_disjoint_audit(df, h, cfg, seed=0)
+    audit = train_disjoint_audit(df, h, cfg, seed=0)
     assert audit.meta["n_train"] == 22 and audit.meta["trained_on"].endswith("audit_train")
     assert not any("rewardonly" in w for w in audit.vocabulary)  # never saw a reward row
-    R.save_reward_bundle(tmp_path / "reward_model", res, "encoder", audit)
-    reward, aud = R.load_reward(tmp_path / "reward_model")
-    assert isinstance(reward, R.RewardModel) and isinstance(aud, R.TfidfAuditModel)
+    save_reward_bundle(tmp_path / "reward_model", res, "encoder", audit)
+    reward, aud = load_reward(tmp_path / "reward_model")
+    assert isinstance(reward, RewardModel) and isinstance(aud, TfidfAuditModel)
     np.testing.assert_allclose(
         reward.score(df.iloc[180:], df["description"].iloc[180:].str.replace(" rewardonly", "").tolist()),
         res.predictions["p_encoder"],
@@ -332,20 +344,20 @@ def test_run_protocol_and_bundle(tmp_path: Path):
     )  # fmt: skip
     texts = df["description"].iloc[180:].tolist()
     np.testing.assert_allclose(aud.score(df.iloc[180:], texts), audit.score(df.iloc[180:], texts))
-    R.save_reward_bundle(tmp_path / "tfidf_bundle", res, "tfidf", audit)
-    reward, aud = R.load_reward(tmp_path / "tfidf_bundle")
+    save_reward_bundle(tmp_path / "tfidf_bundle", res, "tfidf", audit)
+    reward, aud = load_reward(tmp_path / "tfidf_bundle")
     assert reward.meta["n_train"] == 150 and aud.meta["n_train"] == 22  # scorer vs audit
-    check = R.reference_check_table(df, h, res, audit, n_boot=100, alpha=0.1, seed=0)
+    check = reference_check_table(df, h, res, audit, n_boot=100, alpha=0.1, seed=0)
     assert list(check["model"]) == [
         "encoder (protocol train rows)", "tfidf (protocol train rows)", "audit (disjoint rows)"
     ]  # fmt: skip
     assert (check["rows"] == 30).all() and check["auc"].between(0, 1).all()
     assert (check["auc_low"] <= check["auc"]).all() and (check["auc"] <= check["auc_high"]).all()
     with pytest.raises(ValueError, match="nested"):
-        R.reference_check_table(df, {**h, "reference": ids[:10]}, res, audit, 10, 0.1, 0)
+        reference_check_table(df, {**h, "reference": ids[:10]}, res, audit, 10, 0.1, 0)
     bad = {"random": {"train": [999_999], "val": [], "test": []}}
     with pytest.raises(KeyError, match="random.train"):
-        R.run_protocol(df, bad, "random", cfg, seed=0, train_encoder_model=False)
+        run_protocol(df, bad, "random", cfg, seed=0, train_encoder_model=False)
 
 
 def test_reward_config_rejects_bad_values():
@@ -362,7 +374,7 @@ def test_freeze_layers_beyond_depth_is_a_clear_error():
     texts = serialize_frame(df)
     y = df["y"].astype(int).to_numpy()
     with pytest.raises(ValueError, match="freeze_layers is 5 but the encoder has 2 layers"):
-        R.train_encoder(
+        train_encoder(
             texts[:30],
             y[:30],
             texts[30:],
@@ -376,7 +388,7 @@ def test_freeze_layers_beyond_depth_is_a_clear_error():
 def test_report_reward_section_words_follow_the_intervals(tmp_path: Path):
     """The report's reward verdicts are read from the interval verdicts, never from point estimates."""
     from rlxf_utils.artifacts import ArtifactMissing, RunDir
-    from rlxf_utils.report_sections import reward_section
+    from rlxf_utils.report.reward import reward_section
 
     df = _synthetic_conditions(240, seed=6)
     ids = df["row_id"].tolist()
@@ -386,10 +398,10 @@ def test_report_reward_section_words_follow_the_intervals(tmp_path: Path):
     }
     cfg = _cfg(protocols=["random", "grouped"], reward_protocol="grouped", reward_source="tfidf")
     results = [
-        R.run_protocol(df, splits, p, cfg, 0, train_encoder_model=False, n_boot=200, boot_seed=i)
+        run_protocol(df, splits, p, cfg, 0, train_encoder_model=False, n_boot=200, boot_seed=i)
         for i, p in enumerate(("random", "grouped"))
     ]
-    comparisons, diffs = R.comparison_tables(results, alpha=0.05)
+    comparisons, diffs = comparison_tables(results, alpha=0.05)
     calibration = pd.concat([r.calibration.assign(protocol=r.protocol) for r in results])
     run = RunDir(tmp_path / "run")
     meta = {

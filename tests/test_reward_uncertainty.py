@@ -14,12 +14,15 @@ import torch
 from test_alignment import _samples
 from test_reward import _synthetic_conditions, _tiny_factory
 
-from rlxf_utils import alignment
-from rlxf_utils import reward as R
-from rlxf_utils import reward_uncertainty as U
 from rlxf_utils.artifacts import RunDir
 from rlxf_utils.config import EvaluationConfig, RewardConfig, load_config
+from rlxf_utils.evaluation.figures import plot_reward_uncertainty
+from rlxf_utils.evaluation.sampling import add_rewards
+from rlxf_utils.evaluation.tables import summary_table
 from rlxf_utils.prompts import serialize_frame
+from rlxf_utils.reward.model import RewardModel, RewardModelError, output_layer, serialize_inputs
+from rlxf_utils.reward.tfidf import train_tfidf
+from rlxf_utils.reward.uncertainty import FOLDER, RewardHeads, RewardHeadsError, fit_or_load
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXTS = [
@@ -56,15 +59,15 @@ def _roberta_style(kind: str):
     return MPNetForSequenceClassification(MPNetConfig(**size)), tok
 
 
-def _reward(model_tok, **kw) -> R.RewardModel:
+def _reward(model_tok, **kw) -> RewardModel:
     model, tok = model_tok
-    return R.RewardModel(model, tok, 48, **{"temperature": 1.3, "bias": 0.2, "offset": -0.1, **kw})
+    return RewardModel(model, tok, 48, **{"temperature": 1.3, "bias": 0.2, "offset": -0.1, **kw})
 
 
 @pytest.mark.parametrize("kind", ["bert", "roberta", "mpnet"])
 def test_features_times_the_final_layer_reproduce_the_logits(kind: str) -> None:
     rm = _reward(_bert() if kind == "bert" else _roberta_style(kind))
-    layer = R.output_layer(rm.model)
+    layer = output_layer(rm.model)
     assert layer is (rm.model.classifier if kind == "bert" else rm.model.classifier.out_proj)
     margins, feats = rm.margins_and_features(TEXTS, batch_size=3)  # 3 batches, length-sorted
     assert feats.shape == (len(TEXTS), 32) and feats.dtype == np.float64
@@ -89,7 +92,7 @@ def test_features_from_a_layer_that_does_not_make_the_logits_are_refused() -> No
     rm.model.register_forward_hook(
         lambda m, a, out: SequenceClassifierOutput(logits=out.logits + 1)
     )
-    with pytest.raises(R.RewardModelError, match="did not produce the model's logits"):
+    with pytest.raises(RewardModelError, match="did not produce the model's logits"):
         rm.margins_and_features(TEXTS)
     rm.margins_texts(TEXTS)  # scoring alone needs no features
 
@@ -104,32 +107,32 @@ def _noisy(n: int = 300, d: int = 6, seed: int = 0) -> tuple[np.ndarray, np.ndar
 def test_one_head_has_no_spread_and_bootstrap_heads_disagree() -> None:
     x, y = _noisy()
     far = np.random.default_rng(5).normal(size=(50, 6)) * 4  # away from the training rows
-    one = U.RewardHeads.fit(x, y, 1, seed=0)
+    one = RewardHeads.fit(x, y, 1, seed=0)
     mean, sd = one.predict(far)
     assert one.n_heads == 1 and np.all(sd == 0) and mean.shape == (50,)
-    many = U.RewardHeads.fit(x, y, 8, seed=0)
+    many = RewardHeads.fit(x, y, 8, seed=0)
     mean, sd = many.predict(far)
     assert (sd > 0).all() and ((mean > 0) & (mean < 1)).all()
     assert np.ptp(many.coef, axis=0).min() > 0  # every coefficient differs across heads
     np.testing.assert_allclose(mean, many.probabilities(far).mean(axis=1))
     np.testing.assert_allclose(sd, many.probabilities(far).std(axis=1))
-    again = U.RewardHeads.fit(x, y, 8, seed=0)
+    again = RewardHeads.fit(x, y, 8, seed=0)
     assert np.array_equal(again.coef, many.coef)  # seeded
-    assert not np.array_equal(U.RewardHeads.fit(x, y, 8, seed=1).coef, many.coef)
+    assert not np.array_equal(RewardHeads.fit(x, y, 8, seed=1).coef, many.coef)
     near = x[:50]
     assert sd.mean() > many.predict(near)[1].mean()  # surer where the training rows are
     with pytest.raises(ValueError, match="both classes"):
-        U.RewardHeads.fit(x, np.zeros(len(y), int), 2, seed=0)
+        RewardHeads.fit(x, np.zeros(len(y), int), 2, seed=0)
     with pytest.raises(ValueError, match=r"features must be \(n, 6\)"):
         many.predict(far[:, :5])
 
 
 def test_heads_round_trip_and_corrupt_folders_give_clear_errors(tmp_path: Path) -> None:
     x, y = _noisy()
-    heads = U.RewardHeads.fit(x, y, 3, seed=0, settings={"heads": 3, "protocol": "grouped"},
+    heads = RewardHeads.fit(x, y, 3, seed=0, settings={"heads": 3, "protocol": "grouped"},
                               row_ids=np.arange(len(y)) + 100)  # fmt: skip
     folder = heads.save(tmp_path / "u")
-    back = U.RewardHeads.load(folder)
+    back = RewardHeads.load(folder)
     assert back.settings == heads.settings and np.array_equal(back.row_ids, heads.row_ids)
     for a, b in zip(back.predict(x[:20]), heads.predict(x[:20]), strict=True):
         np.testing.assert_allclose(a, b)
@@ -137,20 +140,20 @@ def test_heads_round_trip_and_corrupt_folders_give_clear_errors(tmp_path: Path) 
     marker = folder / "rlxf_reward_heads.json"
     good = json.loads(marker.read_text())
     marker.write_text("{ not json")
-    with pytest.raises(U.RewardHeadsError, match=r"rlxf_reward_heads\.json: not valid JSON"):
-        U.RewardHeads.load(folder)
+    with pytest.raises(RewardHeadsError, match=r"rlxf_reward_heads\.json: not valid JSON"):
+        RewardHeads.load(folder)
     marker.write_text(json.dumps({**good, "kind": "rlxf-reward-encoder"}))
-    with pytest.raises(U.RewardHeadsError, match="field 'kind' is 'rlxf-reward-encoder'"):
-        U.RewardHeads.load(folder)
+    with pytest.raises(RewardHeadsError, match="field 'kind' is 'rlxf-reward-encoder'"):
+        RewardHeads.load(folder)
     marker.write_text(json.dumps({**good, "settings": None}))
-    with pytest.raises(U.RewardHeadsError, match="field 'settings'"):
-        U.RewardHeads.load(folder)
+    with pytest.raises(RewardHeadsError, match="field 'settings'"):
+        RewardHeads.load(folder)
     marker.write_text(json.dumps({**good, "n_heads": 4}))
-    with pytest.raises(U.RewardHeadsError, match=r"heads\.npz: coef \(3, 6\).*'n_heads'"):
-        U.RewardHeads.load(folder)
+    with pytest.raises(RewardHeadsError, match=r"heads\.npz: coef \(3, 6\).*'n_heads'"):
+        RewardHeads.load(folder)
     (folder / "heads.npz").unlink()
-    with pytest.raises(U.RewardHeadsError, match=r"heads\.npz: missing"):
-        U.RewardHeads.load(folder)
+    with pytest.raises(RewardHeadsError, match=r"heads\.npz: missing"):
+        RewardHeads.load(folder)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -195,34 +198,34 @@ def test_fit_or_load_reads_only_the_protocols_training_rows_and_refits_on_change
         return real(texts, batch_size, progress)
 
     monkeypatch.setattr(rm, "margins_and_features", spy)
-    heads = U.fit_or_load(run, _cfg(), rm)
+    heads = fit_or_load(run, _cfg(), rm)
     assert heads.n_heads == 3 and len(heads.row_ids) == 60
     assert set(heads.row_ids) <= set(splits["grouped"]["train"])
     rows = df.set_index("row_id", drop=False).loc[heads.row_ids]
     assert seen == [serialize_frame(rows)]  # serialised as the reward model saw them in training
-    assert (run.root / U.FOLDER / "rlxf_reward_heads.json").is_file()
-    again = U.fit_or_load(run, _cfg(), rm)
+    assert (run.root / FOLDER / "rlxf_reward_heads.json").is_file()
+    again = fit_or_load(run, _cfg(), rm)
     assert len(seen) == 1 and np.array_equal(again.coef, heads.coef)  # reused, not refitted
-    assert U.fit_or_load(run, _cfg(heads=4), rm).n_heads == 4 and len(seen) == 2
-    other = U.fit_or_load(run, _cfg(heads=4, protocol="random"), rm)
+    assert fit_or_load(run, _cfg(heads=4), rm).n_heads == 4 and len(seen) == 2
+    other = fit_or_load(run, _cfg(heads=4, protocol="random"), rm)
     assert len(seen) == 3 and set(other.row_ids) <= set(splits["random"]["train"])
-    everything = U.fit_or_load(run, _cfg(heads=4, rows=500, protocol="random"), rm)
+    everything = fit_or_load(run, _cfg(heads=4, rows=500, protocol="random"), rm)
     assert sorted(everything.row_ids) == sorted(splits["random"]["train"])  # fewer rows than asked
     with torch.no_grad():  # a retrained reward model: new features, new heads
-        R.output_layer(rm.model).weight.add_(0.01)
-    U.fit_or_load(run, _cfg(heads=4, rows=500, protocol="random"), rm)
+        output_layer(rm.model).weight.add_(0.01)
+    fit_or_load(run, _cfg(heads=4, rows=500, protocol="random"), rm)
     assert len(seen) == 5
-    (run.root / U.FOLDER / "rlxf_reward_heads.json").write_text("garbage")
+    (run.root / FOLDER / "rlxf_reward_heads.json").write_text("garbage")
     with caplog.at_level(logging.WARNING):
-        U.fit_or_load(run, _cfg(heads=4, rows=500, protocol="random"), rm)
+        fit_or_load(run, _cfg(heads=4, rows=500, protocol="random"), rm)
     assert len(seen) == 6 and "not valid JSON" in caplog.text
     with pytest.raises(KeyError, match="no 'temporal'.train"):
-        U.fit_or_load(run, _cfg(protocol="temporal"), rm)
-    assert U.fit_or_load(run, _cfg(heads=0), rm) is None
-    audit = R.train_tfidf(serialize_frame(df), df["y"].astype(int), None, None,
+        fit_or_load(run, _cfg(protocol="temporal"), rm)
+    assert fit_or_load(run, _cfg(heads=0), rm) is None
+    audit = train_tfidf(serialize_frame(df), df["y"].astype(int), None, None,
                           RewardConfig(tfidf_min_df=1), 0)  # fmt: skip
     with caplog.at_level(logging.INFO):
-        assert U.fit_or_load(run, _cfg(), audit) is None
+        assert fit_or_load(run, _cfg(), audit) is None
     assert "no encoder features" in caplog.text and len(seen) == 6
 
 
@@ -232,19 +235,19 @@ def test_add_rewards_fills_reward_sd_from_the_scoring_pass() -> None:
     contexts = [{"country": "KENYA", "arrangement_type": "ECF", "econ_descriptor": "tax"},
                 {"country": "PERU", "arrangement_type": "SBA", "econ_descriptor": "bank"}]  # fmt: skip
     df = pd.DataFrame({"prompt_id": [i % 2 for i in range(len(x_texts))], "response": x_texts})
-    texts = R.serialize_inputs([contexts[i] for i in df["prompt_id"]], x_texts)
+    texts = serialize_inputs([contexts[i] for i in df["prompt_id"]], x_texts)
     _, feats = rm.margins_and_features(texts)
     y = np.random.default_rng(0).permutation(np.arange(len(x_texts)) % 2)  # noisy labels
-    heads = U.RewardHeads.fit(feats, y, 4, seed=0)
+    heads = RewardHeads.fit(feats, y, 4, seed=0)
     audit = SimpleNamespace(score=lambda ctx, t, batch_size=None: np.full(len(t), 0.5))
-    out = alignment.add_rewards(df.copy(), contexts, rm, audit, 5, heads)
+    out = add_rewards(df.copy(), contexts, rm, audit, 5, heads)
     np.testing.assert_allclose(
         out["reward"], rm.score([contexts[i] for i in df["prompt_id"]], x_texts)
     )
     # the same features up to float rounding of other batch paddings (batch 5 here, 64 there)
     np.testing.assert_allclose(out["reward_sd"], heads.predict(feats)[1], rtol=1e-4)
     assert (out["reward_sd"] > 0).all() and (out["audit_reward"] == 0.5).all()
-    plain = alignment.add_rewards(df.copy(), contexts, rm, audit, 5)
+    plain = add_rewards(df.copy(), contexts, rm, audit, 5)
     np.testing.assert_allclose(plain["reward"], out["reward"])
     assert plain["reward_sd"].isna().all()
 
@@ -259,7 +262,7 @@ def test_summary_table_carries_reward_sd_and_its_paired_change() -> None:
     rng = np.random.default_rng(2)
     shift = samples["policy"].map({"base": 0.0, "ppo": 0.05, "best_of_n": 0.0})
     samples["reward_sd"] = 0.02 + shift + rng.normal(0, 0.002, len(samples))
-    s, paired = alignment.summary_table(samples, ["base", "ppo"], "base", 4, 500, 0.05, 0)
+    s, paired = summary_table(samples, ["base", "ppo"], "base", 4, 500, 0.05, 0)
     s = s.set_index("policy")
     cols = ["reward_sd", "reward_sd_low", "reward_sd_high", "sd_gain", "sd_gain_low",
             "sd_gain_high", "sd_gain_p_holm"]  # fmt: skip
@@ -273,13 +276,13 @@ def test_summary_table_carries_reward_sd_and_its_paired_change() -> None:
     assert abs(s.loc["best_of_n", "sd_gain"]) < 0.002 and s.loc["best_of_n", "sd_gain_low"] < 0
     assert set(paired["measure"]) == {"reward", "audit_reward", "gap", "reward_sd"}
     assert (paired.loc[paired.measure == "reward_sd", "n_clusters"] == 10).all()
-    fig = alignment.plot_reward_uncertainty(s.reset_index(), "base", 0.05)
+    fig = plot_reward_uncertainty(s.reset_index(), "base", 0.05)
     assert len(fig.axes[0].lines) > 0
     # without heads (TF-IDF reward or reward_heads 0) the columns are there and empty
     for frame in (samples.assign(reward_sd=np.nan), samples.drop(columns="reward_sd")):
-        s0, p0 = alignment.summary_table(frame, ["base", "ppo"], "base", 4, 200, 0.05, 0)
+        s0, p0 = summary_table(frame, ["base", "ppo"], "base", 4, 200, 0.05, 0)
         assert s0[cols].isna().all().all() and "reward_sd" not in set(p0["measure"])
-        assert not alignment.plot_reward_uncertainty(s0, "base", 0.05).axes[0].lines
+        assert not plot_reward_uncertainty(s0, "base", 0.05).axes[0].lines
 
 
 def test_reward_heads_params_are_validated_and_set_in_every_profile() -> None:
@@ -308,7 +311,7 @@ def _sd_samples(shift: float) -> pd.DataFrame:
 
 def _report_run(tmp_path: Path, samples: pd.DataFrame, heads: bool) -> RunDir:
     run = RunDir(tmp_path / "run")
-    summary, paired = alignment.summary_table(samples, ["base", "ppo"], "base", 4, 300, 0.05, 0)
+    summary, paired = summary_table(samples, ["base", "ppo"], "base", 4, 300, 0.05, 0)
     run.write_json("eval/summary.json", {
         "algorithms": ["ppo"], "start_policy": "base", "alpha": 0.05, "n_prompts": 30,
         "samples_per_prompt": 3, "best_of_n": 4, "summary": summary.to_dict("records")})  # fmt: skip
@@ -317,12 +320,12 @@ def _report_run(tmp_path: Path, samples: pd.DataFrame, heads: bool) -> RunDir:
         {"prompt": ["p"], "policy": ["ppo"], "response": ["r"], "reward": [0.5]}))  # fmt: skip
     if heads:
         x, y = _noisy()
-        U.RewardHeads.fit(x, y, 3, 0, settings={"n_rows": 300}).save(run.path(U.FOLDER))
+        RewardHeads.fit(x, y, 3, 0, settings={"n_rows": 300}).save(run.path(FOLDER))
     return run
 
 
 def test_report_gives_reward_sd_beside_ave_r_and_a_verdict_from_its_interval(tmp_path) -> None:
-    from rlxf_utils.report_sections import eval_section, uncertainty_sentence
+    from rlxf_utils.report.evaluation import eval_section, uncertainty_sentence
 
     v, inc = eval_section(_report_run(tmp_path / "up", _sd_samples(0.05), heads=True))
     header = inc["eval_summary.md"].splitlines()[0]
@@ -331,7 +334,7 @@ def test_report_gives_reward_sd_beside_ave_r_and_a_verdict_from_its_interval(tmp
     assert "PPO moved into text the reward model is more unsure about" in v["uncertainty_sentence"]
     for shift, words in ((-0.01, "moved into text the reward model is less unsure about"),
                          (0.0, "did not clearly change the reward model's uncertainty")):  # fmt: skip
-        s, _ = alignment.summary_table(_sd_samples(shift), ["base", "ppo"], "base", 4, 300, 0.05, 0)
+        s, _ = summary_table(_sd_samples(shift), ["base", "ppo"], "base", 4, 300, 0.05, 0)
         text = uncertainty_sentence(s.set_index("policy"), ["ppo"], "base", "95%", None)
         assert text.startswith("Against the start policy base") and f"PPO {words} (mean SD" in text
     v, inc = eval_section(_report_run(tmp_path / "none", _samples(0.1), heads=False))

@@ -14,7 +14,8 @@ import pytest
 from rlxf_utils import risk
 from rlxf_utils.artifacts import RunDir
 from rlxf_utils.config import CompareEncoder, RewardConfig, RiskConfig, StudyConfig
-from rlxf_utils.data import make_splits
+from rlxf_utils.data.splits import make_splits
+from rlxf_utils.report import risk as prose
 
 # ---------------------------------------------------------------------------------------------
 # country swap
@@ -755,20 +756,20 @@ def _drift(shift_ci: tuple, cal_ci: tuple, trend_ci: tuple, train=0.65, test=0.5
 
 def test_drift_verdicts_follow_the_intervals_not_the_point_estimates():
     # the same point estimates (base rate 65% -> 55%, P(MET) 62% vs 55%, accuracy 70% -> 50%)
-    clear = risk.drift_text(_drift((-0.15, -0.05), (0.02, 0.12), (-0.3, -0.1))).paragraph()
+    clear = prose.drift_text(_drift((-0.15, -0.05), (0.02, 0.12), (-0.3, -0.1))).paragraph()
     assert "the base rate fell after the cut-off (-10.0 percentage points" in clear
     assert "it overstates the later MET rate" in clear
     assert "accuracy falls over the test years" in clear
     assert "higher in 1 and lower in 0 of 2 test years" in clear
-    unclear = risk.drift_text(_drift((-0.2, 0.01), (-0.01, 0.12), (-0.3, 0.1))).paragraph()
+    unclear = prose.drift_text(_drift((-0.2, 0.01), (-0.01, 0.12), (-0.3, 0.1))).paragraph()
     assert "shows no change distinguishable from zero" in unclear
     assert "the difference is not distinguishable from zero" in unclear
     assert "no trend distinguishable from zero" in unclear
     for word in ("fell", "overstates", "falls over"):
         assert word not in unclear
-    up = risk.drift_text(_drift((0.05, 0.15), (-0.12, -0.02), (0.1, 0.3), 0.55, 0.65, 0.6))
+    up = prose.drift_text(_drift((0.05, 0.15), (-0.12, -0.02), (0.1, 0.3), 0.55, 0.65, 0.6))
     assert "rose" in up.paragraph() and "understates" in up.paragraph()
-    assert "90% CI" in risk.drift_text(_drift((0.05, 0.15), (0, 1), (0, 1)), alpha=0.1).paragraph()
+    assert "90% CI" in prose.drift_text(_drift((0.05, 0.15), (0, 1), (0, 1)), alpha=0.1).paragraph()
 
 
 def test_swap_and_length_verdicts_need_the_interval():
@@ -782,33 +783,33 @@ def test_swap_and_length_verdicts_need_the_interval():
         "spearman_delta_vs_hist_met_rate": 0.6, "spearman_delta_vs_hist_met_rate_p": 0.2,
         "n_countries_up": 1, "n_countries_down": 2, "generated_included": True,
     }  # fmt: skip
-    text = risk.swap_text(cs).paragraph()
+    text = prose.swap_text(cs).paragraph()
     assert "neither clearly more nor clearly less than" in text
     assert "not distinguishably related" in text and "favours countries" not in text
     cs["by_source"][0]["ratio_low"] = 1.1
     cs["spearman_delta_vs_hist_met_rate_p"] = 0.01
-    text = risk.swap_text(cs).paragraph()
+    text = prose.swap_text(cs).paragraph()
     assert "moves the reward more than" in text
     assert "favours countries with higher historical MET rates" in text
     row = {"policy": "ppo", "n": 40, "mean_length": 12.0, "spearman": 0.3, "pearson": 0.3}
     lr = {"by_policy": [{**row, "spearman_low": -0.05, "spearman_high": 0.6}]}
-    assert "no association distinguishable" in risk.length_text(lr).paragraph()
+    assert "no association distinguishable" in prose.length_text(lr).paragraph()
     lr = {"by_policy": [{**row, "spearman_low": 0.05, "spearman_high": 0.6}]}
-    assert "reward rises with length" in risk.length_text(lr).paragraph()
+    assert "reward rises with length" in prose.length_text(lr).paragraph()
 
 
 def test_interpret_refuses_another_alpha_than_the_stored_one():
     with pytest.raises(risk.RiskError, match="alpha = 0.05, not 0.1"):
-        risk.interpret({"alpha": 0.05}, alpha=0.1)
+        prose.interpret({"alpha": 0.05}, alpha=0.1)
 
 
 def test_missing_inputs_become_visible_notes():
     note = "notebook 04 did not run: eval/samples.parquet missing"
-    f = risk.length_text(None, note=note)
+    f = prose.length_text(None, note=note)
     assert f.markdown() == f"> ⚠ {note}"
     assert f.paragraph() == f"Not measured in this run: {note}."
-    assert risk.gains_text(None).note == risk.missing_note("eval/frontier.parquet")
-    assert risk.drift_text(None).note is not None
+    assert prose.gains_text(None).note == risk.missing_note("eval/frontier.parquet")
+    assert prose.drift_text(None).note is not None
 
 
 def _gain(reward: tuple, audit: tuple, gap: tuple) -> dict:
@@ -820,7 +821,7 @@ def _gain(reward: tuple, audit: tuple, gap: tuple) -> dict:
 
 def test_gains_verdict_depends_on_the_intervals():
     def say(*args):
-        return risk.gains_text([_gain(*args)]).paragraph()
+        return prose.gains_text([_gain(*args)]).paragraph()
 
     hacked = say((0.1, 0.05, 0.15), (-0.01, -0.03, 0.01), (0.11, 0.06, 0.16))
     assert "a sign of reward hacking" in hacked
@@ -837,7 +838,7 @@ def test_gains_verdict_depends_on_the_intervals():
     assert "RL lowered the training reward" in lowered
     bare = {"algo": "ppo", "step": 9, "baseline": "base step 0", "reward_gain": 0.1,
             "audit_gain": 0.0, "gap": 0.1}  # fmt: skip
-    assert "no interval" in risk.gains_text([bare]).paragraph()
+    assert "no interval" in prose.gains_text([bare]).paragraph()
 
 
 @pytest.mark.parametrize("with_eval", [False, True])
@@ -846,10 +847,10 @@ def test_report_content_reads_the_stage_artifacts(tmp_path, with_eval):
 
     cfg, run = _synthetic_run(tmp_path, with_eval)
     with pytest.raises(ArtifactMissing, match="risk/summary.json.*notebook 05"):
-        risk.report_content(run)
+        prose.report_content(run)
     risk.run_risk_stage(cfg, run, reward_model=_CountryReward())
-    variables, includes = risk.report_content(run)
-    assert set(includes) == set(risk.REPORT_TABLES)
+    variables, includes = prose.report_content(run)
+    assert set(includes) == set(prose.REPORT_TABLES)
     for key in ("drift", "group_bias", "country_swap", "length_reward", "diversity", "notes"):
         assert variables[key] and not re.search(r"\bnan\b", variables[key], re.IGNORECASE)
     if with_eval:

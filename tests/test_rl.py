@@ -10,11 +10,14 @@ import pytest
 from test_ppo import small_cfg, tiny_tokenizer, toy_contexts, toy_reward
 from tiny import tiny_llama
 
-from rlxf_utils import rl
 from rlxf_utils.config import LoraSettings, PolicyConfig
-from rlxf_utils.models import postprocess_response
-from rlxf_utils.ppo import LOG_COLUMNS, prompt_schedule
-from rlxf_utils.rl import load_contexts, run_trl, trl_reward_function
+from rlxf_utils.data.contexts import load_contexts
+from rlxf_utils.models.generation import postprocess_response
+from rlxf_utils.rl.core import LOG_COLUMNS, prompt_schedule
+from rlxf_utils.rl.stage import run_algorithm
+from rlxf_utils.rl.tables import summary_table, training_curves_figure
+from rlxf_utils.rl.trainer import TrainJob
+from rlxf_utils.rl.trl_runs import run_trl, trl_reward_function
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -30,9 +33,8 @@ def test_trl_one_step(tmp_path, algo):
     prompts, contexts = toy_contexts(8)
     rl = small_cfg(steps=1, batch_size=4, num_generations=2, minibatch_size=4)
     policy = PolicyConfig(lora=LoraSettings(rank=4, alpha=8, target_modules=["q_proj", "v_proj"]))
-    log = run_trl(
-        algo, model, tok, prompts, contexts, toy_reward, rl, policy, tmp_path / algo, progress=False
-    )
+    log = run_trl(TrainJob(algo, model, tok, prompts, contexts, toy_reward, rl, policy,
+                           tmp_path / algo, progress=False))  # fmt: skip
     assert list(log.columns) == list(LOG_COLUMNS)
     assert len(log) == 1 and log.algo.iloc[0] == algo
     assert np.isfinite(log.reward_mean.iloc[0]) and np.isfinite(log.kl_per_token.iloc[0])
@@ -54,19 +56,8 @@ def test_trl_reads_the_ppo_prompt_schedule(tmp_path, algo):
         calls.append([c["country"] for c in ctx])
         return toy_reward(ctx, texts)
 
-    log = run_trl(
-        algo,
-        model,
-        tok,
-        prompts,
-        contexts,
-        reward,
-        rl,
-        policy,
-        tmp_path / algo,
-        seed=4,
-        progress=False,
-    )
+    log = run_trl(TrainJob(algo, model, tok, prompts, contexts, reward, rl, policy,
+                           tmp_path / algo, seed=4, progress=False))  # fmt: skip
     sched = prompt_schedule(len(prompts), rl.steps, rl.prompts_per_step, seed=4)
     want = [[contexts[i]["country"] for i in s for _ in range(rl.num_generations)] for s in sched]
     assert calls[: rl.steps] == want  # (then run_trl's after-training samples)
@@ -139,16 +130,14 @@ def test_summary_table_reads_the_critic_from_an_interval() -> None:
                              "entropy": 2.0, "explained_variance": ev, "kl_coef": 0.05,
                              "step_time_s": 1.0, "tokens_per_s": 10.0})  # fmt: skip
 
-    clear = rl.summary_table(logs([-1.0] * 6 + [0.30, 0.32, 0.31]), alpha=0.05).iloc[0]
+    clear = summary_table(logs([-1.0] * 6 + [0.30, 0.32, 0.31]), alpha=0.05).iloc[0]
     assert clear["explained_variance_last_third"] == pytest.approx(0.31)
     assert 0 < clear["explained_variance_low"] < 0.31 < clear["explained_variance_high"]
-    noisy = rl.summary_table(logs([0.0] * 6 + [0.5, -0.4, 0.3]), alpha=0.05).iloc[0]
+    noisy = summary_table(logs([0.0] * 6 + [0.5, -0.4, 0.3]), alpha=0.05).iloc[0]
     assert noisy["explained_variance_last_third"] > 0 > noisy["explained_variance_low"]
     assert np.isnan(noisy["explained_variance_prior_last_third"])  # logs without a prior
     prior = logs([0.5] * 9).assign(explained_variance_prior=[0.9] * 6 + [0.4, 0.5, 0.6])
-    assert rl.summary_table(prior).iloc[0]["explained_variance_prior_last_third"] == pytest.approx(
-        0.5
-    )
+    assert summary_table(prior).iloc[0]["explained_variance_prior_last_third"] == pytest.approx(0.5)
 
 
 def test_a_finished_algorithm_is_reused_only_while_its_inputs_are_unchanged(tmp_path, monkeypatch):
@@ -166,20 +155,23 @@ def test_a_finished_algorithm_is_reused_only_while_its_inputs_are_unchanged(tmp_
         (run_dir / rel).write_text(text)
     calls = []
 
-    def fake_ppo(model, tok, prompts, contexts, reward_fn, rl_cfg, policy, out, **kw):
-        calls.append(len(prompts))
+    def fake_ppo(job):
+        calls.append(len(job.prompts))
+        out = job.output_dir
         frame = pd.DataFrame({"algo": ["ppo"], "step": [1], "reward_mean": [0.5]})
         out.mkdir(parents=True, exist_ok=True)
         frame.to_parquet(out / "train_log.parquet")
         return frame
 
-    monkeypatch.setattr(rl, "load_start_policy", lambda *a, **k: (None, None))
-    monkeypatch.setattr(rl, "build_prompts", lambda contexts, *a, **k: [str(c) for c in contexts])
-    monkeypatch.setattr(rl, "run_ppo", fake_ppo)
+    monkeypatch.setattr("rlxf_utils.rl.stage.load_start_policy", lambda *a, **k: (None, None))
+    monkeypatch.setattr(
+        "rlxf_utils.rl.stage.build_prompts", lambda contexts, *a, **k: [str(c) for c in contexts]
+    )
+    monkeypatch.setattr("rlxf_utils.rl.ppo.run_ppo", fake_ppo)  # the registry's trainer
     contexts = [{"country": "KENYA", "split": "train"}] * 3
 
     def run() -> None:
-        rl.run_algorithm("ppo", cfg, run_dir, toy_reward, contexts=contexts, progress=False)
+        run_algorithm("ppo", cfg, run_dir, toy_reward, contexts=contexts, progress=False)
 
     run()
     run()
@@ -216,8 +208,8 @@ def test_trl_resumes_an_interrupted_run_where_it_stopped(tmp_path, algo):
 
     def go(out, reward):
         model, tok = _tiny_base()
-        return run_trl(algo, model, tok, prompts, contexts, reward, rl_cfg, policy, out, seed=3,
-                       progress=False)  # fmt: skip
+        return run_trl(TrainJob(algo, model, tok, prompts, contexts, reward, rl_cfg, policy, out,
+                                seed=3, progress=False))  # fmt: skip
 
     counted = []
 
@@ -261,7 +253,7 @@ def test_training_curves_show_the_critic_prior_beside_the_critic():
         pd.DataFrame({"algo": "grpo", "step": steps, "reward_mean": 0.5, "kl": 0.1, "kl_coef": 0.05,
                       "explained_variance": np.nan, "explained_variance_prior": np.nan}),
     ])  # fmt: skip
-    fig = rl.training_curves_figure(logs)
+    fig = training_curves_figure(logs)
     critic = fig.axes[2]
     lines = {ln.get_label(): ln for ln in critic.get_lines() if not ln.get_label().startswith("_")}
     assert sorted(lines) == ["PPO", "PPO: prior alone"]

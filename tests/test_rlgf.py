@@ -17,10 +17,11 @@ from test_ppo import (
 )
 from tiny import tiny_llama
 
-from rlxf_utils import ppo as ppo_module
-from rlxf_utils.config import RLGF_ALGORITHMS, RLGFConfig
-from rlxf_utils.ppo import PPOTrainer
-from rlxf_utils.rlgf import (
+from rlxf_utils.algorithms import RLGF_ALGORITHMS
+from rlxf_utils.config import RLGFConfig
+from rlxf_utils.rl.core import logprobs_from_logits, policy_loss, value_loss
+from rlxf_utils.rl.ppo import PPOTrainer
+from rlxf_utils.rl.rlgf import (
     AGGREVATED,
     PPO_PP,
     GuidedPPOTrainer,
@@ -104,7 +105,7 @@ def test_forced_prefix_is_reproduced_token_for_token(tmp_path):
 def test_ppo_pp_with_beta_zero_is_ppo(tmp_path, monkeypatch):
     """No switch is ever drawn: same samples, same losses, same parameters as PPO."""
     losses: dict[str, list[float]] = {"ppo": [], "ppo_pp": []}
-    real = ppo_module.policy_loss
+    real = policy_loss
     current = []
 
     def spy(*a, **k):
@@ -112,7 +113,7 @@ def test_ppo_pp_with_beta_zero_is_ppo(tmp_path, monkeypatch):
         losses[current[0]].append(out[0].item())
         return out
 
-    monkeypatch.setattr(ppo_module, "policy_loss", spy)
+    monkeypatch.setattr("rlxf_utils.rl.ppo.policy_loss", spy)
     prompts, contexts = varied_contexts(8)
     cfg = small_cfg(steps=2, batch_size=8, minibatch_size=4, learning_rate=1e-2)
     model, tok = tiny_policy(seed=0)
@@ -152,9 +153,9 @@ def test_policy_gradient_acts_on_the_learners_tokens_only(tmp_path, algo):
     assert owned.any() and (~owned & pp.mask.bool()).any()  # both owners wrote tokens
     R = ro.response_ids.shape[1]
     logits, _ = tr.module(ro.input_ids, ro.attention_mask, R, critic=ro.critic)
-    logp = ppo_module.logprobs_from_logits(logits, ro.response_ids)
+    logp = logprobs_from_logits(logits, ro.response_ids)
     logp.retain_grad()
-    loss, _, _ = ppo_module.policy_loss(logp, pp.old_logprobs, pp.advantages, pp.pg_mask, 0.2)
+    loss, _, _ = policy_loss(logp, pp.old_logprobs, pp.advantages, pp.pg_mask, 0.2)
     loss.backward()
     assert (logp.grad[~owned] == 0).all()
     assert (logp.grad[owned] != 0).any()
@@ -180,8 +181,8 @@ def test_aggrevated_trains_the_guide_critic_on_guide_tokens_only(tmp_path):
     R = ro.response_ids.shape[1]
     _, values = tr.module(ro.input_ids, ro.attention_mask, R, critic=ro.critic)
     shifted = pp.returns + 100.0 * (~guide_tokens).float()
-    a, _ = ppo_module.value_loss(values, pp.old_values, pp.returns, pp.vf_mask, None)
-    b, _ = ppo_module.value_loss(values, pp.old_values, shifted, pp.vf_mask, None)
+    a, _ = value_loss(values, pp.old_values, pp.returns, pp.vf_mask, None)
+    b, _ = value_loss(values, pp.old_values, shifted, pp.vf_mask, None)
     assert torch.equal(a, b)
     tr.update(ro, pp)
     after = tr.unwrapped.guide_value_head.state_dict()
@@ -216,9 +217,9 @@ def test_mle_term_pulls_towards_the_references(tmp_path):
     loss = tr.extra_loss(ro, torch.tensor([0, 1]))
     assert loss is not None and loss.item() > 0
     assert tr.extra_loss(ro, torch.tensor([2, 3, 4])) is None  # no references there
-    from rlxf_utils.sft import SFTExample, _collate, response_loss
+    from rlxf_utils.rl.sft import SFTExample, collate, response_loss
 
-    batch = _collate([SFTExample(tr._prompt(0), ref)], tok.pad_token_id)
+    batch = collate([SFTExample(tr._prompt(0), ref)], tok.pad_token_id)
     nll, _ = response_loss(tr.unwrapped.policy, batch)
     assert loss.item() == pytest.approx(0.5 * nll.item(), rel=1e-5)
 
@@ -272,7 +273,7 @@ def test_met_references_are_met_rows_the_rl_stage_may_see_of_the_same_context(tm
 
     from rlxf_utils.artifacts import RunDir
     from rlxf_utils.config import PROJECT_ROOT, load_config
-    from rlxf_utils.rlgf import met_references
+    from rlxf_utils.rl.rlgf import met_references
 
     labelled, splits, contexts = _toy_data()
     run = RunDir(tmp_path)

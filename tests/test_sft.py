@@ -12,16 +12,9 @@ from test_ppo import tiny_policy, tiny_tokenizer
 from tiny import tiny_llama
 
 from rlxf_utils.config import PolicyConfig, SFTConfig
-from rlxf_utils.models import build_prompts, encode_prompts
-from rlxf_utils.sft import (
-    SFTExample,
-    _collate,
-    build_examples,
-    eligible_rows,
-    heldout_rows,
-    response_loss,
-    train_sft,
-)
+from rlxf_utils.data.contexts import eligible_rows, heldout_rows
+from rlxf_utils.models.generation import build_prompts, encode_prompts
+from rlxf_utils.rl.sft import SFTExample, build_examples, collate, response_loss, train_sft
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -130,7 +123,7 @@ def test_response_loss_matches_hand_computation():
     tok = tiny_tokenizer()
     model = tiny_llama(tok, seed=2, init=0.3).eval()
     examples = _examples(tok)
-    batch = _collate(examples, tok.pad_token_id)
+    batch = collate(examples, tok.pad_token_id)
     assert batch["n_tail"] == 5 and batch["input_ids"].shape == (3, 8)
     with torch.no_grad():
         loss, n = response_loss(model, batch)
@@ -151,7 +144,7 @@ def test_train_sft_lowers_the_loss(tmp_path):
     model, tok = tiny_policy(seed=0)
     examples = _examples(tok) * 2  # 6 examples, batches of 3: 2 batches per epoch
     cfg = SFTConfig(batch_size=3, epochs=15, learning_rate=1e-2, warmup_ratio=0.1)
-    batch = _collate(examples, tok.pad_token_id)
+    batch = collate(examples, tok.pad_token_id)
     base = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     model.eval()
     with torch.no_grad():

@@ -13,11 +13,12 @@ from test_ppo import WORDS, small_cfg, toy_reward
 from tiny import tiny_llama, word_tokenizer
 
 from rlxf_utils.config import LoraSettings, PolicyConfig
-from rlxf_utils.evaluation import _as_ids
-from rlxf_utils.models import apply_lora, build_prompts, encode_prompts
-from rlxf_utils.ppo import PPOTrainer
-from rlxf_utils.rl import trl_tokenizer
-from rlxf_utils.sft import build_examples
+from rlxf_utils.models.generation import build_prompts, encode_prompts
+from rlxf_utils.models.loading import apply_lora
+from rlxf_utils.models.logprobs import _as_ids
+from rlxf_utils.rl.ppo import PPOTrainer
+from rlxf_utils.rl.sft import build_examples
+from rlxf_utils.rl.trl_runs import trl_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -21,11 +21,11 @@ may resist policy innovation, and RL may amplify all of it. Each risk becomes a 
    changes.
 
 One module per family (`drift`, `groups`, `swap`, `hacking`, `diversity`, `labels`), shared
-helpers in `common` (binary metrics come from `reward`, bootstrap intervals from
-`evaluation`), the sentences in `prose` and the orchestration in `stage`: every measure is a
+helpers in `common` (binary metrics come from `reward`, intervals from `stats`) and the
+orchestration in `stage`; the sentences are the report's (`rlxf_utils.report.risk`): every measure is a
 pure function of tables; `run_risk_stage` reads the run dir, calls them and writes tables
 `risk_*`, figures `risk_*` and `risk/summary.json`. Verdicts are read from intervals at
-`evaluation.alpha` (see `prose`).
+`evaluation.alpha` (see `rlxf_utils.report.risk`).
 """
 
 from .common import (
@@ -52,30 +52,14 @@ from .groups import (
 )
 from .hacking import checkpoint_gains, final_gains, length_reward, rising_ngrams, word_tokens
 from .labels import label_sensitivity, mapping_statuses, relabel
-from .prose import (
-    REPORT_TABLES,
-    Finding,
-    diversity_text,
-    drift_text,
-    gains_text,
-    group_text,
-    interpret,
-    labels_text,
-    length_text,
-    ngrams_text,
-    report_content,
-    swap_text,
-)
 from .stage import RISK_FIGURES, RiskStage, run_risk_stage
 from .swap import choose_swap_countries, country_swap, swap_summary
 
 __all__ = [
     "HISTORY_PREFIX",
     "NON_GENERATED",
-    "REPORT_TABLES",
     "RISK_FIGURES",
     "UNTUNED",
-    "Finding",
     "RiskError",
     "RiskStage",
     "area_table",
@@ -86,37 +70,27 @@ __all__ = [
     "choose_swap_countries",
     "country_swap",
     "diversity_changes",
-    "diversity_text",
     "drift_by_year",
     "drift_summary",
     "drift_tests",
-    "drift_text",
     "final_gains",
-    "gains_text",
     "generated_policies",
     "group_bias_summary",
     "group_bias_table",
     "group_metrics",
-    "group_text",
-    "interpret",
     "label_sensitivity",
-    "labels_text",
     "length_reward",
-    "length_text",
     "load_regions",
     "mapping_statuses",
     "missing_note",
-    "ngrams_text",
     "per_prompt_distinct",
     "policy_kind",
     "pool_small_groups",
     "prediction_column",
     "relabel",
-    "report_content",
     "rising_ngrams",
     "run_risk_stage",
     "swap_summary",
-    "swap_text",
     "tuned_policies",
     "within_prompt_diversity",
     "word_tokens",

@@ -6,22 +6,25 @@ which notebook-04 policies are generated or tuned, and interval helpers for verd
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
 import pandas as pd
-from scipy import stats
 
-from ..evaluation import bootstrap_ci, ci_sign, cluster_bootstrap
-from ..reward import classification_metrics
+from rlxf_utils.reward.calibration import classification_metrics
 
 #: Policies of notebook 04 whose names start with this are historical conditions, not generated.
 HISTORY_PREFIX = "history"
+
+
 #: Policies of notebook 04 that are neither generated nor historical (a reference).
 NON_GENERATED = frozenset({"random_policy"})
+
+
 #: Generated policies that are not tuned by RL (the start and the best-of-N selection of it).
 UNTUNED = frozenset({"base", "sft", "sft_met", "best_of_n"})
+
 
 #: Columns of `binary_metrics` besides `n`.
 METRIC_KEYS = ("met_rate", "mean_p", "calibration_gap", "accuracy", "auc", "brier", "ece")
@@ -51,7 +54,7 @@ def require_columns(df: pd.DataFrame, columns: Iterable[str], where: str) -> Non
 def binary_metrics(y: Sequence[int], p: Sequence[float], n_bins: int = 10) -> dict[str, float]:
     """n, observed MET rate, mean P(MET), calibration gap (mean p - rate), accuracy, AUC, Brier, ECE.
 
-    Accuracy, AUC (NaN with one class), Brier and ECE are `reward.classification_metrics`'.
+    Accuracy, AUC (NaN with one class), Brier and ECE are `reward.calibration.classification_metrics`'.
     """
     y_arr = np.asarray(y, dtype=int)
     p_arr = np.asarray(p, dtype=float)
@@ -69,83 +72,6 @@ def binary_metrics(y: Sequence[int], p: Sequence[float], n_bins: int = 10) -> di
         "brier": m["brier"],
         "ece": m["ece"],
     }
-
-
-def corr(x: Any, y: Any) -> tuple[float, float, float, float]:
-    """Spearman rho, its p, Pearson r, its p; NaN when fewer than 3 points or a constant side.
-
-    The p-values treat the points as independent: quote them only where they are (e.g. one
-    point per country), never over several responses to one prompt.
-    """
-    x = np.asarray(x, dtype=float)
-    y = np.asarray(y, dtype=float)
-    ok = ~(np.isnan(x) | np.isnan(y))
-    x, y = x[ok], y[ok]
-    if x.size < 3 or np.ptp(x) == 0 or np.ptp(y) == 0:
-        return (math.nan, math.nan, math.nan, math.nan)
-    s = stats.spearmanr(x, y)
-    r = stats.pearsonr(x, y)
-    return (float(s.statistic), float(s.pvalue), float(r.statistic), float(r.pvalue))
-
-
-def spearman(x: np.ndarray, y: np.ndarray) -> float:
-    """Spearman rho of two aligned arrays (NaN as in `corr`): Pearson's r of average ranks.
-
-    The same number as `scipy.stats.spearmanr`, without its overhead (bootstraps call it often).
-    """
-    x = np.asarray(x, dtype=float)
-    y = np.asarray(y, dtype=float)
-    ok = ~(np.isnan(x) | np.isnan(y))
-    x, y = x[ok], y[ok]
-    if x.size < 3 or np.ptp(x) == 0 or np.ptp(y) == 0:
-        return math.nan
-    return float(np.corrcoef(stats.rankdata(x), stats.rankdata(y))[0, 1])
-
-
-def spearman_ci(
-    x: Any, y: Any, clusters: Any, alpha: float = 0.05, n_boot: int = 2000, seed: int = 0
-) -> tuple[float, float, float]:
-    """(Spearman rho, low, high): the interval resamples whole clusters (e.g. prompts)."""
-    xa, ya = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
-    return stat_ci(lambda i: spearman(xa[i], ya[i]), clusters, alpha, n_boot, seed)
-
-
-def mean_ci(
-    values: Any, clusters: Any = None, alpha: float = 0.05, n_boot: int = 2000, seed: int = 0
-) -> tuple[float, float, float]:
-    """(mean, low, high): percentile bootstrap at level 1 - alpha, whole clusters resampled.
-
-    Fewer than two clusters (or values) carry no information on the spread: the interval is NaN.
-    """
-    x = np.asarray(values, dtype=float)
-    g = np.arange(x.size) if clusters is None else np.asarray(clusters)
-    est = bootstrap_ci(
-        x, n_boot=n_boot, alpha=alpha, seed=seed, clusters=None if clusters is None else g
-    )
-    return est if _n_clusters(g[~np.isnan(x)]) >= 2 else (est[0], math.nan, math.nan)
-
-
-def _n_clusters(clusters: np.ndarray) -> int:
-    return int(np.unique(clusters).size) if clusters.size else 0
-
-
-def stat_ci(
-    stat: Callable[[np.ndarray], float],
-    clusters: Sequence[Hashable] | np.ndarray,
-    alpha: float = 0.05,
-    n_boot: int = 2000,
-    seed: int = 0,
-) -> tuple[float, float, float]:
-    """(statistic, low, high) of `stat(row indices)`, resampling whole clusters (`evaluation`).
-
-    Fewer than two clusters give a NaN interval (no information on the spread).
-    """
-    g = np.asarray(clusters)
-    est = cluster_bootstrap(stat, g, n_boot=n_boot, alpha=alpha, seed=seed)
-    return est if _n_clusters(g) >= 2 else (est[0], math.nan, math.nan)
-
-
-sign_of = ci_sign  # +1 / -1 / 0 from an interval: one rule for the whole study (evaluation)
 
 
 def clusters_of(df: pd.DataFrame, column: str = "arrangement_id") -> np.ndarray:

@@ -13,8 +13,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from ..evaluation import area_distribution, distinct_n, entropy, kl_divergence
-from .common import RiskError, mean_ci, require_columns, stat_ci
+from rlxf_utils.evaluation.measures import area_distribution, distinct_n, entropy, kl_divergence
+from rlxf_utils.plots import WIDTH, setup_style
+from rlxf_utils.risk.common import RiskError, require_columns
+from rlxf_utils.stats import mean_ci, stat_ci
 
 
 def per_prompt_distinct(
@@ -69,7 +71,7 @@ def area_table(
     """(per-policy diversity of economic areas, area shares per policy) against a reference.
 
     Per policy: n, areas used, entropy of its area shares (nats), KL(policy || reference) in
-    nats (`evaluation.kl_divergence` on add-half smoothed counts: half a response added to every
+    nats (`evaluation.measures.kl_divergence` on add-half smoothed counts: half a response added to every
     area of both sides, so an area the reference never shows costs a finite amount that shrinks
     as the samples grow, instead of one set by an arbitrary epsilon), coverage (share of the
     reference's areas the policy produces at all) and, with `requested_col`, `on_topic` (share
@@ -209,8 +211,6 @@ def diversity_changes(
 def plot_areas(shares: pd.DataFrame, top: int = 8) -> Any:
     """Stacked bars: share of each economic area per policy (the `top` areas overall, rest 'other')."""
     import matplotlib.pyplot as plt
-
-    from ..plots import WIDTH, setup_style
 
     setup_style()
     s = shares.set_index("area")

@@ -11,8 +11,9 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-from ..evaluation import level
-from .common import binary_metrics, clusters_of, mean_ci, require_columns, stat_ci
+from rlxf_utils.plots import PALETTE, WIDTH, setup_style
+from rlxf_utils.risk.common import binary_metrics, clusters_of, require_columns
+from rlxf_utils.stats import level, mean_ci, rate_by, stat_ci
 
 
 def drift_by_year(
@@ -52,7 +53,6 @@ def base_rate_by_year(
     With `cutoff`, a `side` column says whether the year is on the training side (<= cutoff) or
     the test side of the temporal protocol.
     """
-    from ..data import rate_by
 
     require_columns(labelled, [year_col, "y"], "labelled conditions")
     d = labelled[labelled[year_col].notna()].copy()
@@ -178,8 +178,6 @@ def plot_drift(
 ) -> Any:
     """Left: MET base rate per year (all data) with the test years' mean P(MET); right: quality per test year."""
     import matplotlib.pyplot as plt
-
-    from ..plots import PALETTE, WIDTH, setup_style
 
     setup_style()
     fig, axes = plt.subplots(1, 2, figsize=(WIDTH, 2.9), gridspec_kw={"width_ratios": [1.6, 1]})

@@ -11,8 +11,11 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from rlxf_utils.plots import PALETTE, WIDTH, setup_style
+from rlxf_utils.risk.common import RiskError, binary_metrics, clusters_of, require_columns
+from rlxf_utils.stats import mean_ci, sign_of
+
 from ..prompts import econ_area
-from .common import RiskError, binary_metrics, clusters_of, mean_ci, require_columns, sign_of
 
 
 def _norm_country(s: pd.Series) -> pd.Series:
@@ -208,8 +211,6 @@ def group_bias_summary(table: pd.DataFrame, overall: Mapping[str, float]) -> dic
 def plot_group_bias(table: pd.DataFrame) -> Any:
     """Per dimension: observed MET rate and mean predicted P(MET) per group, accuracy marked."""
     import matplotlib.pyplot as plt
-
-    from ..plots import PALETTE, WIDTH, setup_style
 
     setup_style()
     dims = list(dict.fromkeys(table["dimension"]))

@@ -14,8 +14,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from ..evaluation import per_prompt_means
-from .common import RiskError, corr, mean_ci, require_columns, spearman_ci, tuned_policies
+from rlxf_utils.plots import WIDTH, setup_style
+from rlxf_utils.risk.common import RiskError, require_columns, tuned_policies
+from rlxf_utils.stats import corr, mean_ci, per_prompt_means, spearman_ci
 
 
 def length_reward(
@@ -98,8 +99,6 @@ def plot_length_reward(
 ) -> Any:
     """Reward against response length: one dot per response, binned means per policy as lines."""
     import matplotlib.pyplot as plt
-
-    from ..plots import WIDTH, setup_style
 
     setup_style()
     fig, ax = plt.subplots(figsize=(WIDTH, 3.0))
@@ -211,8 +210,6 @@ def final_gains(
 def plot_gains(gains: pd.DataFrame) -> Any:
     """Training-reward gain and audit-reward gain against training step, one colour per algorithm."""
     import matplotlib.pyplot as plt
-
-    from ..plots import WIDTH, setup_style
 
     setup_style()
     fig, ax = plt.subplots(figsize=(WIDTH, 2.8))

@@ -10,7 +10,12 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from .common import RiskError, binary_metrics, clusters_of, require_columns, spearman_ci
+from rlxf_utils.data.labels import normalise_status
+from rlxf_utils.plots import WIDTH, setup_style
+from rlxf_utils.prompts import serialize_frame
+from rlxf_utils.reward.tfidf import train_tfidf
+from rlxf_utils.risk.common import RiskError, binary_metrics, clusters_of, require_columns
+from rlxf_utils.stats import spearman_ci
 
 
 def mapping_statuses(mapping: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -27,9 +32,8 @@ def relabel(conditions: pd.DataFrame, mapping: Any, not_assessed: Iterable[str])
 
     Rows whose status is in `not_assessed` (`data.labels.not_assessed`) are dropped under every
     mapping, and the mapping's `exclude` statuses too. Statuses are compared after
-    `data.normalise_status`.
+    `data.labels.normalise_status`.
     """
-    from ..data import normalise_status
 
     met, exclude = mapping_statuses(mapping)
     keep = _kept(conditions, (*not_assessed, *exclude))
@@ -41,8 +45,7 @@ def relabel(conditions: pd.DataFrame, mapping: Any, not_assessed: Iterable[str])
 
 
 def _kept(conditions: pd.DataFrame, dropped: Iterable[str]) -> pd.Series:
-    """Rows whose status (after `data.normalise_status`) is none of the `dropped` statuses."""
-    from ..data import normalise_status
+    """Rows whose status (after `data.labels.normalise_status`) is none of the `dropped` statuses."""
 
     require_columns(conditions, ["status"], "conditions table")
     drop = {normalise_status(s) for s in dropped}
@@ -68,11 +71,9 @@ def label_sensitivity(
     (beyond the not-assessed ones), test accuracy, AUC, Brier and majority-class accuracy on its
     own test rows, and the Spearman correlation of its scores with the reference variant's on
     the test rows every variant keeps, with a percentile-bootstrap interval at level 1 - alpha
-    that resamples arrangements. Each model is `reward.train_tfidf` with the reward config,
+    that resamples arrangements. Each model is `reward.tfidf.train_tfidf` with the reward config,
     temperature-scaled on the split's validation rows under the same variant.
     """
-    from ..prompts import serialize_frame
-    from ..reward import train_tfidf
 
     variants = list(mappings)
     if not variants:
@@ -162,8 +163,6 @@ def label_sensitivity(
 def plot_label_variants(scores: pd.DataFrame, table: pd.DataFrame) -> Any:
     """Each variant's P(MET) against the reference variant's on the common test rows."""
     import matplotlib.pyplot as plt
-
-    from ..plots import WIDTH, setup_style
 
     setup_style()
     ref = str(table["reference"].iloc[0])

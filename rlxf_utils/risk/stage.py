@@ -14,23 +14,26 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from ..evaluation import tokenize
-from ..prompts import CONTEXT_FIELDS
-from .common import (
+from rlxf_utils.data.splits import load_splits
+from rlxf_utils.evaluation.measures import tokenize
+from rlxf_utils.reward.bundle import load_reward
+from rlxf_utils.reward.training import configure_threads
+from rlxf_utils.risk.common import (
     HISTORY_PREFIX,
     RiskError,
     binary_metrics,
-    corr,
     generated_policies,
     missing_note,
     note_table,
     policy_kind,
     prediction_column,
     require_columns,
-    sign_of,
     start_policy,
     tuned_policies,
 )
+from rlxf_utils.stats import corr, sign_of
+
+from ..prompts import CONTEXT_FIELDS
 from .diversity import area_table, diversity_changes, plot_areas, within_prompt_diversity
 from .drift import base_rate_by_year, drift_by_year, drift_summary, drift_tests, plot_drift
 from .groups import (
@@ -93,7 +96,6 @@ def run_risk_stage(cfg: Any, run: Any, reward_model: Any | None = None) -> RiskS
     used when present). `reward_model` (anything with `score(contexts, texts, batch_size=)`)
     defaults to the one in `reward_model/`.
     """
-    from ..data import load_splits
 
     rc, rk = cfg.reward, cfg.risk
     seed = cfg.run.seed
@@ -191,8 +193,6 @@ def run_risk_stage(cfg: Any, run: Any, reward_model: Any | None = None) -> RiskS
 
     # 2b. country swap --------------------------------------------------------------------
     if reward_model is None:
-        from ..reward import configure_threads, load_reward
-
         configure_threads(rc.num_threads)
         reward_model, _ = load_reward(run.require("reward_model", "notebook 02 (reward model)"))
 

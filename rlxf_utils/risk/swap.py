@@ -11,9 +11,11 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from ..evaluation import level
+from rlxf_utils.plots import PALETTE, WIDTH, setup_style
+from rlxf_utils.risk.common import RiskError, require_columns
+from rlxf_utils.stats import level, mean_ci, stat_ci
+
 from ..prompts import CONTEXT_FIELDS
-from .common import RiskError, mean_ci, require_columns, stat_ci
 
 
 def choose_swap_countries(countries: Iterable[str], k: int, seed: int) -> list[str]:
@@ -173,8 +175,6 @@ def swap_summary(
 def plot_swap(per_country: pd.DataFrame, alpha: float = 0.05) -> Any:
     """Bar per swapped-in country: mean change of the reward when only the country is replaced."""
     import matplotlib.pyplot as plt
-
-    from ..plots import PALETTE, WIDTH, setup_style
 
     setup_style()
     g = per_country.sort_values("mean_delta")

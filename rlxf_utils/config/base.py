@@ -1,0 +1,24 @@
+"""What every parameter section shares: the project root, the error a bad file raises, and the
+base model (unknown keys are errors, values are checked on assignment)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict
+
+PROJECT_ROOT = (
+    Path(__file__).resolve().parents[2]
+)  # the checkout: rlxf_utils/config/base.py -> ../../
+
+
+class ConfigError(ValueError):
+    """A parameters file that cannot be used; the message names the file, the key and the fix."""
+
+
+class Section(BaseModel):
+    """Base of every parameter section: unknown keys are errors, values are checked on assignment."""
+
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, frozen=False, use_attribute_docstrings=True
+    )

@@ -1,0 +1,88 @@
+"""Parameters of the run and of the data: identity and seed, the MONA file, its labels and splits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from rlxf_utils.config.base import Section
+
+
+class RunConfig(Section):
+    """Identity of a run: its name (the folder under runs/), the global seed, the report's title block."""
+
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    """The run's folder under `runs/` (letters, digits, `_ . -`)."""
+    seed: int = Field(default=20240514, ge=0)
+    """The global seed: splits, sampling, LoRA initialisation and every bootstrap derive from
+    it."""
+    title: str = "Reinforcement Learning from Experience Feedback: a rerun on the IMF MONA database"
+    """The report's title."""
+    authors: list[str] = Field(default_factory=lambda: ["RLXF study team"])
+    """The report's authors."""
+    wp_number: str = "WP/24/114 (rerun)"
+    """The working-paper number on the report's title block."""
+
+
+class LabelConfig(Section):
+    """How normalised MONA status codes become labels (the paper: MET = M, PM)."""
+
+    met: list[str] = Field(default_factory=lambda: ["M", "PM"], min_length=1)
+    """Normalised status codes labelled MET (the paper: met `M` and partly met `PM`)."""
+    not_assessed: list[str] = Field(default_factory=lambda: ["SB", "PC", "PA", ""])
+    """Status codes of conditions to be assessed at a later review: not outcomes, excluded."""
+    unrecognised: Literal["non_met", "exclude", "error"] = "non_met"
+    """A status that is no MONA code (nor spelled out, e.g. 'Not met') and not listed above: the
+    paper groups such "others" under Non-MET ('non_met', warned with counts); 'exclude' drops
+    them from the labelled rows, 'error' stops the load naming them"""
+
+    @field_validator("met", "not_assessed")
+    @classmethod
+    def _upper(cls, v: list[str]) -> list[str]:
+        return [s.strip().upper() for s in v]
+
+    @model_validator(mode="after")
+    def _disjoint(self) -> LabelConfig:
+        both = set(self.met) & set(self.not_assessed)
+        if both:
+            raise ValueError(f"status codes {sorted(both)} are in both 'met' and 'not_assessed'")
+        return self
+
+
+class SplitConfig(Section):
+    """The three split protocols of the study and the held-out prompt contexts."""
+
+    test_fraction: float = Field(default=0.2, gt=0.0, lt=1.0)
+    """Share of each protocol's rows held out as its test set (the paper: 20%)."""
+    validation_fraction: float = Field(default=0.1, gt=0.0, lt=1.0)
+    """Share carved from each training split for checkpoint selection and calibration."""
+    temporal_cutoff_year: int = Field(default=2010, ge=1990, le=2030)
+    """Temporal protocol: train on conditions due up to this year, test on later ones."""
+    context_eval_fraction: float = Field(default=0.2, gt=0.0, lt=1.0)
+    """Share of countries whose prompt contexts are held out from SFT and RL (evaluation's
+    prompts)."""
+    near_duplicate_threshold: float = Field(default=0.9, gt=0.0, le=1.0)
+    """TF-IDF cosine at or above which a test description counts as a near-duplicate of a
+    training one."""
+
+
+class DataConfig(Section):
+    """Where the MONA file is, what it must hash to, how to label it and how to split it."""
+
+    path: Path
+    """The MONA file (CSV or .xlsx); relative paths are read from the parameters file's folder."""
+    sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
+    """The file's expected sha256 (checked before any work); null: not checked."""
+    max_rows: int | None = Field(default=None, gt=0)
+    """Cap on the rows used: whole arrangements are subsampled, seeded (null: every row)."""
+    labels: LabelConfig = Field(default_factory=LabelConfig)
+    """How statuses become MET / Non-MET labels."""
+    splits: SplitConfig = Field(default_factory=SplitConfig)
+    """The split protocols and the held-out contexts."""
+    table2_sample_size: int = Field(default=8, gt=0)
+    """Rows in the paper's Table 2 sample (notebook 01)."""
+
+
+SplitProtocol = Literal["random", "grouped", "temporal"]

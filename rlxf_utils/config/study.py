@@ -1,0 +1,283 @@
+"""Parameters of evaluation, risk and compute, and the whole study (`StudyConfig`) with the checks
+that span sections."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from rlxf_utils.algorithms import RLGF_ALGORITHMS
+from rlxf_utils.config.base import Section
+from rlxf_utils.config.data import DataConfig, RunConfig
+from rlxf_utils.config.policy import ILHFConfig, PolicyConfig, RLConfig, RLGFConfig, SFTConfig
+from rlxf_utils.config.reward import ForensicConfig, RewardConfig
+
+
+class Table3Scenario(Section):
+    """One of the paper's Table 3 completion prompts; `{country}` is filled from held-out contexts."""
+
+    prompt: str = Field(min_length=1)
+    """The paper's Table 3 prompt; `{country}` is filled with a held-out country."""
+    econ_descriptor: str = Field(min_length=1)
+    """The MONA economic descriptor the reward is scored under."""
+
+    @field_validator("prompt")
+    @classmethod
+    def _has_country(cls, v: str) -> str:
+        if "{country}" not in v:
+            raise ValueError("must contain the placeholder {country}")
+        return v
+
+
+class EvaluationConfig(Section):
+    """Alignment evaluation (notebook 04) on the held-out contexts."""
+
+    max_prompts: int | None = Field(default=48, gt=0)
+    """Held-out contexts evaluated (null: all)."""
+    samples_per_prompt: int = Field(default=4, ge=1)
+    """K responses per prompt and policy."""
+    best_of_n: int = Field(default=4, ge=2)
+    """The best-of-N policy row: N start-policy samples."""
+    best_of_n_curve: list[int] = Field(default_factory=lambda: [1, 2, 4, 8, 16], min_length=1)
+    """The best-of-N curve of the reward-KL frontier: N candidates per prompt, drawn from the
+    start policy independently of the samples it is compared with (a pool of max(N) per prompt)"""
+    heldout_rows: int | None = Field(default=300, gt=0)
+    """Held-out descriptions for perplexity."""
+    batch_size: int = Field(default=16, gt=0)
+    """Generation batch."""
+    logprob_batch_size: int = Field(default=16, gt=0)
+    """Responses per log-probability pass (policy and reference)."""
+    n_boot: int = Field(default=2000, ge=100)
+    """Bootstrap resamples of every interval."""
+    alpha: float = Field(default=0.05, gt=0.0, lt=0.5)
+    """Significance level of every interval and test of the study (intervals at 1 - alpha)."""
+    grounding_k: int = Field(default=10, ge=1)
+    """Nearest historical conditions per response."""
+    frontier: bool = True
+    """Score every algorithm's snapshots for the reward-KL frontier."""
+    frontier_samples_per_prompt: int = Field(default=1, ge=1)
+    """Responses per prompt for each frontier snapshot."""
+    frontier_max_checkpoints: int | None = Field(default=None, gt=0)
+    """Evenly spaced subset."""
+    table3_countries: int = Field(default=2, ge=1)
+    """Held-out countries filled into the paper's Table 3 prompts."""
+    table3_scenarios: list[Table3Scenario] = Field(
+        default_factory=lambda: [
+            Table3Scenario(
+                prompt="An appropriate economic reform policy by the IMF for {country} in the Fiscal Policy area should",
+                econ_descriptor="1.1. Revenue measures, excluding trade policy",
+            ),
+            Table3Scenario(
+                prompt="The ideal trade and investment strategy by the IMF for {country} should",
+                econ_descriptor="8. International trade policy, excluding customs reforms",
+            ),
+            Table3Scenario(
+                prompt="A strategic financial sector reform by the IMF for {country} should",
+                econ_descriptor="6.1. Financial sector legal reforms, regulation, and supervision",
+            ),
+        ],
+        min_length=1,
+    )
+    """The paper's Table 3 prompts."""
+    show_samples: int = Field(default=3, ge=0)
+    """Full samples per policy shown in the notebook."""
+    num_threads: int | None = Field(default=None, gt=0)
+    """Torch threads for evaluation (null: every core)."""
+    reward_heads: int = Field(default=10, ge=0)
+    """Reward uncertainty: logistic heads on the reward encoder's frozen features, each fitted
+    on a bootstrap resample; their SD of P(MET) is the epistemic uncertainty per response (0:
+    off)"""
+    reward_heads_rows: int = Field(default=2000, ge=50)
+    """Reward-training rows (the reward protocol's train split, seeded subsample) the heads fit
+    on"""
+
+
+class LabelMapping(Section):
+    """One reading of MONA statuses for the label-sensitivity check: MET statuses, statuses dropped."""
+
+    met: list[str] = Field(min_length=1)
+    """Statuses labelled MET under this mapping."""
+    exclude: list[str] = Field(default_factory=list)
+    """Statuses dropped under this mapping (besides `data.labels.not_assessed`)."""
+
+    @field_validator("met", "exclude")
+    @classmethod
+    def _upper(cls, v: list[str]) -> list[str]:
+        return [s.strip().upper() for s in v]
+
+    @model_validator(mode="after")
+    def _disjoint(self) -> LabelMapping:
+        both = set(self.met) & set(self.exclude)
+        if both:
+            raise ValueError(f"status codes {sorted(both)} are in both 'met' and 'exclude'")
+        return self
+
+
+def _default_label_mappings() -> dict[str, LabelMapping]:
+    return {
+        "paper": LabelMapping(met=["M", "PM"]),
+        "md_as_met": LabelMapping(met=["M", "PM", "MD"]),
+        "exclude_cancelled_modified": LabelMapping(met=["M", "PM"], exclude=["CAN", "MOD"]),
+    }
+
+
+class RiskConfig(Section):
+    """Risk measurements (notebook 05)."""
+
+    regions_path: Path = Path("../data/regions/imf_regions.csv")
+    """Country -> region, with SOURCE.md."""
+    min_group_size: int = Field(default=20, ge=1)
+    """Groups smaller than this are pooled as 'other'."""
+    swap_texts: int = Field(default=40, ge=1)
+    """Historical texts in the country-swap test."""
+    swap_generated: int = Field(default=40, ge=0)
+    """Generated texts in the country-swap test."""
+    swap_countries: int = Field(default=12, ge=2)
+    """Countries swapped in."""
+    length_bins: int = Field(default=5, ge=2)
+    """Response-length bins of the reward-against-length table."""
+    top_ngrams: int = Field(default=15, ge=1)
+    """Bigrams listed among those RL made more frequent."""
+    label_mappings: dict[str, LabelMapping] = Field(default_factory=_default_label_mappings)
+    """Name -> mapping; 'paper' is the reference and must equal data.labels (its met, nothing
+    dropped)"""
+    label_variants: list[str] = Field(  # names in label_mappings, compared in this order
+        default_factory=lambda: ["paper", "md_as_met", "exclude_cancelled_modified"], min_length=2
+    )
+    """Label mappings (names in `label_mappings`) compared, in this order."""
+    label_model: Literal["tfidf"] = "tfidf"
+    """Retrained per label variant (cheap, see notebook 05)."""
+
+    @model_validator(mode="after")
+    def _variants_known(self) -> RiskConfig:
+        unknown = [v for v in self.label_variants if v not in self.label_mappings]
+        if unknown:
+            raise ValueError(
+                f"label_variants {unknown} are not in label_mappings "
+                f"(defined: {sorted(self.label_mappings)}); add a mapping with 'met' and 'exclude'"
+            )
+        if len(set(self.label_variants)) != len(self.label_variants):
+            raise ValueError(f"label_variants lists a name twice: {self.label_variants}")
+        if "paper" not in self.label_mappings:
+            raise ValueError(
+                "label_mappings needs a 'paper' mapping (the reference, = data.labels)"
+            )
+        return self
+
+
+class ComputeConfig(Section):
+    """Where the training stages run: device, processes, `accelerate` and the Hugging Face hub.
+
+    `processes: per_stage` runs SFT and each RL algorithm in its own process started with
+    `accelerate launch` (one `Accelerator` per process: mixed precision and the distributed
+    state are set once, as accelerate requires); `kernel` trains inside the notebook's kernel
+    (debugging). `accelerate_config` is an accelerate config file (params/accelerate/*.yaml,
+    relative to the parameters file); `num_processes` is passed to `accelerate launch` and
+    overrides the file's. PPO and the RLGF algorithms (ours) and GRPO/RLOO (TRL) use every
+    process; SFT and ILHF train on the main process only (their loops are not data-parallel).
+    """
+
+    device: Literal["auto", "cpu", "cuda"] = (
+        "auto"  # auto: this process's GPU when CUDA is available
+    )
+    """'auto': this process's GPU when CUDA is available, else the CPU; 'cpu'; 'cuda'."""
+    processes: Literal["per_stage", "kernel"] = "per_stage"
+    """'per_stage': SFT and each RL algorithm in their own process (`accelerate launch`);
+    'kernel': inside the notebook's kernel."""
+    accelerate_config: Path | None = None
+    """None: one process with accelerate's defaults"""
+    num_processes: int = Field(default=1, ge=1)
+    """Processes (GPUs) per RL stage under `accelerate launch` (SFT and ILHF use one)."""
+    hf_offline: bool = True
+    """Hub access: offline (the embedded models, clusters without internet) unless a profile
+    turns it off; HF_HUB_OFFLINE set in the environment still wins"""
+
+    @model_validator(mode="after")
+    def _kernel_is_one_process(self) -> ComputeConfig:
+        if self.processes == "kernel" and self.num_processes > 1:
+            raise ValueError(
+                f"processes 'kernel' trains inside the notebook: one process, but num_processes "
+                f"is {self.num_processes}; use processes: per_stage"
+            )
+        return self
+
+
+class StudyConfig(Section):
+    """The whole study's parameters; `source` is the YAML file they came from."""
+
+    run: RunConfig
+    """The run's identity and seed."""
+    data: DataConfig
+    """The MONA file, labels and splits (notebook 01)."""
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    """The reward model (notebook 02)."""
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    """The policy LLM and its adapters."""
+    sft: SFTConfig = Field(default_factory=SFTConfig)
+    """Domain fine-tuning before RL (notebook 03)."""
+    rl: RLConfig = Field(default_factory=RLConfig)
+    """RL: every algorithm's shared settings (notebook 03)."""
+    rlgf: RLGFConfig = Field(default_factory=RLGFConfig)
+    """The RLGF algorithms' own settings."""
+    ilhf: ILHFConfig = Field(default_factory=ILHFConfig)
+    """The ILHF algorithms' own settings."""
+    evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
+    """Evaluation (notebook 04) and the study's significance level."""
+    risk: RiskConfig = Field(default_factory=RiskConfig)
+    """The risk measures (notebook 05)."""
+    forensic: ForensicConfig = Field(default_factory=ForensicConfig)
+    """Notebook 02's forensic arm."""
+    compute: ComputeConfig = Field(default_factory=ComputeConfig)
+    """Devices and processes."""
+    source: Path | None = Field(default=None, exclude=True)
+    """The parameters file this was read from (set by `load_config`, not a key)."""
+
+    def resolved(self) -> dict[str, Any]:
+        """Plain-JSON form of every parameter, defaults filled in (for the manifest)."""
+        return self.model_dump(mode="json")
+
+    @model_validator(mode="after")
+    def _start_exists(self) -> StudyConfig:
+        if self.rl.start_policy == "sft" and not self.sft.enabled:
+            raise ValueError("rl.start_policy is 'sft' but sft.enabled is false")
+        guided = [a for a in self.rl.algorithm if a in RLGF_ALGORITHMS]
+        if guided and self.rlgf.guide != "base" and not self.sft.enabled:
+            raise ValueError(
+                f"rl.algorithm {guided} needs the guide rlgf.guide={self.rlgf.guide!r}, "
+                "which the SFT stage trains, but sft.enabled is false"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _batches_split_over_processes(self) -> StudyConfig:
+        n = self.compute.num_processes
+        bad = {k: getattr(self.rl, k) for k in ("batch_size", "minibatch_size")}
+        bad = {k: v for k, v in bad.items() if v % n}
+        if bad:
+            raise ValueError(
+                f"rl {bad} must be divisible by compute.num_processes={n}: each process takes an "
+                "equal share of every batch and minibatch (global sizes stay as in one process)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _paper_mapping_is_the_data_labels(self) -> StudyConfig:
+        paper = self.risk.label_mappings["paper"]
+        if set(paper.met) != set(self.data.labels.met) or paper.exclude:
+            raise ValueError(
+                f"risk.label_mappings.paper (met {paper.met}, exclude {paper.exclude}) must equal "
+                f"data.labels (met {self.data.labels.met}, exclude [])"
+            )
+        clash = {
+            name: sorted(set(m.met) & set(self.data.labels.not_assessed))
+            for name, m in self.risk.label_mappings.items()
+            if set(m.met) & set(self.data.labels.not_assessed)
+        }
+        if clash:
+            raise ValueError(
+                f"risk.label_mappings count not-assessed statuses (data.labels.not_assessed) as "
+                f"MET: {clash}"
+            )
+        return self

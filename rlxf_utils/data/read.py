@@ -1,0 +1,330 @@
+"""Reading a MONA file as records: decoding, delimiter sniffing, CSV and .xlsx parsing, and the
+load report that says what was read and repaired."""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import io
+import logging
+import re
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from rlxf_utils.data.schema import (
+    DELIMITERS,
+    HEADER_SCAN_ROWS,
+    REQUIRED,
+    UNRECOGNISED_POLICIES,
+    DataError,
+    matching_schema,
+    normalise_header,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadReport:
+    """What the loader made of a file: schema, rows, repairs, statuses and their labels."""
+
+    path: str
+    sha256: str
+    schema: str
+    encoding: str
+    rows_read: int
+    repairs: list[str] = field(default_factory=list)
+    status_table: pd.DataFrame | None = None
+    label_counts: dict[str, int] = field(default_factory=dict)
+    unknown_statuses: dict[str, int] = field(default_factory=dict)
+    test_year_sources: dict[str, int] = field(default_factory=dict)
+    source_format: str = "CSV, comma-separated"
+    unrecognised_policy: str = "non_met"
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {k: v for k, v in self.__dict__.items() if k != "status_table"}
+        if self.status_table is not None:
+            out["status_table"] = self.status_table.to_dict(orient="records")
+        return out
+
+    def render(self) -> str:
+        """Human-readable summary (what `rlxf data summary` prints)."""
+        n_lab = self.label_counts.get("MET", 0) + self.label_counts.get("Non-MET", 0)
+        met_share = self.label_counts.get("MET", 0) / n_lab if n_lab else float("nan")
+        n_excl = self.label_counts.get("excluded", 0)
+        n_unknown = sum(self.unknown_statuses.values())
+        if self.unrecognised_policy == "exclude" and n_unknown:
+            why = f"not assessed yet {n_excl - n_unknown}; unrecognised status {n_unknown}"
+        else:
+            why = "not assessed yet"
+        lines = [
+            f"file:       {self.path}",
+            f"format:     {self.source_format}",
+            f"sha256:     {self.sha256}",
+            f"schema:     {self.schema}",
+            f"encoding:   {self.encoding}",
+            f"rows read:  {self.rows_read}",
+            f"labelled:   {n_lab} (MET {self.label_counts.get('MET', 0)}, "
+            f"Non-MET {self.label_counts.get('Non-MET', 0)}, MET share {met_share:.3f})",
+            f"excluded:   {n_excl} ({why})",
+            "test year from: "
+            + ", ".join(f"{k} {v}" for k, v in sorted(self.test_year_sources.items())),
+            "repairs:    " + ("; ".join(self.repairs) if self.repairs else "none"),
+        ]
+        if self.unknown_statuses:
+            policy = self.unrecognised_policy
+            lines.append(
+                f"WARNING unknown status codes ({UNRECOGNISED_POLICIES.get(policy, policy)}; "
+                f"data.labels.unrecognised: {policy}): "
+                + ", ".join(f"{k!r} x{v}" for k, v in self.unknown_statuses.items())
+            )
+        if self.status_table is not None:
+            lines.append("statuses (raw -> normalised -> label):")
+            for r in self.status_table.itertuples(index=False):
+                lines.append(
+                    f"  {r.status_raw!r:>8} -> {r.status!r:<7} {r.label:<9} {r.count:>6}  {r.meaning}"
+                )
+        return "\n".join(lines)
+
+
+@dataclass
+class MonaTable:
+    """A normalised MONA table and the report of how it was read."""
+
+    frame: pd.DataFrame
+    report: LoadReport
+
+    @property
+    def labelled(self) -> pd.DataFrame:
+        return self.frame[self.frame["label"] != "excluded"].reset_index(drop=True)
+
+
+def _decode(raw: bytes, path: Path, repairs: list[str]) -> tuple[str, str]:
+    if raw.startswith(b"\xef\xbb\xbf"):
+        raw = raw[3:]
+    try:
+        return raw.decode("utf-8"), "utf-8"
+    except UnicodeDecodeError as exc:
+        text = raw.decode("cp1252", errors="replace")
+        repairs.append(
+            f"bytes not valid UTF-8 (first at byte {exc.start}); decoded as cp1252 instead"
+        )
+        log.warning("%s: not valid UTF-8 at byte %d; decoded as cp1252", path, exc.start)
+        return text, "cp1252"
+
+
+def sniff_delimiter(text: str) -> tuple[str, str]:
+    """(delimiter, text): the separator of a CSV's header line and the text to parse.
+
+    Comma, semicolon or tab, whichever occurs most often outside quotes in the header line
+    (comma on a tie or when none occurs). A first line `sep=;` (a hint Excel writes and reads)
+    names the delimiter and is removed from the text.
+    """
+    first = text.lstrip("\r\n").split("\n", 1)[0].strip()
+    hint = re.fullmatch(r"(?i)sep=(.)", first)
+    if hint and hint.group(1) in DELIMITERS:
+        rest = text.lstrip("\r\n").split("\n", 1)
+        return hint.group(1), rest[1] if len(rest) > 1 else ""
+    counts = dict.fromkeys(DELIMITERS, 0)
+    quoted = started = False
+    for ch in text[: 1 << 16]:
+        if ch in "\r\n" and not quoted:
+            if started:
+                break
+            continue
+        started = True
+        if ch == '"':
+            quoted = not quoted
+        elif not quoted and ch in counts:
+            counts[ch] += 1
+    best = max(counts, key=lambda d: counts[d])
+    return (best if counts[best] else ","), text
+
+
+def _parse_records(
+    text: str, path: Path, repairs: list[str], delimiter: str | None = None
+) -> tuple[list[str], list[list[str]]]:
+    """CSV records with a check that every row has the header's width; a cut last line is dropped.
+
+    The delimiter is detected (`sniff_delimiter`) unless given; the header is normalised
+    (`normalise_header`).
+    """
+    if delimiter is None:
+        delimiter, text = sniff_delimiter(text)
+    sep = f"{DELIMITERS.get(delimiter, repr(delimiter))}-separated"
+    reader = csv.reader(io.StringIO(text, newline=""), delimiter=delimiter, strict=True)
+    records: list[list[str]] = []
+    try:
+        records.extend(reader)
+    except csv.Error as exc:
+        # An unterminated quote at the end of the file: the last record was cut mid-field.
+        if "unexpected end of data" not in str(exc):
+            raise DataError(
+                f"{path}: CSV syntax error near line {reader.line_num}: {exc}; "
+                f"expected {sep} values with double-quoted fields"
+            ) from None
+        repairs.append(
+            f"truncated last record (from line {reader.line_num}, an unterminated quote) dropped; "
+            "the file looks cut short"
+        )
+    records = [r for r in records if any(cell.strip() for cell in r)]
+    if not records:
+        raise DataError(f"{path}: the file is empty; expected a header row and MONA records")
+    header = normalise_header(records[0], path)
+    body = records[1:]
+    if not body:
+        raise DataError(f"{path}: only a header row, no records; expected MONA conditions")
+    width = len(header)
+    bad = [i for i, r in enumerate(body) if len(r) != width]
+    if bad and bad[-1] == len(body) - 1 and len(body[-1]) < width:
+        repairs.append(
+            f"truncated last line dropped (it had {len(body[-1])} of {width} fields); "
+            "the file looks cut short"
+        )
+        body = body[:-1]
+        bad = bad[:-1]
+    if bad:
+        i = bad[0]
+        raise DataError(
+            f"{path}: record {i + 1} (after the header) has {len(body[i])} fields, expected "
+            f"{width} as in the header ({sep}, detected from the header line); {len(bad)} "
+            "record(s) have the wrong width"
+        )
+    return header, body
+
+
+def _cell_text(value: Any) -> str:
+    """A spreadsheet cell as the text a CSV export would hold (dates as ISO dates)."""
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "TRUE" if value else "FALSE"
+    if isinstance(value, float):
+        return str(int(value)) if value.is_integer() else repr(value)
+    if isinstance(value, datetime.datetime):
+        if value.time() == datetime.time(0):
+            return value.strftime("%Y-%m-%d")
+        return value.strftime("%Y-%m-%dT%H:%M:%S")
+    if isinstance(value, datetime.date):
+        return value.isoformat()
+    return str(value)
+
+
+def _read_xlsx(
+    raw: bytes, path: Path, repairs: list[str]
+) -> tuple[list[str], list[list[str]], str]:
+    """(header, records, where): the first sheet whose header row has a schema's required columns.
+
+    The header is searched in each sheet's first `HEADER_SCAN_ROWS` non-empty rows (a title may
+    sit above it); rows above it are skipped and reported in `where`.
+    """
+    try:
+        from openpyxl import load_workbook
+    except ImportError:
+        raise DataError(
+            f"{path}: reading an .xlsx workbook needs openpyxl (pinned in pyproject.toml); "
+            "run `make install`, or save the sheet as CSV"
+        ) from None
+    try:
+        with warnings.catch_warnings():  # styles and validations it cannot read: values are fine
+            warnings.filterwarnings("ignore", category=UserWarning, module="openpyxl")
+            wb = load_workbook(io.BytesIO(raw), read_only=True, data_only=True)
+    except Exception as exc:  # a zip that is no workbook fails in many ways inside openpyxl
+        raise DataError(
+            f"{path}: not a readable .xlsx workbook ({type(exc).__name__}: {exc}); expected an "
+            "Excel workbook (.xlsx) or a CSV file"
+        ) from None
+    try:
+        found: list[str] = []
+        for ws in wb.worksheets:
+            rows = ws.iter_rows(values_only=True)
+            header: list[str] | None = None
+            first: list[str] | None = None
+            header_row = scanned = 0
+            for i, row in enumerate(rows, start=1):
+                cells = [_cell_text(v) for v in row]
+                if not any(c.strip() for c in cells):
+                    continue
+                scanned += 1
+                if first is None:
+                    first = [" ".join(c.split()) for c in cells if c.strip()]
+                if matching_schema(cells) is not None:
+                    header, header_row = cells, i
+                    break
+                if scanned >= HEADER_SCAN_ROWS:
+                    break
+            if header is None:
+                cols = "empty" if first is None else f"first row {first[:12]}"
+                found.append(f"{ws.title!r} ({cols}{', ...' if first and len(first) > 12 else ''})")
+                continue
+            where = f", sheet {ws.title!r}"
+            width = max(j for j, c in enumerate(header) if c.strip()) + 1
+            names = normalise_header(header[:width], path, where, letters=True)
+            body: list[list[str]] = []
+            beyond = 0
+            for row in rows:
+                cells = [_cell_text(v) for v in row]
+                if not any(c.strip() for c in cells):
+                    continue
+                if any(c.strip() for c in cells[width:]):
+                    beyond += 1
+                body.append((cells + [""] * width)[:width])
+            if not body:
+                raise DataError(
+                    f"{path}{where}: only a header row, no records; expected MONA conditions"
+                )
+            if beyond:
+                repairs.append(
+                    f"sheet {ws.title!r}: {beyond} row(s) have values right of the last named "
+                    "column; ignored"
+                )
+            skipped = scanned - 1
+            desc = f"sheet {ws.title!r}, header on row {header_row}"
+            if skipped:
+                desc += f" ({skipped} non-empty row(s) above it skipped)"
+            if found:
+                desc += f"; sheets without the columns: {'; '.join(found)}"
+            return names, body, desc
+    finally:
+        wb.close()
+    raise DataError(
+        f"{path}: no sheet has the columns of a MONA export; sheets found: {'; '.join(found)}. "
+        "Expected a sheet whose header row (within its first "
+        f"{HEADER_SCAN_ROWS} non-empty rows) has "
+        + " or ".join(f"{n}: {list(r)}" for n, r in REQUIRED.items())
+    )
+
+
+_ZIP_MAGIC = b"PK\x03\x04"
+
+
+_OLE_MAGIC = b"\xd0\xcf\x11\xe0\xa1\xb1\x1a\xe1"
+
+
+def read_records(
+    raw: bytes, path: Path, repairs: list[str]
+) -> tuple[list[str], list[list[str]], str, str]:
+    """(header, records, encoding, format) of a MONA file's bytes: an .xlsx workbook or a CSV.
+
+    The reader behind `load_mona`: any other reader of the raw file should use it too, so that
+    record numbers (`row_id`) agree. A workbook is recognised by its zip signature or its
+    `.xlsx`/`.xlsm` name; an Excel 97-2003 `.xls` is refused with what to do; anything else is
+    read as CSV (`_decode`, `sniff_delimiter`, `_parse_records`).
+    """
+    suffix = path.suffix.lower()
+    if raw.startswith(_OLE_MAGIC) or suffix == ".xls":
+        raise DataError(
+            f"{path}: an Excel 97-2003 workbook (.xls), which is not read; expected an .xlsx "
+            "workbook or a CSV file: open it in a spreadsheet and save it as .xlsx or CSV"
+        )
+    if raw.startswith(_ZIP_MAGIC) or suffix in (".xlsx", ".xlsm"):
+        header, body, where = _read_xlsx(raw, path, repairs)
+        return header, body, "xlsx", f"Excel workbook, {where}"
+    text, encoding = _decode(raw, path, repairs)
+    delimiter, text = sniff_delimiter(text)
+    header, body = _parse_records(text, path, repairs, delimiter)
+    return header, body, encoding, f"CSV, {DELIMITERS[delimiter]}-separated"

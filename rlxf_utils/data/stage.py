@@ -1,0 +1,241 @@
+"""Notebook 01's stage: load, label, subsample, split and build contexts, writing the run's
+`data/` artifacts."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import pandas as pd
+
+from rlxf_utils import plots
+from rlxf_utils.data.contexts import build_contexts
+from rlxf_utils.data.mona import load_mona, subsample_arrangements
+from rlxf_utils.data.read import MonaTable
+from rlxf_utils.data.splits import (
+    make_splits,
+    near_duplicates_across,
+    nest_evaluation_holdout,
+    split_summary,
+)
+from rlxf_utils.report.data import data_findings
+from rlxf_utils.stats import rate_by, wilson_z
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DataStage:
+    """Everything notebook 01 computes and later stages read back from the run dir."""
+
+    table: MonaTable
+    conditions: pd.DataFrame
+    labelled: pd.DataFrame
+    splits: dict[str, dict[str, list[int]]]
+    contexts: pd.DataFrame
+    duplicates: pd.DataFrame
+    subsampled_from: int | None = None
+    holdout: dict[str, Any] = field(default_factory=dict)
+
+
+def run_data_stage(cfg: Any, run: Any) -> DataStage:
+    """Load, label, (sub)sample, split and build contexts; write them to the run dir.
+
+    `cfg` is a `StudyConfig`, `run` a `RunDir`. Writes `data/conditions.parquet`,
+    `data/splits.json`, `data/holdout.json` (nest_evaluation_holdout), `data/contexts.parquet`,
+    `data/load_report.json`.
+    """
+    d = cfg.data
+    table = load_mona(
+        d.path,
+        met=d.labels.met,
+        not_assessed=d.labels.not_assessed,
+        expected_sha256=d.sha256,
+        unrecognised=d.labels.unrecognised,
+    )
+    conditions = table.frame
+    subsampled_from = None
+    if d.max_rows is not None and len(conditions) > d.max_rows:
+        subsampled_from = len(conditions)
+        conditions = subsample_arrangements(conditions, d.max_rows, cfg.run.seed)
+        log.info("subsampled %d -> %d rows (whole arrangements)", subsampled_from, len(conditions))
+    labelled = conditions[conditions["label"] != "excluded"].reset_index(drop=True)
+    s = d.splits
+    splits = make_splits(
+        labelled, cfg.run.seed, s.test_fraction, s.validation_fraction, s.temporal_cutoff_year
+    )
+    contexts = build_contexts(labelled, cfg.run.seed, s.context_eval_fraction)
+    splits, holdout = nest_evaluation_holdout(
+        labelled,
+        splits,
+        cfg.reward.reward_protocol,
+        contexts.loc[contexts["split"] == "eval", "country"].unique(),
+        cfg.run.seed,
+        s.validation_fraction,
+    )
+    by_id = labelled.set_index("row_id")["description"]
+    dup_rows = []
+    for protocol, parts in splits.items():
+        train_ids = parts["train"] + parts["val"]
+        res = near_duplicates_across(
+            by_id.loc[train_ids].tolist(),
+            by_id.loc[parts["test"]].tolist(),
+            s.near_duplicate_threshold,
+        )
+        dup_rows.append({"protocol": protocol, **res})
+    duplicates = pd.DataFrame(dup_rows)
+    run.write_parquet("data/conditions.parquet", conditions)
+    run.write_json("data/splits.json", splits)
+    run.write_json("data/holdout.json", holdout)
+    run.write_parquet("data/contexts.parquet", contexts)
+    report = table.report.as_dict()
+    report["subsampled_from"] = subsampled_from
+    report["rows_used"] = len(conditions)
+    report["labelled_used"] = len(labelled)
+    run.write_json("data/load_report.json", report)
+    return DataStage(
+        table, conditions, labelled, splits, contexts, duplicates, subsampled_from, holdout
+    )
+
+
+@dataclass
+class DataDescription:
+    """Notebook 01's descriptive tables (also written to `tables/`), the tested findings and the
+    summary the report reads (`data/summary.json`)."""
+
+    tables: dict[str, pd.DataFrame]
+    findings: dict[str, Any]
+    summary: dict[str, Any]
+
+
+def _per_programme(lab: pd.DataFrame) -> pd.DataFrame:
+    return (
+        lab.groupby("arrangement_id")
+        .agg(
+            country=("country", "first"),
+            type=("arrangement_type", "first"),
+            conditions=("y", "size"),
+            met_rate=("y", "mean"),
+        )
+        .sort_values("conditions", ascending=False)
+        .reset_index()
+    )
+
+
+def describe_data(stage: DataStage, cfg: Any, run: Any) -> DataDescription:
+    """Describe what the reward model learns from and write it: the status mapping, MET rates with
+    Wilson intervals by year, area, arrangement and condition type, the tested findings, countries
+    and programmes, description lengths, the paper's Table 2 sample, the splits and their near
+    duplicates, the contexts; their figures; and `data/summary.json` for the report."""
+    alpha = cfg.evaluation.alpha
+    z = wilson_z(alpha)
+    lab = stage.labelled
+    n_met, n_non = int((lab["y"] == 1).sum()), int((lab["y"] == 0).sum())
+    met_share = n_met / len(lab)
+    t: dict[str, pd.DataFrame] = {}
+
+    status = stage.table.report.status_table[["status_raw", "status", "meaning", "label", "count"]]
+    t["status_mapping"] = status
+    fig = plots.bar_counts(status.assign(code=status["status_raw"].map(repr)), "code", "count",
+                           "label", "Raw MONA status codes and their label")  # fmt: skip
+    _figure(run, "status_counts", fig)
+
+    t["test_year_sources"] = (
+        stage.conditions["test_year_source"]
+        .value_counts()
+        .rename_axis("test_year_source")
+        .reset_index(name="rows")
+    )
+    t["met_rate_by_year"] = rate_by(lab.dropna(subset=["test_year"]), "test_year", z=z)
+    fig = plots.rate_by_year(t["met_rate_by_year"], "MET rate by test year",
+                             cutoff=cfg.data.splits.temporal_cutoff_year, alpha=alpha)  # fmt: skip
+    _figure(run, "met_rate_by_year", fig)
+    for column, name, title in (
+        ("econ_descriptor", "met_rate_by_area", "MET rate by economic area"),
+        ("arrangement_type", "met_rate_by_arrangement_type", "MET rate by arrangement type"),
+        ("condition_type", "met_rate_by_condition_type", "MET rate by condition type"),
+    ):
+        t[name] = rate_by(lab, column, z=z)
+        _figure(run, name, plots.rate_bars(t[name], column, title, overall=met_share, alpha=alpha))
+    findings = data_findings(lab, cfg.data.splits.temporal_cutoff_year, alpha)
+
+    t["conditions_per_country"] = (
+        lab.groupby("country")
+        .agg(conditions=("y", "size"), met_rate=("y", "mean"), programmes=("arrangement_id", "nunique"))
+        .sort_values("conditions", ascending=False)
+        .reset_index()
+    )  # fmt: skip
+    t["conditions_per_programme"] = _per_programme(lab)
+    words = lab["description"].str.split().str.len()
+    t["description_length"] = (
+        lab.assign(words=words)
+        .groupby("label")["words"]
+        .describe()[["count", "mean", "50%", "max"]]
+        .rename(columns={"50%": "median"})
+        .reset_index()
+    )
+    fig = plots.hist_by(words.clip(upper=120), lab["label"], "Condition description length",
+                        "words (clipped at 120)")  # fmt: skip
+    _figure(run, "description_length", fig)
+
+    t["table2_sample"] = lab.sample(
+        n=min(cfg.data.table2_sample_size, len(lab)), random_state=cfg.run.seed
+    )[list(TABLE2_COLUMNS)].rename(columns=TABLE2_COLUMNS)
+
+    t["split_sizes"] = split_summary(lab, stage.splits)
+    _figure(
+        run, "split_balance", plots.split_balance(t["split_sizes"], "Split sizes and MET share")
+    )
+    t["split_duplicates"] = stage.duplicates
+    t["context_split"] = (
+        stage.contexts.groupby("split")
+        .agg(
+            contexts=("n", "size"),
+            countries=("country", "nunique"),
+            conditions=("n", "sum"),
+            met_rate=("met_rate", "mean"),
+        )
+        .reset_index()
+    )
+    for name, table in t.items():
+        run.write_table(name, table)
+    years = pd.to_datetime(stage.conditions["approval_date"], errors="coerce").dt.year
+    summary = {
+        "rows_read": stage.table.report.rows_read,
+        "rows_used": len(stage.conditions),
+        "labelled": len(lab),
+        "met": n_met,
+        "non_met": n_non,
+        "met_share": met_share,
+        "excluded": int((stage.conditions["label"] == "excluded").sum()),
+        "countries": int(lab["country"].nunique()),
+        "programmes": int(lab["arrangement_id"].nunique()),
+        "approval_years": [int(y) for y in years.agg(["min", "max"])],
+        "split_sizes": t["split_sizes"].to_dict(orient="records"),
+        "duplicates": t["split_duplicates"].to_dict(orient="records"),
+        "contexts": t["context_split"].to_dict(orient="records"),
+        "findings": findings,
+    }
+    run.write_json("data/summary.json", summary)
+    return DataDescription(t, findings, summary)
+
+
+#: The paper's Table 2: the columns it shows and their headers.
+TABLE2_COLUMNS = {
+    "country": "Country",
+    "econ_code": "Economic code",
+    "econ_descriptor": "Economic descriptor",
+    "description": "Description",
+    "condition_type": "Type",
+    "test_date_raw": "Test date",
+    "status": "Status",
+}
+
+
+def _figure(run: Any, name: str, fig: Any) -> None:
+    """`figures/<name>.png`, then closed (the notebook shows the saved file)."""
+    import matplotlib.pyplot as plt
+
+    run.write_figure(name, fig)
+    plt.close(fig)

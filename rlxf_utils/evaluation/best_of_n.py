@@ -1,0 +1,139 @@
+"""Best-of-N from the start policy: the selection, its KL bound, the expected maximum, the curve
+over N and each policy against best-of-N at equal KL."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeVar
+
+import numpy as np
+import pandas as pd
+
+from rlxf_utils.evaluation.sampling import sample_tuned
+from rlxf_utils.models.policies import PolicySet
+from rlxf_utils.stats import bootstrap_ci
+
+T = TypeVar("T")
+
+
+def best_of_n(
+    groups_of_samples: Sequence[Sequence[T]],
+    rewards: Sequence[Sequence[float]],
+) -> tuple[list[T], list[int]]:
+    """Per prompt, the sample with the highest reward (first on ties; NaN never wins).
+
+    Note that its reward under the *selecting* model is optimistically biased (a max over N);
+    report best-of-N under an audit reward model as well.
+    """
+    if len(groups_of_samples) != len(rewards):
+        raise ValueError(f"{len(groups_of_samples)} groups but {len(rewards)} reward groups")
+    chosen: list[T] = []
+    picks: list[int] = []
+    for g, (samples, r) in enumerate(zip(groups_of_samples, rewards, strict=True)):
+        r_arr = np.asarray(r, dtype=float)
+        if len(samples) != r_arr.size or r_arr.size == 0:
+            raise ValueError(f"group {g}: {len(samples)} samples, {r_arr.size} rewards")
+        j = int(np.argmax(np.where(np.isnan(r_arr), -np.inf, r_arr)))
+        picks.append(j)
+        chosen.append(samples[j])
+    return chosen, picks
+
+
+def best_of_n_frame(
+    df: pd.DataFrame,
+    reward_col: str = "reward",
+    group_cols: Sequence[str] = ("policy", "prompt_id"),
+) -> pd.DataFrame:
+    """Rows of a long table with the highest `reward_col` within each group (first on ties)."""
+    r = df[reward_col].astype(float).fillna(-np.inf)
+    idx = r.groupby([df[c] for c in group_cols], sort=False, observed=True).idxmax()
+    return df.loc[idx.to_numpy()].reset_index(drop=True)
+
+
+def expected_max_of_n(values: Sequence[float] | np.ndarray, n: int) -> float:
+    """E[max of n draws without replacement] from `values` (a pool of m >= n candidates).
+
+    The unbiased order-statistics estimator: with the pool sorted ascending, the i-th smallest
+    (1-based) is the maximum of a random n-subset with probability C(i-1, n-1) / C(m, n). It uses
+    every candidate instead of one arbitrary subset, so the best-of-N curve is far less noisy.
+    """
+    x = np.sort(np.asarray(values, dtype=float))
+    m = len(x)
+    if not 1 <= n <= m:
+        raise ValueError(f"best-of-{n} needs a pool of at least {n} candidates, got {m}")
+    i = np.arange(1, m + 1)
+    w = np.array([math.comb(int(k) - 1, n - 1) for k in i], dtype=float) / math.comb(m, n)
+    return float((w * x).sum())
+
+
+def best_of_n_kl_bound(n: int) -> float:
+    """log N - (N - 1) / N: an upper bound on KL(best-of-N || base) (Beirami et al. 2024)."""
+    return math.log(n) - (n - 1) / n
+
+
+def best_of_n_pool(pset: PolicySet, prompts: Sequence[str], n: int, gen_kw: Mapping[str, Any],
+                   logprob_batch: int) -> pd.DataFrame:  # fmt: skip
+    """n candidates per prompt from the start policy for best-of-N, drawn with another seed than
+    the policies' own samples (`gen_kw['seed'] + 1`), so best-of-N is never the maximum of the very
+    samples it is compared with."""
+    kw = {**gen_kw, "seed": int(gen_kw["seed"]) + 1}
+    return sample_tuned(pset, pset.start_name, prompts, n, kw, logprob_batch,
+                        desc="best-of-N pool", judges=False)  # fmt: skip
+
+
+def best_of_n_curve(pool: pd.DataFrame, ns: Sequence[int], n_boot: int, alpha: float,
+                    seed: int, clusters: pd.Series | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:  # fmt: skip
+    """Expected best-of-N reward per prompt for each N (order statistics over the pool), and the
+    curve: Ave(R) with a bootstrap CI over prompts (or over `clusters`, a label per prompt_id)
+    and KL at its upper bound log N - (N - 1) / N, per N."""
+    per_prompt = pd.DataFrame(
+        {n: pool.groupby("prompt_id")["reward"].apply(lambda v, n=n: expected_max_of_n(v, n)) for n in ns}
+    )  # fmt: skip
+    rows = []
+    for n in ns:
+        ave, lo, hi = bootstrap_ci(per_prompt[n], n_boot, alpha, seed,
+                                      clusters=_clusters_of(per_prompt.index, clusters))  # fmt: skip
+        rows.append({"algo": "best_of_n", "step": n, "reward": ave, "reward_low": lo, "reward_high": hi,
+                     "audit_reward": np.nan, "kl": best_of_n_kl_bound(n), "kl_se": 0.0,
+                     "source": "best_of_n"})  # fmt: skip
+    return per_prompt, pd.DataFrame(rows)
+
+
+def _clusters_of(prompt_ids: pd.Index, clusters: pd.Series | None) -> np.ndarray | None:
+    return None if clusters is None else clusters.loc[prompt_ids].to_numpy()
+
+
+def versus_best_of_n(samples: pd.DataFrame, per_prompt_bon: pd.DataFrame, summary: pd.DataFrame,
+                     algos: Sequence[str], n_boot: int, alpha: float, seed: int,
+                     clusters: pd.Series | None = None) -> pd.DataFrame:  # fmt: skip
+    """Each RL policy against the best-of-N curve at its own KL (the RLGF paper's Figure 2 test).
+
+    The curve's reward at the policy's KL is interpolated linearly in KL between the two nearest
+    N (per prompt); beyond the largest N the largest N is used and `beyond_curve` says so. The
+    difference is averaged over prompts and bootstrapped over prompts (or `clusters` of them).
+    """
+    ns = sorted(per_prompt_bon.columns)
+    kls = np.array([best_of_n_kl_bound(n) for n in ns])
+    rows = []
+    for algo in algos:
+        r = summary.set_index("policy").loc[algo]
+        kl = float(max(r["kl"], 0.0))
+        j = int(np.searchsorted(kls, kl))
+        if j == 0:
+            curve = per_prompt_bon[ns[0]]
+        elif j >= len(ns):
+            curve = per_prompt_bon[ns[-1]]
+        else:
+            w = (kl - kls[j - 1]) / (kls[j] - kls[j - 1])
+            curve = (1 - w) * per_prompt_bon[ns[j - 1]] + w * per_prompt_bon[ns[j]]
+        own = samples[samples["policy"] == algo].groupby("prompt_id")["reward"].mean()
+        diff = (own - curve).dropna()
+        d, lo, hi = bootstrap_ci(diff, n_boot, alpha, seed,
+                                    clusters=_clusters_of(diff.index, clusters))  # fmt: skip
+        rows.append({"policy": algo, "kl": kl, "ave_r": float(own.mean()),
+                     "best_of_n_at_kl": float(curve.loc[diff.index].mean()),
+                     "best_of_n_kl": float(min(kl, kls[-1])), "diff": d,
+                     "diff_low": lo, "diff_high": hi, "beyond_curve": bool(j >= len(ns)),
+                     "verdict": "above" if lo > 0 else ("below" if hi < 0 else "not distinguishable")})  # fmt: skip
+    return pd.DataFrame(rows)

@@ -1,0 +1,219 @@
+"""Notebook 04's tables: KL per policy, the summary with gains and tests, the reward-KL frontier
+of every snapshot, held-out perplexity and the paper's Table 3."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from rlxf_utils.artifacts import RunDir
+from rlxf_utils.evaluation.best_of_n import best_of_n_kl_bound
+from rlxf_utils.evaluation.measures import text_table
+from rlxf_utils.evaluation.sampling import add_rewards, frame_logprobs, sample_tuned
+from rlxf_utils.models.generation import build_prompts, sampling_kwargs
+from rlxf_utils.models.logprobs import kl_estimate, perplexity
+from rlxf_utils.models.policies import PolicySet
+from rlxf_utils.report.wording import display_country
+from rlxf_utils.stats import (
+    bootstrap_ci,
+    paired_table,
+    summarise_policies,
+)
+
+
+def kl_table(samples: pd.DataFrame, generated: Sequence[str], best_of_n: int) -> pd.DataFrame:
+    """KL(policy || start policy) per policy, measured the same way for all: Monte-Carlo over the
+    policy's own samples (sequence level); for best-of-N the upper bound log N - (N - 1) / N."""
+    rows = []
+    for pol in generated:
+        g = samples[samples["policy"] == pol]
+        est = kl_estimate(g["logp_policy"], g["logp_ref"], g["n_tokens"])
+        rows.append({"policy": pol, **{k: est[k] for k in ("kl", "kl_se", "kl_per_token")},
+                     "kl_kind": "sampled"})  # fmt: skip
+    rows.append({"policy": "best_of_n", "kl": best_of_n_kl_bound(best_of_n), "kl_se": 0.0,
+                 "kl_kind": "upper bound"})  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def summary_table(
+    samples: pd.DataFrame,
+    generated: Sequence[str],
+    start: str,
+    best_n: int,
+    n_boot: int,
+    alpha: float,
+    seed: int,
+) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(policy x measures with CIs, paired tests vs the start policy for reward and audit reward).
+
+    Every CI and test treats the prompt's country as the unit (a cluster bootstrap): prompts of
+    one country share it in both the prompt and the reward model's input, so they are not
+    independent. `gap` is the gain under the reward minus the gain under the audit, per prompt.
+    `reward_sd` is the mean SD of the reward heads' P(MET) (`reward.uncertainty`) with its CI and
+    `sd_gain` its paired change against the start policy (NaN where no response has one).
+    """
+    kw = dict(n_boot=n_boot, alpha=alpha, seed=seed, cluster_col="country")
+    samples = samples.assign(reward_minus_audit=samples["reward"] - samples["audit_reward"])
+    rew = summarise_policies(samples, "reward", **kw)
+    aud = summarise_policies(samples, "audit_reward", **kw)
+    grd = summarise_policies(
+        samples.dropna(subset=["grounded_met_rate"]), "grounded_met_rate", **kw
+    )
+    with_sd = samples.dropna(subset=["reward_sd"]) if "reward_sd" in samples else samples.iloc[:0]
+    sd_paired = (
+        [paired_table(with_sd, start, "reward_sd", **kw).assign(measure="reward_sd")]
+        if start in set(with_sd["policy"])
+        else []
+    )
+    paired = pd.concat(
+        [
+            paired_table(samples, start, "reward", **kw).assign(measure="reward"),
+            paired_table(samples, start, "audit_reward", **kw).assign(measure="audit_reward"),
+            paired_table(samples, start, "reward_minus_audit", **kw).assign(measure="gap"),
+            *sd_paired,
+        ],
+        ignore_index=True,
+    )
+    text = text_table(samples)
+    kl = kl_table(samples, generated, best_n)
+    ppl = {
+        pol: perplexity(g["logp_base"], g["n_tokens"])
+        for pol, g in samples.groupby("policy", sort=False)
+    }
+    out = rew[
+        ["policy", "n_prompts", "n_clusters", "n_samples", "ave_r", "ci_low", "ci_high"]
+    ].rename(columns={"ci_low": "ave_r_low", "ci_high": "ave_r_high"})
+    out = out.merge(
+        aud[["policy", "ave_r", "ci_low", "ci_high"]].rename(
+            columns={"ave_r": "audit", "ci_low": "audit_low", "ci_high": "audit_high"}
+        ),
+        on="policy",
+    )
+    for measure, prefix in (("reward", "gain"), ("audit_reward", "audit_gain"), ("gap", "gap"),
+                            ("reward_sd", "sd_gain")):  # fmt: skip
+        p = paired[paired["measure"] == measure].set_index("policy")
+        out[prefix] = out["policy"].map(p["mean_diff"])
+        out[f"{prefix}_low"] = out["policy"].map(p["ci_low"])
+        out[f"{prefix}_high"] = out["policy"].map(p["ci_high"])
+        out[f"{prefix}_p_holm"] = out["policy"].map(p["p_wilcoxon_holm"])
+    out = out.merge(kl[["policy", "kl", "kl_se", "kl_kind"]], on="policy", how="left")
+    out["perplexity"] = out["policy"].map(ppl)
+    fin = samples.dropna(subset=["finished"]).groupby("policy")["finished"].mean()
+    out["finished"] = out["policy"].map(fin.astype(float))
+    out = out.merge(text[["policy", "mean_words", "distinct_2", "rep_3"]], on="policy")
+    out = out.merge(
+        grd[["policy", "ave_r", "ci_low", "ci_high"]].rename(
+            columns={"ave_r": "grounded_met", "ci_low": "grounded_low", "ci_high": "grounded_high"}
+        ),
+        on="policy",
+        how="left",
+    )
+    out["max_sim"] = out["policy"].map(samples.groupby("policy")["max_sim"].mean())
+    sd = summarise_policies(with_sd, "reward_sd", **kw).set_index("policy") if len(with_sd) else None  # fmt: skip
+    for col, src in (("reward_sd", "ave_r"), ("reward_sd_low", "ci_low"), ("reward_sd_high", "ci_high")):  # fmt: skip
+        out[col] = out["policy"].map(sd[src]).astype(float) if sd is not None else math.nan
+    return out, paired
+
+
+def frontier_points(
+    pset: PolicySet,
+    run: RunDir,
+    prompts: Sequence[str],
+    contexts: Sequence[Mapping[str, Any]],
+    reward_model: Any,
+    audit_model: Any,
+    cfg: Any,
+    progress: bool = True,
+) -> pd.DataFrame:
+    """Reward, audit reward and KL of every algorithm's snapshots (evenly thinned to the
+    configured count); the final policies are measured with the full sample count elsewhere."""
+    ec, rl = cfg.evaluation, cfg.rl
+    rows = []
+    for algo in pset.algos:
+        snaps = [
+            path
+            for path in sorted(
+                run.path(f"policy/{algo}/snapshots").glob("step_*/adapter_model.safetensors")
+            )
+            if int(path.parent.name.split("_")[1]) < rl.steps  # the final policy is measured apart
+        ]
+        if ec.frontier_max_checkpoints and len(snaps) > ec.frontier_max_checkpoints:
+            keep = np.linspace(0, len(snaps) - 1, ec.frontier_max_checkpoints).round().astype(int)
+            snaps = [snaps[i] for i in sorted(set(keep))]
+        for path in snaps:
+            step = int(path.parent.name.split("_")[1])
+            name = pset.load_snapshot(algo, path)
+            df = sample_tuned(pset, name, prompts, ec.frontier_samples_per_prompt, sampling_kwargs(cfg, progress),
+                              ec.logprob_batch_size, desc=f"{algo} step {step}", judges=False)  # fmt: skip
+            with pset.reference() as ref:
+                df["logp_ref"] = frame_logprobs(ref, pset.tok, df, ec.logprob_batch_size)
+            add_rewards(df, contexts, reward_model, audit_model, rl.reward_batch_size)
+            per = df.groupby("prompt_id")["reward"].mean()
+            ave, lo, hi = bootstrap_ci(per, ec.n_boot, ec.alpha, cfg.run.seed,
+                                          clusters=[contexts[i]["country"] for i in per.index])  # fmt: skip
+            kl = kl_estimate(df["logp_policy"], df["logp_ref"], df["n_tokens"])
+            rows.append({"algo": algo, "step": step, "reward": ave, "reward_low": lo, "reward_high": hi,
+                         "audit_reward": df["audit_reward"].mean(), "kl": kl["kl"], "kl_se": kl["kl_se"],
+                         "source": "snapshot"})  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def table3(pset: PolicySet, contexts: Sequence[Mapping[str, Any]], labelled: pd.DataFrame,
+           reward_model: Any, audit_model: Any, cfg: Any) -> pd.DataFrame:  # fmt: skip
+    """The paper's Table 3: its completion prompts for held-out countries, pre- and post-RL."""
+    ec, rl = cfg.evaluation, cfg.rl
+    counts = pd.Series([c["country"] for c in contexts]).value_counts(sort=False)
+    countries = (
+        counts.rename_axis("country").reset_index(name="n")
+        .sort_values(["n", "country"], ascending=[False, True])["country"].head(ec.table3_countries).tolist()
+    )  # fmt: skip
+    arrangement = labelled.groupby("country")["arrangement_type"].agg(
+        lambda s: s.value_counts().index[0]
+    )
+    items = [(c, sc) for c in countries for sc in ec.table3_scenarios]
+    prompts = [sc.prompt.format(country=display_country(c)) for c, sc in items]
+    ctx = [
+        {"country": c, "arrangement_type": arrangement[c], "econ_descriptor": sc.econ_descriptor}
+        for c, sc in items
+    ]
+    rows = []
+    for name in pset.names:
+        df = pset.generate(name, prompts, 1, f"Table 3 {name}", sampling_kwargs(cfg, False))
+        r = reward_model.score(ctx, df["response"].tolist(), batch_size=rl.reward_batch_size)
+        a = audit_model.score(ctx, df["response"].tolist())
+        for (c, sc), p, text, rr, aa in zip(items, prompts, df["response"], r, a, strict=True):
+            rows.append({"country": c, "econ_descriptor": sc.econ_descriptor, "prompt": p, "policy": name,
+                         "response": text, "reward": float(rr), "audit_reward": float(aa)})  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def heldout_perplexity(pset: PolicySet, rows: pd.DataFrame, template: str, cfg: Any,
+                       batch: int) -> tuple[pd.DataFrame, pd.DataFrame]:  # fmt: skip
+    """Perplexity of held-out historical descriptions (+ end token) after their context's RL
+    prompt, under every generated policy: MET and Non-MET rows separately, and all together;
+    and per row and policy (`row`, `country`, `y`, `nll` summed over its `n_tokens`), for
+    per-country intervals (the population cross-entropy of the ILHF comparison).
+
+    The rows are of held-out (eval) countries, which neither SFT nor RL saw; a policy that writes
+    MONA conditions finds them far likelier than the zero-shot base does.
+    """
+    prompts = build_prompts(rows.to_dict("records"), pset.tok, template, cfg.policy)
+    texts = [" ".join(str(t).split()) for t in rows["description"]]
+    y = rows["y"].to_numpy()
+    out, per_row = [], []
+    for name in pset.names:
+        lp, n = pset.sequence_logprobs(name, prompts, texts, batch, append_eos=True,
+                                       padding_side="left")  # fmt: skip
+        per_row.append(pd.DataFrame({"policy": name, "row": np.arange(len(rows)),
+                                     "country": rows["country"].astype(str).to_numpy(), "y": y,
+                                     "nll": -np.asarray(lp, float), "n_tokens": n}))  # fmt: skip
+        rec = {"policy": name, "rows": len(rows)}
+        for label, sel in (("met", y == 1), ("nonmet", y == 0), ("all", np.ones_like(y, bool))):
+            rec[f"ppl_{label}"] = perplexity(lp[sel], n[sel]) if sel.any() else math.nan
+            rec[f"nll_{label}"] = float(-lp[sel].sum() / n[sel].sum()) if sel.any() else math.nan
+        out.append(rec)
+    return pd.DataFrame(out), pd.concat(per_row, ignore_index=True)

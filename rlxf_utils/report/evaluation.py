@@ -1,0 +1,367 @@
+"""The evaluation section: gains over the start policy, the audit, best-of-N, history and the
+reward model's uncertainty, in words."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pandas as pd
+
+from rlxf_utils.algorithms import algorithm_label
+from rlxf_utils.artifacts import RunDir
+from rlxf_utils.evaluation.best_of_n import best_of_n_kl_bound
+from rlxf_utils.report.wording import (
+    ci,
+    ci_verdict,
+    f3,
+    fmt_p,
+    interval,
+    is_present,
+    markdown_table,
+    pval,
+    sd_verdict,
+    short_text,
+)
+from rlxf_utils.reward.uncertainty import FOLDER as HEADS_FOLDER
+from rlxf_utils.reward.uncertainty import MARKER as HEADS_MARKER
+from rlxf_utils.stats import level
+
+
+def gain_verb(gain: float, p_holm: float, alpha: float) -> str:
+    """'raised' / 'lowered' when the Holm-adjusted paired test over prompts rejects at `alpha`
+    (the direction is the gain's), else 'did not significantly change'."""
+    if not (is_present(p_holm) and p_holm < alpha):
+        return "did not significantly change"
+    return "raised" if gain > 0 else "lowered"
+
+
+def history_sentence(hist: dict[str, float], contrast: dict[str, Any]) -> str:
+    """Where the reward and audit models place real MET against real Non-MET descriptions of the
+    same held-out contexts, read from the paired interval over prompts (`history_contrast`)."""
+    if not ("history_met" in hist and "history_nonmet" in hist and contrast.get("reward")):
+        return "The held-out contexts evaluated here do not hold both MET and Non-MET history"
+    parts = []
+    for col, who in (("reward", "the reward model"), ("audit_reward", "the audit model")):
+        h = contrast.get(col)
+        if not h:
+            continue
+        word = ci_verdict(
+            h["ci_low"], h["ci_high"], "above", "below", "not distinguishably apart from"
+        )
+        parts.append(f"{who} places what was met {word} what was not "
+                     f"(difference {ci(h['mean_diff'], h['ci_low'], h['ci_high'])})")  # fmt: skip
+    return (
+        f"Real MET descriptions for the same contexts, from rows neither model trained on, score "
+        f"{f3(hist['history_met'])} and real Non-MET ones {f3(hist['history_nonmet'])}; on the "
+        f"{contrast['reward']['n']} prompts ({contrast['reward']['n_clusters']} countries) that have "
+        "both, " + " and ".join(parts)
+    )
+
+
+def eval_section(run: RunDir, alpha: float = 0.05) -> tuple[dict[str, Any], dict[str, str]]:
+    stage = "notebook 04_evaluation"
+    meta = run.read_json("eval/summary.json", stage=stage)
+    s = pd.DataFrame(meta["summary"]).set_index("policy")
+    paired = run.read_table("eval_paired", stage)
+    t3 = run.read_table("eval_table3", stage)
+    algos = meta["algorithms"]
+    start = meta.get("start_policy", "base")
+    vs_bon = pd.DataFrame(meta.get("vs_best_of_n", []))
+    alpha = meta.get("alpha", alpha)
+    lvl = level(alpha)
+    ppl = pd.DataFrame(meta.get("heldout_perplexity", []))
+
+    def gain_cell(r: pd.Series, col: str) -> str:
+        if pd.isna(r.get(col)):
+            return "·"
+        low, high = r[col + "_low"], r[col + "_high"]
+        return f"{ci(r[col], low, high, signed=True)} ({fmt_p(r[col + '_p_holm'])})"
+
+    rows, cost = [], []
+    for pol, r in s.iterrows():
+        rows.append({
+            "policy": pol, "prompts": int(r["n_prompts"]),
+            f"Ave(R) [{lvl} CI]": ci(r["ave_r"], r["ave_r_low"], r["ave_r_high"]),
+            f"reward SD [{lvl} CI]": ci(r["reward_sd"], r["reward_sd_low"], r["reward_sd_high"]) if is_present(r.get("reward_sd")) else "·",
+            f"gain vs {start} [{lvl} CI] (Holm p)": gain_cell(r, "gain"),
+            f"audit [{lvl} CI]": ci(r["audit"], r["audit_low"], r["audit_high"]),
+            f"audit gain [{lvl} CI] (Holm p)": gain_cell(r, "audit_gain"),
+            f"reward − audit gap [{lvl} CI]": "·" if pd.isna(r.get("gap")) else ci(r["gap"], r["gap_low"], r["gap_high"]),
+        })  # fmt: skip
+        cost.append({
+            "policy": pol,
+            "KL (nats)": "·" if pd.isna(r["kl"]) else (f"≤ {r['kl']:.2f}" if r["kl_kind"] == "upper bound" else f"{r['kl']:.2f}"),
+            "perplexity": f"{r['perplexity']:.1f}",
+            "finished": "·" if pd.isna(r.get("finished")) else f"{r['finished']:.0%}",
+            "words": f"{r['mean_words']:.1f}",
+            "distinct-2": f3(r["distinct_2"]),
+            "rep-3": f3(r["rep_3"]),
+            f"grounded MET [{lvl} CI]": ci(r["grounded_met"], r["grounded_low"], r["grounded_high"]),
+            "max similarity": f3(r["max_sim"]),
+        })  # fmt: skip
+    summary_md = markdown_table(pd.DataFrame(rows))
+    cost_md = markdown_table(pd.DataFrame(cost))
+    pt = paired.assign(
+        **{
+            f"difference [{lvl} CI]": [ci(a, b, c) for a, b, c in zip(paired.mean_diff, paired.ci_low, paired.ci_high, strict=True)],
+            "d_z": paired["cohens_dz"].map(lambda x: f"{x:.2f}"),
+            "p (t, Holm)": paired["p_ttest_holm"].map(pval),
+            "p (Wilcoxon, Holm)": paired["p_wilcoxon_holm"].map(pval),
+        }
+    )[["measure", "policy", "n", "n_clusters", f"difference [{lvl} CI]", "d_z", "p (t, Holm)", "p (Wilcoxon, Holm)"]]  # fmt: skip
+    t3_md = markdown_table(
+        t3.assign(
+            prompt=t3["prompt"].map(lambda x: short_text(x, 70)),
+            response=t3["response"].map(short_text),
+        )[["prompt", "policy", "response", "reward"]]
+    )
+
+    sentences, concl = [], []
+    for algo in algos:
+        r = s.loc[algo]
+        verb = gain_verb(r["gain"], r["gain_p_holm"], alpha)
+        a_verb = gain_verb(r["audit_gain"], r["audit_gain_p_holm"], alpha)
+        sentences.append(
+            f"{algorithm_label(algo)} {verb} Ave(R) on the held-out prompts (from {f3(s.loc[start, 'ave_r'])} for {start} to "
+            f"{ci(r['ave_r'], r['ave_r_low'], r['ave_r_high'])}; paired gain {r['gain']:+.3f}, Holm-adjusted "
+            f"Wilcoxon {fmt_p(r['gain_p_holm'])}) and {a_verb} the audit model's reward ({r['audit_gain']:+.3f}, "
+            f"{fmt_p(r['audit_gain_p_holm'])}), at a KL of {r['kl']:.2f} nats to the starting policy"
+        )
+        gap_word = ci_verdict(r.get("gap_low", math.nan), r.get("gap_high", math.nan),
+                              "larger than", "smaller than", "not distinguishable from")  # fmt: skip
+        concl.append(
+            f"{algorithm_label(algo)} {verb} the reward it was trained on and {a_verb} the disjoint-rows audit "
+            f"reward (its reward gain {gap_word} its audit gain)"
+        )
+    hist = {
+        p: s.loc[p, "ave_r"]
+        for p in ("history_met", "history_nonmet", "random_policy")
+        if p in s.index
+    }
+    hist_sentence = history_sentence(hist, meta.get("history_contrast", {}))
+    b = s.loc["best_of_n"]
+    g = s.dropna(subset=["grounded_met"])
+    bon_sentences = []
+    curve_end = best_of_n_kl_bound(max(meta.get("best_of_n_curve") or [1]))
+
+    def bon_kl(
+        r: pd.Series,
+    ) -> float:  # the curve's KL the policy was compared at (older runs lack it)
+        return r["best_of_n_kl"] if pd.notna(r.get("best_of_n_kl")) else min(r["kl"], curve_end)
+
+    for _, r in vs_bon.iterrows():
+        where = {
+            "above": "above",
+            "below": "below",
+            "not distinguishable": "not distinguishable from",
+        }[r["verdict"]]
+        bon_sentences.append(
+            f"{algorithm_label(r['policy'])} ({f3(r['ave_r'])} at {r['kl']:.2f} nats) lies {where} the best-of-N curve "
+            f"({f3(r['best_of_n_at_kl'])} at {bon_kl(r):.2f} nats"
+            f"{': its KL is beyond the curve, compared with the largest N' if r['beyond_curve'] else ', the same KL'}; "
+            f"difference {ci(r['diff'], r['diff_low'], r['diff_high'])})"
+        )  # fmt: skip
+    ppl_md = "No held-out perplexity was measured."
+    ppl_sentence = ""
+    if not ppl.empty:
+        ppl_md = markdown_table(
+            ppl[["policy", "rows", "ppl_met", "ppl_nonmet", "ppl_all"]].rename(
+                columns={"ppl_met": "MET", "ppl_nonmet": "Non-MET", "ppl_all": "all"}
+            ),
+            floatfmt=".1f",
+        )
+        pp = ppl.set_index("policy")
+        ppl_sentence = "; ".join(f"{p} {pp.loc[p, 'ppl_all']:.1f}" for p in pp.index)
+    fin = s["finished"].dropna() if "finished" in s else pd.Series(dtype=float)
+    marker = f"{HEADS_FOLDER}/{HEADS_MARKER}"  # the reward heads' settings (reward_uncertainty)
+    heads = run.read_json(marker) if run.exists(marker) else None
+    variables = {
+        "n_prompts": str(meta["n_prompts"]),
+        "level": lvl,
+        "k": str(meta["samples_per_prompt"]),
+        "best_n": str(meta["best_of_n"]),
+        "algo_sentences": "; ".join(sentences) if sentences else "No RL algorithm was evaluated",
+        "conclusion": "; ".join(concl) if concl else "no tuned policy was evaluated",
+        "history_sentence": hist_sentence,
+        "random_policy": f3(hist.get("random_policy", float("nan"))),
+        "base_ave_r": f3(s.loc["base", "ave_r"]),
+        "start": start,
+        "start_ave_r": f3(s.loc[start, "ave_r"]),
+        "bon_sentences": "; ".join(bon_sentences)
+        if bon_sentences
+        else "No RL algorithm was compared with best-of-N",
+        "bon_curve": ", ".join(str(n) for n in meta.get("best_of_n_curve", [])),
+        "ppl_sentence": ppl_sentence,
+        "finished_sentence": "; ".join(f"{p} {v:.0%}" for p, v in fin.items()),
+        "best_ave_r": f3(b["ave_r"]),
+        "best_gain": f"{b['gain']:+.3f}",
+        "best_audit_gain": f"{b['audit_gain']:+.3f}",
+        "best_kl": f"{b['kl']:.2f}",
+        "grounding_sentence": "; ".join(f"{p} {f3(r['grounded_met'])}" for p, r in g.iterrows()),
+        "uncertainty_sentence": uncertainty_sentence(s, algos, start, lvl, heads),
+    }
+    return variables, {
+        "eval_summary.md": summary_md,
+        "eval_cost.md": cost_md,
+        "eval_paired.md": markdown_table(pt),
+        "eval_table3.md": t3_md,
+        "eval_heldout_perplexity.md": ppl_md,
+    }
+
+
+def uncertainty_sentence(
+    s: pd.DataFrame, algos: list[str], start: str, lvl: str, heads: dict[str, Any] | None
+) -> str:
+    """The reward heads' verdict per RL policy (`sd_verdict`: from the CI of `sd_gain`), with the
+    mean SD of P(MET) and its change; `s` is the eval summary indexed by policy, `heads` the
+    marker of `reward_model/uncertainty/` (None when the run fitted none)."""
+    measured = (
+        "reward_sd" in s.columns and start in s.index and is_present(s.loc[start, "reward_sd"])
+    )
+    if not measured:
+        return (
+            "This run measured no reward uncertainty: its reward source has no encoder features "
+            "or evaluation.reward_heads is 0"
+        )
+    rows = heads["settings"].get("n_rows", "n/a") if heads else "n/a"
+    intro = f"This run fitted {heads['n_heads']} heads on {rows} training rows. " if heads else ""
+    parts = []
+    for algo in algos:
+        if algo not in s.index:
+            continue
+        r = s.loc[algo]
+        low, high = r.get("sd_gain_low", math.nan), r.get("sd_gain_high", math.nan)
+        parts.append(
+            f"{algorithm_label(algo)} {sd_verdict(low, high)} (mean SD "
+            f"{ci(r['reward_sd'], r['reward_sd_low'], r['reward_sd_high'])}; paired change "
+            f"{ci(r.get('sd_gain', math.nan), low, high)})"
+        )
+    start_sd = ci(
+        s.loc[start, "reward_sd"], s.loc[start, "reward_sd_low"], s.loc[start, "reward_sd_high"]
+    )
+    body = "; ".join(parts) if parts else "no RL policy was evaluated"
+    return (
+        f"{intro}Against the start policy {start} (mean SD {start_sd}), with {lvl} "
+        f"cluster-bootstrap intervals of the paired change: {body}"
+    )
+
+
+def table_note(text: str) -> str:
+    """A one-cell table standing in for one the run lacks (captions and cross-references hold)."""
+    return markdown_table(pd.DataFrame({"note": [text]}))
+
+
+def eval_meta(run: RunDir, params: dict[str, Any], stage: str) -> tuple[list[str], str, float]:
+    """(RL algorithms, start policy, alpha) of notebook 04's summary, falling back to the run's
+    parameters for a summary that predates those fields."""
+    meta = run.read_json("eval/summary.json", stage=stage)
+    algos = list(meta.get("algorithms", params.get("rl", {}).get("algorithm", [])))
+    alpha = meta.get("alpha", params.get("evaluation", {}).get("alpha", 0.05))
+    return algos, meta.get("start_policy", "base"), alpha
+
+
+# -- notebook 04's narrative --------------------------------------------------------------------
+HISTORY_WORDS = {
+    "history_met": "real MET descriptions",
+    "history_nonmet": "real Non-MET descriptions",
+    "random_policy": "randomly drawn real descriptions",
+}
+
+
+def policy_lines(
+    summary: pd.DataFrame, algos: list[str], start: str, meta: dict[str, Any], ec: Any
+) -> str:
+    """Per RL policy: Ave(R), its gain over the start policy (Holm-adjusted test), the audit's
+    verdict, KL and perplexity; then best-of-N and the history references."""
+    lines = []
+    s = summary.loc[start]
+    for algo in algos:
+        r = summary.loc[algo]
+        direction = "higher" if r.gain > 0 else "lower"
+        verdict = (
+            f"significantly {direction} than the start policy (Holm-adjusted p = {r.gain_p_holm:.3g})"
+            if r.gain_p_holm < ec.alpha
+            else f"not distinguishable from the start policy (Holm-adjusted p = {r.gain_p_holm:.3g})"
+        )
+        audit = ci_verdict(
+            r.audit_gain_low, r.audit_gain_high, "rose", "fell", "did not clearly change"
+        )
+        lines.append(
+            f"- **{algorithm_label(algo)}**: Ave(R) {ci(r.ave_r, r.ave_r_low, r.ave_r_high)} "
+            f"vs {start} {s['ave_r']:.3f}; a gain of {ci(r.gain, r.gain_low, r.gain_high, signed=True)}, "
+            f"{verdict}. Under the audit model the reward {audit} ({r.audit_gain:+.3f} "
+            f"{interval(r.audit_gain_low, r.audit_gain_high)}). KL to the starting policy {r.kl:.2f} "
+            f"nats; perplexity {r.perplexity:.1f} ({start} {s['perplexity']:.1f})."
+        )
+    b = summary.loc["best_of_n"]
+    lines.append(
+        f"- **Best-of-{ec.best_of_n}**: Ave(R) {b.ave_r:.3f} (gain {b.gain:+.3f}, optimistic: the same "
+        f"model selects and scores), audit gain {b.audit_gain:+.3f}, at a KL of at most {b.kl:.2f} nats "
+        "(candidates drawn independently of the start policy's own samples)."
+    )
+    parts = [
+        f"{text} score {summary.loc[p, 'ave_r']:.3f} ({int(summary.loc[p, 'n_prompts'])} prompts)"
+        if p in summary.index
+        else f"no held-out context has {text}"
+        for p, text in HISTORY_WORDS.items()
+    ]
+    hc = meta["history_contrast"].get("reward")
+    if hc:
+        word = ci_verdict(hc["ci_low"], hc["ci_high"], "above", "below", "not distinguishable from")
+        parts.append(
+            f"on the {hc['n']} prompts ({hc['n_clusters']} countries) with both, the reward model "
+            f"places what was met **{word}** what was not (difference {hc['mean_diff']:+.3f} "
+            f"{interval(hc['ci_low'], hc['ci_high'])})"
+        )
+    lines.append(
+        "- **History** (rows no reward or audit model trained on): " + "; ".join(parts) + "."
+    )
+    return "\n".join(lines)
+
+
+def gap_lines(gap: pd.DataFrame) -> str:
+    """Per policy: the reward model's gain against the audit's, and whether the gap is real."""
+    return "\n".join(
+        f"- **{p}**: reward-model gain {r.gain:+.3f}, audit gain {r.audit_gain:+.3f}, gap {r.gap:+.3f} "
+        f"{interval(r.gap_low, r.gap_high)}: the reward model's gain is **"
+        f"{ci_verdict(r.gap_low, r.gap_high, 'larger than', 'smaller than', 'not distinguishable from')}"
+        "** the audit's."
+        for p, r in gap.iterrows()
+    )
+
+
+def uncertainty_lines(unc: pd.DataFrame, algos: list[str], start: str) -> str:
+    """Per RL policy: whether the reward heads disagree more on its responses than on the start's."""
+    if not unc["reward_sd"].notna().any():
+        return (
+            "No reward uncertainty in this run: the reward source has no encoder features or "
+            "`evaluation.reward_heads` is 0."
+        )
+    return "\n".join(
+        f"- **{algorithm_label(a)}** {sd_verdict(r.sd_gain_low, r.sd_gain_high)}: mean SD "
+        f"{r.reward_sd:.4f} against {unc.loc[start, 'reward_sd']:.4f} for {start}, paired change "
+        f"{ci(r.sd_gain, r.sd_gain_low, r.sd_gain_high, signed=True, digits=4)} (Ave(R) {r.ave_r:.3f})"
+        for a, r in unc.loc[algos].iterrows()
+    )
+
+
+def versus_best_of_n_lines(vs: pd.DataFrame) -> str:
+    """Each RL policy against best-of-N at its own KL."""
+    return "\n".join(
+        f"- **{algorithm_label(r.policy)}** at {r.kl:.2f} nats: Ave(R) {r.ave_r:.3f} against "
+        f"best-of-N's {r.best_of_n_at_kl:.3f} at {r.best_of_n_kl:.2f} nats"
+        f"{' (its KL is beyond the curve: the largest N)' if r.beyond_curve else ''}: difference "
+        f"{ci(r.diff, r.diff_low, r.diff_high, signed=True)}, **{r.verdict}**."
+        for r in vs.itertuples()
+    )
+
+
+def grounding_lines(summary: pd.DataFrame) -> str:
+    """Per policy: the MET rate of the nearest historical conditions and the closest similarity."""
+    g = summary.dropna(subset=["grounded_met"])
+    return "\n".join(
+        f"- **{p}**: neighbours' MET rate {r.grounded_met:.3f} [{r.grounded_low:.3f}, "
+        f"{r.grounded_high:.3f}], closest similarity {r.max_sim:.3f}."
+        for p, r in g.iterrows()
+    )

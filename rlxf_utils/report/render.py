@@ -1,0 +1,374 @@
+"""Render the working paper (`reports/rlxf_report.qmd`) from a run directory's artifacts.
+
+The source uses Quarto's `{{< var key >}}` and `{{< include file >}}` shortcodes; `build_sources`
+writes `_variables.yml` (every number the prose quotes, read from the run dir) and
+`_generated/*.md` (tables, stage notes) beside a copy of the source. With Quarto on PATH,
+`quarto render` makes the HTML and the PDF (Typst). Without it, the same source is expanded
+here and rendered by pandoc (HTML, and Typst source that the `typst` package compiles to PDF),
+with `reports/crossref.lua` doing Quarto's cross-referencing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shutil
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from rlxf_utils.artifacts import RunDir, atomic_path
+from rlxf_utils.config import PROJECT_ROOT
+from rlxf_utils.report.data import data_section
+from rlxf_utils.report.evaluation import eval_section
+from rlxf_utils.report.forensic import forensic_section
+from rlxf_utils.report.ilhf import ilhf_section
+from rlxf_utils.report.reward import reward_section
+from rlxf_utils.report.risk import risk_section
+from rlxf_utils.report.rl import rl_section
+from rlxf_utils.report.rlgf import rlgf_section
+from rlxf_utils.report.wording import markdown_table
+
+log = logging.getLogger(__name__)
+
+
+__all__ = ["ReportError", "RenderResult", "build_sources", "expand_shortcodes", "render_report"]
+
+
+log = logging.getLogger(__name__)
+
+
+REPORT_SRC = PROJECT_ROOT / "reports"
+
+
+QMD = "rlxf_report.qmd"
+
+
+SHORTCODE = re.compile(r"\{\{<\s*(var|include)\s+([^\s>]+)\s*>\}\}")
+
+
+class ReportError(RuntimeError):
+    """The report cannot be rendered; the message names the missing artifact or the failing tool."""
+
+
+@dataclass
+class RenderResult:
+    html: Path | None
+    pdf: Path | None
+    engine: str
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def _data_variables(run: RunDir) -> dict[str, Any]:
+    s = run.read_json("data/summary.json", stage="notebook 01_data_exploration")
+    dups = {d["protocol"]: d for d in s["duplicates"]}
+    sizes = {(r["protocol"], r["part"]): r for r in s["split_sizes"]}
+    ctx = {c["split"]: c for c in s["contexts"]}
+    return {
+        "rows_read": f"{s['rows_read']:,}",
+        "rows_used": f"{s['rows_used']:,}",
+        "labelled": f"{s['labelled']:,}",
+        "met": f"{s['met']:,}",
+        "non_met": f"{s['non_met']:,}",
+        "met_share": _pct(s["met_share"]),
+        "excluded": f"{s['excluded']:,}",
+        "countries": str(s["countries"]),
+        "programmes": str(s["programmes"]),
+        "first_approval_year": str(s["approval_years"][0]),
+        "last_approval_year": str(s["approval_years"][1]),
+        "dup_random_exact": _pct(dups["random"]["exact_share"]),
+        "dup_random_near": _pct(dups["random"]["near_share"]),
+        "dup_grouped_near": _pct(dups["grouped"]["near_share"]),
+        "dup_temporal_near": _pct(dups["temporal"]["near_share"]),
+        "random_test_rows": f"{sizes[('random', 'test')]['rows']:,}",
+        "temporal_test_met_share": _pct(sizes[("temporal", "test")]["met_share"]),
+        "temporal_train_met_share": _pct(sizes[("temporal", "train")]["met_share"]),
+        "contexts_train": f"{ctx['train']['contexts']:,}",
+        "contexts_eval": f"{ctx['eval']['contexts']:,}",
+        "countries_eval": str(ctx["eval"]["countries"]),
+    }
+
+
+def _manifest_variables(run: RunDir) -> dict[str, Any]:
+    m = run.read_json("manifest.json", stage="rlxf run")
+    env = m.get("environment", {})
+    git = m.get("git", {})
+    commit = git.get("commit") or "unknown"
+    return {
+        "run_name": m.get("run_name", ""),
+        "date": (m.get("updated") or "")[:10],
+        "commit": commit[:12] + (" (uncommitted changes)" if git.get("dirty") else ""),
+        "data_sha256": m["data"]["sha256"],
+        "python": env.get("python", ""),
+        "platform": env.get("platform", ""),
+        "cpu_count": str(env.get("cpu_count", "")),
+        "memory_gib": str(env.get("memory_gib", "")),
+        "title": m["params"]["run"]["title"],
+        "authors": ", ".join(m["params"]["run"]["authors"]),
+        "wp_number": m["params"]["run"]["wp_number"],
+    }
+
+
+def _manifest_tables(run: RunDir) -> dict[str, str]:
+    m = run.read_json("manifest.json", stage="rlxf run")
+    import pandas as pd
+
+    nb = pd.DataFrame(m.get("notebooks", []))
+    timings = (
+        markdown_table(nb[["name", "status", "started", "seconds"]], floatfmt=".1f")
+        if len(nb)
+        else "*No notebook has run in this run directory.*\n"
+    )
+    pk = m["environment"]["packages"]
+    versions = markdown_table(
+        pd.DataFrame({"package": list(pk), "version": [v or "not installed" for v in pk.values()]})
+    )
+    params = "```yaml\n" + yaml.safe_dump(m["params"], sort_keys=False, width=88) + "```\n"
+    return {"timings.md": timings, "versions.md": versions, "params.md": params}
+
+
+#: Tables the report includes: generated file -> (run-dir table, stage that writes it).
+TABLE_INCLUDES = {
+    "status_mapping.md": ("status_mapping", "notebook 01_data_exploration"),
+    "table2_sample.md": ("table2_sample", "notebook 01_data_exploration"),
+    "split_sizes.md": ("split_sizes", "notebook 01_data_exploration"),
+    "split_duplicates.md": ("split_duplicates", "notebook 01_data_exploration"),
+    "met_rate_by_arrangement_type.md": (
+        "met_rate_by_arrangement_type",
+        "notebook 01_data_exploration",
+    ),
+}
+
+
+def build_sources(run: RunDir, build: Path, src: Path = REPORT_SRC) -> dict[str, Any]:
+    """Copy the report source into `build` with `_variables.yml`, `_generated/` and `figures/`."""
+    if build.exists():
+        shutil.rmtree(build)
+    shutil.copytree(
+        src, build, ignore=shutil.ignore_patterns("_build", ".quarto", "*.html", "*.pdf")
+    )
+
+    variables = {
+        "run": _manifest_variables(run),
+        "data": {**_data_variables(run), **data_section(run)},
+    }
+    params = run.read_json("manifest.json", stage="rlxf run")["params"]
+    includes: dict[str, str] = {}
+    for key, (vals, files) in (
+        ("reward", reward_section(run)),
+        ("forensic", forensic_section(run, params)),
+        ("rl", rl_section(run, params)),
+        ("eval", eval_section(run, params.get("evaluation", {}).get("alpha", 0.05))),
+        ("rlgf", rlgf_section(run, params)),
+        ("ilhf", ilhf_section(run, params)),
+        ("risk", risk_section(run)),
+    ):
+        variables[key] = vals
+        includes.update(files)
+    with atomic_path(build / "_variables.yml") as tmp:
+        tmp.write_text(yaml.safe_dump(variables, sort_keys=True, allow_unicode=True))
+    gen = build / "_generated"
+    gen.mkdir(exist_ok=True)
+    for name, text in includes.items():
+        (gen / name).write_text(text, encoding="utf-8")
+    for name, (table, stage) in TABLE_INCLUDES.items():
+        md = run.require(f"tables/{table}.md", stage).read_text(encoding="utf-8")
+        (gen / name).write_text(md, encoding="utf-8")
+    for name, text in _manifest_tables(run).items():
+        (gen / name).write_text(text, encoding="utf-8")
+    figs = run.root / "figures"
+    if figs.is_dir():
+        shutil.copytree(figs, build / "figures")
+    placeholder_figures(build / "figures", OPTIONAL_FIGURES)
+    return variables
+
+
+#: Figures that a run dir older than their stage's code lacks: figure -> stage that writes it.
+#: The report shows a placeholder naming the stage instead of failing on such a run.
+OPTIONAL_FIGURES = {
+    "eval_reward_perplexity": "notebook 04_evaluation",
+    "eval_easy_hard": "notebook 04_evaluation",
+    "eval_reward_uncertainty": "notebook 04_evaluation",
+    "eval_inclusive": "notebook 04_evaluation",
+    "reward_encoders": "notebook 02_reward_model",
+}
+
+
+def placeholder_figures(folder: Path, figures: dict[str, str]) -> list[str]:
+    """Write `<name>.png` for every figure of `figures` that `folder` lacks: a blank panel saying
+    which stage writes it. Returns the names written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    for name, stage in figures.items():
+        target = folder / f"{name}.png"
+        if target.exists():
+            continue
+        folder.mkdir(parents=True, exist_ok=True)
+        fig, ax = plt.subplots(figsize=(6, 1.2))
+        ax.axis("off")
+        ax.text(0.5, 0.5, f"Not in this run directory: rerun {stage} to draw {name}.",
+                ha="center", va="center", fontsize=9)  # fmt: skip
+        fig.savefig(target, dpi=100)
+        plt.close(fig)
+        written.append(name)
+    return written
+
+
+def expand_shortcodes(text: str, variables: dict[str, Any], base: Path, depth: int = 0) -> str:
+    """Replace Quarto's `var` and `include` shortcodes as Quarto would (pandoc path)."""
+    if depth > 5:
+        raise ReportError("include nesting deeper than 5 levels")
+
+    def sub(m: re.Match[str]) -> str:
+        kind, arg = m.group(1), m.group(2)
+        if kind == "include":
+            path = base / arg
+            if not path.is_file():
+                raise ReportError(f"report source includes {arg}, which was not generated ({path})")
+            return expand_shortcodes(
+                path.read_text(encoding="utf-8"), variables, path.parent, depth + 1
+            )
+        value: Any = variables
+        for part in arg.split("."):
+            if not isinstance(value, dict) or part not in value:
+                raise ReportError(
+                    f"report source uses variable '{arg}', which the run does not provide"
+                )
+            value = value[part]
+        return str(value)
+
+    return SHORTCODE.sub(sub, text)
+
+
+def _pandoc() -> str:
+    try:
+        import pypandoc
+
+        return pypandoc.get_pandoc_path()
+    except (ImportError, OSError) as exc:
+        raise ReportError(f"pandoc not available (pip install pypandoc-binary): {exc}") from None
+
+
+def _run(cmd: list[str], cwd: Path) -> None:
+    res = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+    for line in res.stderr.splitlines():
+        log.warning("%s: %s", Path(cmd[0]).name, line)
+    if res.returncode != 0:
+        raise ReportError(f"{' '.join(cmd[:2])} failed ({res.returncode}):\n{res.stderr[-3000:]}")
+    if "unresolved reference" in res.stderr or re.search(r"citation \S+ not found", res.stderr):
+        raise ReportError(f"unresolved cross-reference in the report:\n{res.stderr[-2000:]}")
+
+
+def _render_pandoc(build: Path, variables: dict[str, Any], out_dir: Path) -> RenderResult:
+    text = (build / QMD).read_text(encoding="utf-8")
+    expanded = expand_shortcodes(text, variables, build)
+    md = build / "rlxf_report.md"
+    md.write_text(expanded, encoding="utf-8")
+    pandoc = _pandoc()
+    common = [
+        pandoc,
+        md.name,
+        "--from=markdown",
+        "--number-sections",
+        "--toc",
+        "--lua-filter=crossref.lua",  # before citeproc, which would take @fig-x for a citation
+        "--citeproc",
+        "--bibliography=references.bib",
+        "--metadata=link-citations:true",
+        "--resource-path=.",
+    ]
+    seconds: dict[str, float] = {}
+    t0 = time.perf_counter()
+    html = out_dir / "rlxf_report.html"
+    with atomic_path(html, ".html") as tmp:
+        _run(
+            [
+                *common,
+                "--to=html5",
+                "--standalone",
+                "--embed-resources",
+                "--mathml",
+                f"--output={tmp}",
+            ],
+            build,
+        )
+    seconds["html"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    typ = build / "rlxf_report.typ"
+    _run(
+        [
+            *common,
+            "--to=typst",
+            "--standalone",
+            "--include-in-header=typst-header.typ",
+            "--variable=papersize:a4",
+            f"--output={typ.name}",
+        ],
+        build,
+    )
+    import typst
+
+    pdf = out_dir / "rlxf_report.pdf"
+    try:
+        with atomic_path(pdf, ".pdf") as tmp:
+            typst.compile(str(typ), output=str(tmp), root=str(build))
+    except typst.TypstError as exc:
+        raise ReportError(f"typst failed on {typ}: {exc.message} {exc.hints}") from None
+    seconds["pdf"] = time.perf_counter() - t0
+    return RenderResult(html, pdf, "pandoc+typst", seconds)
+
+
+def _render_quarto(quarto: str, build: Path, out_dir: Path) -> RenderResult:
+    t0 = time.perf_counter()
+    _run([quarto, "render", QMD, "--to", "html,typst"], build)
+    html, pdf = out_dir / "rlxf_report.html", out_dir / "rlxf_report.pdf"
+    shutil.copyfile(build / "rlxf_report.html", html)
+    shutil.copyfile(build / "rlxf_report.pdf", pdf)
+    return RenderResult(html, pdf, "quarto", {"total": time.perf_counter() - t0})
+
+
+def render_report(
+    run_dir: str | Path,
+    engine: str = "auto",
+    src: Path = REPORT_SRC,
+    which: Callable[[str], str | None] = shutil.which,
+) -> RenderResult:
+    """Render `<run_dir>/report/rlxf_report.{html,pdf}`; `engine` is auto, quarto or pandoc."""
+    run = RunDir(run_dir)
+    out_dir = run.path("report/x").parent
+    build = out_dir / "_build"
+    variables = build_sources(run, build, src)
+    quarto = which("quarto") if engine in ("auto", "quarto") else None
+    if engine == "quarto" and not quarto:
+        raise ReportError("engine 'quarto' requested but quarto is not on PATH")
+    if quarto:
+        log.info("rendering with Quarto (%s)", quarto)
+        result = _render_quarto(quarto, build, out_dir)
+    else:
+        log.info("Quarto not on PATH: rendering with pandoc (HTML) and pandoc + typst (PDF)")
+        result = _render_pandoc(build, variables, out_dir)
+    run.write_json("report/render.json", {"engine": result.engine, "seconds": result.seconds})
+    return result
+
+
+def load_variables(run_dir: str | Path) -> dict[str, Any]:
+    """The variables of the last render (tests compare them with the artifacts)."""
+    return yaml.safe_load((Path(run_dir) / "report/_build/_variables.yml").read_text())
+
+
+def _json(obj: Any) -> str:
+    return json.dumps(obj, indent=2)

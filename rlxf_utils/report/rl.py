@@ -1,0 +1,165 @@
+"""The RL section: SFT, each algorithm's training, its settings and its critic, in words."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pandas as pd
+
+from rlxf_utils.artifacts import RunDir
+from rlxf_utils.config import CRITIC_INIT
+from rlxf_utils.report.wording import (
+    ci,
+    ci_verdict,
+    display_country,
+    f3,
+    fmt_num,
+    interval,
+    is_present,
+    listing,
+    markdown_table,
+    short_text,
+    spaced,
+)
+
+
+def move_sentence(algo: str, r: pd.Series) -> str:
+    """How one algorithm's training reward moved (a row of `rl.summary_table`); an algorithm
+    that logs no training reward (ILHF from history: no reward model) is said to, not 'nan'."""
+    d = r["reward_last"] - r["reward_first"]
+    if not is_present(d):
+        return (
+            f"{algo} trains without the reward model, so it logs no training reward, "
+            f"{r['step_time_s']:.0f} s per step"
+        )
+    return (
+        f"{algo}'s mean training reward went from {f3(r['reward_first'])} to {f3(r['reward_last'])} "
+        f"({'+' if d >= 0 else '−'}{abs(d):.3f}) at a final KL of {r['kl_last']:.2f} nats, "
+        f"{r['step_time_s']:.0f} s per step"
+    )
+
+
+#: The report's sentence on how PPO's critic starts (`rl.critic_init`).
+CRITIC_SENTENCE = {
+    "reward": "The critic starts from the reward model, as in Stiennon et al. (2020): its value at each "
+    "token is the reward model's score of the response so far in its context, plus a linear head "
+    "on the policy's hidden states that starts at zero and learns the rest",
+    "mean": "The critic is a value head on the policy's hidden states that starts on the reward's "
+    "scale (zero weights, its bias at the first batch's mean reward)",
+}
+
+
+def _rl_summary_display(summ: pd.DataFrame) -> pd.DataFrame:
+    """notebook 03's `rl_summary` with short headers a page can hold: one cell per quantity."""
+
+    def num(x: Any, digits: int) -> str:
+        return fmt_num(x, digits) if is_present(x) else "·"
+
+    def arrow(a: Any, b: Any, digits: int) -> str:
+        return f"{num(a, digits)} → {num(b, digits)}" if is_present(a) else "·"
+
+    rows = []
+    for _, r in summ.iterrows():
+        ev = r.get("explained_variance_last_third")
+        rows.append({
+            "algorithm": r["algorithm"], "steps": int(r["steps"]),
+            "reward (first → last 3 steps)": arrow(r.get("reward_first"), r.get("reward_last"), 3),
+            "final KL": num(r.get("kl_last"), 2), "entropy": num(r.get("entropy_last"), 2),
+            "critic EV, last third [CI]": ci(ev, r.get("explained_variance_low"), r.get("explained_variance_high")) if is_present(ev) else "·",
+            "β (first → last)": arrow(r.get("beta_first"), r.get("beta_last"), 4),
+            "s / step": num(r.get("step_time_s"), 1), "tokens / s": num(r.get("tokens_per_s"), 0),
+        })  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def rl_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    stage = "notebook 03_ppo_finetuning"
+    summ = run.read_table("rl_summary", stage)
+    samples = run.read_table("rl_samples_before_after", stage)
+    algo_settings = run.read_table("rl_algorithm_settings", stage)
+    sft = run.read_table("sft_summary", stage) if params["sft"]["enabled"] else pd.DataFrame()
+    rl, pol = params["rl"], params["policy"]
+    critic_init = rl.get("critic_init", "mean")  # runs from before the setting: the head alone
+    settings = pd.DataFrame(
+        [
+            ("policy", pol["model"] if pol["model"] != "embedded" else "SmolLM2-135M-Instruct (embedded)"),
+            ("LoRA rank / alpha / targets", f"{pol['lora']['rank']} / {pol['lora']['alpha']} / {', '.join(pol['lora']['target_modules'])}"),
+            ("start policy (and KL reference)", rl["start_policy"]),
+            ("steps x prompts x responses per prompt", f"{rl['steps']} x {rl['batch_size'] // rl['num_generations']} x {rl['num_generations']}"),
+            ("max new tokens, temperature, top-p", f"{rl['max_new_tokens']}, {rl['temperature']}, {rl['top_p']}"),
+            ("learning rate", f"{rl['learning_rate']:g}"),
+            ("KL coefficient (initial), PPO adaptive, target, K_beta", f"{rl['kl_coef']:g}, {rl['adaptive_kl']}, {rl['target_kl']:g}, {rl['kl_adapt_rate']:g}"),
+            ("update epochs x minibatches (optimiser steps per batch, every algorithm)", f"{rl['update_epochs']} x {rl['batch_size'] // rl['minibatch_size']}"),
+            ("PPO clip (policy / value), value coefficient", f"{rl['clip_range']} / {rl['clip_range_value'] if rl['clip_range_value'] is not None else 'none'}, {rl['vf_coef']:g}"),
+            ("mixed precision", pol.get("autocast") or "none (fp32)"),
+            ("GAE gamma / lambda", f"{rl['gamma']} / {rl['lam']}"),
+            ("PPO critic at the start", CRITIC_INIT[critic_init]),
+            ("training prompts", "all training contexts" if rl["max_prompts"] is None else str(rl["max_prompts"])),
+        ],
+        columns=["setting", "value"],
+    )  # fmt: skip
+    shown = samples.assign(
+        response=samples["response"].map(short_text),
+        country=samples["country"].map(display_country),
+    )[["policy", "country", "econ_descriptor", "response", "reward"]]
+    rows = summ.set_index("algorithm")
+    ppo_sentence = ""
+    if "PPO" in rows.index:
+        r = rows.loc["PPO"]
+        ev_word = ci_verdict(r.get("explained_variance_low", math.nan),
+                             r.get("explained_variance_high", math.nan),
+                             "positive", "negative", "no clearly positive")  # fmt: skip
+        if rl["adaptive_kl"]:
+            beta = (f"β, adapted towards {rl['target_kl']:g} nats with K_β = {rl['kl_adapt_rate']:g}, moved from "
+                    f"{r['beta_first']:.4f} to {r['beta_last']:.4f}")  # fmt: skip
+        else:
+            beta = f"β stayed fixed at {r['beta_first']:.4f}"
+        prior_ev = r.get("explained_variance_prior_last_third", math.nan)
+        prior = (f"; the reward model's scores of the prefixes, its starting point, explained {prior_ev:.2f} "
+                 "on their own" if is_present(prior_ev) else "")  # fmt: skip
+        ppo_sentence = (
+            f"PPO's critic explained {ev_word} variance of the returns over the last third of its steps "
+            f"(mean {r['explained_variance_last_third']:.2f}, t interval over those steps "
+            f"{interval(r.get('explained_variance_low', math.nan), r.get('explained_variance_high', math.nan), signed=False, digits=2)}{prior}); {beta}"
+        )
+    moves = [move_sentence(algo, r) for algo, r in rows.iterrows()]
+    variables = {
+        "algorithms": listing([a for a in rows.index]),
+        "steps": str(rl["steps"]),
+        "batch_size": str(rl["batch_size"]),
+        "moves": "; ".join(moves),
+        "template": " ".join(rl["prompt_template"].split()),
+        "ppo_sentence": ppo_sentence or "PPO did not run",
+        "prompts_per_step": str(rl["batch_size"] // rl["num_generations"]),
+        "num_generations": str(rl["num_generations"]),
+        "opt_steps": str(rl["update_epochs"] * (rl["batch_size"] // rl["minibatch_size"])),
+        "start_policy": rl["start_policy"],
+        "sft_sentence": _sft_sentence(sft),
+        "critic": CRITIC_SENTENCE[critic_init],
+    }
+    includes = {
+        # spaces, not underscores: long names wrap in the PDF's narrow columns
+        "rl_algorithm_settings.md": markdown_table(
+            algo_settings.assign(setting=algo_settings["setting"].map(spaced))
+        ),
+        "sft_summary.md": markdown_table(sft.rename(columns=spaced), floatfmt=".3f")
+        if not sft.empty
+        else "SFT was not run.",
+        "rl_settings.md": markdown_table(settings),
+        "rl_summary.md": markdown_table(_rl_summary_display(summ)),
+        "rl_samples.md": markdown_table(shown),
+    }
+    return variables, includes
+
+
+def _sft_sentence(sft: pd.DataFrame) -> str:
+    if sft.empty:
+        return "No supervised stage ran: RL started from the zero-shot model"
+    parts = [
+        f"`{r['policy']}` on {int(r['examples'])} {'MET ' if r['outcomes'] == 'met' else ''}descriptions "
+        f"({int(r['steps'])} steps, {r['seconds']:.0f} s, {r['tokens_per_s']:.0f} tokens/s; loss "
+        f"{r['loss_first']:.2f} to {r['loss_last']:.2f})"
+        for _, r in sft.iterrows()
+    ]
+    return "The supervised stage trained " + " and ".join(parts)

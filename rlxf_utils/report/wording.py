@@ -1,0 +1,158 @@
+"""Every number, interval and verdict word a reader sees is formatted here: numbers,
+percentages and p-values, confidence intervals, lists, markdown tables, and the vocabulary that
+turns an interval into a verdict word. Imports nothing of the study's but `stats`."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from rlxf_utils.stats import ci_sign, level
+
+
+def is_present(x: Any) -> bool:
+    """Not None and not a float NaN (a value a sentence can quote)."""
+    return x is not None and not (isinstance(x, float) and math.isnan(x))
+
+
+def fmt_num(x: Any, digits: int = 3) -> str:
+    """A number for prose: fixed `digits`, or 'n/a' when missing."""
+    return f"{x:.{digits}f}" if is_present(x) else "n/a"
+
+
+def fmt_pct(x: Any, digits: int = 1) -> str:
+    """A share as a percentage for prose, or 'n/a' when missing."""
+    return f"{100 * x:.{digits}f}%" if is_present(x) else "n/a"
+
+
+def fmt_p(p: Any) -> str:
+    """A p-value for prose: 'p = 0.013', 'p < 0.001', or 'p n/a' when missing."""
+    if not is_present(p):
+        return "p n/a"
+    return "p < 0.001" if p < 0.001 else f"p = {p:.3f}"
+
+
+def listing(items: Sequence[str]) -> str:
+    """'a', 'a and b', 'a, b and c' for prose ('nothing' when empty)."""
+    items = list(items)
+    if not items:
+        return "nothing"
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def _fmt_cell(v: Any, floatfmt: str) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)) or v is pd.NA:
+        return ""
+    if isinstance(v, float | np.floating):
+        return format(float(v), floatfmt)
+    return str(v).replace("|", "\\|").replace("\n", " ")
+
+
+def markdown_table(df: pd.DataFrame, floatfmt: str = ".3f", index: bool = False) -> str:
+    """A pipe table (pandoc and Quarto read it) without the optional `tabulate` dependency."""
+    if index:
+        df = df.reset_index()
+    cols = [str(c) for c in df.columns]
+    numeric = [pd.api.types.is_numeric_dtype(df[c]) for c in df.columns]
+    header = "| " + " | ".join(c.replace("|", "\\|") for c in cols) + " |"
+    # Dash counts set pandoc's relative column widths when cells wrap: a short column gets its
+    # longest cell plus a margin (so numbers and labels never break), a wordy one at most 44.
+    longest = [max([len(_fmt_cell(v, floatfmt)) for v in df[col].head(200)] or [0]) for col in df]
+    widths = [4 + max(3, len(c), min(40, n)) for c, n in zip(cols, longest, strict=True)]
+    align = (
+        "|"
+        + "|".join(
+            ("-" * w + ":") if n else (":" + "-" * w) for n, w in zip(numeric, widths, strict=True)
+        )
+        + "|"
+    )
+    rows = [
+        "| " + " | ".join(_fmt_cell(v, floatfmt) for v in rec) + " |"
+        for rec in df.itertuples(index=False, name=None)
+    ]
+    return "\n".join([header, align, *rows]) + "\n"
+
+
+def ci_verdict(
+    low: float,
+    high: float,
+    above: str = "higher",
+    below: str = "lower",
+    neither: str = "not distinguishable",
+) -> str:
+    """The verdict word a confidence interval supports: `above` when it lies above zero, `below`
+    when below, `neither` when it covers zero or is missing. Never the sign of a point estimate."""
+    return {1: above, -1: below, 0: neither}[ci_sign(low, high)]
+
+
+f3 = fmt_num  # three decimals, 'n/a' when missing
+
+
+pct = fmt_pct
+
+
+def spaced(name: Any) -> str:
+    """A name with spaces for underscores, so a long one wraps in a narrow PDF column."""
+    return str(name).replace("_", " ")
+
+
+def num(x: Any, digits: int = 3, signed: bool = False, scale: float = 1.0) -> str:
+    """A number for prose and tables: `digits` decimals, a sign when `signed`, times `scale`
+    (100 for percentage points); 'n/a' when missing."""
+    if not is_present(x):
+        return "n/a"
+    return f"{scale * x:{'+' if signed else ''}.{digits}f}"
+
+
+def interval(low: Any, high: Any, digits: int = 3, signed: bool = True, scale: float = 1.0) -> str:
+    """A confidence interval as '[low, high]' (signed by default: intervals of differences)."""
+    return f"[{num(low, digits, signed, scale)}, {num(high, digits, signed, scale)}]"
+
+
+def ci(mid: Any, low: Any, high: Any, digits: int = 3, signed: bool = False,
+       scale: float = 1.0) -> str:  # fmt: skip
+    """An estimate with its interval, 'mid [low, high]': the one CI format of the study (signed
+    for differences and gains)."""
+    return f"{num(mid, digits, signed, scale)} {interval(low, high, digits, signed, scale)}"
+
+
+def level_ci(low: Any, high: Any, alpha: float, digits: int = 3, scale: float = 1.0) -> str:
+    """'95% CI [+low, +high]' (the level from `alpha`), or '95% CI n/a' without an interval."""
+    if not (is_present(low) and is_present(high)):
+        return f"{level(alpha)} CI n/a"
+    return f"{level(alpha)} CI {interval(low, high, digits, True, scale)}"
+
+
+def pval(p: float) -> str:
+    if not is_present(p):
+        return "n/a"
+    return "<0.001" if p < 0.001 else f"{p:.3f}"
+
+
+def short_text(text: Any, n: int = 160) -> str:
+    s = " ".join(str(text).split())
+    return s if len(s) <= n else s[: n - 1].rstrip() + "…"
+
+
+def sd_verdict(low: float, high: float) -> str:
+    """What a policy did to the reward model's uncertainty, read from the CI of its `sd_gain`
+    (the paired change of mean `reward_sd` against the start policy), never from its sign."""
+    return ci_verdict(
+        low,
+        high,
+        "moved into text the reward model is more unsure about",
+        "moved into text the reward model is less unsure about",
+        "did not clearly change the reward model's uncertainty",
+    )
+
+
+def display_country(name: str) -> str:
+    """'GAMBIA, THE' -> 'Gambia, The'-style readable names for completion prompts."""
+    out = name.title()
+    for a, b in ((" Of", " of"), (" And ", " and "), (" The", " the"), ("(Fyr)", "(FYR)")):
+        out = out.replace(a, b)
+    return out

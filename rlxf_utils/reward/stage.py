@@ -1,0 +1,166 @@
+"""Notebook 02's stage: every protocol, the comparisons and tables, the bundle RL uses."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pandas as pd
+
+from rlxf_utils.prompts import (
+    serialize_frame,
+)
+
+if TYPE_CHECKING:  # heavy imports stay lazy so that `import rlxf_utils.reward` is cheap
+    pass
+from rlxf_utils.artifacts import hash_path
+from rlxf_utils.data.splits import load_holdout, load_splits
+from rlxf_utils.reward.bundle import save_reward_bundle, train_disjoint_audit
+from rlxf_utils.reward.calibration import CALIBRATION_SHARE
+from rlxf_utils.reward.encoders import encoder_label
+from rlxf_utils.reward.figures import plot_confusion, plot_encoders, plot_reliability
+from rlxf_utils.reward.model import RewardModel, score_precision_check
+from rlxf_utils.reward.protocol import (
+    ProtocolResult,
+    load_protocol_result,
+    protocol_key,
+    run_protocol,
+    save_protocol_result,
+    take_rows,
+)
+from rlxf_utils.reward.tables import (
+    accuracy_table,
+    comparison_tables,
+    encoder_table,
+    most_confident_errors,
+    per_area_accuracy,
+    reference_check_table,
+    within_context_table,
+)
+from rlxf_utils.reward.training import configure_threads
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RewardStage:
+    """What notebook 02 computes: per-protocol results and the tables it wrote to the run dir."""
+
+    results: list[ProtocolResult]
+    tables: dict[str, pd.DataFrame]
+    reward_dir: Path
+
+
+def run_reward_stage(
+    cfg: Any,
+    run: Any,
+    model_factory: Callable[[], tuple[Any, Any]] | None = None,
+) -> RewardStage:
+    """Train and evaluate every protocol, save the RL reward bundle, write tables and figures.
+
+    `cfg` is a `StudyConfig`, `run` a `RunDir` holding notebook 01's `data/`. Writes
+    `reward_model/` (module docstring), `reward/metrics.json`, `reward/predictions_<protocol>.parquet`,
+    tables `reward_*` and figures `reward_reliability`, `reward_confusion`.
+    """
+
+    rc = cfg.reward
+    alpha, n_boot = cfg.evaluation.alpha, cfg.evaluation.n_boot
+    configure_threads(rc.num_threads)
+
+    labelled, splits = load_splits(run)
+    data_hash = hash_path(run.path("data"))
+    results = []
+    for i, protocol in enumerate(rc.protocols):
+        compare = [c for c in rc.compare_encoders if protocol in rc.encoder_protocols(c)]
+        boot_seed = cfg.run.seed + i  # independent bootstrap draws per protocol
+        key = protocol_key(rc, protocol, compare, cfg.run.seed, alpha, n_boot, boot_seed, data_hash)
+        cache = run.path(f"reward/protocols/{protocol}")
+        res = load_protocol_result(cache, key)
+        if res is not None:
+            log.info("protocol %s: up to date (%s), not retrained", protocol, cache)
+        else:
+            res = run_protocol(
+                labelled, splits, protocol, rc, cfg.run.seed, model_factory=model_factory,
+                alpha=alpha, n_boot=n_boot, boot_seed=boot_seed, compare=compare,
+            )  # fmt: skip
+            save_protocol_result(cache, res, key)
+        run.write_parquet(f"reward/predictions_{protocol}.parquet", res.predictions)
+        results.append(res)
+    chosen = next(r for r in results if r.protocol == rc.reward_protocol)
+    holdout = load_holdout(run)
+    audit = train_disjoint_audit(labelled, holdout, rc, cfg.run.seed)
+    scorer = chosen.scorer(rc.reward_source)
+    score_check: dict[str, Any] = {}
+    if isinstance(scorer, RewardModel):  # the precision RL and evaluation will score in
+        test_rows = take_rows(
+            labelled, splits[rc.reward_protocol]["test"], f"{rc.reward_protocol}.test"
+        )
+        score_check = score_precision_check(
+            scorer, serialize_frame(test_rows), rc.score_precision, rc.score_tolerance,
+            rc.score_batch_size,
+        )  # fmt: skip
+    reward_dir = save_reward_bundle(
+        run.path("reward_model"), chosen, rc.reward_source, audit, score_check
+    )
+    reference_check = reference_check_table(
+        labelled, holdout, chosen, audit, cfg.evaluation.n_boot, cfg.evaluation.alpha, cfg.run.seed
+    )
+
+    metrics = pd.concat([r.metrics for r in results], ignore_index=True)
+    calibration = pd.concat(
+        [r.calibration.assign(protocol=r.protocol) for r in results], ignore_index=True
+    )
+    train_log = pd.concat(
+        [r.train_log.assign(protocol=r.protocol) for r in results], ignore_index=True
+    )
+    main = rc.reward_source if rc.reward_source != "tfidf" else "tfidf"
+    comparisons, protocol_diffs = comparison_tables(results, alpha)
+    encoders = {"encoder": rc.encoder, **{c.name: c.encoder for c in rc.compare_encoders}}
+    tables = {
+        "reward_accuracy_vs_paper": accuracy_table(results),
+        "reward_metrics": metrics,
+        "reward_calibration": calibration[
+            ["protocol", *[c for c in calibration.columns if c != "protocol"]]
+        ],
+        "reward_within_context": within_context_table(results),
+        "reward_comparisons": comparisons,
+        "reward_protocol_differences": protocol_diffs,
+        "reward_reference_check": reference_check,
+        "reward_confident_errors": most_confident_errors(chosen.predictions, main, k=10),
+        "reward_per_area": per_area_accuracy(chosen.predictions),
+        "reward_train_log": train_log,
+        "reward_timing": pd.DataFrame([{"protocol": r.protocol, **r.timing} for r in results]),
+        "reward_encoders": encoder_table(results, encoders),
+    }
+    for name, df in tables.items():
+        run.write_table(name, df)
+    run.write_json(
+        "reward/metrics.json",
+        {
+            "reward_source": rc.reward_source,
+            "reward_protocol": rc.reward_protocol,
+            "alpha": alpha,
+            "n_boot": n_boot,
+            "calibration_share": CALIBRATION_SHARE,
+            "metrics": metrics.to_dict("records"),
+            "calibration": calibration.to_dict("records"),
+            "comparisons": comparisons.to_dict("records"),
+            "protocol_differences": protocol_diffs.to_dict("records"),
+            "timing": {r.protocol: r.timing for r in results},
+            "encoders": {k: {"setting": v, "label": encoder_label(v)} for k, v in encoders.items()},
+            "score_check": score_check,
+        },
+    )
+    import matplotlib.pyplot as plt
+
+    for name, fig in (
+        ("reward_reliability", plot_reliability(results, (*encoders, "tfidf"))),
+        ("reward_confusion", plot_confusion(results, main)),
+        ("reward_encoders", plot_encoders(tables["reward_encoders"], alpha)),
+    ):
+        run.write_figure(name, fig)
+        plt.close(fig)
+    return RewardStage(results, tables, reward_dir)

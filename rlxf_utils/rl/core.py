@@ -1,0 +1,314 @@
+"""The shared RL core: masked statistics, log-probs and entropy from logits, GAE, the clipped
+policy and value losses, explained variance, the KL controllers, the value heads and the prompt
+schedule every algorithm shares."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+RewardFn = Callable[[list[dict[str, Any]], list[str]], np.ndarray]
+"""reward_fn(contexts, texts) -> one scalar per text (here: the reward model's calibrated P(MET))."""
+
+
+#: One row per step; GRPO/RLOO (rlxf_utils.rl) write the same columns, NaN where not meaningful.
+LOG_COLUMNS: tuple[str, ...] = (
+    "algo",
+    "step",
+    "reward_mean",
+    "reward_std",
+    "kl",
+    "kl_per_token",
+    "kl_coef",
+    "entropy",
+    "value_mean",
+    "clip_frac",
+    "approx_kl",
+    "policy_loss",
+    "value_loss",
+    "explained_variance",
+    "explained_variance_prior",
+    "response_length",
+    "scheme",
+    "learner_share",
+    "tokens_per_s",
+    "gen_time_s",
+    "step_time_s",
+    "processes",
+    "rank_weight_spread",
+)
+
+
+#: Sums a tensor over every process (identity on one process): statistics "over the batch" are
+#: over the global batch when each process holds a share of it.
+SumFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def masked_mean(
+    x: torch.Tensor, mask: torch.Tensor, dim: int | None = None, reduce: SumFn = _identity
+) -> torch.Tensor:
+    """Mean of `x` over positions where `mask` is 1 (`reduce`: over every process's share)."""
+    if dim is None:
+        return reduce((x * mask).sum()) / reduce(mask.sum()).clamp(min=1)
+    return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
+
+
+def masked_var(
+    x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True, reduce: SumFn = _identity
+) -> torch.Tensor:
+    """Variance of `x` over masked positions (Bessel-corrected by default)."""
+    mean = masked_mean(x, mask, reduce=reduce)
+    var = masked_mean((x - mean) ** 2, mask, reduce=reduce)
+    if unbiased:
+        n = reduce(mask.sum())
+        var = var * n / (n - 1).clamp(min=1)
+    return var
+
+
+def whiten(
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    shift_mean: bool = True,
+    eps: float = 1e-8,
+    reduce: SumFn = _identity,
+) -> torch.Tensor:
+    """Advantage whitening: zero mean, unit variance over the masked tokens of the whole batch
+    (with `reduce`, the batch of every process: ranks then scale their advantages alike)."""
+    mean, var = masked_mean(x, mask, reduce=reduce), masked_var(x, mask, reduce=reduce)
+    out = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return out * mask
+
+
+def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log p(token) under `logits` (…, V) for each position."""
+    return torch.gather(F.log_softmax(logits.float(), dim=-1), -1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the categorical distribution at each position (nats)."""
+    logp = F.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def compute_gae(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over response tokens (B, T); returns (advantages, returns).
+
+    The value after the last valid token is 0 (the episode ends with the response), so
+    delta_t = r_t + gamma * V_{t+1} * m_{t+1} - V_t and A_t = delta_t + gamma * lam * m_{t+1} * A_{t+1}.
+    """
+    T = rewards.shape[1]
+    advantages = torch.zeros_like(rewards)
+    last = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(T)):
+        next_mask = mask[:, t + 1] if t + 1 < T else torch.zeros_like(mask[:, 0])
+        next_value = values[:, t + 1] if t + 1 < T else torch.zeros_like(values[:, 0])
+        delta = rewards[:, t] + gamma * next_value * next_mask - values[:, t]
+        last = delta + gamma * lam * next_mask * last
+        advantages[:, t] = last
+    advantages = advantages * mask
+    returns = (advantages + values) * mask
+    return advantages, returns
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_range: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Clipped surrogate objective (as a loss) with its clip fraction and approximate KL.
+
+    approx KL uses the low-variance estimator mean((r - 1) - log r) (Schulman's k3).
+    """
+    log_ratio = logprobs - old_logprobs
+    ratio = log_ratio.exp()
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_range, 1.0 + clip_range)
+    loss = masked_mean(torch.maximum(unclipped, clipped), mask)
+    with torch.no_grad():
+        clip_frac = masked_mean(((ratio - 1.0).abs() > clip_range).float(), mask)
+        approx_kl = masked_mean((ratio - 1.0) - log_ratio, mask)
+    return loss, clip_frac, approx_kl
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    clip_range_value: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clipped value loss 0.5 * max((V - R)^2, (V_clipped - R)^2) and its clip fraction.
+
+    `clip_range_value=None`: the plain squared error (no clipping, clip fraction 0).
+    """
+    if clip_range_value is None:
+        return 0.5 * masked_mean((values - returns) ** 2, mask), torch.zeros(())
+    v_clipped = old_values + (values - old_values).clamp(-clip_range_value, clip_range_value)
+    loss_unclipped = (values - returns) ** 2
+    loss_clipped = (v_clipped - returns) ** 2
+    loss = 0.5 * masked_mean(torch.maximum(loss_unclipped, loss_clipped), mask)
+    with torch.no_grad():
+        clip_frac = masked_mean((loss_clipped > loss_unclipped).float(), mask)
+    return loss, clip_frac
+
+
+def explained_variance(
+    values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, reduce: SumFn = _identity
+) -> float:
+    """1 - Var(returns - values) / Var(returns) over masked tokens (1 = perfect critic)."""
+    var_r = masked_var(returns, mask, reduce=reduce)
+    if var_r.item() == 0:
+        return float("nan")
+    return float(1.0 - masked_var(returns - values, mask, reduce=reduce) / var_r)
+
+
+class AdaptiveKLController:
+    """Ziegler et al. (2019) adaptive beta: proportional control of the KL towards `target`.
+
+    beta_{t+1} = beta_t (1 + K_beta e_t), e_t = clip(KL_t / target - 1, -0.2, 0.2), once per step:
+    with K_beta = 0.1, beta moves by up to 2% a step whatever the batch size (the original
+    horizon form, K_beta = batch / horizon, barely moves at a few responses per step).
+    """
+
+    def __init__(self, init: float, target: float, rate: float = 0.1):
+        self.value, self.target, self.rate = float(init), float(target), float(rate)
+
+    def update(self, current_kl: float, n_steps: int = 1) -> None:
+        """Raise beta when KL is above target, lower it when below (error clipped to +-20%)."""
+        error = float(np.clip(current_kl / self.target - 1.0, -0.2, 0.2))
+        self.value *= 1.0 + self.rate * error
+
+    def state_dict(self) -> dict[str, float]:
+        return {"value": self.value, "target": self.target, "rate": self.rate}
+
+    def load_state_dict(self, state: Mapping[str, float]) -> None:
+        self.value = float(state["value"])
+
+
+class FixedKLController:
+    """A constant KL coefficient."""
+
+    def __init__(self, value: float):
+        self.value = float(value)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """No-op: the coefficient stays fixed."""
+
+    def state_dict(self) -> dict[str, float]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: Mapping[str, float]) -> None:
+        self.value = float(state["value"])
+
+
+class ValueHead(nn.Module):
+    """Scalar value V(s_t) from the policy's last hidden state at each position.
+
+    Zero weights: every state starts at the bias. The trainer adds the reward model's score of
+    the prefix (`critic_init: reward`; the bias stays 0) or sets the bias to the first batch's
+    mean score (`mean`), so the critic starts on the reward's scale instead of at random on the
+    hidden states' scale. The hidden states are detached: the critic reads the policy's
+    features, and its loss never moves the policy.
+    """
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.summary = nn.Linear(hidden_size, 1)
+        nn.init.zeros_(self.summary.weight)
+        nn.init.zeros_(self.summary.bias)
+        # Features are layer-normalised and the weighted sum scaled by 1/sqrt(d): one Adam step
+        # then moves a value by about lr * sqrt(d), not lr * d (~0.5 per step at lr 1e-3 on raw
+        # SmolLM2 states, ten times the spread of the rewards it has to predict).
+        self.scale = hidden_size**-0.5
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        h = F.layer_norm(hidden.detach().float(), hidden.shape[-1:])
+        return (F.linear(h, self.summary.weight) * self.scale + self.summary.bias).squeeze(-1)
+
+
+class PolicyWithValue(nn.Module):
+    """LoRA policy and value head(s) as one module, so `accelerate`/DDP wraps and syncs them all.
+
+    `value_head` is the policy's critic; `extra_heads` adds more critics on the same features
+    (RLGF's AggreVaTeD: `guide_value_head`, the guide's value V^{pi_g}).
+    """
+
+    def __init__(self, policy: nn.Module, extra_heads: Sequence[str] = ()):
+        super().__init__()
+        self.policy = policy
+        self.value_head = ValueHead(policy.config.hidden_size)
+        self.head_names = ("value_head", *extra_heads)
+        with torch.random.fork_rng(devices=[]):  # zero-initialised: draws nothing from the stream
+            for name in extra_heads:
+                setattr(self, name, ValueHead(policy.config.hidden_size))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        n_response: int,
+        with_values: bool = True,
+        critic: str = "value_head",
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits predicting the last `n_response` tokens (B, R, V) and `critic`'s values at those
+        states (B, R)."""
+        # Left padding: positions count only real tokens, as in generation.
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        out = self.policy(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            output_hidden_states=with_values,
+            logits_to_keep=n_response + 1,  # only the response's logits: saves a (B, T, V) tensor
+            use_cache=False,
+        )
+        logits = out.logits[:, :-1]
+        if not with_values:
+            return logits, None
+        hidden = out.hidden_states[-1][:, -(n_response + 1) : -1]
+        return logits, getattr(self, critic)(hidden)
+
+
+def prompt_schedule(n_prompts: int, steps: int, per_step: int, seed: int) -> list[list[int]]:
+    """Prompt indices for each step: passes over shuffled prompts (a new permutation per pass).
+
+    Shared by PPO and the TRL runs (whose dataset is laid out in this order, unshuffled), so
+    every algorithm sees the same prompts at the same step.
+    """
+    rng = np.random.default_rng(seed)
+    order: list[int] = []
+    out = []
+    for _ in range(steps):
+        idx = []
+        while len(idx) < per_step:
+            if not order:
+                order = rng.permutation(n_prompts).tolist()
+            idx.append(order.pop(0))
+        out.append(idx)
+    return out
+
+
+def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The LoRA weights of a peft model, on the CPU and contiguous (checkpoints and snapshots)."""
+    from peft import get_peft_model_state_dict
+
+    return {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(model).items()}
+
+
+def cpu_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()}

@@ -1,0 +1,190 @@
+"""Each training stage in its own process, started with `accelerate launch`.
+
+`accelerate` keeps one state per process: the first `Accelerator` fixes mixed precision and the
+distributed set-up, and a second one with other settings either raises ("AcceleratorState has
+already been initialized") or silently inherits the first. So SFT and every RL algorithm run in
+their own process (`compute.processes: per_stage`, the default):
+
+    notebook 03 --> run_stage("rl", "ppo")  --> accelerate launch [--config_file F] [--num_processes N]
+                                                   -m rlxf_utils.rl.worker rl --params P --run-dir R --algo ppo
+                <-- its log lines, streamed       (each rank: reward model, prompts, run_algorithm)
+                --> run_algorithm(...)          reads what the process wrote (`complete.json`)
+
+The worker is the same code the kernel would run (`run_algorithm`, `run_sft_stage`); the
+notebook then calls that code itself, which finds the stage complete and only reads its outputs.
+A failed process raises `StageFailed` naming the stage and showing the tail of its log
+(`policy/<name>/launch.log`). PPO and the RLGF algorithms (ours) and GRPO/RLOO (TRL) use all
+`compute.num_processes`; SFT and ILHF run one process (their loops are not data-parallel).
+
+This module imports no torch at the top: notebooks call `runtime.hub_environment` before transformers
+is imported (the hub's offline switch is read once, at import).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from rlxf_utils.algorithms import algorithm
+
+#: Lines of a failed stage's log shown in the error.
+TAIL_LINES = 40
+
+
+#: A Python exception line at the start of a log line ("pkg.mod.SomeError: message").
+_ERROR_RE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Missing|Failed|Interrupt)\w*: ")
+
+
+class StageFailed(RuntimeError):
+    """A stage's process exited with an error; the message names it and shows its log's tail."""
+
+
+def processes_for(cfg: Any, stage: str, name: str | None) -> int:
+    """How many processes a stage gets: `compute.num_processes`, or 1 for SFT and the algorithms the
+    registry runs on one process (ILHF)."""
+    one = stage == "sft" or (name is not None and algorithm(name).one_process)
+    return 1 if one else cfg.compute.num_processes
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def accelerate_args(config_file: str | Path | None, n: int, device: str = "auto") -> list[str]:
+    """`accelerate launch ...` up to the program: a config file, or
+    accelerate's defaults said out loud; `n` processes on a free local port; `--cpu` for one
+    process without CUDA (or with `device` 'cpu'). Several processes without CUDA run DDP over
+    gloo: accelerate's `--multi_gpu` launcher falls back to MULTI_CPU (its `--cpu` launcher
+    would need MPI)."""
+    import torch
+
+    # accelerate's launcher, set to die with this process (rlxf_utils/rl/accelerate_launch.py)
+    cmd = [sys.executable, "-m", "rlxf_utils.rl.accelerate_launch"]
+    if config_file is not None:
+        cmd += ["--config_file", str(config_file)]
+    else:  # no warning about values not passed
+        cmd += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+        if n > 1:
+            cmd += ["--multi_gpu"]
+    cmd += ["--num_processes", str(n), "--main_process_port", str(_free_port())]
+    cmd += ["--num_cpu_threads_per_process", str(max(1, (os.cpu_count() or 1) // n))]
+    if n == 1 and (device == "cpu" or not torch.cuda.is_available()):
+        cmd += ["--cpu"]
+    return cmd
+
+
+def launch_env(device: str = "auto") -> dict[str, str]:
+    """The environment of a launched stage: this one, plus `ACCELERATE_USE_CPU=true` where
+    there is no CUDA (or `device` is 'cpu'): accelerate's `--multi_gpu` launcher does not set
+    it, and without it a process on a CPU machine never joins the others' process group."""
+    import torch
+
+    env = dict(os.environ)
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("PYTHONHASHSEED", "0")  # set iteration order (peft's target_modules) fixed
+    if device == "cpu" or not torch.cuda.is_available():
+        env["ACCELERATE_USE_CPU"] = "true"
+    return env
+
+
+def stage_command(
+    cfg: Any, params_file: str | Path, run_dir: str | Path, stage: str, name: str | None = None
+) -> list[str]:
+    """The `accelerate launch` command line of one stage ('sft', or 'rl' with algorithm `name`)."""
+    n = processes_for(cfg, stage, name)
+    # the config file describes the whole job; a one-process stage of a multi-process job
+    # (SFT, ILHF) runs with accelerate's defaults instead
+    whole = cfg.compute.accelerate_config is not None and n == cfg.compute.num_processes
+    cmd = accelerate_args(cfg.compute.accelerate_config if whole else None, n, cfg.compute.device)
+    cmd += ["-m", "rlxf_utils.rl.worker", stage, "--params", str(Path(params_file).resolve())]
+    cmd += ["--run-dir", str(Path(run_dir).resolve())]
+    return cmd + (["--algo", name] if name else [])
+
+
+def run_stage(
+    cfg: Any,
+    params_file: str | Path,
+    run_dir: str | Path,
+    stage: str,
+    name: str | None = None,
+    echo: Callable[[str], Any] | None = print,
+) -> Path | None:
+    """Run a stage in its own process (or do nothing with `compute.processes: kernel`), streaming
+    its output through `echo` into `policy/<name or sft>/launch.log`; returns the log's path.
+
+    Raises `StageFailed` with the stage's name, exit code and the last `TAIL_LINES` lines."""
+    if cfg.compute.processes == "kernel":
+        return None
+    cmd = stage_command(cfg, params_file, run_dir, stage, name)
+    label = name or stage
+    log_path = Path(run_dir) / "policy" / label / "launch.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    env = launch_env(cfg.compute.device)
+    env["RLXF_PARENT_PID"] = str(os.getpid())  # the launcher dies with this process
+    tail: deque[str] = deque(maxlen=TAIL_LINES)
+    cause = None
+    n = processes_for(cfg, stage, name)
+    if echo:
+        echo(f"{label}: {n} process{'es' if n > 1 else ''} (accelerate launch), log {log_path}")
+    with log_path.open("w", encoding="utf-8") as fh:
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
+            bufsize=1, errors="replace",
+        )  # fmt: skip
+        assert proc.stdout is not None
+        try:
+            for line in proc.stdout:
+                fh.write(line)
+                fh.flush()
+                tail.append(line.rstrip("\n"))
+                if _ERROR_RE.match(line) and not line.startswith("subprocess.CalledProcessError"):
+                    cause = line.strip()  # the worker's exception, not the launcher's
+                if echo and _worth_echoing(line):
+                    echo(f"[{label}] {line.rstrip()}")
+            rc = proc.wait()
+        except BaseException:  # the kernel interrupted: take the stage's processes down with it
+            proc.kill()
+            proc.wait()
+            raise
+    if rc != 0:
+        shown = "\n".join(f"    {x}" for x in tail)
+        raise StageFailed(
+            f"{stage} stage '{label}' failed (exit code {rc})"
+            + (f": {cause}" if cause else "")
+            + f"\n  last lines of {log_path}:\n{shown}"
+        )
+    return log_path
+
+
+def die_with_parent() -> None:
+    """Linux: have this process killed when its parent dies (`prctl(PR_SET_PDEATHSIG)`), so a
+    stage never outlives the notebook kernel that launched it (an interrupted `make study`
+    leaves no training process behind). Elsewhere a no-op."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+    # the parent may have died before the line above: then no signal comes; the launcher
+    # names the parent it expects in RLXF_PARENT_PID
+    expected = os.environ.get("RLXF_PARENT_PID")
+    if expected and int(expected) != os.getppid():
+        os._exit(1)
+
+
+def _worth_echoing(line: str) -> bool:
+    """The stage's log records (progress, warnings, errors), not progress bars or libraries'
+    chatter: those stay in `launch.log`, and a failure shows its tail."""
+    return line.startswith(("INFO ", "WARNING ", "ERROR ", "CRITICAL "))

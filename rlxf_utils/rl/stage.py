@@ -1,0 +1,275 @@
+"""Notebook 03's stage: which algorithms are up to date, running one (fresh, resumed or reused)
+from the start policy, and reading their logs back."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+from rlxf_utils.algorithms import RLGF_ALGORITHMS, SFT_POLICIES, algorithm
+from rlxf_utils.artifacts import RunDir, atomic_path
+from rlxf_utils.config import StudyConfig
+from rlxf_utils.data.contexts import load_contexts
+from rlxf_utils.freshness import REWARD_PATHS, input_hashes
+from rlxf_utils.models.generation import (
+    build_prompts,
+    sampling_kwargs,
+)
+from rlxf_utils.models.loading import load_start_policy
+from rlxf_utils.models.policies import PolicySet
+from rlxf_utils.prompts import CONTEXT_FIELDS
+from rlxf_utils.reward.bundle import load_reward
+from rlxf_utils.rl.core import RewardFn
+from rlxf_utils.rl.didactic import didactic_figure
+from rlxf_utils.rl.launch import processes_for, run_stage
+from rlxf_utils.rl.sft import is_trained as sft_is_trained
+from rlxf_utils.rl.sft import loss_figure, run_sft_stage
+from rlxf_utils.rl.tables import (
+    guidance_table,
+    settings_table,
+    summary_table,
+    training_curves_figure,
+    training_table,
+)
+from rlxf_utils.rl.trainer import TrainJob
+from rlxf_utils.runtime import barrier, is_main_process, resolve_device, seed_everything
+
+log = logging.getLogger(__name__)
+
+
+def make_reward_fn(reward_model: Any, batch_size: int = 32) -> RewardFn:
+    """reward_fn(contexts, texts) -> calibrated P(MET) from a `reward.model.RewardModel`."""
+
+    def reward_fn(contexts: list[dict[str, Any]], texts: list[str]) -> np.ndarray:
+        ctx = [{k: c[k] for k in CONTEXT_FIELDS} for c in contexts]
+        return np.asarray(
+            reward_model.score(ctx, list(texts), batch_size=batch_size), dtype=np.float32
+        )
+
+    return reward_fn
+
+
+def algorithm_marker(
+    algo: str, cfg: StudyConfig, run_dir: str | Path, n_prompts: int, steps: int | None = None
+) -> dict[str, Any]:
+    """What an RL run depends on: its settings, steps, seed, prompts, process count and the
+    hashes of its inputs (`complete.json` when it finished, `started.json` while it trains)."""
+    root = Path(run_dir)
+    return {
+        "rl": cfg.rl.model_dump(mode="json", exclude={"num_threads", "algorithm"}),
+        "policy": cfg.policy.model_dump(mode="json"),
+        **{s: getattr(cfg, s).model_dump(mode="json") for s in algorithm(algo).sections},
+        "steps": steps or cfg.rl.steps,
+        "seed": cfg.run.seed,
+        "prompts": n_prompts,
+        # each process samples its own share: another process count is another run
+        "processes": processes_for(cfg, "rl", algo),
+        # what it was trained from: the data, the reward, the start policy (and RLGF's guide)
+        "inputs": input_hashes(root, [
+            "data", *REWARD_PATHS, f"policy/{cfg.rl.start_policy}/adapter",
+            *([f"policy/{cfg.rlgf.guide}/adapter"] if algorithm(algo).family == "rlgf" else []),
+        ]),
+    }  # fmt: skip
+
+
+def is_trained(
+    algo: str,
+    cfg: StudyConfig,
+    run_dir: str | Path,
+    contexts: Sequence[Mapping[str, Any]],
+    steps: int | None = None,
+) -> bool:
+    """True when `policy/<algo>/complete.json` matches what a run now would depend on."""
+    done = Path(run_dir) / "policy" / algo / "complete.json"
+    return done.is_file() and _matches(
+        done, algorithm_marker(algo, cfg, run_dir, len(contexts), steps)
+    )
+
+
+def _matches(path: Path, marker: Mapping[str, Any]) -> bool:
+    """True when the marker file `path` exists and records `marker`."""
+    return path.is_file() and json.loads(path.read_text(encoding="utf-8")) == marker
+
+
+def run_algorithm(
+    algo: str,
+    cfg: StudyConfig,
+    run_dir: str | Path,
+    reward_fn: RewardFn,
+    contexts: Sequence[Mapping[str, Any]] | None = None,
+    progress: bool = True,
+    steps: int | None = None,
+) -> pd.DataFrame:
+    """Load the start policy afresh, build prompts from the training contexts and run one algorithm."""
+    rd = RunDir(run_dir)
+    if contexts is None:
+        contexts = load_contexts(rd.root, "train", cfg.rl.max_prompts, cfg.run.seed)
+    if any(c.get("split", "train") != "train" for c in contexts):
+        raise ValueError("RL must only see split=='train' contexts; held-out contexts were passed")
+    if cfg.rl.num_threads is not None:  # on shared cores, 1 thread avoids spin-wait slowdowns
+        torch.set_num_threads(cfg.rl.num_threads)
+    out = rd.root / "policy" / algo
+    # A finished run with the same settings and prompts is reused (the marker is written last),
+    # checked before the start policy is loaded and merged.
+    marker = algorithm_marker(algo, cfg, rd.root, len(contexts), steps)
+    done = out / "complete.json"
+    if _matches(done, marker):
+        log.info("%s: up to date (%s): reading its outputs", algo, done)
+        return rd.read_parquet(f"policy/{algo}/train_log.parquet")
+    # Checkpoints resume only the run they belong to: with other settings or inputs, the
+    # checkpoints, TRL's checkpoints and the frontier snapshots of the old run are removed.
+    started = out / "started.json"
+    if is_main_process():  # the others wait until the folder is ready
+        if out.exists() and not _matches(started, marker):
+            stale = [out / d for d in ("checkpoints", "trl", "snapshots") if (out / d).exists()]
+            if stale:
+                log.info(
+                    "%s: settings or inputs changed; removing %s", algo, [p.name for p in stale]
+                )
+            for d in stale:
+                shutil.rmtree(d)
+            done.unlink(missing_ok=True)
+        out.mkdir(parents=True, exist_ok=True)
+        # a process killed while writing leaves the temporary folders of `atomic_dir` behind
+        for folder in (out, out / "snapshots", out / "checkpoints"):
+            for tmp_dir in folder.glob(".*") if folder.is_dir() else []:
+                if tmp_dir.is_dir():
+                    shutil.rmtree(tmp_dir, ignore_errors=True)
+        with atomic_path(started) as tmp:
+            tmp.write_text(json.dumps(marker, indent=2), encoding="utf-8")
+    barrier()
+    seed_everything(cfg.run.seed)
+    model, tok = load_start_policy(
+        cfg.policy, cfg.rl.start_policy, rd.root, device=resolve_device(cfg.compute.device)
+    )
+    prompts = build_prompts(contexts, tok, cfg.rl.prompt_template, cfg.policy)
+    log.info("%s: %d training prompts -> %s", algo, len(prompts), out)
+    job = TrainJob(algo, model, tok, prompts, contexts, reward_fn, cfg.rl, cfg.policy, out,
+                   seed=cfg.run.seed, progress=progress, steps=steps, study=cfg, run_dir=rd.root)  # fmt: skip
+    frame = algorithm(algo).train(job)
+    if is_main_process():
+        with atomic_path(done) as tmp:
+            tmp.write_text(json.dumps(marker, indent=2), encoding="utf-8")
+    return frame
+
+
+def read_logs(run_dir: str | Path, algos: Sequence[str]) -> pd.DataFrame:
+    """All algorithms' `policy/<algo>/train_log.parquet`, stacked."""
+    rd = RunDir(run_dir)
+    frames = [rd.read_parquet(f"policy/{a}/train_log.parquet", stage="notebook 03") for a in algos]
+    return pd.concat(frames, ignore_index=True)
+
+
+def before_after_samples(
+    cfg: StudyConfig,
+    run_dir: str | Path,
+    contexts: Sequence[Mapping[str, Any]],
+    reward_fn: RewardFn,
+    policies: Sequence[str],
+    n: int = 4,
+) -> pd.DataFrame:
+    """Responses to the same `n` training prompts from each named policy, with their rewards.
+
+    The policies come from evaluation's `models.policies.PolicySet` on `compute.device`: the base
+    weights (zero-shot and the supervised adapters) and the start policy's (the RL adapters)
+    are each loaded once, and every policy samples with evaluation's settings and seed."""
+
+    ctx = [dict(c) for c in contexts[:n]]
+    algos = [p for p in policies if p != "base" and p not in SFT_POLICIES]
+    pset = PolicySet(cfg, RunDir(run_dir), algos)
+    prompts = build_prompts(ctx, pset.tok, cfg.rl.prompt_template, cfg.policy)
+    gen_kw = sampling_kwargs(cfg, progress=False)
+    rows: list[dict[str, Any]] = []
+    for name in policies:
+        texts = pset.generate(name, prompts, 1, name, gen_kw)["response"].tolist()
+        scores = reward_fn(ctx, texts)
+        for c, t, s in zip(ctx, texts, scores, strict=True):
+            rows.append(
+                {
+                    "policy": name,
+                    **{k: c[k] for k in CONTEXT_FIELDS},
+                    "response": t,
+                    "reward": float(s),
+                }
+            )
+    return pd.DataFrame(rows)
+
+
+# -- notebook 03's steps: each trains (in its own process) what is not up to date, then writes ---
+def sft_step(cfg: StudyConfig, params_file: str | Path, run: RunDir) -> pd.DataFrame:
+    """Train `sft` and `sft_met` in their own process unless up to date, then write the SFT table
+    (`tables/sft_summary`) and the loss figure (`figures/sft_loss`); returns the table."""
+    if cfg.sft.enabled and not sft_is_trained(cfg, run):
+        run_stage(cfg, params_file, run.root, "sft")  # its own process; then read what it wrote
+    summary = run_sft_stage(cfg, run) if cfg.sft.enabled else pd.DataFrame()
+    run.write_table("sft_summary", summary)
+    if cfg.sft.enabled:
+        logs = [run.read_parquet(f"policy/{n}/train_log.parquet") for n in SFT_POLICIES]
+        run.write_figure("sft_loss", loss_figure(pd.concat(logs, ignore_index=True)))
+    return summary
+
+
+def training_inputs(cfg: StudyConfig, run: RunDir) -> tuple[list[dict[str, Any]], RewardFn, Any]:
+    """RL's training contexts, the reward function on notebook 02's reward model, and the model."""
+    contexts = load_contexts(run.root, "train", cfg.rl.max_prompts, cfg.run.seed)
+    reward_model, _audit = load_reward(
+        run.require("reward_model", stage="notebook 02 (reward model)")
+    )
+    return contexts, make_reward_fn(reward_model, cfg.rl.reward_batch_size), reward_model
+
+
+def rl_step(
+    cfg: StudyConfig,
+    params_file: str | Path,
+    run: RunDir,
+    reward_fn: RewardFn,
+    contexts: Sequence[Mapping[str, Any]],
+) -> tuple[pd.DataFrame, dict[str, pd.DataFrame]]:
+    """Train every `algorithms.algorithm` in its own process unless up to date, then write the stacked
+    logs (`policy/train_logs.parquet`), the settings, the training curves and summary, RLGF's
+    guidance and ILHF's training tables. Returns (logs, tables)."""
+    frames = []
+    for algo in cfg.rl.algorithm:
+        if not is_trained(algo, cfg, run.root, contexts):
+            run_stage(cfg, params_file, run.root, "rl", algo)  # its own process, streamed here
+        frames.append(run_algorithm(algo, cfg, run.root, reward_fn, contexts=contexts))
+    logs = pd.concat(frames, ignore_index=True)
+    run.write_parquet("policy/train_logs.parquet", logs)
+    tables = {"rl_algorithm_settings": settings_table(run.root, cfg.rl.algorithm)}
+    run.write_figure("rl_training_curves", training_curves_figure(logs))
+    tables["rl_summary"] = summary_table(logs, alpha=cfg.evaluation.alpha)
+    if any(a in RLGF_ALGORITHMS for a in cfg.rl.algorithm):
+        tables["rlgf_guidance"] = guidance_table(logs)
+    tables["ilhf_training"] = training_table(logs)
+    for name, table in tables.items():
+        run.write_table(name, table)
+    return logs, tables
+
+
+def didactic_step(run: RunDir) -> pd.DataFrame:
+    """ILHF's one-token example against REINFORCE with a KL penalty: `figures/ilhf_didactic` and
+    the end points (`tables/ilhf_didactic`)."""
+    fig, ends = didactic_figure()
+    run.write_figure("ilhf_didactic", fig)
+    run.write_table("ilhf_didactic", ends)
+    return ends
+
+
+def samples_step(
+    cfg: StudyConfig, run: RunDir, contexts: Sequence[Mapping[str, Any]], reward_fn: RewardFn
+) -> pd.DataFrame:
+    """The same training prompts answered by the zero-shot model, the supervised policies and
+    every RL policy (`tables/rl_samples_before_after`, `policy/samples_before_after.jsonl`)."""
+    names = ["base", *(list(SFT_POLICIES) if cfg.sft.enabled else []), *cfg.rl.algorithm]
+    samples = before_after_samples(cfg, run.root, contexts, reward_fn, names, n=4)
+    run.write_table("rl_samples_before_after", samples)
+    run.write_jsonl("policy/samples_before_after.jsonl", samples.to_dict("records"))
+    return samples

@@ -1,0 +1,309 @@
+"""GRPO and RLOO through TRL, like for like with PPO: the same prompt schedule, reward, LoRA,
+sampling, updates per batch, steps and KL coefficient; TRL's checkpoints resume and the snapshots
+feed the frontier."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+from rlxf_utils.artifacts import atomic_dir, atomic_path, to_jsonable
+from rlxf_utils.models.generation import (
+    autocast,
+    encode_prompts,
+    postprocess_response,
+    sample_responses,
+)
+from rlxf_utils.models.loading import lora_config
+from rlxf_utils.prompts import CONTEXT_FIELDS
+from rlxf_utils.rl.core import LOG_COLUMNS, RewardFn, adapter_state, prompt_schedule
+from rlxf_utils.rl.trainer import TrainJob, write_settings
+from rlxf_utils.runtime import seed_everything, world_size
+
+log = logging.getLogger(__name__)
+
+
+def trl_reward_function(reward_fn: RewardFn, postprocess: str) -> Callable[..., list[float]]:
+    """Wrap `reward_fn` as a TRL reward function (context columns arrive as keyword lists)."""
+
+    def reward_model(prompts: list[Any], completions: list[Any], **kwargs: Any) -> list[float]:
+        texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+        texts = [postprocess_response(t, postprocess) for t in texts]
+        contexts = [
+            {k: kwargs[k][i] for k in CONTEXT_FIELDS if k in kwargs} for i in range(len(texts))
+        ]
+        return [float(x) for x in reward_fn(contexts, texts)]
+
+    return reward_model
+
+
+def trl_tokenizer(tokenizer: Any, prompts: Sequence[str]) -> Any:
+    """A tokenizer for TRL that turns our formatted prompts into exactly `encode_prompts`' ids.
+
+    TRL tokenises string prompts with the tokenizer's default special tokens; for a template that
+    already writes BOS (LLaMA-2) that would double it, so such a tokenizer gets `add_bos_token`
+    switched off on a copy. Raises when the ids still differ.
+    """
+    import copy
+
+    sample = list(prompts[:4])
+    want = encode_prompts(tokenizer, sample)["input_ids"]
+    if tokenizer(sample)["input_ids"] == want:
+        return tokenizer
+    tok = copy.deepcopy(tokenizer)
+    if hasattr(tok, "add_bos_token"):
+        tok.add_bos_token = False
+    if tok(sample)["input_ids"] != want:
+        raise ValueError(
+            "TRL would tokenise the prompts differently from PPO and evaluation (special tokens); "
+            "set policy.use_chat_template or use a tokenizer whose BOS can be switched off"
+        )
+    return tok
+
+
+class _GenTimer:
+    """Wraps a model's `generate` to add up generation time and generated tokens."""
+
+    def __init__(self, model: Any, pad_id: int):
+        self.model, self.pad_id, self.time, self.tokens = model, pad_id, 0.0, 0
+        self._orig = model.generate
+        model.generate = self  # instance attribute: TRL calls unwrapped_model.generate
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        out = self._orig(*args, **kwargs)
+        self.time += time.perf_counter() - t0
+        n_prompt = kwargs["input_ids"].shape[1] if "input_ids" in kwargs else args[0].shape[1]
+        self.tokens += int((out[:, n_prompt:] != self.pad_id).sum())
+        return out
+
+    def take(self) -> tuple[float, int]:
+        t, n = self.time, self.tokens
+        self.time, self.tokens = 0.0, 0
+        return t, n
+
+
+def run_trl(job: TrainJob) -> pd.DataFrame:
+    """GRPO or RLOO through TRL with the same prompts, reward, LoRA, sampling, updates and KL coefficient."""
+    os.environ.setdefault("WANDB_DISABLED", "true")
+    from datasets import Dataset
+    from transformers import TrainerCallback
+
+    algo = job.algo
+    if algo == "grpo":
+        from trl import GRPOConfig as Config
+        from trl import GRPOTrainer as Trainer
+    elif algo == "rloo":
+        from trl import RLOOConfig as Config
+        from trl import RLOOTrainer as Trainer
+    else:
+        raise ValueError(f"rl.algorithm entry {algo!r}: run_trl takes 'grpo' or 'rloo'")
+
+    base_model, tokenizer = job.model, job.tokenizer
+    prompts, contexts, reward_fn = job.prompts, job.contexts, job.reward_fn
+    rl, policy, output_dir, seed = job.rl, job.policy, job.output_dir, job.seed
+    progress, steps, generation_kwargs = job.progress, job.n_steps, job.generation_kwargs
+    seed_everything(seed)
+    # The dataset is PPO's prompt schedule laid out step by step and read unshuffled: every
+    # algorithm answers the same prompts at the same step.
+    schedule = prompt_schedule(len(prompts), steps, rl.prompts_per_step, seed)
+    rows = [
+        {"prompt": prompts[i], **{k: str(contexts[i][k]) for k in CONTEXT_FIELDS}}
+        for idx in schedule
+        for i in idx
+    ]
+    dataset = Dataset.from_list(rows)
+    per_batch = rl.optimizer_steps_per_batch
+    args = Config(
+        output_dir=str(output_dir / "trl"),
+        # completions per optimiser step, over all processes (as PPO's minibatch)
+        per_device_train_batch_size=rl.minibatch_size // world_size(),
+        steps_per_generation=rl.batch_size // rl.minibatch_size,  # generation batch = rl.batch_size
+        gradient_accumulation_steps=1,
+        shuffle_dataset=False,
+        num_generations=rl.num_generations,
+        max_completion_length=rl.max_new_tokens,
+        temperature=rl.temperature,
+        top_p=rl.top_p,
+        top_k=0,
+        generation_kwargs=dict(generation_kwargs) if generation_kwargs else None,
+        learning_rate=rl.learning_rate,
+        beta=rl.kl_coef,  # KL to the adapter-disabled reference, as in PPO
+        epsilon=rl.clip_range,
+        max_grad_norm=rl.max_grad_norm,
+        num_iterations=rl.update_epochs,  # passes over each generation batch, as PPO's epochs
+        max_steps=steps * per_batch,  # TRL counts optimiser steps
+        logging_steps=1,
+        # Trainer checkpoints (adapter, optimiser, RNG, data position) at generation-batch
+        # boundaries every `checkpoint_every` batches, the last one kept: an interrupted run
+        # resumes there (with its log rows, saved beside each checkpoint by _HistoryCallback)
+        save_strategy="steps",
+        save_steps=rl.checkpoint_every * per_batch,
+        save_total_limit=1,
+        report_to="none",
+        push_to_hub=False,
+        seed=seed,
+        data_seed=seed,
+        disable_tqdm=not progress,
+        dataloader_num_workers=0,
+        remove_unused_columns=False,
+        use_cpu=not torch.cuda.is_available(),
+        bf16=policy.dtype == "bfloat16" and torch.cuda.is_available(),  # autocast: see train()
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        gradient_checkpointing=rl.gradient_checkpointing,  # TRL defaults to True; PPO matches
+    )
+    history: list[dict[str, Any]] = []
+
+    class _LogCallback(TrainerCallback):
+        """Map TRL's logged metrics onto the PPO log schema."""
+
+        timer: _GenTimer | None = None
+
+        def on_log(
+            self, args: Any, state: Any, control: Any, logs: dict | None = None, **kw: Any
+        ) -> None:
+            if not logs or "reward" not in logs:  # only the step that generated logs the reward
+                return
+            length = logs.get("completions/mean_length", np.nan)
+            kl_tok = logs.get("kl", np.nan)
+            gen_t, gen_n = self.timer.take() if self.timer else (np.nan, 0)
+            history.append(  # noqa: B023 (the callback lives only inside this call)
+                {
+                    "algo": algo,
+                    "step": -(-int(state.global_step) // per_batch),  # generation batches
+                    "reward_mean": logs.get("reward", np.nan),
+                    "reward_std": logs.get("reward_std", np.nan),
+                    "kl": kl_tok * length if np.isfinite(kl_tok) else np.nan,
+                    "kl_per_token": kl_tok,
+                    "kl_coef": rl.kl_coef,
+                    "entropy": logs.get("entropy", np.nan),
+                    "value_mean": np.nan,
+                    "clip_frac": logs.get("clip_ratio/region_mean", np.nan),
+                    "approx_kl": np.nan,
+                    "policy_loss": logs.get("loss", np.nan),
+                    "value_loss": np.nan,
+                    "explained_variance": np.nan,
+                    "explained_variance_prior": np.nan,
+                    "response_length": length,
+                    "tokens_per_s": gen_n / gen_t if gen_t and gen_t > 0 else np.nan,
+                    "gen_time_s": gen_t,
+                    "step_time_s": logs.get("step_time", np.nan),
+                }
+            )
+            row = history[-1]  # noqa: B023
+            log.info(
+                "%s step %d: reward %.4f kl %.3f", algo, row["step"], row["reward_mean"], row["kl"]
+            )
+
+    class _SnapshotCallback(TrainerCallback):
+        """At the end of each generation batch: its wall time (generation and every optimiser
+        step, as PPO's step time counts them) into the log row; every `checkpoint_every` batches
+        the adapter, for the reward-KL frontier."""
+
+        last = time.perf_counter()
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            self.last = time.perf_counter()
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            step, rest = divmod(int(state.global_step), per_batch)
+            if rest:
+                return
+            now = time.perf_counter()
+            if history and history[-1]["step"] == step:  # noqa: B023
+                history[-1]["step_time_s"] = now - self.last  # noqa: B023
+            self.last = now
+            if step % rl.checkpoint_every == 0 and step < steps:
+                _save_snapshot(trainer, output_dir, step)
+
+    class _HistoryCallback(TrainerCallback):
+        """The log rows so far, written into each checkpoint Trainer saves."""
+
+        def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            if ckpt.is_dir() and state.is_world_process_zero:
+                with atomic_path(ckpt / HISTORY_FILE) as tmp:
+                    tmp.write_text(json.dumps(to_jsonable(history)), encoding="utf-8")  # noqa: B023
+
+    resume = _latest_trl_checkpoint(output_dir / "trl")
+    if resume is not None:
+        history.extend(json.loads((resume / HISTORY_FILE).read_text(encoding="utf-8")))
+        log.info("%s: resuming from %s (%d batches logged)", algo, resume, len(history))
+    cb = _LogCallback()
+    trainer = Trainer(
+        model=base_model,
+        reward_funcs=trl_reward_function(reward_fn, rl.response_postprocess),
+        args=args,
+        train_dataset=dataset,
+        processing_class=trl_tokenizer(tokenizer, prompts),
+        peft_config=lora_config(policy.lora),
+        callbacks=[cb, _SnapshotCallback(), _HistoryCallback()],
+    )
+    write_settings(output_dir, algo, rl, {
+        "kl_penalty": "k3 estimator in the loss, fixed beta" if algo == "grpo"
+        else "sequence log-ratio to the reference subtracted from the reward, fixed beta",
+        "advantage": "group-normalised reward" if algo == "grpo" else "leave-one-out baseline",
+        **{k: getattr(args, k) for k in ("loss_type", "scale_rewards", "normalize_advantages",
+                                         "epsilon", "beta", "num_iterations", "steps_per_generation",
+                                         "per_device_train_batch_size", "mask_truncated_completions")
+           if hasattr(args, k)},
+    })  # fmt: skip
+    cb.timer = _GenTimer(trainer.accelerator.unwrap_model(trainer.model), tokenizer.pad_token_id)
+    with autocast(policy.autocast, trainer.accelerator.device):
+        trainer.train(resume_from_checkpoint=str(resume) if resume is not None else None)
+    frame = pd.DataFrame(history, columns=list(LOG_COLUMNS))
+    if trainer.accelerator.is_main_process:
+        peft_model = trainer.accelerator.unwrap_model(trainer.model)
+        del peft_model.generate  # drop the timer before saving
+        atomic_dir(output_dir / "adapter", lambda d: peft_model.save_pretrained(d))
+        with atomic_path(output_dir / "train_log.parquet") as tmp:
+            frame.to_parquet(tmp, index=False)
+        n = min(4, len(prompts))
+        with autocast(policy.autocast, trainer.accelerator.device):
+            texts = sample_responses(peft_model, tokenizer, prompts[:n], rl, seed=seed)
+        scores = reward_fn([dict(c) for c in contexts[:n]], texts)
+        samples = [
+            {"step": steps, **{k: contexts[i][k] for k in CONTEXT_FIELDS}, "response": texts[i], "reward": float(scores[i])}
+            for i in range(n)
+        ]  # fmt: skip
+        with atomic_path(output_dir / "samples.jsonl") as tmp:
+            tmp.write_text(
+                "".join(json.dumps(to_jsonable(s)) + "\n" for s in samples), encoding="utf-8"
+            )
+    return frame
+
+
+HISTORY_FILE = "rlxf_history.json"
+
+
+def _latest_trl_checkpoint(folder: Path) -> Path | None:
+    """The newest complete Trainer checkpoint (one with our log rows, written after Trainer's files)."""
+    found = [
+        (int(p.name.split("-")[1]), p)
+        for p in folder.glob("checkpoint-*")
+        if p.name.split("-")[1].isdigit() and (p / HISTORY_FILE).is_file()
+    ]
+    return max(found)[1] if found else None
+
+
+def _save_snapshot(trainer: Any, output_dir: Path, step: int) -> None:
+    """The LoRA weights at a generation batch, as `snapshots/step_XXXXXX/adapter_model.safetensors`."""
+    from safetensors.torch import save_file
+
+    if not trainer.accelerator.is_main_process:
+        return
+    state = adapter_state(trainer.accelerator.unwrap_model(trainer.model))
+    atomic_dir(
+        output_dir / "snapshots" / f"step_{step:06d}",
+        lambda d: save_file(state, str(d / "adapter_model.safetensors")),
+    )

@@ -1,0 +1,68 @@
+"""The process a launched stage runs in (`python -m rlxf_utils.rl.worker`, under `accelerate
+launch`): SFT, or one RL algorithm, reading the run dir and writing its outputs there."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from rlxf_utils.artifacts import RunDir
+from rlxf_utils.config import load_config
+from rlxf_utils.rl.launch import die_with_parent
+from rlxf_utils.rl.memory import memory_table
+from rlxf_utils.runtime import hub_environment, process_state
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m rlxf_utils.rl.worker", description=__doc__)
+    p.add_argument("stage", choices=["sft", "rl"], nargs="?")
+    p.add_argument("--params", type=Path)
+    p.add_argument("--run-dir", type=Path)
+    p.add_argument("--algo", default=None)
+    p.add_argument("--memory", action="store_true", help="print the README's memory table")
+    args = p.parse_args(argv)
+    if not args.memory and not (args.stage and args.params and args.run_dir):
+        p.error("a stage with --params and --run-dir, or --memory")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parse(argv)
+    if args.memory:
+        print(memory_table(), end="")
+        return 0
+    die_with_parent()  # the launcher's worker: gone when the launcher is
+    cfg = load_config(args.params)
+    hub_environment(cfg)
+    logging.basicConfig(
+        level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stdout
+    )
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        process_state()  # join the process group before anything else creates a state
+    run = RunDir(args.run_dir)
+    # What trains imports transformers, which reads the hub's offline switch once, at import:
+    # these imports wait until `hub_environment` has set it from the parameters.
+    if args.stage == "sft":
+        from rlxf_utils.rl.sft import run_sft_stage
+
+        run_sft_stage(cfg, run, progress=False)
+        return 0
+    if not args.algo or args.algo not in cfg.rl.algorithm:
+        raise SystemExit(f"--algo {args.algo!r}: expected one of rl.algorithm {cfg.rl.algorithm}")
+    from rlxf_utils.data.contexts import load_contexts
+    from rlxf_utils.reward.bundle import load_reward
+    from rlxf_utils.rl.stage import make_reward_fn, run_algorithm
+
+    contexts = load_contexts(run.root, "train", cfg.rl.max_prompts, cfg.run.seed)
+    reward_model, _ = load_reward(run.require("reward_model", stage="notebook 02 (reward model)"))
+    reward_fn = make_reward_fn(reward_model, cfg.rl.reward_batch_size)
+    run_algorithm(args.algo, cfg, run.root, reward_fn, contexts=contexts, progress=False)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover - exercised through run_stage in the tests
+    raise SystemExit(main())

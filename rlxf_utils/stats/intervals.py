@@ -1,0 +1,193 @@
+"""Confidence intervals and the rule that reads a verdict from one: percentile and basic
+bootstrap, the cluster bootstrap (countries, arrangements), t intervals for means, and the sign an
+interval supports. Every interval of the study is computed here."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+
+def bootstrap_ci(
+    values: Iterable[float],
+    n_boot: int = 2000,
+    alpha: float = 0.05,
+    seed: int = 0,
+    chunk: int = 2_000_000,
+    clusters: Sequence[Hashable] | np.ndarray | None = None,
+) -> tuple[float, float, float]:
+    """Percentile bootstrap of the mean: (mean, low, high) at level 1 - alpha; NaNs are dropped.
+
+    With `clusters` (one label per value, e.g. the prompt's country), whole clusters are
+    resampled and each resample's statistic is the mean of the values it holds: values that
+    share a cluster are correlated, and treating them as independent makes the interval too
+    narrow. Resampling is vectorised in chunks of at most `chunk` drawn indices, so memory stays
+    bounded; the result depends only on (values, clusters, n_boot, alpha, seed).
+    """
+    check_alpha(alpha)
+    if n_boot < 1:
+        raise ValueError(f"n_boot must be >= 1; got {n_boot}")
+    x = np.asarray(list(values) if not isinstance(values, np.ndarray) else values, dtype=float)
+    if clusters is not None:
+        g = np.asarray(list(clusters) if not isinstance(clusters, np.ndarray) else clusters)
+        if g.shape != x.shape:
+            raise ValueError(f"clusters need one label per value; got {g.shape} for {x.shape}")
+        keep = ~np.isnan(x)
+        return _cluster_bootstrap_mean(x[keep], g[keep], n_boot, alpha, seed, chunk)
+    x = x[~np.isnan(x)]
+    return _resampled_means(x, x, np.ones(x.size), n_boot, alpha, seed, chunk)
+
+
+def _cluster_bootstrap_mean(
+    x: np.ndarray, g: np.ndarray, n_boot: int, alpha: float, seed: int, chunk: int
+) -> tuple[float, float, float]:
+    if x.size == 0:
+        return (math.nan, math.nan, math.nan)
+    _, inv = np.unique(g, return_inverse=True)
+    sums = np.bincount(inv, weights=x)
+    counts = np.bincount(inv).astype(float)
+    return _resampled_means(x, sums, counts, n_boot, alpha, seed, chunk)
+
+
+def _resampled_means(
+    x: np.ndarray,
+    sums: np.ndarray,
+    counts: np.ndarray,
+    n_boot: int,
+    alpha: float,
+    seed: int,
+    chunk: int,
+) -> tuple[float, float, float]:
+    """(mean of x, percentile CI) resampling units with replacement; each unit carries the sum and
+    count of its values (one value per unit for the plain bootstrap, a cluster's otherwise)."""
+    c = sums.size
+    if c == 0:
+        return (math.nan, math.nan, math.nan)
+    mean = float(x.mean())
+    if c == 1:
+        return (mean, mean, mean)
+    rng = np.random.default_rng(seed)
+    rows = max(1, chunk // c)
+    means = np.empty(n_boot)
+    for start in range(0, n_boot, rows):
+        stop = min(n_boot, start + rows)
+        idx = rng.integers(0, c, size=(stop - start, c))
+        means[start:stop] = sums[idx].sum(axis=1) / counts[idx].sum(axis=1)
+    low, high = np.quantile(means, [alpha / 2, 1 - alpha / 2])
+    return (mean, float(low), float(high))
+
+
+def check_alpha(alpha: float) -> None:
+    """A clear error for a significance level outside (0, 1)."""
+    if not 0 < alpha < 1:
+        raise ValueError(f"alpha must lie in (0, 1); got {alpha}")
+
+
+def cluster_bootstrap(
+    stat: Callable[[np.ndarray], float],
+    clusters: Sequence[Hashable] | np.ndarray,
+    n_boot: int = 2000,
+    alpha: float = 0.05,
+    seed: int = 0,
+) -> tuple[float, float, float]:
+    """Percentile bootstrap of any statistic of rows, resampling whole clusters.
+
+    `stat(idx)` computes the statistic on the rows `idx` (indices into the data, repeated when a
+    cluster is drawn twice); it is called once on all rows for the point estimate. Resamples whose
+    statistic is NaN (e.g. an AUC with one class) are dropped.
+    """
+    check_alpha(alpha)
+    g = np.asarray(list(clusters) if not isinstance(clusters, np.ndarray) else clusters)
+    if g.size == 0:
+        return (math.nan, math.nan, math.nan)
+    _, inv = np.unique(g, return_inverse=True)
+    members = [np.flatnonzero(inv == j) for j in range(inv.max() + 1)]
+    point = float(stat(np.arange(g.size)))
+    rng = np.random.default_rng(seed)
+    vals = []
+    for _ in range(n_boot):
+        pick = rng.integers(0, len(members), size=len(members))
+        v = stat(np.concatenate([members[j] for j in pick]))
+        if not math.isnan(v):
+            vals.append(v)
+    if not vals:
+        return (point, math.nan, math.nan)
+    low, high = np.quantile(vals, [alpha / 2, 1 - alpha / 2])
+    return (point, float(low), float(high))
+
+
+def level(alpha: float) -> str:
+    """The confidence level as prose and captions write it: alpha 0.05 -> '95%', 0.025 -> '97.5%'."""
+    check_alpha(alpha)
+    return f"{1 - alpha:.0%}" if round(100 * (1 - alpha), 6).is_integer() else f"{1 - alpha:.1%}"
+
+
+def ci_sign(low: Any, high: Any) -> int:
+    """+1 when the interval lies above 0, -1 below, 0 when it holds 0 or a bound is missing."""
+    if not all(isinstance(v, numbers.Real) and not math.isnan(v) for v in (low, high)):
+        return 0
+    return 1 if low > 0 else -1 if high < 0 else 0
+
+
+def basic_ci(point: float, replicates: np.ndarray, alpha: float) -> tuple[float, float]:
+    """Basic (reverse-percentile) interval 2 * point - quantiles: reflects a resampling bias back.
+
+    Used for ECE: |sum of residuals| per bin grows with noise, so a resampled ECE sits above
+    the estimate on average and a percentile interval of ECE (or of a difference of ECEs) is
+    shifted by that bias; the basic interval is not.
+    """
+    low, high = percentile_ci(replicates, alpha)
+    return 2 * point - high, 2 * point - low
+
+
+def percentile_ci(replicates: np.ndarray, alpha: float) -> tuple[float, float]:
+    """Percentile interval of bootstrap replicates (NaN replicates dropped; NaN when none left)."""
+    check_alpha(alpha)
+    r = np.asarray(replicates, dtype=float)
+    r = r[~np.isnan(r)]
+    if r.size < 2:
+        return (math.nan, math.nan)
+    low, high = np.quantile(r, [alpha / 2, 1 - alpha / 2])
+    return float(low), float(high)
+
+
+def mean_ci(
+    values: Any, clusters: Any = None, alpha: float = 0.05, n_boot: int = 2000, seed: int = 0
+) -> tuple[float, float, float]:
+    """(mean, low, high): percentile bootstrap at level 1 - alpha, whole clusters resampled.
+
+    Fewer than two clusters (or values) carry no information on the spread: the interval is NaN.
+    """
+    x = np.asarray(values, dtype=float)
+    g = np.arange(x.size) if clusters is None else np.asarray(clusters)
+    est = bootstrap_ci(
+        x, n_boot=n_boot, alpha=alpha, seed=seed, clusters=None if clusters is None else g
+    )
+    return est if _n_clusters(g[~np.isnan(x)]) >= 2 else (est[0], math.nan, math.nan)
+
+
+def _n_clusters(clusters: np.ndarray) -> int:
+    return int(np.unique(clusters).size) if clusters.size else 0
+
+
+def stat_ci(
+    stat: Callable[[np.ndarray], float],
+    clusters: Sequence[Hashable] | np.ndarray,
+    alpha: float = 0.05,
+    n_boot: int = 2000,
+    seed: int = 0,
+) -> tuple[float, float, float]:
+    """(statistic, low, high) of `stat(row indices)`, resampling whole clusters (`evaluation`).
+
+    Fewer than two clusters give a NaN interval (no information on the spread).
+    """
+    g = np.asarray(clusters)
+    est = cluster_bootstrap(stat, g, n_boot=n_boot, alpha=alpha, seed=seed)
+    return est if _n_clusters(g) >= 2 else (est[0], math.nan, math.nan)
+
+
+sign_of = ci_sign  # +1 / -1 / 0 from an interval: one rule for the whole study (evaluation)
