@@ -1,16 +1,23 @@
-"""`rlxf` command line: run the study, inspect a MONA file.
+"""`rlxf` command line: run the study, render its report, inspect a MONA file.
 
-rlxf run --params params/default.yaml [--run-dir runs/default] [--only 01,02]
-rlxf data summary data/raw/MONA_From2002.csv [--unrecognised non_met|exclude|error]
+rlxf run --params params/default.yaml [--run-dir runs/default] [--only 01,02] [--force | --from 03]
+rlxf report --run-dir runs/default [--engine auto|quarto|pandoc]
+rlxf data summary data/raw/MONA_From2002.csv [--params params/default.yaml] [--unrecognised ...]
+rlxf compare runs/a runs/b
+
+Exit codes: 0 done; 1 a notebook failed (its cell and error are printed); 2 bad input (a
+parameters file, a data file, a run directory), nothing computed.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata as md
+import json
 import logging
 import sys
 
-from rlxf_utils.config import ConfigError, LabelConfig
+from rlxf_utils.config import ConfigError, DataChecks, LabelConfig, load_config
 
 __all__ = ["main"]
 
@@ -36,10 +43,17 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_data_summary(args: argparse.Namespace) -> int:
+    from rlxf_utils.data.checks import data_problems
     from rlxf_utils.data.mona import load_mona
     from rlxf_utils.data.schema import DataError
 
-    labels = LabelConfig()
+    try:
+        data = load_config(args.params).data if args.params else None
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    labels = data.labels if data else LabelConfig()
+    checks = data.checks if data else DataChecks()
     try:
         table = load_mona(
             args.file,
@@ -51,7 +65,10 @@ def _cmd_data_summary(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     print(table.report.render())
-    return 0
+    problems = data_problems(table, checks)
+    for p in problems:
+        print(f"error: {args.file}: {p}", file=sys.stderr)
+    return EXIT_BAD_INPUT if problems else 0
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
@@ -68,12 +85,30 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+RUN_HELP = """Execute the study's notebooks (notebooks/NN_*.ipynb, in number order) with papermill.
+
+Before any work: the parameters, the run directory and the data file (its sha256 and data.checks)
+are checked. The run directory is locked while the run lasts (a second run into it stops), and
+the resolved parameters are frozen into <run-dir>/params.yaml, which every notebook and stage
+reads. A rerun skips each notebook whose parameters, inputs, code and outputs are unchanged since
+it last finished; the first that changed reruns, and every later one. An interrupted run resumes:
+finished reward protocols, SFT policies and RL algorithms are reused, an interrupted RL algorithm
+continues from its last checkpoint.
+
+exit codes: 0 the study ran; 1 a notebook failed (its cell and error are printed, the executed
+copy keeps the traceback); 2 bad input (parameters, data, run directory, a run already in the
+folder), nothing computed."""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="rlxf", description="Rerunnable RLXF study (IMF WP/24/114).")
+    p = argparse.ArgumentParser(prog="rlxf", description="Rerunnable RLXF study (IMF WP/24/114).",
+                                epilog="exit codes: 0 done; 1 a notebook failed; 2 bad input")  # fmt: skip
+    p.add_argument("--version", action="version", version=f"%(prog)s {md.version('rlxf-study')}")
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = p.add_subparsers(dest="command", required=True)
 
-    r = sub.add_parser("run", help="execute the study's notebooks with papermill")
+    r = sub.add_parser("run", help="execute the study's notebooks with papermill", description=RUN_HELP,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     r.add_argument("--params", required=True, help="parameters file, e.g. params/default.yaml")
     r.add_argument("--run-dir", default=None, help="output folder (default runs/<run.name>)")
     r.add_argument("--only", default=None, help="comma-separated notebook numbers, e.g. 01,02")
@@ -89,13 +124,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     rp = sub.add_parser("report", help="render the working paper from a run dir (HTML + PDF)")
     rp.add_argument("--run-dir", required=True, help="a run folder, e.g. runs/default")
-    rp.add_argument("--engine", choices=["auto", "quarto", "pandoc"], default="auto")
+    rp.add_argument(
+        "--engine", choices=["auto", "quarto", "pandoc"], default="auto",
+        help="auto: Quarto when it is on PATH, else pandoc (HTML) and pandoc + Typst (PDF); "
+        "quarto or pandoc: that one (quarto fails when it is not installed)",
+    )  # fmt: skip
     rp.set_defaults(func=_cmd_report)
 
     d = sub.add_parser("data", help="inspect MONA data")
     dsub = d.add_subparsers(dest="data_command", required=True)
-    s = dsub.add_parser("summary", help="what the loader makes of a MONA file (CSV or .xlsx)")
+    s = dsub.add_parser("summary", help="what the loader makes of a MONA file (CSV or .xlsx)",
+                        epilog="exit code 2 when the file fails data.checks (printed after the "
+                        "summary)")  # fmt: skip
     s.add_argument("file", help="a MONA CSV (comma, semicolon or tab) or .xlsx workbook")
+    s.add_argument("--params", default=None,
+                   help="read data.labels and data.checks from this parameters file (default: the "
+                   "paper's labels and the default checks)")  # fmt: skip
     s.add_argument(
         "--unrecognised",
         choices=["non_met", "exclude", "error"],
@@ -104,7 +148,40 @@ def build_parser() -> argparse.ArgumentParser:
         "default non_met, the paper's grouping)",
     )
     s.set_defaults(func=_cmd_data_summary)
+
+    c = sub.add_parser("compare", help="compare two run directories artifact by artifact",
+                       epilog="exit code 1 when an artifact differs (timings aside)")  # fmt: skip
+    c.add_argument("before", help="the reference run dir")
+    c.add_argument("after", help="the run dir to check against it")
+    c.add_argument("--out", default=None, help="also write the per-artifact result as JSON")
+    c.set_defaults(func=_cmd_compare)
     return p
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from rlxf_utils.compare import compare_runs
+
+    for d in (args.before, args.after):
+        if not (Path(d) / "manifest.json").is_file():
+            print(f"error: {d}: not a run directory (no manifest.json)", file=sys.stderr)
+            return EXIT_BAD_INPUT
+    result = compare_runs(args.before, args.after)
+    print(", ".join(f"{k} {v}" for k, v in result.counts().items()))
+    for status in ("differs", "missing", "extra"):
+        for path in result.paths(status):
+            print(f"{status}: {path}")
+    print("every artifact equal (timings aside)" if result.same else "artifacts differ")
+    if args.out:
+        from rlxf_utils.artifacts import write_json
+
+        commits = [json.loads((Path(d) / "manifest.json").read_text(encoding="utf-8"))
+                   .get("git", {}).get("commit") for d in (args.before, args.after)]  # fmt: skip
+        write_json(args.out, {"before": str(args.before), "after": str(args.after),
+                              "commits": commits, "counts": result.counts(), "same": result.same,
+                              "status": result.status, "volatile": result.volatile})  # fmt: skip
+    return 0 if result.same else 1
 
 
 def main(argv: list[str] | None = None) -> int:

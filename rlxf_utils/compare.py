@@ -23,12 +23,12 @@ from rlxf_utils.artifacts import sha256_file
 __all__ = ["TIMING", "VOLATILE", "ArtifactComparison", "artifact_content", "compare_runs"]
 
 #: Paths that differ between two runs of the same study by design: the runner's records
-#: (`manifest.json`: times, commit, versions; `.rlxf/`: code and input fingerprints), the executed
+#: (`manifest.json`: times, commit, versions; `params.yaml`: absolute paths; `.rlxf/`: code and input fingerprints), the executed
 #: notebooks (times, paths), the rendered report (it prints timings and versions), the stages'
 #: logs, resume state (checkpoints hold logs with step times) and the RL stages' bookkeeping
 #: (`started.json` / `complete.json` hash input folders whose metrics hold timings).
 VOLATILE = re.compile(
-    r"^(manifest\.json|\.rlxf/|notebooks/|report/)|/launch\.log$|/(checkpoints|trl)/"
+    r"^(manifest\.json|params\.yaml|\.rlxf/|notebooks/|report/)|/launch\.log$|/(checkpoints|trl)/"
     r"|^policy/[^/]+/(started|complete)\.json$"
 )
 #: Columns of tables and keys of JSON that are timings (or ratios of timings: `cost_vs_ppo`).

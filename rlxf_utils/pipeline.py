@@ -1,7 +1,10 @@
 """The runner: execute the numbered notebooks with papermill and record the run's manifest.
 
-`run_study` validates the parameters first (so a typo stops the run before any compute),
-executes `notebooks/NN_*.ipynb` in number order with `params_file` and `run_dir` injected,
+`run_study` validates the parameters, the run directory and the data file (its sha256 and
+`data.checks`) first, so a typo or a wrong file stops the run before any compute; it then holds an
+advisory lock on the run directory (a second `rlxf run` into the same folder stops, naming the
+first), freezes the resolved parameters into `<run_dir>/params.yaml` (what every notebook and
+launched stage reads: editing the parameters file mid-run changes nothing), executes `notebooks/NN_*.ipynb` in number order with `params_file` and `run_dir` injected,
 saves executed copies to `<run_dir>/notebooks/`, and rewrites `manifest.json` after each
 notebook so that an interrupted run still says what ran.
 
@@ -12,6 +15,7 @@ everything, `from_` everything from that notebook on.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import importlib.metadata as md
 import logging
@@ -21,16 +25,25 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rlxf_utils.artifacts import RunDir, sha256_file
 from rlxf_utils.config import PROJECT_ROOT, load_config
+from rlxf_utils.data.checks import load_data
 from rlxf_utils.freshness import clear_record, fingerprint, stage_spec, up_to_date, write_record
 from rlxf_utils.runtime import hub_environment
 
-__all__ = ["KERNEL_NAME", "NotebookFailed", "discover_notebooks", "run_study", "write_manifest"]
+__all__ = [
+    "KERNEL_NAME",
+    "NotebookFailed",
+    "RunLocked",
+    "discover_notebooks",
+    "run_study",
+    "write_manifest",
+]
 
 log = logging.getLogger(__name__)
 
@@ -157,8 +170,11 @@ def write_manifest(
     if run.exists("manifest.json"):
         try:
             old = run.read_json("manifest.json")
-        except ValueError:
-            old = {}
+        except ValueError as exc:
+            raise ValueError(
+                f"{run.path('manifest.json')}: unreadable ({exc}); expected the JSON record "
+                "`rlxf run` writes. Move it aside to start the run's record afresh"
+            ) from None
     entries = {n["name"]: n for n in old.get("notebooks", [])}
     for r in notebooks:
         entries[r.name] = r.__dict__
@@ -166,7 +182,7 @@ def write_manifest(
         "study": "RLXF rerun (IMF WP/24/114)",
         "run_name": cfg.run.name,
         "run_dir": str(run.root.resolve()),
-        "params_file": str(cfg.source),
+        "params_file": str(cfg.source),  # the frozen copy (`params_source`: where it came from)
         "updated": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "git": git_info(),
         "data": {"path": str(cfg.data.path), "sha256": sha256_file(cfg.data.path)},
@@ -176,6 +192,79 @@ def write_manifest(
         **(extra or {}),
     }
     return run.write_json("manifest.json", manifest)
+
+
+#: The run's frozen parameters, beside its manifest: every notebook and stage reads this copy.
+FROZEN_PARAMS = "params.yaml"
+#: The advisory lock one `rlxf run` holds on its run directory (released when the process ends).
+LOCK = ".rlxf/lock"
+
+
+class RunLocked(RuntimeError):
+    """Another `rlxf run` is writing into the same run directory; the message says which."""
+
+
+def check_run_dir(root: Path) -> None:
+    """The run directory can be created and written, or a `ValueError` naming it and why."""
+    if root.exists() and not root.is_dir():
+        raise ValueError(f"{root}: --run-dir names a file; expected a folder for the run's outputs")
+    try:
+        (root / ".rlxf").mkdir(parents=True, exist_ok=True)
+        probe = root / ".rlxf" / f".probe.{os.getpid()}"
+        probe.write_text("", encoding="utf-8")
+        probe.unlink()
+    except OSError as exc:
+        raise ValueError(
+            f"{root}: the run cannot be written there ({exc.strerror or exc}); expected a folder "
+            "this user may create and write, e.g. runs/<run.name>"
+        ) from None
+
+
+@contextlib.contextmanager
+def run_lock(root: Path) -> Iterator[None]:
+    """Hold `.rlxf/lock` on `root` while the block runs: a second `rlxf run` on the same folder
+    stops with `RunLocked`, naming who holds it. The lock is the kernel's (flock): it dies with
+    the process, so a killed run leaves no stale lock behind."""
+    import fcntl
+
+    path = root / LOCK
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fh = path.open("a+", encoding="utf-8")
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        fh.seek(0)
+        holder = fh.read().strip() or "another process"
+        fh.close()
+        raise RunLocked(
+            f"{root}: in use by {holder}; wait for that run to end, or give this one another "
+            "--run-dir"
+        ) from None
+    fh.seek(0)
+    fh.truncate()
+    since = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+    fh.write(f"`rlxf run` (pid {os.getpid()} on {platform.node()}, since {since})\n")
+    fh.flush()
+    try:
+        yield
+    finally:
+        fcntl.flock(fh, fcntl.LOCK_UN)
+        fh.close()
+
+
+def freeze_params(cfg: Any, run: RunDir) -> Path:
+    """Write the resolved parameters (every default filled in, every path absolute) to the run's
+    `params.yaml` and check it reads back the same: the notebooks and the stages they launch read
+    this copy, so editing the parameters file during a run changes nothing in it."""
+    import yaml
+
+    head = (f"# The parameters of this run, resolved from {cfg.source} and frozen by `rlxf run`.\n"
+            "# Every notebook and stage of the run reads this copy.\n")  # fmt: skip
+    path = run.write_text(FROZEN_PARAMS, head + yaml.safe_dump(cfg.resolved(), sort_keys=False,
+                                                                allow_unicode=True))  # fmt: skip
+    if load_config(path).resolved() != cfg.resolved():
+        raise RuntimeError(f"{path}: the frozen parameters do not read back as {cfg.source}")
+    return path
 
 
 def _kernel_available(name: str) -> bool:
@@ -202,7 +291,8 @@ def run_study(
     import papermill as pm
 
     cfg = load_config(params_file)  # validate before any compute
-    run = RunDir(run_dir or PROJECT_ROOT / "runs" / cfg.run.name)
+    root = Path(run_dir or PROJECT_ROOT / "runs" / cfg.run.name)
+    check_run_dir(root)
     notebooks = discover_notebooks(notebook_dir or PROJECT_ROOT / "notebooks", only)
     if not notebooks:
         raise ValueError(f"no NN_*.ipynb notebooks found in {notebook_dir}")
@@ -215,13 +305,29 @@ def run_study(
             f"Jupyter kernel '{kernel_name}' is not installed; run `make install` or "
             f"`python -m ipykernel install --sys-prefix --name {kernel_name}`"
         )
+    load_data(cfg)  # the file, its sha256 and data.checks: before a kernel starts
+    with run_lock(root):
+        return _run_locked(cfg, RunDir(root), notebooks, numbers, specs, kernel_name, progress,
+                           force, only, from_, pm)  # fmt: skip
+
+
+def _run_locked(cfg: Any, run: RunDir, notebooks: list[Path], numbers: list[str],
+                specs: dict[str, Any], kernel_name: str, progress: bool, force: bool,
+                only: list[str] | None, from_: str | None, pm: Any) -> Path:  # fmt: skip
+    """`run_study` once the run directory is this process's: freeze the parameters, then run."""
+    params_source = cfg.source
+    frozen = freeze_params(cfg, run)
+    cfg = load_config(frozen)
+
+    def record(results: list[NotebookResult]) -> Path:
+        return write_manifest(run, cfg, results, {"params_source": str(params_source)})
 
     # the kernels (and the stages they launch) inherit it; read once, when transformers loads
     log.info("hub: %s", hub_environment(cfg))
     # the kernels inherit a fixed string-hash seed: set iteration order, and with it what peft
     # writes in adapter_config.json (target_modules), is the same in every run
     os.environ.setdefault("PYTHONHASHSEED", "0")
-    write_manifest(run, cfg, [])
+    record([])
     total = len(notebooks)
     rerun = force or only is not None  # once a notebook reruns, every later one does
     for i, (nb, number) in enumerate(zip(notebooks, numbers, strict=True), start=1):
@@ -235,7 +341,7 @@ def run_study(
             if fresh:
                 print(f"[{i}/{total}] {nb.stem}: up to date, skipped ({why})", flush=True)
                 old = rec or {}
-                write_manifest(run, cfg, [NotebookResult(
+                record([NotebookResult(
                     name=nb.stem, status="ok", started=old.get("ended", ""), ended=old.get("ended", ""),
                     seconds=old.get("seconds", 0.0), output=str(out), how="reused",
                     reused_from=old.get("ended"),
@@ -252,7 +358,7 @@ def run_study(
             pm.execute_notebook(
                 str(nb),
                 str(out),
-                parameters={"params_file": str(cfg.source), "run_dir": str(run.root.resolve())},
+                parameters={"params_file": str(frozen), "run_dir": str(run.root.resolve())},
                 kernel_name=kernel_name,
                 cwd=str(nb.parent),
                 progress_bar=progress,
@@ -280,7 +386,7 @@ def run_study(
         )
         if status == "ok":
             write_record(run, nb.stem, digest, parts, spec, seconds)
-        write_manifest(run, cfg, [result])
+        record([result])
         print(f"      {status} in {seconds:.1f} s", flush=True)
         if error:
             raise NotebookFailed(error)

@@ -16,15 +16,26 @@ from rlxf_utils.config import PROJECT_ROOT
 
 
 def seed_everything(seed: int) -> None:
+    """Seed Python's, numpy's and torch's global generators."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
 
 
 def rng_state() -> dict[str, Any]:
-    state = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
+    """Every global generator's state as tensors and plain values, so that a checkpoint holding it
+    loads with `torch.load(..., weights_only=True)` (no pickled objects)."""
+    version, internal, gauss_next = random.getstate()
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": [version, list(internal), gauss_next],
+        "numpy": {
+            "kind": str(kind),
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "gauss": float(gauss),
+        },  # fmt: skip
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
@@ -33,8 +44,13 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: Mapping[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    """Restore what `rng_state` returned."""
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+    n = state["numpy"]
+    np.random.set_state(
+        (n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"])
+    )
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -46,6 +62,7 @@ def world_size() -> int:
 
 
 def is_main_process() -> bool:
+    """True on the job's first process (and when there is one)."""
     return int(os.environ.get("RANK", "0")) == 0
 
 

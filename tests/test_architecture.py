@@ -77,8 +77,8 @@ ROOMS: dict[str, set[str]] = {
         "evaluation",
         "risk",
     },
-    "pipeline": {"config", "artifacts", "runtime", "freshness"},
-    "cli": {"config", "artifacts", "data", "pipeline", "report"},
+    "pipeline": {"config", "artifacts", "runtime", "freshness", "data"},
+    "cli": {"config", "artifacts", "data", "pipeline", "report", "compare"},
 }
 #: Modules that import some of the package inside functions, and why (nothing else may).
 LOCAL_IMPORTS = {

@@ -7,6 +7,19 @@ import pytest
 
 from rlxf_utils.cli import main
 
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def loose(tmp_path: Path) -> str:
+    """A profile whose data.checks accept the few-row exports these tests read."""
+    p = tmp_path / "loose.yaml"
+    checks = ("max_unrecognised_share: 1.0", "max_empty_description_share: 1.0",
+              "min_labelled_rows: 1", "min_rows_per_label: 1")  # fmt: skip
+    p.write_text(f"extends: {ROOT / 'params/smoke.yaml'}\ndata:\n  checks:\n"
+                 + "".join(f"    {c}\n" for c in checks))  # fmt: skip
+    return str(p)
+
 
 def test_data_summary_on_real_file(mona_path: Path, capsys) -> None:
     assert main(["data", "summary", str(mona_path)]) == 0
@@ -54,7 +67,7 @@ def _export_rows() -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
-def test_data_summary_reads_an_xlsx_export(tmp_path: Path, capsys) -> None:
+def test_data_summary_reads_an_xlsx_export(tmp_path: Path, capsys, loose) -> None:
     from openpyxl import Workbook
 
     header, rows = _export_rows()
@@ -65,7 +78,7 @@ def test_data_summary_reads_an_xlsx_export(tmp_path: Path, capsys) -> None:
     for r in [header, *rows]:
         ws.append(r)
     wb.save(tmp_path / "mona.xlsx")
-    assert main(["data", "summary", str(tmp_path / "mona.xlsx")]) == 0
+    assert main(["data", "summary", str(tmp_path / "mona.xlsx"), "--params", loose]) == 0
     out = capsys.readouterr().out
     assert "format:     Excel workbook, sheet 'Conditions', header on row 1" in out
     assert "schema:     imf_current_export" in out
@@ -74,12 +87,14 @@ def test_data_summary_reads_an_xlsx_export(tmp_path: Path, capsys) -> None:
 
 
 @pytest.mark.parametrize(("sep", "name"), [(",", "comma"), (";", "semicolon"), ("\t", "tab")])
-def test_data_summary_reads_csv_variants(tmp_path: Path, capsys, sep: str, name: str) -> None:
+def test_data_summary_reads_csv_variants(
+    tmp_path: Path, capsys, sep: str, name: str, loose
+) -> None:
     header, rows = _export_rows()
     p = tmp_path / "mona.csv"
     with open(p, "w", newline="", encoding="utf-8") as fh:
         csv.writer(fh, delimiter=sep).writerows([header, *rows])
-    assert main(["data", "summary", str(p)]) == 0
+    assert main(["data", "summary", str(p), "--params", loose]) == 0
     out = capsys.readouterr().out
     assert f"format:     CSV, {name}-separated" in out
     assert "labelled:   3 (MET 1, Non-MET 2, MET share 0.333)" in out
@@ -114,18 +129,97 @@ def test_data_summary_bad_files_exit_2_with_the_reason(tmp_path: Path, capsys) -
     assert "fake.xlsx: not a readable .xlsx workbook" in err
 
 
-def test_data_summary_unrecognised_status_policies(tmp_path: Path, capsys) -> None:
+def test_data_summary_unrecognised_status_policies(tmp_path: Path, capsys, loose) -> None:
     header, rows = _export_rows()
     rows[1][-1] = "Pending"
     p = tmp_path / "st.csv"
     with open(p, "w", newline="", encoding="utf-8") as fh:
         csv.writer(fh).writerows([header, *rows])
-    assert main(["data", "summary", str(p)]) == 0
+    assert main(["data", "summary", str(p), "--params", loose]) == 0
     out = capsys.readouterr().out
     assert "labelled:   3 (MET 1, Non-MET 2" in out and "'PENDING' x1" in out
-    assert main(["data", "summary", str(p), "--unrecognised", "exclude"]) == 0
+    assert main(["data", "summary", str(p), "--unrecognised", "exclude", "--params", loose]) == 0
     out = capsys.readouterr().out
     assert "labelled:   2 (MET 1, Non-MET 1" in out
     assert "excluded:   2 (not assessed yet 1; unrecognised status 1)" in out
     err = _bad_exit(["data", "summary", str(p), "--unrecognised", "error"], capsys)
     assert "st.csv: column 'PC Status' has 1 unrecognised status value(s) {'PENDING': 1}" in err
+
+
+def _mona_lines(n: int) -> list[str]:
+    return (Path(__file__).resolve().parent.parent / "data/raw/MONA_From2002.csv").read_text(
+        encoding="utf-8").splitlines()[: n + 1]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("case", "found"),
+    [("unknown_statuses", "statuses (100%) are no MONA code"),
+     ("empty_descriptions", "condition descriptions (100%) are empty"),
+     ("one_row", "1 assessed (MET or Non-MET) rows; the splits need at least 100"),
+     ("one_outcome", "each outcome needs at least 10")],
+)  # fmt: skip
+def test_clearly_wrong_data_exits_2_with_what_was_found(
+    tmp_path: Path, capsys, case, found
+) -> None:
+    """A wrong column or a wrong export: loaded, summarised, then refused (data.checks)."""
+    rows = list(csv.reader(_mona_lines(300)))
+    header, body = rows[0], rows[1:]
+    status, descr = header.index("Status"), header.index("Descpt")
+    if case == "unknown_statuses":
+        body = [[*r[:status], "2010-06-30", *r[status + 1 :]] for r in body]
+    elif case == "empty_descriptions":
+        body = [[*r[:descr], "", *r[descr + 1 :]] for r in body]
+    elif case == "one_row":
+        body = [r for r in body if r[status] == "M"][:1]
+    else:
+        body = [r for r in body if r[status] == "M"]
+    p = tmp_path / f"{case}.csv"
+    with open(p, "w", newline="", encoding="utf-8") as fh:
+        csv.writer(fh).writerows([header, *body])
+    assert main(["data", "summary", str(p)]) == 2
+    out, err = capsys.readouterr()
+    assert "labelled:" in out  # the summary is still shown
+    assert f"error: {p}: " in err and found in err and "Traceback" not in err
+    # loosened in the parameters: accepted
+    params = tmp_path / "loose.yaml"
+    params.write_text(f"extends: {Path(__file__).resolve().parent.parent / 'params/smoke.yaml'}\n"
+                      "data: {checks: {max_unrecognised_share: 1.0, max_empty_description_share: 1.0,"
+                      " min_labelled_rows: 1, min_rows_per_label: 0}}\n")  # fmt: skip
+    assert main(["data", "summary", str(p), "--params", str(params)]) == 2  # 0 is not allowed
+    assert "min_rows_per_label" in capsys.readouterr().err
+    params.write_text(params.read_text().replace("min_rows_per_label: 0", "min_rows_per_label: 1"))
+    expected = 0 if case == "empty_descriptions" else 2  # the others hold one outcome
+    assert main(["data", "summary", str(p), "--params", str(params)]) == expected
+
+
+def test_a_binary_params_file_is_named(tmp_path: Path, capsys) -> None:
+    p = tmp_path / "params.yaml"
+    p.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\xff\xfe")
+    assert main(["run", "--params", str(p)]) == 2
+    err = capsys.readouterr().err
+    assert f"{p}: not a text file" in err and "Traceback" not in err
+
+
+def test_report_on_a_mistyped_run_dir_creates_nothing(tmp_path: Path, capsys) -> None:
+    missing = tmp_path / "runs" / "defualt"
+    assert main(["report", "--run-dir", str(missing)]) == 2
+    assert f"{missing}: no such folder" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_the_cli_explains_itself(capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("rlxf ")
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    text = capsys.readouterr().out
+    for words in ("skips each notebook", "resumes", "exit codes: 0", "1 a notebook failed", "2 bad input",
+                  "params.yaml", "locked"):  # fmt: skip
+        assert words in " ".join(text.split()), words
+    with pytest.raises(SystemExit):
+        main(["report", "--help"])
+    assert "Quarto when it is on PATH" in " ".join(capsys.readouterr().out.split())
+    with pytest.raises(SystemExit):
+        main(["data", "summary", "--help"])
+    assert "--params" in capsys.readouterr().out

@@ -651,3 +651,39 @@ def test_unrecognised_policy_is_a_param(tmp_path: Path) -> None:
         load_config(
             root / "params/smoke.yaml", overrides={"data": {"labels": {"unrecognised": "drop"}}}
         )
+
+
+@pytest.mark.parametrize(
+    ("encoding", "bom", "how"),
+    [("utf-16-le", b"\xff\xfe", "byte-order mark"), ("utf-16-be", b"\xfe\xff", "byte-order mark"),
+     ("utf-16-le", b"", "zero bytes"), ("utf-32-le", b"\xff\xfe\x00\x00", "byte-order mark"),
+     ("utf-8", b"\xef\xbb\xbf", None)],
+)  # fmt: skip
+def test_a_spreadsheet_programs_unicode_export_is_read(small_mona, tmp_path, encoding, bom, how):
+    """Excel's 'Unicode text' (UTF-16 LE with a BOM, tab-separated), UTF-16 without one, UTF-32
+    and UTF-8 with a BOM: read, and the encoding named in the summary."""
+    header, rows = read_rows(10)
+    rows[0][header.index("Descpt")] = "Adopt the caf\u00e9 law \u2013 phase 1"
+    p = tmp_path / "u.csv"
+    write_csv(p, header, rows)
+    p.write_bytes(bom + p.read_text(encoding="utf-8").replace(",", "\t").encode(encoding))
+    t = load_mona(p)
+    assert t.report.encoding == encoding
+    assert (how is None) == (not t.report.repairs) and (how is None or how in t.report.repairs[0])
+    assert t.frame["description"][0] == "Adopt the caf\u00e9 law \u2013 phase 1"
+    assert f"encoding:   {encoding}" in t.report.render()
+
+
+def test_bytes_no_encoding_reads_are_an_error_naming_what_was_tried(tmp_path: Path) -> None:
+    p = tmp_path / "b.csv"
+    p.write_bytes(b"Country,Descpt\nKenya,\x81\x8d\xff\xfe broken\n")  # invalid UTF-8 and cp1252
+    with pytest.raises(
+        DataError, match=r"b\.csv: not text in any encoding tried \(utf-8 \(byte \d+\), cp1252"
+    ):
+        load_mona(p)
+    q = tmp_path / "bad16.csv"
+    q.write_bytes(
+        b"\xff\xfe" + "Country,Descpt\n".encode("utf-16-le") + b"\x00\xd8"
+    )  # lone surrogate
+    with pytest.raises(DataError, match=r"bad16\.csv: the byte-order mark says utf-16-le"):
+        load_mona(q)

@@ -61,7 +61,7 @@ def test_runner_reports_the_failing_cell(tmp_path: Path) -> None:
         run_study(ROOT / "params/smoke.yaml", run_dir, notebook_dir=nbdir, progress=False)
     msg = str(ei.value)
     assert "02_bad.ipynb" in msg and "ValueError: boom in cell" in msg and "raise ValueError" in msg
-    assert (run_dir / "ran.txt").read_text() == str(ROOT / "params/smoke.yaml")
+    assert (run_dir / "ran.txt").read_text() == str(run_dir / "params.yaml")  # the frozen copy
     manifest = json.loads((run_dir / "manifest.json").read_text())
     status = {n["name"]: n["status"] for n in manifest["notebooks"]}
     assert status == {"01_ok": "ok", "02_bad": "failed"}

@@ -438,3 +438,27 @@ def test_report_reward_section_words_follow_the_intervals(tmp_path: Path):
     run.write_json("reward/metrics.json", {k: v for k, v in meta.items() if k != "comparisons"})
     with pytest.raises(ArtifactMissing, match="comparisons"):
         reward_section(run)
+
+
+def test_a_save_killed_halfway_leaves_the_old_model_whole(tmp_path: Path, monkeypatch):
+    """A rerun that dies while saving leaves the previous model as it was (not its marker beside
+    half-written arrays) and no temporary folder behind."""
+    df = _synthetic_conditions(200, seed=3)
+    texts, y = serialize_frame(df), df["y"].astype(int).to_numpy()
+    cfg = _cfg(class_weighting="none")
+    old = train_tfidf(texts[:150], y[:150], texts[150:170], y[150:170], cfg, seed=0)
+    old.save(tmp_path / "audit")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "audit").iterdir()}
+    new = train_tfidf(texts[:120], y[:120], texts[150:170], y[150:170], cfg, seed=1)
+
+    def dies(fh, **arrays):
+        fh.write(b"half")
+        raise KeyboardInterrupt("killed")
+
+    monkeypatch.setattr("rlxf_utils.reward.tfidf.np.savez", dies)
+    with pytest.raises(KeyboardInterrupt):
+        new.save(tmp_path / "audit")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "audit").iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["audit"]
+    np.testing.assert_allclose(TfidfAuditModel.load(tmp_path / "audit").margins_texts(texts[170:]),
+                               old.margins_texts(texts[170:]))  # fmt: skip

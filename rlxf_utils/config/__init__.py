@@ -8,7 +8,7 @@ arm), `study` (evaluation, risk, compute and the whole study), `load` (reading f
 """
 
 from .base import PROJECT_ROOT, ConfigError, Section
-from .data import DataConfig, LabelConfig, RunConfig, SplitConfig, SplitProtocol
+from .data import DataChecks, DataConfig, LabelConfig, RunConfig, SplitConfig, SplitProtocol
 from .load import PATH_KEYS, load_config
 from .policy import (
     CRITIC_INIT,
@@ -38,6 +38,7 @@ from .study import (
 )
 
 __all__ = [
+    "DataChecks",
     "CRITIC_INIT",
     "CompareEncoder",
     "ComputeConfig",

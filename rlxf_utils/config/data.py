@@ -68,6 +68,21 @@ class SplitConfig(Section):
     training one."""
 
 
+class DataChecks(Section):
+    """What a MONA file must look like before any work starts: a wrong column or a wrong export
+    (statuses that are no MONA code, empty descriptions, too few rows) stops the run with exit 2
+    and what was found. Loosen a threshold here to accept such a file on purpose."""
+
+    max_unrecognised_share: float = Field(default=0.2, ge=0.0, le=1.0)
+    """Largest share of rows whose status is no MONA code (the study's vintage has none)."""
+    max_empty_description_share: float = Field(default=0.2, ge=0.0, le=1.0)
+    """Largest share of rows with an empty condition description."""
+    min_labelled_rows: int = Field(default=100, ge=1)
+    """Fewest assessed (MET or Non-MET) rows: below it no split has a usable test set."""
+    min_rows_per_label: int = Field(default=10, ge=1)
+    """Fewest rows of each outcome (a file of one outcome gives a reward model nothing to learn)."""
+
+
 class DataConfig(Section):
     """Where the MONA file is, what it must hash to, how to label it and how to split it."""
 
@@ -83,6 +98,9 @@ class DataConfig(Section):
     """The split protocols and the held-out contexts."""
     table2_sample_size: int = Field(default=8, gt=0)
     """Rows in the paper's Table 2 sample (notebook 01)."""
+    checks: DataChecks = Field(default_factory=DataChecks)
+    """Sanity checks on the file, applied before any work (`rlxf run`, notebook 01, `rlxf data
+    summary`)."""
 
 
 SplitProtocol = Literal["random", "grouped", "temporal"]

@@ -86,6 +86,13 @@ def _read_profile(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
         raw = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"{path}: not a text file (byte {exc.start} is not UTF-8); expected a YAML parameters "
+            "file such as params/default.yaml"
+        ) from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot be read ({exc.strerror or exc})") from None
     if raw is None:
         raise ConfigError(f"{path}: the file is empty; expected a mapping with 'run' and 'data'")
     if not isinstance(raw, dict):

@@ -103,18 +103,65 @@ class MonaTable:
         return self.frame[self.frame["label"] != "excluded"].reset_index(drop=True)
 
 
+#: Byte-order marks a spreadsheet program writes, longest first (UTF-32's starts like UTF-16's).
+BOMS = (
+    (b"\xff\xfe\x00\x00", "utf-32-le"),
+    (b"\x00\x00\xfe\xff", "utf-32-be"),
+    (b"\xef\xbb\xbf", "utf-8"),
+    (b"\xff\xfe", "utf-16-le"),
+    (b"\xfe\xff", "utf-16-be"),
+)
+#: Tried in order when there is no byte-order mark (strictly: nothing is replaced).
+FALLBACKS = ("utf-8", "cp1252")
+
+
+def detect_encoding(raw: bytes) -> tuple[str | None, int, str]:
+    """(encoding, bytes to skip, how it was found) from a byte-order mark, or from the zero bytes
+    that UTF-16 text without one has in every other position; (None, 0, '') when neither tells."""
+    for bom, name in BOMS:
+        if raw.startswith(bom):
+            return name, len(bom), "byte-order mark"
+    head = raw[:4096]
+    if len(head) >= 4:
+        even, odd = head[0::2].count(0), head[1::2].count(0)
+        if odd > 0.4 * len(head[1::2]) and even < 0.05 * len(head[0::2]):
+            return "utf-16-le", 0, "zero bytes in every other position"
+        if even > 0.4 * len(head[0::2]) and odd < 0.05 * len(head[1::2]):
+            return "utf-16-be", 0, "zero bytes in every other position"
+    return None, 0, ""
+
+
 def _decode(raw: bytes, path: Path, repairs: list[str]) -> tuple[str, str]:
-    if raw.startswith(b"\xef\xbb\xbf"):
-        raw = raw[3:]
-    try:
-        return raw.decode("utf-8"), "utf-8"
-    except UnicodeDecodeError as exc:
-        text = raw.decode("cp1252", errors="replace")
-        repairs.append(
-            f"bytes not valid UTF-8 (first at byte {exc.start}); decoded as cp1252 instead"
-        )
-        log.warning("%s: not valid UTF-8 at byte %d; decoded as cp1252", path, exc.start)
-        return text, "cp1252"
+    """The file's text and the encoding it was read with: the one a byte-order mark or UTF-16's
+    zero bytes name, else UTF-8, else Windows-1252 (a repair, noted). Nothing is decoded with
+    replacement characters: a file none of them reads is an error naming what was tried."""
+    name, skip, how = detect_encoding(raw)
+    if name is not None:
+        try:
+            text = raw[skip:].decode(name)
+        except UnicodeDecodeError as exc:
+            raise DataError(
+                f"{path}: the {how} says {name}, but byte {exc.start + skip} is not valid {name}; "
+                "expected a text file in one encoding: save it again as UTF-8 CSV"
+            ) from None
+        if name != "utf-8" or how != "byte-order mark":
+            repairs.append(f"read as {name} ({how})")
+        return text, name
+    failures = []
+    for enc in FALLBACKS:
+        try:
+            text = raw.decode(enc)
+        except UnicodeDecodeError as exc:
+            failures.append(f"{enc} (byte {exc.start})")
+            continue
+        if enc != "utf-8":
+            repairs.append(f"bytes not valid UTF-8 ({failures[0]}); decoded as {enc} instead")
+            log.warning("%s: not valid UTF-8; decoded as %s", path, enc)
+        return text, enc
+    raise DataError(
+        f"{path}: not text in any encoding tried ({', '.join(failures)}, no byte-order mark); "
+        "expected a CSV file (UTF-8, UTF-16 or Windows-1252) or an .xlsx workbook"
+    )
 
 
 def sniff_delimiter(text: str) -> tuple[str, str]:

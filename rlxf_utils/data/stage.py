@@ -10,8 +10,9 @@ from typing import Any
 import pandas as pd
 
 from rlxf_utils import plots
+from rlxf_utils.data.checks import load_data
 from rlxf_utils.data.contexts import build_contexts
-from rlxf_utils.data.mona import load_mona, subsample_arrangements
+from rlxf_utils.data.mona import subsample_arrangements
 from rlxf_utils.data.read import MonaTable
 from rlxf_utils.data.splits import (
     make_splits,
@@ -47,13 +48,7 @@ def run_data_stage(cfg: Any, run: Any) -> DataStage:
     `data/load_report.json`.
     """
     d = cfg.data
-    table = load_mona(
-        d.path,
-        met=d.labels.met,
-        not_assessed=d.labels.not_assessed,
-        expected_sha256=d.sha256,
-        unrecognised=d.labels.unrecognised,
-    )
+    table = load_data(cfg)
     conditions = table.frame
     subsampled_from = None
     if d.max_rows is not None and len(conditions) > d.max_rows:

@@ -348,7 +348,20 @@ def render_report(
     which: Callable[[str], str | None] = shutil.which,
 ) -> RenderResult:
     """Render `<run_dir>/report/rlxf_report.{html,pdf}`; `engine` is auto, quarto or pandoc."""
-    run = RunDir(run_dir)
+    root = Path(run_dir)
+    if not (root / "manifest.json").is_file():  # checked before anything is written there
+        what = (
+            "no such folder"
+            if not root.exists()
+            else "not a folder"
+            if not root.is_dir()
+            else "no manifest.json"
+        )
+        raise ReportError(
+            f"{root}: {what}; expected a run folder that `rlxf run` wrote (runs/<run.name>/ with "
+            "manifest.json)"
+        )  # fmt: skip
+    run = RunDir(root)
     out_dir = run.path("report/x").parent
     build = out_dir / "_build"
     variables = build_sources(run, build, src)

@@ -9,7 +9,7 @@ from typing import Any
 
 import pandas as pd
 
-from rlxf_utils.artifacts import write_json
+from rlxf_utils.artifacts import atomic_dir, write_json
 from rlxf_utils.config import RewardConfig
 from rlxf_utils.prompts import (
     serialize_frame,
@@ -65,27 +65,25 @@ def save_reward_bundle(
     (`score_precision_check`) records the precision RL and evaluation score with.
     """
     scorer = result.scorer(reward_source)  # raises naming what the protocol trained
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
     encoder = scorer if isinstance(scorer, RewardModel) else result.encoder
     name = reward_source if isinstance(scorer, RewardModel) else "encoder"
-    if encoder is not None:
-        metrics = {
-            "protocol": result.protocol,
-            "model": name,
-            "test": result.metrics.to_dict("records"),
-            "calibration": result.calibration.to_dict("records"),
-            "train_log": result.train_log.to_dict("records"),
-            "timing": result.timing,
-        }
-        encoder.save(path / "encoder", extra_json={"metrics.json": metrics})
-    audit.save(path / "audit")
-    if reward_source == "tfidf":
-        result.audit.save(path / "tfidf")
     check = dict(score_check or {})
-    write_json(
-        path / "bundle.json",
-        {
+
+    def write(d: Path) -> None:
+        if encoder is not None:
+            metrics = {
+                "protocol": result.protocol,
+                "model": name,
+                "test": result.metrics.to_dict("records"),
+                "calibration": result.calibration.to_dict("records"),
+                "train_log": result.train_log.to_dict("records"),
+                "timing": result.timing,
+            }
+            encoder.save(d / "encoder", extra_json={"metrics.json": metrics})
+        audit.save(d / "audit")
+        if reward_source == "tfidf":
+            result.audit.save(d / "tfidf")
+        write_json(d / "bundle.json", {
             "kind": BUNDLE_KIND,
             "format_version": FORMAT_VERSION,
             "reward_source": reward_source,
@@ -97,8 +95,10 @@ def save_reward_bundle(
             "audit_trained_on": audit.meta.get("trained_on"),
             "score_precision": check.get("used", "fp32"),
             "score_check": check,
-        },
-    )
+        })  # fmt: skip
+
+    path = Path(path)
+    atomic_dir(path, write)  # a killed rerun leaves the old bundle or the new one, never a mix
     return path
 
 

@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
-from rlxf_utils.artifacts import write_json
+from rlxf_utils.artifacts import atomic_dir, write_json
 from rlxf_utils.prompts import (
     CONTEXT_FIELDS,
     serialize_condition,
@@ -303,15 +303,12 @@ class RewardModel:
 
     # -- persistence ----------------------------------------------------------------------
     def save(self, path: str | Path, extra_json: Mapping[str, Any] | None = None) -> Path:
-        """Write safetensors weights, config, tokenizer, `rlxf_reward.json` and `calibration.json`."""
+        """Write safetensors weights, config, tokenizer, `rlxf_reward.json` and `calibration.json`
+        into `path`, replacing it as a whole."""
         if self.precision != "fp32":
             raise RewardModelError(
                 f"a {self.precision} scorer is a view for scoring; save the fp32 model it came from"
             )
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(path, safe_serialization=True)
-        self.tokenizer.save_pretrained(path)
         marker = {
             "kind": ENCODER_KIND,
             "format_version": FORMAT_VERSION,
@@ -321,13 +318,20 @@ class RewardModel:
             "offset": self.offset,
             **{k: v for k, v in self.meta.items() if k not in {"kind", "format_version"}},
         }
-        write_json(path / "rlxf_reward.json", marker)
-        write_json(
-            path / "calibration.json",
-            self.meta.get("calibration", {"temperature": self.temperature}),
-        )
-        for name, obj in (extra_json or {}).items():
-            write_json(path / name, obj)
+
+        def write(d: Path) -> None:
+            self.model.save_pretrained(d, safe_serialization=True)
+            self.tokenizer.save_pretrained(d)
+            write_json(d / "rlxf_reward.json", marker)
+            write_json(
+                d / "calibration.json",
+                self.meta.get("calibration", {"temperature": self.temperature}),
+            )
+            for name, obj in (extra_json or {}).items():
+                write_json(d / name, obj)
+
+        path = Path(path)
+        atomic_dir(path, write)  # a killed save leaves the old folder or the new one, never a mix
         return path
 
     @classmethod

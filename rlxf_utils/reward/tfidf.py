@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from rlxf_utils.artifacts import atomic_path, write_json
+from rlxf_utils.artifacts import atomic_dir, write_json
 from rlxf_utils.config import RewardConfig
 from rlxf_utils.reward.calibration import calibration_report, fit_platt, prior_bias, sigmoid
 from rlxf_utils.reward.model import (
@@ -85,10 +85,6 @@ class TfidfAuditModel:
 
     def save(self, path: str | Path) -> Path:
         """Write `rlxf_audit.json` (parameters, vocabulary, temperature) and `arrays.npz`."""
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        with atomic_path(path / "arrays.npz", ".npz") as tmp, open(tmp, "wb") as fh:
-            np.savez(fh, idf=self.idf, coef=self.coef, intercept=np.array([self.intercept]))
         marker = {
             "kind": AUDIT_KIND,
             "format_version": FORMAT_VERSION,
@@ -98,7 +94,14 @@ class TfidfAuditModel:
             "meta": self.meta,
             "vocabulary": self.vocabulary,
         }
-        write_json(path / "rlxf_audit.json", marker)
+
+        def write(d: Path) -> None:
+            with open(d / "arrays.npz", "wb") as fh:
+                np.savez(fh, idf=self.idf, coef=self.coef, intercept=np.array([self.intercept]))
+            write_json(d / "rlxf_audit.json", marker)
+
+        path = Path(path)
+        atomic_dir(path, write)  # the old folder or the new one, never a mix
         return path
 
     @classmethod

@@ -25,7 +25,6 @@ fit.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -34,7 +33,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from rlxf_utils.artifacts import atomic_path, to_jsonable
+from rlxf_utils.artifacts import atomic_dir, write_json
 from rlxf_utils.data.splits import load_splits
 from rlxf_utils.prompts import response_contexts, serialize_frame
 from rlxf_utils.reward.calibration import sigmoid
@@ -155,11 +154,7 @@ class RewardHeads:
 
     # -- persistence ----------------------------------------------------------------------
     def save(self, path: str | Path) -> Path:
-        """Write `heads.npz` then the marker `rlxf_reward_heads.json` (both atomically)."""
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        with atomic_path(path / ARRAYS, ".npz") as tmp, open(tmp, "wb") as fh:
-            np.savez(fh, coef=self.coef, intercept=self.intercept, row_ids=self.row_ids)
+        """Write `heads.npz` and the marker `rlxf_reward_heads.json`, replacing `path` as a whole."""
         marker = {
             "kind": HEADS_KIND,
             "format_version": FORMAT_VERSION,
@@ -167,8 +162,14 @@ class RewardHeads:
             "dim": self.dim,
             "settings": self.settings,
         }
-        with atomic_path(path / MARKER, ".json") as tmp:
-            tmp.write_text(json.dumps(to_jsonable(marker), indent=2) + "\n", encoding="utf-8")
+
+        def write(d: Path) -> None:
+            with open(d / ARRAYS, "wb") as fh:
+                np.savez(fh, coef=self.coef, intercept=self.intercept, row_ids=self.row_ids)
+            write_json(d / MARKER, marker)
+
+        path = Path(path)
+        atomic_dir(path, write)  # the old folder or the new one, never a mix
         return path
 
     @staticmethod

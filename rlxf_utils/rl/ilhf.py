@@ -45,7 +45,7 @@ import pandas as pd
 import torch
 from torch import nn
 
-from rlxf_utils.artifacts import RunDir
+from rlxf_utils.artifacts import RunDir, atomic_path
 from rlxf_utils.config import ILHFConfig, RLConfig
 from rlxf_utils.data.contexts import eligible_rows
 from rlxf_utils.data.splits import load_splits
@@ -522,7 +522,8 @@ def run_ilhf(job: TrainJob) -> pd.DataFrame:
     if algo == "ilhf_history":
         frame, pairs = encoded_history_pairs(cfg, run_dir, job.tokenizer, job.model)
         out.mkdir(parents=True, exist_ok=True)
-        frame.to_parquet(out / "pairs.parquet", index=False)
+        with atomic_path(out / "pairs.parquet") as tmp:
+            frame.to_parquet(tmp, index=False)
         trainer: ILHFTrainer = ILHFHistoryTrainer(*args, pairs=pairs)
         write_settings(out, algo, job.rl, {
             **common, "steps": trainer.total_steps, "prompts_per_step": None,

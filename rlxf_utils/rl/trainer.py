@@ -17,6 +17,7 @@ with `snapshots`, `snapshots/step_XXXXXX/adapter_model.safetensors`.
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 from collections.abc import Callable, Mapping, Sequence
@@ -37,6 +38,10 @@ log = logging.getLogger(__name__)
 
 #: The checkpoints kept in `checkpoints/` (the newest resumes; the one before it is a fallback).
 KEEP_CHECKPOINTS = 2
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be resumed safely; the message names it and what to do."""
 
 
 @dataclass
@@ -234,9 +239,11 @@ class Trainer:
         def write(d: Path) -> None:
             for name, state in tensors.items():
                 save_file(state, str(d / f"{name}.safetensors"))
-            torch.save({"step": self.step, "history": self.history, "samples": self.samples,
-                        "rng": rngs[0], "rng_ranks": rngs, **self.checkpoint_state()},
-                       d / "state.pt")  # fmt: skip
+            # tensors and plain values only (the logs as JSON text): `load_checkpoint` reads it
+            # with `weights_only=True`, so a state.pt from elsewhere cannot run code on resume
+            torch.save({"step": self.step, "history": _json(self.history),
+                        "samples": _json(self.samples), "rng_ranks": rngs,
+                        **self.checkpoint_state()}, d / "state.pt")  # fmt: skip
 
         atomic_dir(target, write)
         if self.snapshots:
@@ -264,9 +271,34 @@ class Trainer:
         if self.snapshots and self.is_main and not snap.is_file():
             self._snapshot(path)
         self.wait()
-        state = torch.load(path / "state.pt", weights_only=False)
+        state = read_state(path / "state.pt")
         self.restore(path, state)
-        set_rng_state(self.own_rng(state.get("rng_ranks", [state["rng"]]), path))
-        self.history, self.samples, self.step = state["history"], state["samples"], state["step"]
+        set_rng_state(self.own_rng(state["rng_ranks"], path))
+        self.history, self.samples = json.loads(state["history"]), json.loads(state["samples"])
+        self.step = state["step"]
         log.info("resumed %s from %s (step %d)", self.algo, path, self.step)
         return True
+
+
+def _json(obj: Any) -> str:
+    """Log rows and samples as JSON text (NaN kept; numpy scalars as plain numbers)."""
+    return json.dumps(obj, default=lambda x: x.item() if hasattr(x, "item") else str(x))
+
+
+def read_state(path: Path) -> dict[str, Any]:
+    """A checkpoint's `state.pt`, loaded with `weights_only=True`: tensors and plain values only,
+    never pickled objects (a run directory copied from elsewhere cannot run code on resume)."""
+    try:
+        state = torch.load(path, weights_only=True)
+    except Exception as exc:  # torch raises UnpicklingError, RuntimeError or others by version
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(
+            f"{path}: not a checkpoint this study can resume safely ({first}); expected tensors and "
+            f"plain values only. Remove {path.parent} (or the run's checkpoints/) to train afresh"
+        ) from None
+    missing = [k for k in ("step", "history", "samples", "rng_ranks")
+               if not isinstance(state, dict) or k not in state]  # fmt: skip
+    if missing:
+        raise CheckpointError(f"{path}: a checkpoint without {missing}; remove {path.parent} to "
+                              "train afresh")  # fmt: skip
+    return state

@@ -1,0 +1,127 @@
+"""What guards a run before and while it works: bad run directories, the data checked before any
+kernel, one run per folder (a lock), parameters frozen at the start, and a corrupt manifest."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from rlxf_utils.artifacts import RunDir
+from rlxf_utils.cli import main
+from rlxf_utils.config import load_config
+from rlxf_utils.pipeline import RunLocked, freeze_params, run_lock, run_study, write_manifest
+
+ROOT = Path(__file__).resolve().parent.parent
+SMOKE = ROOT / "params/smoke.yaml"
+
+
+def _params(tmp_path: Path, extra: str) -> Path:
+    p = tmp_path / "p.yaml"
+    p.write_text(f"extends: {SMOKE}\n{extra}", encoding="utf-8")
+    return p
+
+
+def test_a_run_dir_that_is_a_file_or_cannot_be_written_exits_2(tmp_path: Path, capsys) -> None:
+    f = tmp_path / "file.txt"
+    f.write_text("x")
+    assert main(["run", "--params", str(SMOKE), "--run-dir", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert "file.txt: --run-dir names a file; expected a folder" in err and "Traceback" not in err
+    assert main(["run", "--params", str(SMOKE), "--run-dir", str(f / "sub")]) == 2
+    assert "file.txt/sub: the run cannot be written there" in capsys.readouterr().err
+    assert main(["run", "--params", str(SMOKE), "--run-dir", "/proc/rlxf-run"]) == 2
+    assert "/proc/rlxf-run: the run cannot be written there" in capsys.readouterr().err
+
+
+def test_a_wrong_sha256_and_a_wrong_file_stop_before_any_kernel(tmp_path: Path, capsys) -> None:
+    p = _params(tmp_path, "data: {sha256: " + "a" * 64 + "}\n")
+    run_dir = tmp_path / "r"
+    assert main(["run", "--params", str(p), "--run-dir", str(run_dir)]) == 2
+    err = capsys.readouterr().err
+    assert "sha256 is" in err and "key 'data.sha256'" in err
+    assert not (run_dir / "manifest.json").exists() and not (run_dir / "notebooks").exists()
+    # a file of one outcome (every status unknown -> Non-MET) fails data.checks, named
+    bad = tmp_path / "bad.csv"
+    lines = (ROOT / "data/raw/MONA_From2002.csv").read_text(encoding="utf-8").splitlines()[:400]
+    bad.write_text("\n".join(lines).replace(",M,", ",Q,").replace(",NM,", ",Q,") + "\n")
+    p2 = _params(tmp_path, f"data: {{path: {bad}, sha256: null, max_rows: null}}\n")
+    assert main(["run", "--params", str(p2), "--run-dir", str(run_dir)]) == 2
+    assert "bad.csv: " in capsys.readouterr().err
+    assert not (run_dir / "notebooks").exists()
+
+
+def test_a_second_run_into_the_same_folder_is_refused_naming_the_first(tmp_path, capsys) -> None:
+    run_dir = tmp_path / "r"
+    with run_lock(run_dir):
+        with pytest.raises(RunLocked, match=r"r: in use by `rlxf run` \(pid \d+ on .*, since "):
+            run_study(SMOKE, run_dir, progress=False)
+        assert main(["run", "--params", str(SMOKE), "--run-dir", str(run_dir)]) == 2
+        assert "in use by" in capsys.readouterr().err
+    # another process holding it: refused as well; once it exits, the lock is gone with it
+    code = (f"import sys, time; sys.path.insert(0, {str(ROOT)!r})\n"
+            "from pathlib import Path\nfrom rlxf_utils.pipeline import run_lock\n"
+            f"with run_lock(Path({str(run_dir)!r})):\n    print('held', flush=True)\n"
+            "    time.sleep(30)\n")  # fmt: skip
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(RunLocked, match=f"pid {holder.pid}"), run_lock(run_dir):
+            pass
+    finally:
+        holder.kill()
+        holder.wait()
+    with run_lock(run_dir):  # a killed holder leaves no stale lock
+        pass
+
+
+def test_frozen_parameters_read_back_equal_and_keep_absolute_paths(tmp_path: Path) -> None:
+    cfg = load_config(SMOKE)
+    path = freeze_params(cfg, RunDir(tmp_path / "r"))
+    assert path == tmp_path / "r/params.yaml"
+    frozen = load_config(path)
+    assert frozen.resolved() == cfg.resolved()
+    assert frozen.data.path == cfg.data.path and frozen.data.path.is_absolute()
+
+
+def _notebook(path: Path, body: str) -> None:
+    nb = nbformat.v4.new_notebook()
+    p = nbformat.v4.new_code_cell('params_file = ""\nrun_dir = ""')
+    p.metadata["tags"] = ["parameters"]
+    nb.cells = [p, nbformat.v4.new_code_cell(body)]
+    nb.metadata["kernelspec"] = {"name": "rlxf", "display_name": "rlxf", "language": "python"}
+    nbformat.write(nb, path)
+
+
+@pytest.mark.slow
+def test_editing_the_parameters_during_a_run_changes_nothing_in_it(tmp_path: Path) -> None:
+    """Notebook 01 edits the parameters file the run was started with (as a user might while a
+    long run goes on); notebook 02 still reads the values the run started with."""
+    src = _params(tmp_path, "run: {name: guarded, seed: 7}\n")
+    nbdir = tmp_path / "nbs"
+    nbdir.mkdir()
+    _notebook(nbdir / "01_edit.ipynb",
+              f"from pathlib import Path\np = Path({str(src)!r})\n"
+              "p.write_text(p.read_text().replace('seed: 7', 'seed: 8'))")  # fmt: skip
+    _notebook(nbdir / "02_read.ipynb",
+              "from pathlib import Path\nfrom rlxf_utils.config import load_config\n"
+              "Path(run_dir, 'seed.txt').write_text(str(load_config(params_file).run.seed))")  # fmt: skip
+    run_dir = tmp_path / "run"
+    run_study(src, run_dir, notebook_dir=nbdir, progress=False)
+    assert "seed: 8" in src.read_text()  # the edit happened
+    assert (run_dir / "seed.txt").read_text() == "7"
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["params_file"] == str(run_dir / "params.yaml")
+    assert manifest["params_source"] == str(src.resolve())
+
+
+def test_a_corrupt_manifest_is_an_error_naming_it(tmp_path: Path) -> None:
+    run = RunDir(tmp_path / "r")
+    (run.root / "manifest.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"manifest\.json: unreadable"):
+        write_manifest(run, load_config(SMOKE), [])
+    assert (run.root / "manifest.json").read_text() == "{not json"  # left as it was
