@@ -285,8 +285,10 @@ def test_reference_is_the_starting_policy(tmp_path):
     enc = encode_prompts(
         tok, [*prompts, "w1", "w2 w3 w4 w5 w6 w7"], return_tensors="pt", padding=True
     )
+    enc = {k: v.to(tr.device) for k, v in enc.items()}  # the trainer's device (a GPU if any)
     pos = (enc["attention_mask"].cumsum(-1) - 1).clamp(min=0)
     policy = tr.unwrapped.policy
+    start.to(tr.device)
     with torch.no_grad():
         want = start(**enc, position_ids=pos).logits
         with policy.disable_adapter():

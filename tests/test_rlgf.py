@@ -91,7 +91,7 @@ def test_forced_prefix_is_reproduced_token_for_token(tmp_path):
     tr = guided("ppo_pp", tmp_path)
     enc = tr.encode(list(range(8)))
     ids, mask = tr.sample(tr.guide, enc, 1.0, 1.0)
-    h = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7]).clamp(max=mask.sum(1) - 1).clamp(min=0)
+    h = torch.arange(8, device=mask.device).clamp(max=mask.sum(1) - 1).clamp(min=0)
     out, out_mask = tr.sample(tr.unwrapped.policy, enc, 1.0, 1.0, prefix=(ids, h))
     for i in range(8):
         assert out[i, : h[i]].tolist() == ids[i, : h[i]].tolist()
@@ -220,6 +220,7 @@ def test_mle_term_pulls_towards_the_references(tmp_path):
     from rlxf_utils.rl.sft import SFTExample, collate, response_loss
 
     batch = collate([SFTExample(tr._prompt(0), ref)], tok.pad_token_id)
+    batch = {k: v.to(tr.device) if torch.is_tensor(v) else v for k, v in batch.items()}
     nll, _ = response_loss(tr.unwrapped.policy, batch)
     assert loss.item() == pytest.approx(0.5 * nll.item(), rel=1e-5)
 
