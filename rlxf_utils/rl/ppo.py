@@ -48,6 +48,7 @@ from rlxf_utils.models.generation import (
 )
 from rlxf_utils.models.loading import apply_lora
 from rlxf_utils.prompts import CONTEXT_FIELDS
+from rlxf_utils.rl.accelerated import AcceleratedTrainer
 from rlxf_utils.rl.core import (
     AdaptiveKLController,
     FixedKLController,
@@ -66,13 +67,13 @@ from rlxf_utils.rl.core import (
     whiten,
 )
 from rlxf_utils.rl.rollout import ForcedPrefix, Prepared, Rollout
-from rlxf_utils.rl.trainer import Trainer, TrainJob, write_settings
-from rlxf_utils.runtime import rng_state, seed_everything
+from rlxf_utils.rl.trainer import TrainJob, write_settings
+from rlxf_utils.runtime import seed_everything
 
 log = logging.getLogger(__name__)
 
 
-class PPOTrainer(Trainer):
+class PPOTrainer(AcceleratedTrainer):
     """PPO fine-tuning of a LoRA-wrapped causal LM against `reward_fn`; writes to `output_dir`.
 
     `prompts[i]` is the formatted policy input for `contexts[i]`. Layout of `output_dir`:
@@ -100,8 +101,6 @@ class PPOTrainer(Trainer):
         generation_kwargs: Mapping[str, Any] | None = None,
         autocast_dtype: str | None = None,
     ):
-        from accelerate import Accelerator, DistributedDataParallelKwargs
-
         if len(prompts) != len(contexts) or not prompts:
             raise ValueError(
                 f"need one prompt per context, got {len(prompts)} prompts, {len(contexts)} contexts"
@@ -110,26 +109,12 @@ class PPOTrainer(Trainer):
             raise TypeError(
                 "model must be a peft model (models.apply_lora): the reference is the base"
             )
-        super().__init__(output_dir, cfg.checkpoint_every, cfg.steps)
+        super().__init__(output_dir, cfg.checkpoint_every, cfg.steps, accelerator)
         self.cfg, self.tokenizer, self.reward_fn = cfg, tokenizer, reward_fn
         self.prompts, self.contexts = list(prompts), [dict(c) for c in contexts]
         self.seed, self.n_samples = seed, n_samples
         self.generation_kwargs = dict(generation_kwargs or {})  # extra generate() args (benchmarks)
         self.autocast_dtype = autocast_dtype  # 'bfloat16': matmuls in bf16 (rollout and update)
-        # DDP: a critic-only warm-up step leaves the policy's LoRA unused, and RLGF's extra critics
-        # sit idle on steps of another scheme, so unused parameters must be allowed
-        self.accelerator = accelerator or Accelerator(
-            kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)]
-        )
-        ds = getattr(self.accelerator.state, "deepspeed_plugin", None)
-        if ds is not None and getattr(ds, "zero_stage", 0) == 3:
-            raise ValueError(
-                "PPO and the RLGF algorithms generate with the full weights on every process; "
-                "DeepSpeed ZeRO-3 shards them. Use params/accelerate/deepspeed_zero2.yaml or "
-                "multi_gpu_ddp.yaml for them (ZeRO-3 suits GRPO/RLOO, which TRL gathers)"
-            )
-        self.world = self.accelerator.num_processes
-        self.rank = self.accelerator.process_index
         if cfg.batch_size % self.world or cfg.minibatch_size % self.world:
             raise ValueError(
                 f"rl.batch_size ({cfg.batch_size}) and rl.minibatch_size ({cfg.minibatch_size}) "
@@ -166,36 +151,11 @@ class PPOTrainer(Trainer):
 
     # -- helpers -------------------------------------------------------------------------------
     @property
-    def device(self) -> torch.device:
-        return self.accelerator.device
-
-    @property
     def unwrapped(self) -> PolicyWithValue:
         return self.accelerator.unwrap_model(self.module)
 
     def _autocast(self) -> Any:
         return autocast(self.autocast_dtype, self.device)
-
-    def _sum(self, t: torch.Tensor) -> torch.Tensor:
-        """`t` summed over every process (itself on one process: the one-process arithmetic is
-        unchanged)."""
-        if self.world == 1:
-            return t
-        return self.accelerator.reduce(t.detach().to(self.device), reduction="sum")
-
-    def _global_mean(self, x: torch.Tensor) -> float:
-        """Mean of a per-response tensor over the global batch (equal shares per process)."""
-        return float(self._sum(x.float().sum()) / (x.numel() * self.world))
-
-    def _rank_weight_spread(self) -> float:
-        """Largest difference between processes in any trainable tensor's sum (0: identical
-        weights, as DDP must keep them); NaN on one process."""
-        if self.world == 1:
-            return float("nan")
-        sums = torch.stack([p.detach().double().sum() for p in self.module.parameters()
-                            if p.requires_grad]).to(self.device)  # fmt: skip
-        every = self.accelerator.gather(sums.unsqueeze(0))  # (world, n_tensors)
-        return float((every.max(0).values - every.min(0).values).abs().max())
 
     def _next_batch(self) -> list[int]:
         """Prompt indices for this step (`prompt_schedule`), each repeated `num_generations` times;
@@ -544,29 +504,6 @@ class PPOTrainer(Trainer):
             f"beta {row['kl_coef']:.4f} entropy {row['entropy']:.3f} {row['step_time_s']:.1f}s"
         )
         return line, {"reward": f"{row['reward_mean']:.3f}", "kl": f"{row['kl']:.2f}"}
-
-    @property
-    def is_main(self) -> bool:
-        return self.accelerator.is_main_process
-
-    def wait(self) -> None:
-        self.accelerator.wait_for_everyone()
-
-    def rng_states(self) -> list[dict[str, Any]]:
-        rngs = [rng_state()]
-        if self.world > 1:
-            from accelerate.utils import gather_object
-
-            rngs = gather_object(rngs)
-        return rngs
-
-    def own_rng(self, states: Sequence[Mapping[str, Any]], path: Path) -> Mapping[str, Any]:
-        if len(states) != self.world:  # run_algorithm's marker holds the process count
-            raise ValueError(
-                f"{path}: saved by {len(states)} process(es), resumed by {self.world}; remove the "
-                "checkpoints or resume with the same compute.num_processes"
-            )
-        return states[self.rank]
 
     def save_model(self, folder: Path) -> None:
         self.unwrapped.policy.save_pretrained(folder)
