@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from rlxf_utils.artifacts import atomic_dir, atomic_path, to_jsonable
+from rlxf_utils.artifacts import atomic_dir, atomic_path, to_jsonable, write_jsonl
 from rlxf_utils.models.generation import (
     autocast,
     encode_prompts,
@@ -276,10 +276,7 @@ def run_trl(job: TrainJob) -> pd.DataFrame:
             {"step": steps, **{k: contexts[i][k] for k in CONTEXT_FIELDS}, "response": texts[i], "reward": float(scores[i])}
             for i in range(n)
         ]  # fmt: skip
-        with atomic_path(output_dir / "samples.jsonl") as tmp:
-            tmp.write_text(
-                "".join(json.dumps(to_jsonable(s)) + "\n" for s in samples), encoding="utf-8"
-            )
+        write_jsonl(output_dir / "samples.jsonl", samples, ensure_ascii=True)
     return frame
 
 

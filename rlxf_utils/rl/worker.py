@@ -53,13 +53,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if not args.algo or args.algo not in cfg.rl.algorithm:
         raise SystemExit(f"--algo {args.algo!r}: expected one of rl.algorithm {cfg.rl.algorithm}")
-    from rlxf_utils.data.contexts import load_contexts
-    from rlxf_utils.reward.bundle import load_reward
-    from rlxf_utils.rl.stage import make_reward_fn, run_algorithm
+    from rlxf_utils.rl.stage import run_algorithm, training_inputs
 
-    contexts = load_contexts(run.root, "train", cfg.rl.max_prompts, cfg.run.seed)
-    reward_model, _ = load_reward(run.require("reward_model", stage="notebook 02 (reward model)"))
-    reward_fn = make_reward_fn(reward_model, cfg.rl.reward_batch_size)
+    contexts, reward_fn, _ = training_inputs(cfg, run)
     run_algorithm(args.algo, cfg, run.root, reward_fn, contexts=contexts, progress=False)
     return 0
 
