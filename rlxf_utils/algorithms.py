@@ -49,6 +49,9 @@ class Algorithm:
     groups: bool = False
     #: pairs the responses of a prompt (an even `num_generations` and `minibatch_size`)
     pairs: bool = False
+    #: adds the RLGF paper's MLE term, eta (`rlgf.mle_coef`) x the NLL of historical MET
+    #: descriptions of each minibatch's contexts (its objective for every algorithm, PPO too)
+    mle: bool = False
 
     def train(self, job: Any) -> Any:
         """Train from `job` (a `rl.trainer.TrainJob`); returns the training log."""
@@ -65,12 +68,16 @@ ALGORITHMS: dict[str, Algorithm] = {
     a.id: a
     for a in (
         Algorithm("ppo", "PPO", "ppo", "rlxf_utils.rl.ppo:run_ppo"),
+        # PPO with the RLGF algorithms' MLE term: what guidance is compared with (guidance alone)
+        Algorithm("ppo_mle", "PPO + MLE", "ppo", "rlxf_utils.rl.ppo:run_ppo", ("rlgf",), mle=True),
         Algorithm("grpo", "GRPO", "trl", "rlxf_utils.rl.trl_runs:run_trl", groups=True),
         Algorithm("rloo", "RLOO", "trl", "rlxf_utils.rl.trl_runs:run_trl", groups=True),
-        Algorithm("ppo_pp", "PPO++", "rlgf", "rlxf_utils.rl.rlgf:run_rlgf", ("rlgf",)),
-        Algorithm("aggrevated", "AggreVaTeD", "rlgf", "rlxf_utils.rl.rlgf:run_rlgf", ("rlgf",)),
-        Algorithm("lols", "LOLS", "rlgf", "rlxf_utils.rl.rlgf:run_rlgf", ("rlgf",)),
-        Algorithm("d2lols", "D²LOLS", "rlgf", "rlxf_utils.rl.rlgf:run_rlgf", ("rlgf",)),
+        Algorithm("ppo_pp", "PPO++", "rlgf", "rlxf_utils.rl.rlgf:run_rlgf", ("rlgf",), mle=True),
+        Algorithm(
+            "aggrevated", "AggreVaTeD", "rlgf", "rlxf_utils.rl.rlgf:run_rlgf", ("rlgf",), mle=True
+        ),
+        Algorithm("lols", "LOLS", "rlgf", "rlxf_utils.rl.rlgf:run_rlgf", ("rlgf",), mle=True),
+        Algorithm("d2lols", "D²LOLS", "rlgf", "rlxf_utils.rl.rlgf:run_rlgf", ("rlgf",), mle=True),
         Algorithm(
             "ilhf_history",
             "ILHF (history)",

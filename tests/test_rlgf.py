@@ -3,6 +3,8 @@ the guide's critic, schedules and exact resume."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -102,10 +104,18 @@ def test_forced_prefix_is_reproduced_token_for_token(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # PPO++ with beta = 0 is PPO
 # ---------------------------------------------------------------------------------------------
-def test_ppo_pp_with_beta_zero_is_ppo(tmp_path, monkeypatch):
-    """No switch is ever drawn: same samples, same losses, same parameters as PPO."""
+def test_ppo_pp_with_beta_zero_is_ppo_with_the_same_mle_term(tmp_path, monkeypatch):
+    """At the shipped RLGF settings (default.yaml's eta) with beta = 0, PPO++ draws no switch:
+    same samples, same losses (MLE term included), same parameters as `ppo_mle` (PPO with the
+    term). The term really acts: it is non-zero at every minibatch with a reference."""
+    from rlxf_utils.config import PROJECT_ROOT, load_config
+
+    shipped = load_config(PROJECT_ROOT / "params/default.yaml").rlgf
+    assert shipped.mle_coef > 0
+    rg = shipped.model_copy(update={"beta_ppo_pp": 0.0})
     losses: dict[str, list[float]] = {"ppo": [], "ppo_pp": []}
-    real = policy_loss
+    extras: dict[str, list[float]] = {"ppo": [], "ppo_pp": []}
+    real, real_extra = policy_loss, PPOTrainer.extra_loss
     current = []
 
     def spy(*a, **k):
@@ -113,22 +123,34 @@ def test_ppo_pp_with_beta_zero_is_ppo(tmp_path, monkeypatch):
         losses[current[0]].append(out[0].item())
         return out
 
+    def spy_extra(self, ro, mb):
+        out = real_extra(self, ro, mb)
+        extras[current[0]].append(math.nan if out is None else out.item())
+        return out
+
     monkeypatch.setattr("rlxf_utils.rl.ppo.policy_loss", spy)
+    monkeypatch.setattr(PPOTrainer, "extra_loss", spy_extra)
     prompts, contexts = varied_contexts(8)
+    tok = tiny_tokenizer()
+    ref = tok(" ".join(WORDS[40:44]), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    refs = [[ref] if i % 2 else [] for i in range(8)]
     cfg = small_cfg(steps=2, batch_size=8, minibatch_size=4, learning_rate=1e-2)
     model, tok = tiny_policy(seed=0)
     current[:] = ["ppo"]
-    ppo = PPOTrainer(model, tok, prompts, contexts, dense_reward, cfg, tmp_path / "a", seed=3)
+    ppo = PPOTrainer(model, tok, prompts, contexts, dense_reward, cfg, tmp_path / "a", seed=3,
+                     references=refs, mle_coef=rg.mle_coef)  # fmt: skip
     ppo.train(progress=False)
     model, tok = tiny_policy(seed=0)
     current[:] = ["ppo_pp"]
-    rg = RLGFConfig(beta_ppo_pp=0.0, mle_coef=0.0)
     pp = GuidedPPOTrainer(
         "ppo_pp", model, tiny_guide(), tok, prompts, contexts, dense_reward, cfg, rg,
-        tmp_path / "b", seed=3,
+        tmp_path / "b", seed=3, references=refs,
     )  # fmt: skip
     pp.train(progress=False)
     assert len(losses["ppo"]) == 8 and losses["ppo"] == losses["ppo_pp"]
+    fired = [x for x in extras["ppo"] if not math.isnan(x)]
+    assert fired and all(x > 0 for x in fired)
+    np.testing.assert_array_equal(extras["ppo"], extras["ppo_pp"])
     a, b = ppo.log_frame(), pp.log_frame()
     cols = ["reward_mean", "kl", "policy_loss", "value_loss", "explained_variance", "entropy"]
     np.testing.assert_array_equal(a[cols].to_numpy(), b[cols].to_numpy())
@@ -207,6 +229,44 @@ def test_guided_steps_move_the_policy_and_log_their_scheme(tmp_path):
         assert (tmp_path / f).is_file(), f
 
 
+def test_kl_and_reward_are_logged_on_the_learners_own_tokens(tmp_path, monkeypatch):
+    """AggreVaTeD with guide-written tokens: `kl` (k1, driving beta) sums only the learner's
+    tokens, `kl_all_tokens` every token; `reward_learner` averages only responses the learner
+    wrote whole; the controller is fed the learner's KL."""
+    from rlxf_utils.rl.core import AdaptiveKLController
+
+    fed = []
+    real = AdaptiveKLController.update
+
+    def spy(self, kl, n):
+        fed.append(kl)
+        return real(self, kl, n)
+
+    monkeypatch.setattr(AdaptiveKLController, "update", spy)
+    rg = RLGFConfig(beta_aggrevated=0.5, mle_coef=0.0)
+    tr = guided(AGGREVATED, tmp_path, rlgf=rg, steps=3, learning_rate=5e-2, adaptive_kl=True)
+    log = tr.train(progress=False)
+    assert fed == log["kl"].tolist()
+    assert (log["kl_estimator"].str.startswith("k1")).all()
+    assert (log["kl_k3"] >= 0).all()
+    mixed = (log["learner_share"] < 1) & (log["step"] > 1)  # step 1: the policy is the reference
+    assert mixed.any()
+    # guide-written tokens count in kl_all_tokens only
+    assert (log.loc[mixed, "kl"] != log.loc[mixed, "kl_all_tokens"]).all()
+    # AggreVaTeD: h = 0 responses are the guide's whole, the rest carry guide suffixes, so no
+    # response is the learner's own unless the guide wrote nothing after its prefix
+    assert log["reward_learner"].isna().any() or (log["reward_learner"] != log["reward_mean"]).any()
+
+
+def test_ppo_logs_the_same_kl_on_every_token_and_its_k3(tmp_path):
+    tr = guided(PPO_PP, tmp_path, rlgf=RLGFConfig(beta_ppo_pp=0.0, mle_coef=0.0), steps=2,
+                learning_rate=5e-2)  # fmt: skip
+    log = tr.train(progress=False)
+    np.testing.assert_array_equal(log["kl"], log["kl_all_tokens"])
+    np.testing.assert_array_equal(log["reward_learner"], log["reward_mean"])
+    assert not np.allclose(log["kl"], log["kl_k3"])  # two estimators, not one copied
+
+
 def test_mle_term_pulls_towards_the_references(tmp_path):
     """eta > 0 adds eta * NLL of a reference of the minibatch's contexts; contexts without one add none."""
     tok = tiny_tokenizer()
@@ -274,7 +334,7 @@ def test_met_references_are_met_rows_the_rl_stage_may_see_of_the_same_context(tm
 
     from rlxf_utils.artifacts import RunDir
     from rlxf_utils.config import PROJECT_ROOT, load_config
-    from rlxf_utils.rl.rlgf import met_references
+    from rlxf_utils.rl.sft import met_references
 
     labelled, splits, contexts = _toy_data()
     run = RunDir(tmp_path)

@@ -80,7 +80,8 @@ class SFTConfig(Section):
 
 #: How PPO's critic starts (`rl.critic_init`), in words for `settings.json` and the report.
 CRITIC_INIT = {
-    "reward": "reward model's score of the prefix + zero-initialised linear head (Stiennon et al.)",
+    "reward": "frozen reward model's score of the prefix (never trained) + zero-initialised linear "
+    "head on detached policy features (not Stiennon et al.'s trained copy of the reward model)",
     "mean": "zero-initialised linear head, bias at the first batch's mean score",
 }
 
@@ -156,10 +157,11 @@ class RLConfig(Section):
     value_warmup_steps: int = Field(default=0, ge=0)
     """The first steps train the critic only."""
     critic_init: Literal["reward", "mean"] = "reward"
-    """PPO's critic at the start. reward: V(s_t) = the reward model's score of the prefix y_<t
-    in its context, plus a zero-initialised linear head (Stiennon et al. 2020 initialise the
-    value function from the reward model); mean: the head alone, its bias at the first batch's
-    mean."""
+    """PPO's critic. reward: V(s_t) = the frozen reward model's score of the prefix y_<t in its
+    context (a fixed prior, never trained) plus a zero-initialised linear head on the policy's
+    detached last hidden states. Stiennon et al. (2020) instead copy the reward model into a value
+    network and train its weights; here the prior cannot be unlearned. mean: the head alone, its
+    bias at the first batch's mean."""
     max_grad_norm: float = Field(default=1.0, gt=0.0)
     """Gradient clipping norm (the policy's and the critic's clipped apart)."""
     whiten_advantages: bool = True
@@ -243,7 +245,9 @@ class RLGFConfig(Section):
     beta_ppo_pp: float = Field(default=0.6, ge=0.0, le=1.0)
     """P(a sample's prefix is the guide's) in PPO++ (IMDB 0.6)"""
     beta_aggrevated: float = Field(default=0.8, ge=0.0, le=1.0)
-    """P(a sample's suffix is the guide's) in AggreVaTeD (IMDB 0.8)"""
+    """P(the policy writes a prefix, the guide the rest) in AggreVaTeD, else the guide writes the
+    whole response (IMDB 0.8). This is the authors' TRIL code; the paper's Algorithm 2 instead
+    puts weight beta on the guide's state distribution (the report states which one runs)."""
     beta_lols: float = Field(default=0.8, ge=0.0, le=1.0)
     """Both schemes' beta inside LOLS (authors: 0.8)."""
     tau: float = Field(default=0.8, ge=0.0, le=1.0)
@@ -251,7 +255,8 @@ class RLGFConfig(Section):
     switch_fraction: float = Field(default=0.4, ge=0.0, le=1.0)
     """D²LOLS: AggreVaTeD for the first 40% of steps, then PPO++ (IMDB: 20 of 50)"""
     mle_coef: float = Field(default=0.1, ge=0.0)
-    """Eta: MLE on historical MET descriptions of the step's contexts (authors: 0.1)."""
+    """Eta: MLE on historical MET descriptions of the step's contexts (authors: 0.1), added by
+    every algorithm the registry marks `mle`: the RLGF algorithms and `ppo_mle`."""
 
 
 class ILHFConfig(Section):

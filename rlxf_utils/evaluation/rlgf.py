@@ -21,7 +21,7 @@ point estimate; every interval resamples countries, the unit prompts of one coun
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -262,6 +262,17 @@ def _hard_minus_easy(wide: pd.DataFrame, pol: str, start: str, half: pd.Series, 
     return rec
 
 
+def guidance_comparator(algos: Sequence[str], present: Iterable[str] | None = None) -> str | None:
+    """The PPO arm guidance is compared with: `ppo_mle` (PPO with the RLGF algorithms' MLE term,
+    so that the comparison isolates guidance) when it ran, else plain `ppo`, else None.
+    `present`: the policies evaluated (default: every one of `algos`)."""
+    seen = set(algos if present is None else present)
+    for name in ("ppo_mle", "ppo"):
+        if name in algos and name in seen:
+            return name
+    return None
+
+
 def guidance_table(
     samples: pd.DataFrame,
     algos: Sequence[str],
@@ -272,8 +283,9 @@ def guidance_table(
 ) -> pd.DataFrame:
     """Paired comparisons behind the two RLGF questions, under the reward and the audit model.
 
-    `guidance_vs_ppo`: each guided algorithm that ran (`config.RLGF_ALGORITHMS`) against `ppo`,
-    only when PPO ran. `rl_vs_sft_met`: each RL algorithm against `sft_met`, when it was
+    `guidance_vs_ppo`: each guided algorithm that ran (`config.RLGF_ALGORITHMS`) against PPO
+    (`guidance_comparator`: PPO with the same MLE term when it ran), only when PPO ran.
+    `rl_vs_sft_met`: each RL algorithm against `sft_met`, when it was
     evaluated. Per-prompt mean rewards on the prompts both answered, difference with a cluster
     bootstrap CI over countries (`stats.paired.paired_comparison`), `verdict` read from that
     interval, `p_holm` the Holm-adjusted Wilcoxon p over per-country differences within each
@@ -282,9 +294,10 @@ def guidance_table(
     """
     present = set(samples["policy"])
     pairs: list[tuple[str, str, str]] = []
-    if "ppo" in algos and "ppo" in present:
+    ppo = guidance_comparator(algos, present)
+    if ppo is not None:
         pairs += [
-            ("guidance_vs_ppo", a, "ppo") for a in algos if a in RLGF_ALGORITHMS and a in present
+            ("guidance_vs_ppo", a, ppo) for a in algos if a in RLGF_ALGORITHMS and a in present
         ]
     if "sft_met" in present:
         pairs += [("rl_vs_sft_met", a, "sft_met") for a in algos if a in present]

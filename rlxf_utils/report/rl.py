@@ -42,12 +42,19 @@ def move_sentence(algo: str, r: pd.Series) -> str:
 
 #: The report's sentence on how PPO's critic starts (`rl.critic_init`).
 CRITIC_SENTENCE = {
-    "reward": "The critic starts from the reward model, as in Stiennon et al. (2020): its value at each "
-    "token is the reward model's score of the response so far in its context, plus a linear head "
-    "on the policy's hidden states that starts at zero and learns the rest",
+    "reward": "The critic is the frozen reward model plus a learned correction: its value at each "
+    "token is the reward model's score of the response so far in its context, a prior that is never "
+    "trained, plus a linear head on the policy's hidden states (detached, so the critic does not move "
+    "the policy) that starts at zero. This is not Stiennon et al.'s (2020) critic, a copy of the reward "
+    "model whose weights are trained as the value function: here the prior cannot be unlearned, and "
+    "the RLGF schemes' two critics (the policy's and the guide's) share it and differ only by their heads",
     "mean": "The critic is a value head on the policy's hidden states that starts on the reward's "
     "scale (zero weights, its bias at the first batch's mean reward)",
 }
+
+
+#: The training log's KL estimators (`rl.core.KL_ESTIMATORS`) in a table cell, by first letters.
+KL_SHORT = {"k1": "k1, learner's tokens", "TR": "TRL's k3", "no": "·"}
 
 
 def _rl_summary_display(summ: pd.DataFrame) -> pd.DataFrame:
@@ -65,7 +72,9 @@ def _rl_summary_display(summ: pd.DataFrame) -> pd.DataFrame:
         rows.append({
             "algorithm": r["algorithm"], "steps": int(r["steps"]),
             "reward (first → last 3 steps)": arrow(r.get("reward_first"), r.get("reward_last"), 3),
-            "final KL": num(r.get("kl_last"), 2), "entropy": num(r.get("entropy_last"), 2),
+            "final KL": num(r.get("kl_last"), 2),
+            "KL measured as": KL_SHORT.get(str(r.get("kl_estimator"))[:2], "·"),
+            "entropy": num(r.get("entropy_last"), 2),
             "critic EV, last third [CI]": ci(ev, r.get("explained_variance_low"), r.get("explained_variance_high")) if is_present(ev) else "·",
             "β (first → last)": arrow(r.get("beta_first"), r.get("beta_last"), 4),
             "s / step": num(r.get("step_time_s"), 1), "tokens / s": num(r.get("tokens_per_s"), 0),

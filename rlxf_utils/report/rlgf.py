@@ -9,7 +9,7 @@ import pandas as pd
 
 from rlxf_utils.algorithms import RLGF_ALGORITHMS, algorithm_label
 from rlxf_utils.artifacts import RunDir
-from rlxf_utils.evaluation.rlgf import HALVES, MEASURES, policy_label
+from rlxf_utils.evaluation.rlgf import HALVES, MEASURES, guidance_comparator, policy_label
 from rlxf_utils.prompts import CONTEXT_FIELDS
 from rlxf_utils.report.evaluation import eval_meta, table_note
 from rlxf_utils.report.wording import (
@@ -29,6 +29,20 @@ QUESTIONS = {
     "rl_vs_sft_met": "does RL beat supervised learning on what was met?",
 }
 
+
+#: What the guidance comparison holds equal, by the PPO arm it compares with.
+GUIDANCE_TERM = {
+    "ppo_mle": (
+        "Both sides of this comparison add the same MLE term on historical MET descriptions "
+        "(eta times their negative log-likelihood, the RLGF paper's objective for every "
+        "algorithm), so the difference is guidance alone"
+    ),
+    "ppo": (
+        "PPO here has no MLE term while the guided algorithms add eta times the negative "
+        "log-likelihood of historical MET descriptions, so the difference mixes guidance with "
+        "that supervised term (run ppo_mle to isolate guidance)"
+    ),
+}
 
 _BEAT = {"higher": "beats", "lower": "falls short of", "not distinguishable": "cannot be told apart from"}  # fmt: skip
 
@@ -56,6 +70,28 @@ def _comparison_sentence(g: pd.DataFrame, a: str, b: str, lvl: str, b_name: str)
             + f" (difference in Ave(R), {lvl} cluster-bootstrap CI over countries: " + "; ".join(cis) + ")")  # fmt: skip
 
 
+def critics_sentence(guidance_log: pd.DataFrame) -> str:
+    """What each guided algorithm's two critics explained on their own tokens (notebook 03's
+    `rlgf_guidance`: mean explained variance over the scheme's steps, and the shared reward-model
+    prior's alone), so a reader sees whether V_g and V_theta differ beyond the prior they share."""
+    if guidance_log.empty or "critic" not in guidance_log:
+        return "No guided algorithm ran, so there is no guide critic to compare"
+    parts = []
+    for algo, g in guidance_log.groupby("algorithm", sort=False):
+        crit = [
+            f"{r['critic']} explained {r['explained_variance']:.2f} of the returns' variance over "
+            f"its {int(r['steps'])} steps (the shared prior alone {r['explained_variance_prior']:.2f})"
+            for _, r in g.iterrows()
+            if is_present(r["explained_variance"])
+        ]
+        if crit:
+            parts.append(f"in {algo}, " + "; ".join(crit))
+    if not parts:
+        return "The guided algorithms logged no critic"
+    return ("Each critic's explained variance on its own tokens, mean over the steps of its "
+            "scheme: " + "; ".join(parts))  # fmt: skip
+
+
 def guidance_sentences(
     guidance: pd.DataFrame, algos: Sequence[str], alpha: float
 ) -> dict[str, str]:
@@ -71,15 +107,17 @@ def guidance_sentences(
     if not guided:
         gs = (f"No guided algorithm ran: this run trained {listing(ran)}, none of them guided, so "
               "whether guidance beats PPO is not answered here")  # fmt: skip
-    elif "ppo" not in algos:
+    elif (ppo := guidance_comparator(algos)) is None:
         gs = (f"PPO did not run (this run trained {listing(ran)}), so the guided algorithms "
               "are not compared with it")  # fmt: skip
     else:
         gq = g[g["question"] == "guidance_vs_ppo"]
+        name = algorithm_label(ppo)
         gs = "; ".join(
-            _comparison_sentence(gq, a, "ppo", lvl, "PPO") for a in guided if a in set(gq["policy"])
+            _comparison_sentence(gq, a, ppo, lvl, name) for a in guided if a in set(gq["policy"])
         )
-        gs = gs or "The guided algorithms were not evaluated against PPO"
+        gs = gs or f"The guided algorithms were not evaluated against {name}"
+        gs = f"{gs}. {GUIDANCE_TERM[ppo]}" if gq.shape[0] else gs
     rq = g[g["question"] == "rl_vs_sft_met"]
     if rq.empty:
         rs = "The MET-only supervised policy (sft_met) was not evaluated, so RL is not compared with it"
@@ -174,6 +212,11 @@ def rlgf_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], d
         "level": lvl,
         "start": start,
         "ran_sentence": ran_sentence,
+        "critics_sentence": critics_sentence(
+            run.read_table("rlgf_guidance", "notebook 03_ppo_finetuning")
+            if run.exists("tables/rlgf_guidance.csv")
+            else pd.DataFrame()
+        ),
         "guide": params.get("rlgf", {}).get("guide", "sft_met"),
     }
     words = {"arrangement_type": "arrangement type", "econ_descriptor": "economic descriptor"}

@@ -17,12 +17,20 @@ RewardFn = Callable[[list[dict[str, Any]], list[str]], np.ndarray]
 
 
 #: One row per step; GRPO/RLOO (rlxf_utils.rl) write the same columns, NaN where not meaningful.
+#: `kl` is nats per response on the learner's own tokens with the estimator `kl_estimator` names
+#: (`KL_ESTIMATORS`); `kl_k3` the k3 estimate beside it; `kl_all_tokens` counts every token of the
+#: response (RLGF: the guide's too); `reward_learner` scores only responses the learner wrote
+#: every token of (RLGF mixes guide-written responses into `reward_mean`).
 LOG_COLUMNS: tuple[str, ...] = (
     "algo",
     "step",
     "reward_mean",
+    "reward_learner",
     "reward_std",
     "kl",
+    "kl_k3",
+    "kl_all_tokens",
+    "kl_estimator",
     "kl_per_token",
     "kl_coef",
     "entropy",
@@ -42,6 +50,21 @@ LOG_COLUMNS: tuple[str, ...] = (
     "processes",
     "rank_weight_spread",
 )
+
+
+#: What each family's logged `kl` is (the `kl_estimator` column of its rows).
+KL_ESTIMATORS = {
+    "ppo": "k1, sum of log pi - log pi_ref over the learner's tokens of each response (k3 beside)",
+    "trl": "TRL's k3 per token x mean response length (k1 not available from TRL's logs)",
+    "ilhf_online": "k1 of the ensemble's mixture density on its own samples",
+    "ilhf_history": "none (history mode samples nothing)",
+}
+
+
+def k3_tokens(log_ratio: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 per token, (r - 1) - log r with r = pi_ref / pi = exp(-log_ratio): unbiased for
+    KL(pi || pi_ref) on samples from pi, never negative."""
+    return torch.expm1(-log_ratio) + log_ratio
 
 
 #: Sums a tensor over every process (identity on one process): statistics "over the batch" are

@@ -64,7 +64,7 @@ from rlxf_utils.models.generation import (
     postprocess_response,
 )
 from rlxf_utils.prompts import CONTEXT_FIELDS
-from rlxf_utils.rl.core import LOG_COLUMNS, RewardFn, prompt_schedule
+from rlxf_utils.rl.core import KL_ESTIMATORS, LOG_COLUMNS, RewardFn, prompt_schedule
 from rlxf_utils.rl.sft import SFTExample, collate, response_token_nll, target_ids
 from rlxf_utils.rl.trainer import Trainer, TrainJob, write_settings
 from rlxf_utils.runtime import seed_everything
@@ -288,7 +288,8 @@ class ILHFTrainer(Trainer):
         self, stats: Mapping[str, Any], seconds: float, n_tokens: int | None = None
     ) -> dict[str, Any]:
         row = {c: math.nan for c in self.log_columns}
-        row.update({"algo": self.algo, "step": self.step, "scheme": None})
+        row.update({"algo": self.algo, "step": self.step, "scheme": None,
+                    "kl_estimator": KL_ESTIMATORS.get(self.algo)})  # fmt: skip
         row.update({k: v for k, v in stats.items() if k in row})
         row["step_time_s"] = seconds
         if n_tokens is not None and seconds > 0:
@@ -438,7 +439,7 @@ class ILHFOnlineTrainer(ILHFTrainer):
         self.step += 1
         finished = [bool(r) and r[-1] in self.stop_ids for r in resp_ids]
         row = self._log({**stats, "reward_mean": float(scores.mean()), "reward_std": float(scores.std()),
-                         "kl": kl, "response_len": float(np.mean([len(r) for r in resp_ids])),
+                         "kl": kl, "kl_all_tokens": kl, "reward_learner": float(scores.mean()), "response_len": float(np.mean([len(r) for r in resp_ids])),
                          "finished": float(np.mean(finished)), "gen_time_s": gen_time},
                         time.perf_counter() - t0, n_tokens=sum(len(r) for r in resp_ids))  # fmt: skip
         if self.step == 1 or self.step % rl.sample_every == 0:

@@ -10,11 +10,13 @@ One readable file in the CleanRL spirit: every implementation detail is named an
               policy's last hidden states); one pass with the LoRA adapters disabled gives the
               reference log-probs (the frozen starting policy, no second copy of the weights)
     reward    per-token  r_t = -beta * (log pi(a_t) - log pi_ref(a_t)),  plus the score on the last token
-    critic    V(s_t) = the reward model's score of the prefix y_<t in its context (`critic_init:
-              reward`, Stiennon et al.'s value function initialised from the reward model) + a
-              zero-initialised linear head on the policy's last hidden states (detached: the
-              critic does not move the policy); `critic_init: mean`: the head alone, its bias at
-              the first batch's mean score; optional critic-only warm-up steps
+    critic    V(s_t) = the frozen reward model's score of the prefix y_<t in its context
+              (`critic_init: reward`; a fixed prior, never trained) + a zero-initialised linear
+              head on the policy's last hidden states (detached: the critic does not move the
+              policy). Not Stiennon et al.'s critic, a trained copy of the reward model: the prior
+              here cannot be unlearned, and RLGF's two critics share it and differ by their heads
+              only. `critic_init: mean`: the head alone, its bias at the first batch's mean score;
+              optional critic-only warm-up steps
     GAE       advantages and returns (gamma, lambda), advantages whitened over the batch
     update    several epochs of shuffled minibatches: clipped surrogate + clipped value loss,
               gradient clipping, early stop when the approximate KL to the rollout policy is too big
@@ -38,6 +40,7 @@ import pandas as pd
 import torch
 from torch import nn
 
+from rlxf_utils.algorithms import algorithm
 from rlxf_utils.artifacts import atomic_path
 from rlxf_utils.config import CRITIC_INIT, RLConfig
 from rlxf_utils.models.generation import (
@@ -50,6 +53,7 @@ from rlxf_utils.models.loading import apply_lora
 from rlxf_utils.prompts import CONTEXT_FIELDS
 from rlxf_utils.rl.accelerated import AcceleratedTrainer
 from rlxf_utils.rl.core import (
+    KL_ESTIMATORS,
     AdaptiveKLController,
     FixedKLController,
     PolicyWithValue,
@@ -59,6 +63,7 @@ from rlxf_utils.rl.core import (
     cpu_state,
     entropy_from_logits,
     explained_variance,
+    k3_tokens,
     logprobs_from_logits,
     masked_mean,
     policy_loss,
@@ -67,6 +72,7 @@ from rlxf_utils.rl.core import (
     whiten,
 )
 from rlxf_utils.rl.rollout import ForcedPrefix, Prepared, Rollout
+from rlxf_utils.rl.sft import SFTExample, collate, met_references, target_nll
 from rlxf_utils.rl.trainer import TrainJob, write_settings
 from rlxf_utils.runtime import seed_everything
 
@@ -100,6 +106,8 @@ class PPOTrainer(AcceleratedTrainer):
         n_samples: int = 4,
         generation_kwargs: Mapping[str, Any] | None = None,
         autocast_dtype: str | None = None,
+        references: Sequence[Sequence[Sequence[int]]] | None = None,
+        mle_coef: float = 0.0,
     ):
         if len(prompts) != len(contexts) or not prompts:
             raise ValueError(
@@ -115,6 +123,14 @@ class PPOTrainer(AcceleratedTrainer):
         self.seed, self.n_samples = seed, n_samples
         self.generation_kwargs = dict(generation_kwargs or {})  # extra generate() args (benchmarks)
         self.autocast_dtype = autocast_dtype  # 'bfloat16': matmuls in bf16 (rollout and update)
+        # the RLGF paper's MLE term: eta x NLL of a historical MET description per context
+        self.mle_coef = float(mle_coef)
+        self.references = [list(map(list, r)) for r in (references or [[] for _ in prompts])]
+        if len(self.references) != len(self.prompts):
+            raise ValueError(
+                f"references: {len(self.references)} lists for {len(self.prompts)} prompts"
+            )
+        self._prompt_ids: dict[int, list[int]] = {}
         if cfg.batch_size % self.world or cfg.minibatch_size % self.world:
             raise ValueError(
                 f"rl.batch_size ({cfg.batch_size}) and rl.minibatch_size ({cfg.minibatch_size}) "
@@ -364,9 +380,36 @@ class PPOTrainer(AcceleratedTrainer):
             kl_tokens=kl_tokens, entropy=entropy, value_prior=prior,
         )  # fmt: skip
 
+    # -- the paper's MLE term on historical MET descriptions ------------------------------------
     def extra_loss(self, ro: Rollout, mb: torch.Tensor) -> torch.Tensor | None:
-        """A loss added to each minibatch's (none in PPO; RLGF: the MLE term on references)."""
-        return None
+        """eta * mean NLL of one historical MET description per context in the minibatch,
+        through the (DDP-wrapped) module: `update` backpropagates it on its own, so that DDP
+        averages its gradient over the processes like the PPO loss's."""
+        if self.mle_coef == 0:
+            return None
+        ctx = sorted({ro.context_idx[int(i)] for i in mb})
+        rng = np.random.default_rng([self.seed, self.step, 2])
+        examples = []
+        for c in ctx:
+            refs = self.references[c]
+            if refs:
+                examples.append(SFTExample(self._prompt(c), refs[int(rng.integers(len(refs)))]))
+        if not examples:
+            return None
+        batch = collate(examples, self.tokenizer.pad_token_id)
+        batch = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+        with self._autocast():
+            logits, _ = self.module(
+                batch["input_ids"], batch["attention_mask"], int(batch["n_tail"]), with_values=False
+            )
+        nll, mask = target_nll(logits, batch)
+        return self.mle_coef * nll.sum() / mask.sum().clamp(min=1)
+
+    def _prompt(self, c: int) -> list[int]:
+        if c not in self._prompt_ids:
+            enc = self.encode([c])
+            self._prompt_ids[c] = enc["input_ids"][0].tolist()
+        return self._prompt_ids[c]
 
     # -- phase 3: the update --------------------------------------------------------------------
     def update(self, ro: Rollout, pp: Prepared) -> dict[str, list[float]]:
@@ -439,22 +482,34 @@ class PPOTrainer(AcceleratedTrainer):
         pp = self.prepare(ro)
         stats = self.update(ro, pp)
 
-        # KL to the reference: summed over tokens, averaged over the global batch's responses;
-        # drives the controller (the same value on every process, so beta stays in step).
+        # KL to the reference on the learner's own tokens (k1: summed log-ratio; every token in
+        # PPO, RLGF's guide-written ones left out), averaged over the global batch's responses;
+        # it drives the controller (the same value on every process, so beta stays in step).
         B = ro.input_ids.shape[0] * self.world
         mask = pp.mask
-        kl_seq = self._global_mean(pp.kl_tokens.sum(1))
+        kl_seq = self._global_mean((pp.kl_tokens * pp.pg_mask).sum(1))
+        kl_k3 = self._global_mean((k3_tokens(pp.kl_tokens) * pp.pg_mask).sum(1))
+        kl_all = self._global_mean(pp.kl_tokens.sum(1))
         self.kl_ctl.update(kl_seq, B)
         n_tokens = float(self._sum(mask.sum()))
         step_time = time.perf_counter() - t_start
         scores = ro.scores.float()
         every = self.accelerator.gather(scores) if self.world > 1 else scores
+        # responses the learner wrote every token of (all of them in PPO)
+        own = ((pp.pg_mask == mask).all(1)).float()
+        own_all = self.accelerator.gather(own) if self.world > 1 else own
         row = {
             "algo": self.algo,
             "step": self.step + 1,
             "reward_mean": float(every.mean()),
+            "reward_learner": float((every * own_all).sum() / own_all.sum())
+            if own_all.sum() > 0
+            else float("nan"),
             "reward_std": float(every.std()) if B > 1 else 0.0,
             "kl": kl_seq,
+            "kl_k3": kl_k3,
+            "kl_all_tokens": kl_all,
+            "kl_estimator": KL_ESTIMATORS["ppo"],
             "kl_per_token": float(self._sum(pp.kl_tokens.sum())) / max(n_tokens, 1.0),
             "kl_coef": self.kl_ctl.value,
             "entropy": self._global_mean(pp.entropy),
@@ -558,14 +613,31 @@ def ppo_loss_settings(rl: RLConfig, advantage: str) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def mle_settings(job: TrainJob, model: Any) -> dict[str, Any]:
+    """The MLE term's arguments for a trainer (`references`, `mle_coef`): the RLGF paper's
+    eta x NLL of historical MET descriptions for an algorithm registered with `mle`, else none."""
+    if not algorithm(job.algo).mle:
+        return {"references": None, "mle_coef": 0.0}
+    cfg, run_dir = job.require_study()
+    refs = met_references(cfg, run_dir, job.contexts, job.tokenizer, model)
+    return {"references": refs, "mle_coef": cfg.rlgf.mle_coef}
+
+
 def run_ppo(job: TrainJob) -> pd.DataFrame:
-    """PPO with LoRA on the start policy; resumes from `output_dir/checkpoints`."""
+    """PPO with LoRA on the start policy (`ppo_mle`: with the MLE term); resumes from
+    `output_dir/checkpoints`."""
+    mle = mle_settings(job, job.model)
     model = apply_lora(job.model, job.policy.lora)
     trainer = PPOTrainer(
         model, job.tokenizer, job.prompts, job.contexts, job.reward_fn, job.rl, job.output_dir,
         seed=job.seed, generation_kwargs=job.generation_kwargs, autocast_dtype=job.policy.autocast,
+        **mle,
     )  # fmt: skip
-    write_settings(job.output_dir, job.algo, job.rl, ppo_loss_settings(
-        job.rl, "GAE over tokens with a learned critic, whitened over the batch"
-    ))  # fmt: skip
+    trainer.algo = job.algo  # its log rows and messages name it (ppo or ppo_mle)
+    refs = mle["references"]
+    write_settings(job.output_dir, job.algo, job.rl, {
+        **ppo_loss_settings(job.rl, "GAE over tokens with a learned critic, whitened over the batch"),
+        "mle_coef": mle["mle_coef"],
+        "contexts_with_met_references": None if refs is None else sum(bool(r) for r in refs),
+    })  # fmt: skip
     return trainer.train(steps=job.steps, progress=job.progress)

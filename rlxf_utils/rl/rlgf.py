@@ -19,12 +19,15 @@ gradient acts on:
     LOLS     per iteration: PPO++ with probability tau, else AggreVaTeD (each with its own critic)
     D²LOLS   AggreVaTeD for the first `switch_fraction` of the steps, then PPO++
 
-The paper's objective adds eta * E_D[log pi(y_ref | x)] on reference texts: here one historical MET
-description of the minibatch's contexts (rows the RL stage may see: `data.contexts.eligible_rows`).
+The paper's objective adds eta * E_D[log pi(y_ref | x)] on reference texts to every algorithm, PPO
+too (its section 6): here one historical MET description of the minibatch's contexts (rows the RL
+stage may see: `data.contexts.eligible_rows`), in `PPOTrainer` for every algorithm the registry
+marks `mle` (the RLGF algorithms and `ppo_mle`, PPO with the same term).
 
 Draws (the switch points, LOLS's scheme, the reference picked) come from generators seeded by
 (seed, step), so a resumed run draws exactly what an uninterrupted one would. Roll-ins are
-generated only for the samples drawn to switch (none when beta = 0: PPO++ is then PPO exactly).
+generated only for the samples drawn to switch (none when beta = 0: PPO++ is then PPO with the
+same MLE term, the registry's `ppo_mle`, exactly: tests/test_rlgf.py at the shipped settings).
 """
 
 from __future__ import annotations
@@ -38,17 +41,13 @@ import pandas as pd
 import torch
 from torch import nn
 
-from rlxf_utils.artifacts import RunDir
 from rlxf_utils.config import RLConfig, RLGFConfig
-from rlxf_utils.data.contexts import eligible_rows
-from rlxf_utils.data.splits import load_splits
 from rlxf_utils.models.loading import apply_lora
 from rlxf_utils.models.policies import load_named_policy
-from rlxf_utils.prompts import CONTEXT_FIELDS
 from rlxf_utils.rl.core import RewardFn
 from rlxf_utils.rl.ppo import PPOTrainer, ppo_loss_settings
 from rlxf_utils.rl.rollout import Rollout
-from rlxf_utils.rl.sft import SFTExample, collate, target_ids, target_nll
+from rlxf_utils.rl.sft import met_references
 from rlxf_utils.rl.trainer import TrainJob, write_settings
 from rlxf_utils.runtime import seed_everything
 
@@ -100,8 +99,8 @@ def ownership_masks(h: torch.Tensor, width: int, scheme: str) -> tuple[torch.Ten
 
 
 class GuidedPPOTrainer(PPOTrainer):
-    """PPO with a guide: overrides only the rollout (roll-in, roll-out, masks, critic) and adds
-    the MLE term; everything else is `PPOTrainer`'s.
+    """PPO with a guide: overrides only the rollout (roll-in, roll-out, masks, critic);
+    everything else, the MLE term (`rlgf.mle_coef`) included, is `PPOTrainer`'s.
 
     `guide` is a frozen causal LM on the same tokenizer (here `sft_met`, merged); `references[i]`
     holds token ids (ending in the end token) of historical MET descriptions of `contexts[i]`
@@ -127,16 +126,11 @@ class GuidedPPOTrainer(PPOTrainer):
     ):
         scheme_at(algo, 0, 1, rlgf, 0)  # validates the id
         self.algo, self.rlgf = algo, rlgf
-        super().__init__(model, tokenizer, prompts, contexts, reward_fn, cfg, output_dir, **kw)
+        super().__init__(model, tokenizer, prompts, contexts, reward_fn, cfg, output_dir,
+                         references=references, mle_coef=rlgf.mle_coef, **kw)  # fmt: skip
         self.guide = guide.to(self.device).eval()
         for p in self.guide.parameters():
             p.requires_grad_(False)
-        self.references = [list(map(list, r)) for r in (references or [[] for _ in prompts])]
-        if len(self.references) != len(self.prompts):
-            raise ValueError(
-                f"references: {len(self.references)} lists for {len(self.prompts)} prompts"
-            )
-        self._prompt_ids: dict[int, list[int]] = {}
 
     def scheme(self, step: int | None = None) -> str:
         step = self.step if step is None else step
@@ -201,58 +195,6 @@ class GuidedPPOTrainer(PPOTrainer):
         ids, attn = enc["input_ids"][rows], enc["attention_mask"][rows]
         keep = int(attn.sum(1).max())
         return {"input_ids": ids[:, -keep:], "attention_mask": attn[:, -keep:]}
-
-    # -- the paper's MLE term on historical MET descriptions ------------------------------------
-    def extra_loss(self, ro: Rollout, mb: torch.Tensor) -> torch.Tensor | None:
-        """eta * mean NLL of one historical MET description per context in the minibatch,
-        through the (DDP-wrapped) module: `update` backpropagates it on its own, so that DDP
-        averages its gradient over the processes like the PPO loss's."""
-        if self.rlgf.mle_coef == 0:
-            return None
-        ctx = sorted({ro.context_idx[int(i)] for i in mb})
-        rng = np.random.default_rng([self.seed, self.step, 2])
-        examples = []
-        for c in ctx:
-            refs = self.references[c]
-            if refs:
-                examples.append(SFTExample(self._prompt(c), refs[int(rng.integers(len(refs)))]))
-        if not examples:
-            return None
-        batch = collate(examples, self.tokenizer.pad_token_id)
-        batch = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()}
-        with self._autocast():
-            logits, _ = self.module(
-                batch["input_ids"], batch["attention_mask"], int(batch["n_tail"]), with_values=False
-            )
-        nll, mask = target_nll(logits, batch)
-        return self.rlgf.mle_coef * nll.sum() / mask.sum().clamp(min=1)
-
-    def _prompt(self, c: int) -> list[int]:
-        if c not in self._prompt_ids:
-            enc = self.encode([c])
-            self._prompt_ids[c] = enc["input_ids"][0].tolist()
-        return self._prompt_ids[c]
-
-
-def met_references(
-    cfg: Any, run_dir: Any, contexts: Sequence[Mapping[str, Any]], tokenizer: Any, model: Any
-) -> list[list[list[int]]]:
-    """Per context: token ids (+ end token) of its historical MET descriptions among the rows
-    the RL stage may see (`data.contexts.eligible_rows`: the reward protocol's training split, RL training
-    countries), at most `sft.max_response_tokens` long (as SFT's targets)."""
-    rd = RunDir(run_dir)
-    labelled, splits = load_splits(rd)
-    ctx_frame = rd.read_parquet("data/contexts.parquet", stage="notebook 01 (data exploration)")
-    rows = eligible_rows(labelled, splits, ctx_frame, cfg.reward.reward_protocol, "met")
-    keys = CONTEXT_FIELDS
-    by_key: dict[tuple[str, ...], list[list[int]]] = {}
-    targets = target_ids(rows["description"], tokenizer, model)
-    for rec, target in zip(
-        rows[list(keys)].astype(str).itertuples(index=False), targets, strict=True
-    ):
-        if len(target) <= cfg.sft.max_response_tokens:
-            by_key.setdefault(tuple(rec), []).append(target)
-    return [by_key.get(tuple(str(c[k]) for k in keys), []) for c in contexts]
 
 
 def run_rlgf(job: TrainJob) -> pd.DataFrame:

@@ -40,6 +40,7 @@ from rlxf_utils.data.splits import load_splits
 from rlxf_utils.freshness import input_hashes
 from rlxf_utils.models.generation import autocast, build_prompts, encode_prompts, eos_ids
 from rlxf_utils.models.loading import apply_lora, load_policy
+from rlxf_utils.prompts import CONTEXT_FIELDS
 from rlxf_utils.runtime import resolve_device, seed_everything
 
 log = logging.getLogger(__name__)
@@ -334,3 +335,24 @@ def loss_figure(logs: pd.DataFrame) -> Any:
     ax.legend()
     fig.tight_layout()
     return fig
+
+
+def met_references(
+    cfg: Any, run_dir: Any, contexts: Sequence[Mapping[str, Any]], tokenizer: Any, model: Any
+) -> list[list[list[int]]]:
+    """Per context: token ids (+ end token) of its historical MET descriptions among the rows
+    the RL stage may see (`data.contexts.eligible_rows`: the reward protocol's training split, RL training
+    countries), at most `sft.max_response_tokens` long (as SFT's targets)."""
+    rd = RunDir(run_dir)
+    labelled, splits = load_splits(rd)
+    ctx_frame = rd.read_parquet("data/contexts.parquet", stage="notebook 01 (data exploration)")
+    rows = eligible_rows(labelled, splits, ctx_frame, cfg.reward.reward_protocol, "met")
+    keys = CONTEXT_FIELDS
+    by_key: dict[tuple[str, ...], list[list[int]]] = {}
+    targets = target_ids(rows["description"], tokenizer, model)
+    for rec, target in zip(
+        rows[list(keys)].astype(str).itertuples(index=False), targets, strict=True
+    ):
+        if len(target) <= cfg.sft.max_response_tokens:
+            by_key.setdefault(tuple(rec), []).append(target)
+    return [by_key.get(tuple(str(c[k]) for k in keys), []) for c in contexts]

@@ -85,6 +85,9 @@ def summary_table(logs: pd.DataFrame, window: int = 3, alpha: float = 0.05) -> p
                 "reward_first": g["reward_mean"].head(window).mean(),
                 "reward_last": g["reward_mean"].tail(window).mean(),
                 "kl_last": g["kl"].tail(window).mean(),
+                "kl_estimator": g["kl_estimator"].dropna().iloc[-1]
+                if "kl_estimator" in g and g["kl_estimator"].notna().any()
+                else None,
                 "entropy_last": g["entropy"].tail(window).mean(),
                 "explained_variance_last_third": float(ev_tail.mean()) if ev_tail.size else np.nan,
                 "explained_variance_low": ev_low,
@@ -100,6 +103,13 @@ def summary_table(logs: pd.DataFrame, window: int = 3, alpha: float = 0.05) -> p
             }
         )
     return pd.DataFrame(rows)
+
+
+#: Which critic each RLGF scheme fits (on which tokens), for the guidance table and the report.
+CRITIC_OF_SCHEME = {
+    "ppo_pp": "V_θ (the policy's, on its tokens)",
+    "aggrevated": "V_g (the guide's, on its tokens)",
+}
 
 
 def guidance_table(logs: Any) -> Any:
@@ -121,7 +131,13 @@ def guidance_table(logs: Any) -> Any:
                 "learner_share": g["learner_share"].mean(),
                 "reward_mean": g["reward_mean"].mean(),
                 "kl_last": g["kl"].iloc[-1],
+                # the scheme's own critic on its own tokens: V_theta (the policy's) in PPO++,
+                # V_g (the guide's) in AggreVaTeD; the prior alone shows what its head adds
+                "critic": CRITIC_OF_SCHEME.get(str(scheme), "V (the policy's)"),
                 "explained_variance": g["explained_variance"].mean(),
+                "explained_variance_prior": g["explained_variance_prior"].mean()
+                if "explained_variance_prior" in g
+                else np.nan,
                 "step_time_s": g["step_time_s"].median(),
                 "cost_vs_ppo": g["step_time_s"].median() / ppo_time if ppo_time > 0 else np.nan,
             }

@@ -25,7 +25,13 @@ from rlxf_utils.models.generation import (
 )
 from rlxf_utils.models.loading import lora_config
 from rlxf_utils.prompts import CONTEXT_FIELDS
-from rlxf_utils.rl.core import LOG_COLUMNS, RewardFn, adapter_state, prompt_schedule
+from rlxf_utils.rl.core import (
+    KL_ESTIMATORS,
+    LOG_COLUMNS,
+    RewardFn,
+    adapter_state,
+    prompt_schedule,
+)
 from rlxf_utils.rl.trainer import TrainJob, write_settings
 from rlxf_utils.runtime import seed_everything, world_size
 
@@ -183,7 +189,11 @@ def run_trl(job: TrainJob) -> pd.DataFrame:
                     "step": -(-int(state.global_step) // per_batch),  # generation batches
                     "reward_mean": logs.get("reward", np.nan),
                     "reward_std": logs.get("reward_std", np.nan),
+                    "reward_learner": logs.get("reward", np.nan),  # every token is its own
                     "kl": kl_tok * length if np.isfinite(kl_tok) else np.nan,
+                    "kl_k3": kl_tok * length if np.isfinite(kl_tok) else np.nan,
+                    "kl_all_tokens": kl_tok * length if np.isfinite(kl_tok) else np.nan,
+                    "kl_estimator": KL_ESTIMATORS["trl"],
                     "kl_per_token": kl_tok,
                     "kl_coef": rl.kl_coef,
                     "entropy": logs.get("entropy", np.nan),
