@@ -101,6 +101,22 @@ def test_guided_algorithms_need_the_guide_the_sft_stage_trains(tmp_path: Path) -
         load_config(write_params(tmp_path, mutate))
 
 
+@pytest.mark.parametrize("key, value", [("temperature", 0.7), ("top_p", 0.9)])
+def test_sampling_must_be_the_distribution_kl_is_computed_for(tmp_path: Path, key, value) -> None:
+    p = write_params(tmp_path, lambda r: r["rl"].update({key: value}))
+    with pytest.raises(ConfigError, match=rf"'{key}': {value}.*expected rl.temperature: 1.0"):
+        load_config(p)
+
+
+def test_rl_seed_defaults_to_the_run_seed(tmp_path: Path) -> None:
+    from rlxf_utils.rl.stage import training_seed
+
+    cfg = load_config(write_params(tmp_path, lambda r: None))
+    assert cfg.rl.seed is None and training_seed(cfg) == cfg.run.seed
+    cfg = load_config(write_params(tmp_path, lambda r: r["rl"].update(seed=7)))
+    assert training_seed(cfg) == 7 and cfg.run.seed != 7
+
+
 def test_unknown_key_names_file_key_and_allowed(tmp_path: Path) -> None:
     p = write_params(tmp_path, lambda r: r["data"]["splits"].update(test_fracton=0.3))
     with pytest.raises(ConfigError) as ei:

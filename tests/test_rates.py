@@ -29,15 +29,15 @@ def _labelled(n_arr: int = 120, per: int = 8, slope: float = 0.0, seed: int = 0)
 
 
 def test_trend_is_called_only_when_there_is_one():
-    up = data_findings(_labelled(slope=0.4), cutoff=2010)
+    up = data_findings(_labelled(slope=0.4), cutoff=2010, alpha=0.05, min_n=20)
     assert up["trend"]["or_low"] > 1 and up["trend_sentence"].startswith("The MET rate rises")
-    down = data_findings(_labelled(slope=-0.4), cutoff=2010)
+    down = data_findings(_labelled(slope=-0.4), cutoff=2010, alpha=0.05, min_n=20)
     assert down["trend_sentence"].startswith("The MET rate falls")
     assert "significantly lower" in down["shift_sentence"]
-    flat = data_findings(_labelled(slope=0.0, seed=3), cutoff=2010)
+    flat = data_findings(_labelled(slope=0.0, seed=3), cutoff=2010, alpha=0.05, min_n=20)
     assert flat["trend"]["or_low"] < 1 < flat["trend"]["or_high"]
     assert "no linear trend" in flat["trend_sentence"] and "95% CI" in flat["trend_sentence"]
-    assert "90% CI" in data_findings(_labelled(), 2010, alpha=0.1)["trend_sentence"]
+    assert "90% CI" in data_findings(_labelled(), 2010, alpha=0.1, min_n=20)["trend_sentence"]
 
 
 def test_clustered_rows_widen_the_interval():
@@ -59,12 +59,12 @@ def test_heterogeneity_detects_different_rates_and_drops_small_groups():
     same = (rng.random(900) < 0.6).astype(int)
     diff = (rng.random(900) < np.repeat([0.3, 0.6, 0.9], 300)).astype(int)
     clusters = np.arange(900) // 3
-    assert rate_heterogeneity(same, g, clusters)["p_value"] > 0.05
-    r = rate_heterogeneity(diff, g, clusters)
+    assert rate_heterogeneity(same, g, clusters, 20)["p_value"] > 0.05
+    r = rate_heterogeneity(diff, g, clusters, 20)
     assert r["p_value"] < 1e-6 and r["df"] == 2 and r["groups"] == 3
     tiny = rate_heterogeneity(diff, np.where(np.arange(900) < 5, "z", g), clusters, min_n=20)
     assert tiny["groups"] == 3  # the five-row group is left out
-    assert np.isnan(rate_heterogeneity(same, ["a"] * 900, clusters)["p_value"])
+    assert np.isnan(rate_heterogeneity(same, ["a"] * 900, clusters, 20)["p_value"])
 
 
 def test_wilson_z_follows_alpha():

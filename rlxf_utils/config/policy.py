@@ -118,6 +118,11 @@ class RLConfig(Section):
     evaluation."""
     steps: int = Field(default=20, gt=0)
     """Steps (batches of responses) every algorithm trains for."""
+    seed: int | None = Field(default=None, ge=0)
+    """The training seed of every RL algorithm (LoRA's init, sampling, minibatch order, RLGF's and
+    ILHF's draws); null: `run.seed`. Data, splits, the reward model, SFT and evaluation's samples
+    keep `run.seed`, so `rlxf seeds` can train further seeds of a finished run on its reward
+    model and SFT policies and evaluate them on the same prompts with the same sampling seeds."""
     batch_size: int = Field(default=8, gt=0)
     """Responses per step, all algorithms."""
     num_generations: int = Field(default=4, ge=1)
@@ -125,9 +130,10 @@ class RLConfig(Section):
     max_new_tokens: int = Field(default=48, gt=0)
     """Longest response, in tokens."""
     temperature: float = Field(default=1.0, gt=0.0)
-    """Sampling temperature (rollouts and evaluation)."""
+    """Sampling temperature (rollouts and evaluation); a study requires 1, the distribution its
+    KL and importance ratios are computed for (the trainers alone accept others)."""
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    """Nucleus sampling threshold (1: the full distribution)."""
+    """Nucleus sampling threshold (1: the full distribution, which a study requires)."""
     learning_rate: float = Field(default=1e-4, gt=0.0)
     """AdamW learning rate of the policy's LoRA weights, every algorithm."""
     kl_coef: float = Field(default=0.05, ge=0.0)

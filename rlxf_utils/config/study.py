@@ -251,6 +251,22 @@ class StudyConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _kl_is_of_the_sampled_distribution(self) -> StudyConfig:
+        """Evaluation's KL to the start policy, best-of-N's KL bound and the importance ratios
+        of PPO and TRL are computed for the full, untempered distribution: sampling from another
+        one (temperature != 1 or top-p < 1) would make every KL in the report that of a
+        distribution nobody sampled."""
+        bad = {k: getattr(self.rl, k) for k in ("temperature", "top_p") if getattr(self.rl, k) != 1}
+        if bad:
+            raise ValueError(
+                f"rl {bad}: the study samples at temperature 1 and top-p 1, the distribution its "
+                "KL and importance ratios are computed for (evaluation's KL to the start policy, "
+                "best-of-N's bound, PPO's and TRL's ratios); expected rl.temperature: 1.0 and "
+                "rl.top_p: 1.0"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _batches_split_over_processes(self) -> StudyConfig:
         n = self.compute.num_processes
         bad = {k: getattr(self.rl, k) for k in ("batch_size", "minibatch_size")}

@@ -153,7 +153,10 @@ def describe_data(stage: DataStage, cfg: Any, run: Any) -> DataDescription:
     ):
         t[name] = rate_by(lab, column, z=z)
         _figure(run, name, plots.rate_bars(t[name], column, title, overall=met_share, alpha=alpha))
-    findings = data_findings(lab, cfg.data.splits.temporal_cutoff_year, alpha)
+    # groups too small to test: the one size the study uses for that (`risk.min_group_size`)
+    findings = data_findings(
+        lab, cfg.data.splits.temporal_cutoff_year, alpha, cfg.risk.min_group_size
+    )
 
     t["conditions_per_country"] = (
         lab.groupby("country")

@@ -17,9 +17,7 @@ def _p(p: float) -> str:
     return "n/a" if not np.isfinite(p) else ("< 0.001" if p < 0.001 else f"= {p:.3f}")
 
 
-def data_findings(
-    labelled: pd.DataFrame, cutoff: int, alpha: float = 0.05, min_n: int = 20
-) -> dict[str, Any]:
+def data_findings(labelled: pd.DataFrame, cutoff: int, alpha: float, min_n: int) -> dict[str, Any]:
     """The data section's tested statements: trend over years, shift at the cut-off, differences
     across economic areas and arrangement types, as numbers and as sentences chosen at `alpha`."""
     lvl = level(alpha)
@@ -121,7 +119,7 @@ def load_sentence(stage: Any, max_rows: int | None) -> str:
     )
 
 
-def area_range_sentence(by_area: pd.DataFrame, min_n: int = 20) -> str:
+def area_range_sentence(by_area: pd.DataFrame, min_n: int) -> str:
     """The lowest and highest MET rate among economic areas with at least `min_n` conditions."""
     hi, lo = (
         by_area.loc[by_area["n"] >= min_n].sort_values("met_rate").iloc[[-1, 0]].itertuples(index=False)

@@ -57,6 +57,11 @@ def make_reward_fn(reward_model: Any, batch_size: int = 32) -> RewardFn:
     return reward_fn
 
 
+def training_seed(cfg: StudyConfig) -> int:
+    """The RL algorithms' training seed: `rl.seed`, or `run.seed` when it is null."""
+    return cfg.run.seed if cfg.rl.seed is None else cfg.rl.seed
+
+
 def algorithm_marker(
     algo: str, cfg: StudyConfig, run_dir: str | Path, n_prompts: int, steps: int | None = None
 ) -> dict[str, Any]:
@@ -64,11 +69,11 @@ def algorithm_marker(
     hashes of its inputs (`complete.json` when it finished, `started.json` while it trains)."""
     root = Path(run_dir)
     return {
-        "rl": cfg.rl.model_dump(mode="json", exclude={"num_threads", "algorithm"}),
+        "rl": cfg.rl.model_dump(mode="json", exclude={"num_threads", "algorithm", "seed"}),
         "policy": cfg.policy.model_dump(mode="json"),
         **{s: getattr(cfg, s).model_dump(mode="json") for s in algorithm(algo).sections},
         "steps": steps or cfg.rl.steps,
-        "seed": cfg.run.seed,
+        "seed": training_seed(cfg),
         "prompts": n_prompts,
         # each process samples its own share: another process count is another run
         "processes": processes_for(cfg, "rl", algo),
@@ -146,14 +151,15 @@ def run_algorithm(
         with atomic_path(started) as tmp:
             tmp.write_text(json.dumps(marker, indent=2), encoding="utf-8")
     barrier()
-    seed_everything(cfg.run.seed)
+    seed_everything(training_seed(cfg))
     model, tok = load_start_policy(
         cfg.policy, cfg.rl.start_policy, rd.root, device=resolve_device(cfg.compute.device)
     )
     prompts = build_prompts(contexts, tok, cfg.rl.prompt_template, cfg.policy)
     log.info("%s: %d training prompts -> %s", algo, len(prompts), out)
     job = TrainJob(algo, model, tok, prompts, contexts, reward_fn, cfg.rl, cfg.policy, out,
-                   seed=cfg.run.seed, progress=progress, steps=steps, study=cfg, run_dir=rd.root)  # fmt: skip
+                   seed=training_seed(cfg), progress=progress, steps=steps, study=cfg,
+                   run_dir=rd.root)  # fmt: skip
     frame = algorithm(algo).train(job)
     if is_main_process():
         with atomic_path(done) as tmp:

@@ -101,11 +101,11 @@ def rate_heterogeneity(
     y: Sequence[float],
     groups: Sequence[Hashable],
     clusters: Sequence[Hashable],
-    min_n: int = 20,
+    min_n: int,
 ) -> dict[str, float]:
     """Do MET rates differ across groups? Cluster-robust Wald test that all group rates are equal.
 
-    Groups with fewer than `min_n` conditions are left out (their rates are too noisy to test).
+    Groups with fewer than `min_n` conditions (the study passes `risk.min_group_size`) are left out (their rates are too noisy to test).
     Also returns Pearson's chi-square p, which assumes independent conditions, for reference.
     """
     y, _, _ = _arrays(y, clusters, groups)
