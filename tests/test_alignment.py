@@ -262,6 +262,33 @@ def test_versus_best_of_n_interpolates_in_kl() -> None:
     assert r["best_of_n_kl"] == pytest.approx(best_of_n_kl_bound(4))  # the curve's end
 
 
+def test_versus_best_of_n_carries_the_policys_kl_error() -> None:
+    """A policy whose KL estimate is noisy gets a wider interval than one whose KL is exact at the
+    same mean: each resample reads the curve at the resampled KL."""
+    from rlxf_utils.evaluation.best_of_n import best_of_n_kl_bound
+
+    n = 40
+    per_prompt = pd.DataFrame({1: [0.5] * n, 2: [0.6] * n, 4: [0.7] * n, 8: [0.8] * n})
+    kl_mid = best_of_n_kl_bound(4)
+    rng = np.random.default_rng(1)
+    reward = 0.7 + 0.01 * rng.standard_normal(n)
+    noisy = kl_mid + rng.normal(0, 1.0, n)
+    noisy += kl_mid - noisy.mean()
+    base = pd.DataFrame({"policy": "ppo", "prompt_id": np.arange(n), "reward": reward,
+                         "logp_ref": -20.0})  # fmt: skip
+    summary = pd.DataFrame({"policy": ["ppo"], "kl": [kl_mid]})
+    exact = versus_best_of_n(base.assign(logp_policy=-20.0 + kl_mid), per_prompt, summary,
+                             ["ppo"], 500, 0.05, 0).iloc[0]  # fmt: skip
+    carried = versus_best_of_n(base.assign(logp_policy=-20.0 + noisy), per_prompt, summary,
+                               ["ppo"], 500, 0.05, 0).iloc[0]  # fmt: skip
+    assert exact["diff"] == pytest.approx(carried["diff"])
+    assert carried["kl_resampled"] and carried["kl_low"] < kl_mid < carried["kl_high"]
+    assert exact["kl_low"] == pytest.approx(kl_mid) == exact["kl_high"]
+    width = lambda r: r["diff_high"] - r["diff_low"]  # noqa: E731
+    assert width(carried) > 2 * width(exact)
+    assert carried["bound_favours"] == "RL policy"
+
+
 # ---------------------------------------------------------------------------------------------
 # The RLGF paper's evaluation (rlgf_eval) and its report section
 # ---------------------------------------------------------------------------------------------
@@ -567,12 +594,16 @@ def test_frontier_points_score_every_algorithms_snapshots(tmp_path, monkeypatch)
         "rlxf_utils.evaluation.tables.sampling_kwargs", lambda cfg, progress=True: {}
     )
     contexts = [{"country": f"C{i}"} for i in range(3)]
-    f = frontier_points(pset, run, ["a", "b", "c"], contexts, None, None, cfg, False)
+    f, snap_samples = frontier_points(pset, run, ["a", "b", "c"], contexts, None, None, cfg, False)
     assert sorted(zip(f["algo"], f["step"], strict=True)) == sorted(
         (a, s) for a in ALGOS for s in (1, 2)
     )
     assert sorted(loaded) == sorted((a, f"step_{s:06d}") for a in ALGOS for s in (1, 2))
     assert np.allclose(f["kl"], 1.0) and (f["source"] == "snapshot").all()
+    # the snapshots' own samples come back for the over-optimisation curve, one frame per point
+    assert sorted(set(zip(snap_samples["algo"], snap_samples["step"], strict=True))) == sorted(
+        (a, s) for a in ALGOS for s in (1, 2)
+    )
 
 
 def _eval_run(tmp_path, algos: list[str], alpha: float = 0.05, with_tables: bool = True) -> RunDir:

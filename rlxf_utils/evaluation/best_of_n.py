@@ -59,12 +59,17 @@ def expected_max_of_n(values: Sequence[float] | np.ndarray, n: int) -> float:
     every candidate instead of one arbitrary subset, so the best-of-N curve is far less noisy.
     """
     x = np.sort(np.asarray(values, dtype=float))
-    m = len(x)
+    return float((order_weights(len(x), n) * x).sum())
+
+
+def order_weights(m: int, n: int) -> np.ndarray:
+    """P(the i-th smallest of m candidates is the maximum of a random n-subset), i = 1..m:
+    C(i - 1, n - 1) / C(m, n). Weights any value carried by the candidates sorted by the
+    selecting score (the expected audit reward of the reward model's best of n, for one)."""
     if not 1 <= n <= m:
         raise ValueError(f"best-of-{n} needs a pool of at least {n} candidates, got {m}")
     i = np.arange(1, m + 1)
-    w = np.array([math.comb(int(k) - 1, n - 1) for k in i], dtype=float) / math.comb(m, n)
-    return float((w * x).sum())
+    return np.array([math.comb(int(k) - 1, n - 1) for k in i], dtype=float) / math.comb(m, n)
 
 
 def best_of_n_kl_bound(n: int) -> float:
@@ -104,6 +109,20 @@ def _clusters_of(prompt_ids: pd.Index, clusters: pd.Series | None) -> np.ndarray
     return None if clusters is None else clusters.loc[prompt_ids].to_numpy()
 
 
+def _curve_at(
+    per_prompt_bon: pd.DataFrame, kls: np.ndarray, ns: list[int], kl: float
+) -> tuple[pd.Series, bool]:
+    """Per-prompt best-of-N reward at `kl`, linear in KL between the two nearest N; beyond the
+    largest N the largest N (flagged True)."""
+    j = int(np.searchsorted(kls, kl))
+    if j == 0:
+        return per_prompt_bon[ns[0]], False
+    if j >= len(ns):
+        return per_prompt_bon[ns[-1]], True
+    w = (kl - kls[j - 1]) / (kls[j] - kls[j - 1])
+    return (1 - w) * per_prompt_bon[ns[j - 1]] + w * per_prompt_bon[ns[j]], False
+
+
 def versus_best_of_n(samples: pd.DataFrame, per_prompt_bon: pd.DataFrame, summary: pd.DataFrame,
                      algos: Sequence[str], n_boot: int, alpha: float, seed: int,
                      clusters: pd.Series | None = None) -> pd.DataFrame:  # fmt: skip
@@ -111,29 +130,55 @@ def versus_best_of_n(samples: pd.DataFrame, per_prompt_bon: pd.DataFrame, summar
 
     The curve's reward at the policy's KL is interpolated linearly in KL between the two nearest
     N (per prompt); beyond the largest N the largest N is used and `beyond_curve` says so. The
-    difference is averaged over prompts and bootstrapped over prompts (or `clusters` of them).
+    policy's KL is itself an estimate: with the samples' log-probabilities (`logp_policy`,
+    `logp_ref`) each bootstrap resample of prompts (or of `clusters` of them) recomputes the
+    policy's KL from the resampled prompts and reads the curve there, so the interval of the
+    difference carries the KL's sampling error as well as the rewards'. Best-of-N's KL is its
+    upper bound log N - (N - 1) / N: its true KL is at most that, so its curve is drawn too far
+    right and the comparison favours the RL policy (`bound_favours`).
     """
     ns = sorted(per_prompt_bon.columns)
     kls = np.array([best_of_n_kl_bound(n) for n in ns])
+    rng_seed = np.random.SeedSequence(seed)
     rows = []
     for algo in algos:
         r = summary.set_index("policy").loc[algo]
         kl = float(max(r["kl"], 0.0))
-        j = int(np.searchsorted(kls, kl))
-        if j == 0:
-            curve = per_prompt_bon[ns[0]]
-        elif j >= len(ns):
-            curve = per_prompt_bon[ns[-1]]
-        else:
-            w = (kl - kls[j - 1]) / (kls[j] - kls[j - 1])
-            curve = (1 - w) * per_prompt_bon[ns[j - 1]] + w * per_prompt_bon[ns[j]]
-        own = samples[samples["policy"] == algo].groupby("prompt_id")["reward"].mean()
+        curve, beyond = _curve_at(per_prompt_bon, kls, ns, kl)
+        mine = samples[samples["policy"] == algo]
+        own = mine.groupby("prompt_id")["reward"].mean()
         diff = (own - curve).dropna()
-        d, lo, hi = bootstrap_ci(diff, n_boot, alpha, seed,
-                                    clusters=_clusters_of(diff.index, clusters))  # fmt: skip
-        rows.append({"policy": algo, "kl": kl, "ave_r": float(own.mean()),
+        has_lp = {"logp_policy", "logp_ref"} <= set(mine.columns) and mine[
+            "logp_policy"
+        ].notna().all()
+        kl_pp = (
+            (mine["logp_policy"] - mine["logp_ref"]).groupby(mine["prompt_id"]).mean()
+            if has_lp
+            else None
+        )
+        ids = diff.index.to_numpy()
+        labels = np.asarray(ids if clusters is None else clusters.loc[ids].to_numpy())
+        units, inv = np.unique(labels, return_inverse=True)
+        members = [np.flatnonzero(inv == u) for u in range(len(units))]
+        rng = np.random.default_rng(rng_seed)
+        own_v = own.loc[ids].to_numpy(float)
+        kl_v = kl_pp.loc[ids].to_numpy(float) if kl_pp is not None else None
+        bon_v = per_prompt_bon.loc[ids]
+        reps, kl_reps = np.empty(n_boot), np.empty(n_boot)
+        for b in range(n_boot):
+            pick = np.concatenate([members[u] for u in rng.integers(0, len(units), len(units))])
+            k_b = max(float(kl_v[pick].mean()), 0.0) if kl_v is not None else kl
+            c_b, _ = _curve_at(bon_v, kls, ns, k_b)
+            reps[b] = float((own_v[pick] - c_b.to_numpy(float)[pick]).mean())
+            kl_reps[b] = k_b
+        lo, hi = np.quantile(reps, [alpha / 2, 1 - alpha / 2])
+        k_lo, k_hi = np.quantile(kl_reps, [alpha / 2, 1 - alpha / 2])
+        d = float(diff.mean())
+        rows.append({"policy": algo, "kl": kl, "kl_low": float(k_lo), "kl_high": float(k_hi),
+                     "kl_resampled": kl_v is not None, "ave_r": float(own.mean()),
                      "best_of_n_at_kl": float(curve.loc[diff.index].mean()),
                      "best_of_n_kl": float(min(kl, kls[-1])), "diff": d,
-                     "diff_low": lo, "diff_high": hi, "beyond_curve": bool(j >= len(ns)),
+                     "diff_low": float(lo), "diff_high": float(hi), "beyond_curve": bool(beyond),
+                     "bound_favours": "RL policy",
                      "verdict": "above" if lo > 0 else ("below" if hi < 0 else "not distinguishable")})  # fmt: skip
     return pd.DataFrame(rows)

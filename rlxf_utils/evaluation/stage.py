@@ -61,6 +61,12 @@ from rlxf_utils.evaluation.figures import (
 from rlxf_utils.evaluation.grounding import HistoricalIndex, ground_frame, minilm_encoder
 from rlxf_utils.evaluation.history import HISTORY_POLICIES, history_contrast, history_references
 from rlxf_utils.evaluation.ilhf import ilhf_figures, ilhf_tables
+from rlxf_utils.evaluation.overopt import (
+    overoptimisation_fits,
+    overoptimisation_meta,
+    overoptimisation_points,
+    plot_overoptimisation,
+)
 from rlxf_utils.evaluation.rlgf import rlgf_figures, rlgf_tables
 from rlxf_utils.evaluation.sampling import add_judge_logprobs, add_rewards, sample_tuned
 from rlxf_utils.evaluation.tables import frontier_points, heldout_perplexity, summary_table, table3
@@ -194,12 +200,18 @@ def run_evaluation_stage(cfg: Any, run: RunDir, progress: bool = True) -> EvalSt
                       "kl": r["kl"], "kl_se": r["kl_se"],
                       "source": "final" if name in algos or name == start else "reference"})  # fmt: skip
     with timer("frontier snapshots"):
-        snaps = (
+        snaps, snap_samples = (
             frontier_points(pset, run, prompts, contexts, reward_model, audit_model, cfg, progress)
             if ec.frontier
-            else pd.DataFrame()
+            else (pd.DataFrame(), pd.DataFrame())
         )
     frontier = pd.concat([pd.DataFrame(final), snaps, curve], ignore_index=True)
+    with timer("over-optimisation curve"):
+        over = overoptimisation_points(samples, snap_samples, pool, summary, algos, start,
+                                       sorted(set(ec.best_of_n_curve)), rl.steps, country,
+                                       ec.n_boot, ec.alpha, cfg.run.seed)  # fmt: skip
+        over_fits = overoptimisation_fits(over)
+        over_meta = overoptimisation_meta(over, pool)
     with timer("held-out perplexity"):
         held = heldout_rows(
             labelled, run.read_parquet("data/contexts.parquet"), ec.heldout_rows, cfg.run.seed
@@ -215,6 +227,8 @@ def run_evaluation_stage(cfg: Any, run: RunDir, progress: bool = True) -> EvalSt
             "eval_heldout_perplexity": ppl,
             "eval_heldout_nll_rows": ppl_rows,
             "eval_best_of_n_curve": curve,
+            "eval_overoptimisation": over,
+            "eval_overoptimisation_fit": over_fits,
             # the RLGF paper's table, easy vs hard prompts and the guidance verdicts (rlgf_eval)
             **rlgf_tables(
                 samples, summary, ppl, labelled, algos, start, ec.n_boot, ec.alpha, cfg.run.seed
@@ -226,14 +240,15 @@ def run_evaluation_stage(cfg: Any, run: RunDir, progress: bool = True) -> EvalSt
         }
     with timer("writing"):
         stage = _write(run, samples, summary, paired, frontier, t3, algos, order, cfg, start,
-                       extra, timer.seconds)  # fmt: skip
+                       extra, timer.seconds, over_meta)  # fmt: skip
     return stage
 
 
 def _write(run: RunDir, samples: pd.DataFrame, summary: pd.DataFrame, paired: pd.DataFrame,
            frontier: pd.DataFrame, t3: pd.DataFrame, algos: list[str], order: list[str], cfg: Any,
            start: str, extra: dict[str, pd.DataFrame],
-           seconds: Mapping[str, float] | None = None) -> EvalStage:  # fmt: skip
+           seconds: Mapping[str, float] | None = None,
+           overoptimisation: Mapping[str, Any] | None = None) -> EvalStage:  # fmt: skip
     import matplotlib.pyplot as plt
 
     keep = [c for c in samples.columns if c not in ("prompt_ids", "response_ids")]
@@ -287,6 +302,15 @@ def _write(run: RunDir, samples: pd.DataFrame, summary: pd.DataFrame, paired: pd
         ("eval_gains", plot_gains(summary, start, cfg.evaluation.alpha)),
         ("eval_reward_uncertainty", plot_reward_uncertainty(summary, start, cfg.evaluation.alpha)),
         ("eval_frontier", plot_frontier(frontier, start, cfg.evaluation.alpha)),
+        (
+            "eval_overoptimisation",
+            plot_overoptimisation(
+                extra["eval_overoptimisation"],
+                extra["eval_overoptimisation_fit"],
+                start,
+                cfg.evaluation.alpha,
+            ),
+        ),  # fmt: skip
         ("eval_heldout_perplexity", plot_heldout_perplexity(extra["eval_heldout_perplexity"])),
         ("eval_grounding", plot_grounding(summary)),
         *rlgf_figures(extra, start, cfg.evaluation.alpha).items(),
@@ -303,6 +327,7 @@ def _write(run: RunDir, samples: pd.DataFrame, summary: pd.DataFrame, paired: pd
             "policies": [p for p in order if p in set(samples["policy"])],
             "best_of_n_curve": sorted(set(cfg.evaluation.best_of_n_curve)),
             "vs_best_of_n": extra["eval_vs_best_of_n"].to_dict("records"),
+            "overoptimisation": dict(overoptimisation or {}),
             "heldout_perplexity": extra["eval_heldout_perplexity"].to_dict("records"),
             "n_prompts": int(samples.loc[samples.policy == "base", "prompt_id"].nunique()),
             "samples_per_prompt": cfg.evaluation.samples_per_prompt,

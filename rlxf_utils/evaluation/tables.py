@@ -128,11 +128,13 @@ def frontier_points(
     audit_model: Any,
     cfg: Any,
     progress: bool = True,
-) -> pd.DataFrame:
+) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Reward, audit reward and KL of every algorithm's snapshots (evenly thinned to the
-    configured count); the final policies are measured with the full sample count elsewhere."""
+    configured count; the final policies are measured with the full sample count elsewhere), and
+    the snapshots' samples (`algo`, `step`, `prompt_id`, rewards and log-probs: the
+    over-optimisation curve's per-prompt gains)."""
     ec, rl = cfg.evaluation, cfg.rl
-    rows = []
+    rows, frames = [], []
     for algo in pset.algos:
         snaps = [
             path
@@ -159,7 +161,9 @@ def frontier_points(
             rows.append({"algo": algo, "step": step, "reward": ave, "reward_low": lo, "reward_high": hi,
                          "audit_reward": df["audit_reward"].mean(), "kl": kl["kl"], "kl_se": kl["kl_se"],
                          "source": "snapshot"})  # fmt: skip
-    return pd.DataFrame(rows)
+            keep = ["prompt_id", "reward", "audit_reward", "logp_policy", "logp_ref"]
+            frames.append(df[keep].assign(algo=algo, step=step))
+    return pd.DataFrame(rows), (pd.concat(frames, ignore_index=True) if frames else pd.DataFrame())
 
 
 def table3(pset: PolicySet, contexts: Sequence[Mapping[str, Any]], labelled: pd.DataFrame,

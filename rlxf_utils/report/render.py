@@ -29,6 +29,7 @@ from rlxf_utils.report.data import data_section
 from rlxf_utils.report.evaluation import eval_section
 from rlxf_utils.report.forensic import forensic_section
 from rlxf_utils.report.ilhf import ilhf_section
+from rlxf_utils.report.overopt import overopt_section
 from rlxf_utils.report.reward import reward_section
 from rlxf_utils.report.risk import risk_section
 from rlxf_utils.report.rl import rl_section
@@ -169,6 +170,7 @@ def build_sources(run: RunDir, build: Path, src: Path = REPORT_SRC) -> dict[str,
         ("forensic", forensic_section(run, params)),
         ("rl", rl_section(run, params)),
         ("eval", eval_section(run, params.get("evaluation", {}).get("alpha", 0.05))),
+        ("overopt", overopt_section(run)),
         ("rlgf", rlgf_section(run, params)),
         ("ilhf", ilhf_section(run, params)),
         ("risk", risk_section(run)),

@@ -1,0 +1,133 @@
+"""The over-optimisation curve (Gao et al., 2022): best-of-n's proxy and gold expectations, the
+points' gains and KL, Gao's functional forms and the figure."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from rlxf_utils.evaluation.best_of_n import best_of_n_kl_bound, expected_max_of_n, order_weights
+from rlxf_utils.evaluation.overopt import (
+    best_of_n_expectations,
+    distinct_share,
+    fit_form,
+    overoptimisation_fits,
+    overoptimisation_points,
+    plot_overoptimisation,
+)
+
+
+def test_gold_of_the_proxy_best_is_the_exact_subset_average():
+    """The expected gold of the proxy-best of n equals the average over every n-subset."""
+    rng = np.random.default_rng(0)
+    proxy, gold = rng.random(7), rng.random(7)
+    pool = pd.DataFrame({"prompt_id": 0, "reward": proxy, "audit_reward": gold})
+    exp = best_of_n_expectations(pool, [1, 3])
+    subsets = list(itertools.combinations(range(7), 3))
+    brute_gold = np.mean([gold[max(s, key=lambda i: proxy[i])] for s in subsets])
+    assert exp["audit_reward"].loc[0, 3] == pytest.approx(brute_gold)
+    assert exp["reward"].loc[0, 3] == pytest.approx(expected_max_of_n(proxy, 3))
+    assert exp["reward"].loc[0, 1] == pytest.approx(proxy.mean())
+    assert order_weights(7, 3).sum() == pytest.approx(1.0)
+
+
+def test_distinct_share_counts_repeated_candidates():
+    pool = pd.DataFrame({"prompt_id": [0, 0, 1, 1], "response": ["a", "a", "b", "c"]})
+    d = distinct_share(pool)
+    assert d["prompts_all_distinct"] == 0.5 and d["distinct_fraction"] == 0.75
+
+
+@pytest.mark.parametrize(
+    "form, truth",
+    [
+        ("best_of_n", lambda d: d * (0.3 - 0.1 * d)),
+        ("rl", lambda d: d * (0.2 - 0.05 * np.log(np.where(d > 0, d, 1.0)))),
+    ],
+)
+def test_fit_recovers_gaos_coefficients(form, truth):
+    d = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0])
+    fit = fit_form(d, truth(d), form)
+    alpha, beta = (0.3, 0.1) if form == "best_of_n" else (0.2, 0.05)
+    assert fit["points"] == 5  # d = 0 carries no information in either form
+    assert fit["alpha"] == pytest.approx(alpha) and fit["beta"] == pytest.approx(beta)
+    assert fit["r2"] == pytest.approx(1.0)
+    assert math.isnan(fit_form(d[:3], truth(d[:3]), form)["alpha"])  # two points: no fit
+
+
+def _toy(seed: int = 0):
+    """12 prompts in 4 countries; the proxy rewards length, the gold does not."""
+    rng = np.random.default_rng(seed)
+    prompts = np.arange(12)
+    countries = pd.Series([f"C{i % 4}" for i in prompts], index=prompts)
+    pool = pd.DataFrame(
+        [{"prompt_id": p, "sample_id": j, "response": f"r{p}-{j}", "reward": rng.random(),
+          "audit_reward": rng.random() * 0.1} for p in prompts for j in range(8)]
+    )  # fmt: skip
+    samples = pd.concat(
+        [
+            pd.DataFrame(
+                {"policy": "sft", "prompt_id": prompts, "reward": 0.5, "audit_reward": 0.4}
+            ),
+            pd.DataFrame(
+                {"policy": "ppo", "prompt_id": prompts, "reward": 0.7, "audit_reward": 0.3}
+            ),
+        ]
+    )
+    snaps = pd.DataFrame({"algo": "ppo", "step": 4, "prompt_id": prompts, "reward": 0.6,
+                          "audit_reward": 0.4, "logp_policy": -10.0, "logp_ref": -11.0})  # fmt: skip
+    summary = pd.DataFrame({"policy": ["sft", "ppo"], "kl": [0.0, 2.25], "kl_se": [0.0, 0.1]})
+    return samples, snaps, pool, summary, countries
+
+
+def test_points_are_paired_gains_against_sqrt_kl():
+    samples, snaps, pool, summary, countries = _toy()
+    pts = overoptimisation_points(samples, snaps, pool, summary, ["ppo"], "sft", [2, 4, 8], 8,
+                                  countries, 200, 0.05, 0)  # fmt: skip
+    bon = pts[pts["method"] == "best_of_n"].set_index("point")
+    assert list(bon.index) == [1, 2, 4, 8]  # n = 1 always: the pool's own level
+    assert bon.loc[1, "proxy"] == 0 and bon.loc[1, "gold"] == 0 and bon.loc[1, "kl"] == 0
+    assert bon.loc[8, "kl"] == pytest.approx(best_of_n_kl_bound(8))
+    assert bon["proxy"].is_monotonic_increasing  # the max of more candidates
+    ppo = pts[pts["method"] == "ppo"].set_index("point")
+    assert ppo.loc[4, "kl"] == pytest.approx(1.0) and ppo.loc[4, "proxy"] == pytest.approx(0.1)
+    assert ppo.loc[8, "sqrt_kl"] == pytest.approx(1.5)
+    assert ppo.loc[8, "proxy"] == pytest.approx(0.2) and ppo.loc[8, "gold"] == pytest.approx(-0.1)
+    assert (pts["proxy_low"] <= pts["proxy"]).all() and (pts["proxy"] <= pts["proxy_high"]).all()
+    fits = overoptimisation_fits(pts)
+    assert set(zip(fits["family"], fits["reward"], strict=True)) == {
+        ("best_of_n", "proxy"),
+        ("best_of_n", "gold"),
+        ("rl", "proxy"),
+        ("rl", "gold"),
+    }
+    # best-of-n has 3 points with d > 0: fitted; RL only 2: not
+    assert fits.set_index(["family", "reward"]).loc[("best_of_n", "proxy"), "points"] == 3
+    assert math.isnan(fits.set_index(["family", "reward"]).loc[("rl", "proxy"), "alpha"])
+    fig = plot_overoptimisation(pts, fits, "sft")
+    assert len(fig.axes) == 2
+
+
+def test_report_section_reads_every_verdict_from_an_interval(tmp_path):
+    from rlxf_utils.artifacts import RunDir
+    from rlxf_utils.report.overopt import overopt_section
+
+    samples, snaps, pool, summary, countries = _toy()
+    pts = overoptimisation_points(samples, snaps, pool, summary, ["ppo"], "sft", [2, 4, 8], 8,
+                                  countries, 200, 0.05, 0)  # fmt: skip
+    run = RunDir(tmp_path)
+    run.write_json("eval/summary.json", {"alpha": 0.05, "start_policy": "sft",
+                                         "overoptimisation": distinct_share(pool)})  # fmt: skip
+    run.write_table("eval_overoptimisation", pts)
+    run.write_table("eval_overoptimisation_fit", overoptimisation_fits(pts))
+    variables, files = overopt_section(run)
+    # PPO: proxy +0.2 and gold -0.1 at every prompt: both intervals exclude zero
+    assert "PPO at its farthest point (step 8, √KL 1.50) raised the proxy" in variables["sentence"]
+    assert "lowered the gold" in variables["sentence"]
+    assert "best-of-8" in variables["sentence"]
+    assert "100% of the prompts" in variables["distinct_sentence"]
+    assert "best-of-n, proxy: α" in variables["fit_sentence"]
+    assert "| best-of-n" in files["eval_overoptimisation_fit.md"]
