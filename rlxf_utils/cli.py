@@ -2,6 +2,7 @@
 
 rlxf run --params params/default.yaml [--run-dir runs/default] [--only 01,02] [--force | --from 03]
 rlxf report --run-dir runs/default [--engine auto|quarto|pandoc]
+rlxf seeds --run-dir runs/default --seeds 1 2 [--quiet]
 rlxf data summary data/raw/MONA_From2002.csv [--params params/default.yaml] [--unrecognised ...]
 rlxf compare runs/a runs/b
 
@@ -149,6 +150,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.set_defaults(func=_cmd_data_summary)
 
+    sd = sub.add_parser(
+        "seeds", help="train and evaluate further RL seeds of a finished run",
+        description="Train the run's RL algorithms with each further rl.seed and evaluate them "
+        "(notebooks 03 and 04 in <run-dir>/seeds/seed_<s>/, reusing the run's data, reward and "
+        "audit models and SFT policies; a finished seed is skipped), then write the across-seed "
+        "table tables/eval_seeds.csv and figure into the run. Render the report again "
+        "(rlxf report) to include it.",
+    )  # fmt: skip
+    sd.add_argument("--run-dir", required=True, help="a finished run folder, e.g. runs/default")
+    sd.add_argument("--seeds", required=True, nargs="+", type=int, help="training seeds to add")
+    sd.add_argument("--quiet", action="store_true", help="no per-cell progress bar")
+    sd.set_defaults(func=_cmd_seeds)
+
     c = sub.add_parser("compare", help="compare two run directories artifact by artifact",
                        epilog="exit code 1 when an artifact differs (timings aside)")  # fmt: skip
     c.add_argument("before", help="the reference run dir")
@@ -156,6 +170,22 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", default=None, help="also write the per-artifact result as JSON")
     c.set_defaults(func=_cmd_compare)
     return p
+
+
+def _cmd_seeds(args: argparse.Namespace) -> int:
+    from rlxf_utils.pipeline import NotebookFailed
+    from rlxf_utils.seeds import run_seeds
+
+    try:
+        table = run_seeds(args.run_dir, args.seeds, progress=not args.quiet)
+    except (ConfigError, ValueError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1 if isinstance(exc, NotebookFailed) else EXIT_BAD_INPUT
+    pooled = table[table["seed"] == "pooled"] if len(table) else table
+    for _, r in pooled.iterrows():
+        print(f"{r['label']}: gain {r['gain']:+.4f} (seed SD {r['gain_seed_sd']:.4f}), audit gain "
+              f"{r['audit_gain']:+.4f}, KL {r['kl']:.2f} over {int(r['seeds'])} seeds")  # fmt: skip
+    return 0
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:

@@ -282,11 +282,13 @@ def run_study(
     progress: bool = True,
     force: bool = False,
     from_: str | None = None,
+    force_only: bool = True,
 ) -> Path:
     """Execute the study's notebooks with papermill; return the run dir. Raises NotebookFailed.
 
     Up-to-date notebooks are skipped unless `force`; `from_` ('03') reruns that notebook and
-    every later one; `only` runs the named notebooks whatever their state.
+    every later one; `only` runs the named notebooks whatever their state (with
+    `force_only=False`, only those, each skipped while up to date: `rlxf seeds`).
     """
     import papermill as pm
 
@@ -308,7 +310,7 @@ def run_study(
     load_data(cfg)  # the file, its sha256 and data.checks: before a kernel starts
     with run_lock(root):
         return _run_locked(cfg, RunDir(root), notebooks, numbers, specs, kernel_name, progress,
-                           force, only, from_, pm)  # fmt: skip
+                           force, only if force_only else None, from_, pm)  # fmt: skip
 
 
 def _run_locked(cfg: Any, run: RunDir, notebooks: list[Path], numbers: list[str],

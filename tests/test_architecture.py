@@ -78,7 +78,8 @@ ROOMS: dict[str, set[str]] = {
         "risk",
     },
     "pipeline": {"config", "artifacts", "runtime", "freshness", "data"},
-    "cli": {"config", "artifacts", "data", "pipeline", "report", "compare"},
+    "seeds": {"config", "algorithms", "artifacts", "pipeline"},
+    "cli": {"config", "artifacts", "data", "pipeline", "report", "compare", "seeds"},
 }
 #: Modules that import some of the package inside functions, and why (nothing else may).
 LOCAL_IMPORTS = {

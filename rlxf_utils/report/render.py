@@ -34,6 +34,7 @@ from rlxf_utils.report.reward import reward_section
 from rlxf_utils.report.risk import risk_section
 from rlxf_utils.report.rl import rl_section
 from rlxf_utils.report.rlgf import rlgf_section
+from rlxf_utils.report.seeds import seeds_section
 from rlxf_utils.report.wording import markdown_table
 
 log = logging.getLogger(__name__)
@@ -171,6 +172,7 @@ def build_sources(run: RunDir, build: Path, src: Path = REPORT_SRC) -> dict[str,
         ("rl", rl_section(run, params)),
         ("eval", eval_section(run, params.get("evaluation", {}).get("alpha", 0.05))),
         ("overopt", overopt_section(run)),
+        ("seeds", seeds_section(run)),
         ("rlgf", rlgf_section(run, params)),
         ("ilhf", ilhf_section(run, params)),
         ("risk", risk_section(run)),

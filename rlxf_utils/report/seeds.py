@@ -1,0 +1,59 @@
+"""The across-seed comparison in words (`rlxf seeds`' `tables/eval_seeds.csv`), when the run has
+it: each algorithm's gain per seed and pooled, with the seed-to-seed spread."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pandas as pd
+
+from rlxf_utils.artifacts import RunDir
+from rlxf_utils.report.evaluation import table_note
+from rlxf_utils.report.wording import ci, ci_verdict, is_present, markdown_table
+from rlxf_utils.stats import level
+
+_MOVE = ("raised", "lowered", "did not distinguishably move")
+
+
+def seeds_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
+    """Variables (`sentence`, `seeds`, `level`) and the across-seed table; a run without further
+    seeds says how to add them."""
+    meta = run.read_json("eval/summary.json", stage="notebook 04_evaluation")
+    lvl = level(meta.get("alpha", 0.05))
+    start = meta.get("start_policy", "sft")
+    if not run.exists("tables/eval_seeds.csv"):
+        note = ("This run trained each algorithm with one seed, so an algorithm's effect cannot be "
+                "told from its seed's here; `rlxf seeds --run-dir <run> --seeds 1 2` trains and "
+                "evaluates more on the same reward model, SFT policies and prompts")  # fmt: skip
+        return {"sentence": note, "seeds": "1", "level": lvl}, {"eval_seeds.md": table_note(note)}
+    t = run.read_table("eval_seeds", "rlxf seeds")
+    pooled = t[t["seed"] == "pooled"]
+    n = int(pooled["seeds"].max())
+    clauses = []
+    for _, r in pooled.iterrows():
+        verb = ci_verdict(r["gain_low"], r["gain_high"], *_MOVE)
+        a_verb = ci_verdict(r["audit_gain_low"], r["audit_gain_high"], *_MOVE)
+        clauses.append(
+            f"{r['label']} {verb} the reward over {int(r['seeds'])} seeds (mean gain "
+            f"{ci(r['gain'], r['gain_low'], r['gain_high'], signed=True)}, seed SD "
+            f"{r['gain_seed_sd']:.3f}) and {a_verb} the audit reward "
+            f"({ci(r['audit_gain'], r['audit_gain_low'], r['audit_gain_high'], signed=True)})"
+        )
+    sentence = (
+        f"Over {n} training seeds, each evaluated on the same prompts with the same sampling seeds, "
+        f"gains over `{start}` with {lvl} t intervals over seeds: " + "; ".join(clauses)
+    )
+    shown = []
+    for _, r in t.iterrows():
+        pooled_row = r["seed"] == "pooled"
+        shown.append({
+            "algorithm": r["label"], "seed": r["seed"],
+            "gain": ci(r["gain"], r["gain_low"], r["gain_high"], signed=True),
+            "audit gain": ci(r["audit_gain"], r["audit_gain_low"], r["audit_gain_high"], signed=True),
+            "KL (nats)": f"{r['kl']:.2f}",
+            "seed SD of gain": f"{r['gain_seed_sd']:.3f}" if pooled_row and is_present(r.get("gain_seed_sd")) else "·",
+        })  # fmt: skip
+    table = pd.DataFrame(shown).sort_values(["algorithm", "seed"], kind="stable")
+    return {"sentence": sentence, "seeds": str(n), "level": lvl}, {
+        "eval_seeds.md": markdown_table(table)
+    }

@@ -1,0 +1,204 @@
+"""Further training seeds of a finished run, and the across-seed comparison.
+
+One training seed per algorithm cannot tell an algorithm's effect from its seed's. `rlxf seeds`
+trains the run's RL algorithms again with other `rl.seed`s and evaluates them, each seed in
+`<run>/seeds/seed_<s>/`, reusing what does not depend on the training seed: the data, the reward
+and audit models and the SFT policies are the run's own files (hard links: nothing is copied,
+and every artifact is replaced atomically, so a seed never changes the run's files), and
+evaluation draws the same prompts with the same sampling seeds (`run.seed`). Then `seed_table`
+sets every algorithm's gain over the start policy (reward model and audit), KL and finished share
+side by side per seed, pooled over seeds with the seed-to-seed spread, into the run's
+`tables/eval_seeds.csv` and `figures/eval_seeds.png`, which the report includes when present.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import yaml
+from scipy import stats
+
+from rlxf_utils.algorithms import algorithm_label
+from rlxf_utils.artifacts import RunDir, atomic_path
+from rlxf_utils.config import load_config
+from rlxf_utils.pipeline import FROZEN_PARAMS, run_study
+
+log = logging.getLogger(__name__)
+
+#: What a seed reuses from its run: everything the training seed does not change.
+REUSED = ("data", "reward", "reward_model", "policy/sft", "policy/sft_met",
+          "eval/historical_index", "tables", "figures")  # fmt: skip
+#: The notebooks a seed runs: RL and evaluation.
+SEED_NOTEBOOKS = ("03", "04")
+#: Per algorithm and seed, the columns of `eval/summary.json`'s summary the table carries.
+MEASURES = {"gain": "reward-model gain over the start policy", "audit_gain": "audit gain",
+            "kl": "KL to the start policy (nats)", "finished": "finished share"}  # fmt: skip
+
+
+def seed_dir(run_dir: str | Path, seed: int) -> Path:
+    """Where seed `seed` of the run lives."""
+    return Path(run_dir) / "seeds" / f"seed_{seed}"
+
+
+def _link_tree(src: Path, dst: Path) -> None:
+    """Hard-link every file of `src` into `dst` (a copy where links are not possible)."""
+    if src.is_file():
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if not dst.exists():
+            try:
+                os.link(src, dst)
+            except OSError:
+                shutil.copy2(src, dst)
+        return
+    for path in src.rglob("*"):
+        if path.is_file() and not any(part.startswith(".") for part in path.relative_to(src).parts):
+            _link_tree(path, dst / path.relative_to(src))
+
+
+def prepare_seed(run_dir: str | Path, seed: int) -> Path:
+    """`<run>/seeds/seed_<seed>/` with the run's reusable outputs linked in and a parameters file
+    (the run's frozen parameters with `rl.seed` and the run name changed); returns that file."""
+    run = RunDir(run_dir)
+    frozen = run.require(FROZEN_PARAMS, stage="rlxf run (the run the seeds extend)")
+    cfg = load_config(frozen)
+    if cfg.rl.seed == seed or (cfg.rl.seed is None and cfg.run.seed == seed):
+        raise ValueError(f"seed {seed} is the run's own training seed; choose another")
+    missing = [
+        p for p in ("data", "reward_model", f"policy/{cfg.rl.start_policy}") if not run.exists(p)
+    ]
+    if missing:
+        raise ValueError(
+            f"{run.root}: {missing} missing; finish notebooks 01-03 of the run before its seeds"
+        )
+    out = seed_dir(run.root, seed)
+    for rel in REUSED:
+        if run.exists(rel):
+            _link_tree(run.path(rel), out / rel)
+    raw = cfg.resolved()
+    raw["rl"]["seed"] = int(seed)
+    raw["run"]["name"] = f"{cfg.run.name}-seed{seed}"
+    params = out.parent / f"params_seed_{seed}.yaml"
+    with atomic_path(params) as tmp:
+        head = f"# {frozen} with rl.seed = {seed}: written by `rlxf seeds`\n"
+        tmp.write_text(head + yaml.safe_dump(raw, sort_keys=False, allow_unicode=True), "utf-8")
+    load_config(params)  # it must validate before any compute
+    return params
+
+
+def run_seeds(run_dir: str | Path, seeds: Sequence[int], progress: bool = True) -> pd.DataFrame:
+    """Train and evaluate the run's algorithms with each of `seeds` (notebooks 03 and 04 in
+    `seeds/seed_<s>/`; finished seeds are skipped by the pipeline's own freshness), then write
+    and return the across-seed table."""
+    for s in seeds:
+        params = prepare_seed(run_dir, s)
+        log.info("seed %d: %s", s, seed_dir(run_dir, s))
+        run_study(params, seed_dir(run_dir, s), only=list(SEED_NOTEBOOKS), progress=progress,
+                  force_only=False)  # fmt: skip
+    return write_seed_table(run_dir)
+
+
+def seed_runs(run_dir: str | Path) -> dict[int, Path]:
+    """The run and every evaluated seed under it: training seed -> run directory."""
+    run = RunDir(run_dir)
+    cfg = load_config(run.require(FROZEN_PARAMS, stage="rlxf run"))
+    out = {cfg.run.seed if cfg.rl.seed is None else cfg.rl.seed: run.root}
+    for d in sorted((run.root / "seeds").glob("seed_*")):
+        if (d / "eval" / "summary.json").is_file():
+            out[int(d.name.split("_", 1)[1])] = d
+    return out
+
+
+def seed_table(run_dir: str | Path, alpha: float = 0.05) -> pd.DataFrame:
+    """Per algorithm and training seed: gain over the start policy (with its interval), audit
+    gain, KL and finished share; then per algorithm the seeds pooled ('pooled' rows): mean over
+    seeds, the seed-to-seed SD and a t interval over seeds for the mean (NaN with one seed)."""
+    rows = []
+    for seed, d in seed_runs(run_dir).items():
+        meta = RunDir(d).read_json("eval/summary.json", stage="notebook 04_evaluation")
+        s = pd.DataFrame(meta["summary"]).set_index("policy")
+        for algo in meta["algorithms"]:
+            if algo not in s.index:
+                continue
+            r = s.loc[algo]
+            rows.append({"algorithm": algo, "label": algorithm_label(algo), "seed": str(seed),
+                         **{m: float(r.get(m, math.nan)) for m in MEASURES},
+                         "gain_low": float(r.get("gain_low", math.nan)),
+                         "gain_high": float(r.get("gain_high", math.nan)),
+                         "audit_gain_low": float(r.get("audit_gain_low", math.nan)),
+                         "audit_gain_high": float(r.get("audit_gain_high", math.nan))})  # fmt: skip
+    per_seed = pd.DataFrame(rows)
+    if per_seed.empty:
+        return per_seed
+    pooled = []
+    for algo, g in per_seed.groupby("algorithm", sort=False):
+        rec: dict[str, Any] = {"algorithm": algo, "label": algorithm_label(algo), "seed": "pooled",
+                               "seeds": len(g)}  # fmt: skip
+        for m in MEASURES:
+            v = g[m].dropna().to_numpy(float)
+            mean = float(v.mean()) if v.size else math.nan
+            sd = float(v.std(ddof=1)) if v.size > 1 else math.nan
+            half = (
+                stats.t.ppf(1 - alpha / 2, v.size - 1) * sd / math.sqrt(v.size)
+                if v.size > 1
+                else math.nan
+            )
+            rec.update(
+                {m: mean, f"{m}_seed_sd": sd, f"{m}_low": mean - half, f"{m}_high": mean + half}
+            )
+        pooled.append(rec)
+    return pd.concat([per_seed.assign(seeds=1), pd.DataFrame(pooled)], ignore_index=True)
+
+
+def plot_seeds(table: pd.DataFrame, start: str) -> Any:
+    """Per algorithm: each seed's gain under the reward model and the audit (dots) and the mean
+    over seeds with its t interval (bar)."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
+    per = table[table["seed"] != "pooled"]
+    pooled = table[table["seed"] == "pooled"].reset_index(drop=True)
+    for ax, (col, title) in zip(
+        axes, (("gain", "reward model"), ("audit_gain", "audit")), strict=True
+    ):
+        ax.axhline(0, color="black", lw=0.8)
+        for i, r in pooled.iterrows():
+            pts = per.loc[per["algorithm"] == r["algorithm"], col]
+            ax.plot(
+                np.full(len(pts), i) + np.linspace(-0.12, 0.12, len(pts)), pts, "o", ms=4, alpha=0.7
+            )
+            if math.isfinite(r[f"{col}_low"]):
+                ax.errorbar(i + 0.3, r[col], yerr=[[r[col] - r[f"{col}_low"]], [r[f"{col}_high"] - r[col]]],
+                            fmt="s", color="black", capsize=3)  # fmt: skip
+        ax.set_xticks(range(len(pooled)), pooled["label"], rotation=20, ha="right")
+        ax.set(title=f"gain over {start}: {title}")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("P(MET) difference")
+    fig.suptitle("Across training seeds: each seed (dots), mean over seeds with a t interval (squares)",
+                 fontsize=10)  # fmt: skip
+    fig.tight_layout()
+    return fig
+
+
+def write_seed_table(run_dir: str | Path) -> pd.DataFrame:
+    """`tables/eval_seeds.{csv,md}` and `figures/eval_seeds.png` in the run (when any seed beyond
+    the run's own was evaluated); returns the table."""
+    import matplotlib.pyplot as plt
+
+    run = RunDir(run_dir)
+    meta = run.read_json("eval/summary.json", stage="notebook 04_evaluation")
+    table = seed_table(run.root, meta.get("alpha", 0.05))
+    if table.empty or table.loc[table["seed"] == "pooled", "seeds"].max() < 2:
+        return table
+    run.write_table("eval_seeds", table)
+    fig = plot_seeds(table, meta.get("start_policy", "sft"))
+    run.write_figure("eval_seeds", fig)
+    plt.close(fig)
+    return table

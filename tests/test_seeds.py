@@ -1,0 +1,89 @@
+"""Further training seeds of a finished run: what a seed reuses, its parameters, the across-seed
+table and its report section."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from rlxf_utils.artifacts import RunDir
+from rlxf_utils.config import PROJECT_ROOT, load_config
+from rlxf_utils.pipeline import freeze_params
+from rlxf_utils.report.seeds import seeds_section
+from rlxf_utils.seeds import prepare_seed, seed_dir, seed_table, write_seed_table
+
+
+def _run(tmp_path):
+    cfg = load_config(PROJECT_ROOT / "params/smoke.yaml")
+    run = RunDir(tmp_path / "run")
+    freeze_params(cfg, run)
+    return cfg, run
+
+
+def _summary(run: RunDir, algos, gains, start="sft"):
+    rows = [{"policy": start, "gain": math.nan, "audit_gain": math.nan, "kl": 0.0, "finished": 0.9}]
+    for a, g in zip(algos, gains, strict=True):
+        rows.append({"policy": a, "gain": g, "gain_low": g - 0.01, "gain_high": g + 0.01,
+                     "audit_gain": g / 2, "audit_gain_low": g / 2 - 0.01,
+                     "audit_gain_high": g / 2 + 0.01, "kl": 1.0, "finished": 0.8})  # fmt: skip
+    run.write_json("eval/summary.json", {"algorithms": list(algos), "start_policy": start,
+                                         "alpha": 0.05, "summary": rows})  # fmt: skip
+
+
+def test_a_seed_reuses_the_runs_files_and_changes_only_the_training_seed(tmp_path):
+    cfg, run = _run(tmp_path)
+    run.write_text("data/contexts.parquet", "contexts")
+    run.write_text("reward_model/bundle.json", "{}")
+    run.write_text("policy/sft/adapter/adapter_model.safetensors", "w")
+    run.write_text("policy/ppo/adapter/adapter_model.safetensors", "trained with the run's seed")
+    params = prepare_seed(run.root, 7)
+    seed_cfg = load_config(params)
+    assert seed_cfg.rl.seed == 7 and seed_cfg.run.seed == cfg.run.seed
+    assert seed_cfg.run.name == f"{cfg.run.name}-seed7"
+    assert seed_cfg.model_dump(exclude={"rl", "run"}) == cfg.model_dump(exclude={"rl", "run"})
+    out = seed_dir(run.root, 7)
+    for rel in ("data/contexts.parquet", "reward_model/bundle.json",
+                "policy/sft/adapter/adapter_model.safetensors"):  # fmt: skip
+        assert (out / rel).samefile(run.path(rel)), rel  # a hard link, nothing copied
+    assert not (out / "policy/ppo").exists()  # what the seed retrains is not carried over
+    with pytest.raises(ValueError, match="the run's own training seed"):
+        prepare_seed(run.root, cfg.run.seed)
+
+
+def test_a_seed_needs_a_finished_run(tmp_path):
+    _, run = _run(tmp_path)
+    with pytest.raises(ValueError, match="finish notebooks 01-03"):
+        prepare_seed(run.root, 3)
+
+
+def test_seed_table_pools_seeds_with_their_spread(tmp_path):
+    cfg, run = _run(tmp_path)
+    _summary(run, ["ppo", "grpo"], [0.01, 0.05])
+    assert write_seed_table(run.root).loc[lambda t: t.seed == "pooled", "seeds"].max() == 1
+    assert not run.exists("tables/eval_seeds.csv")  # one seed: nothing to compare
+    for s, gains in ((1, [0.03, 0.00]), (2, [0.02, 0.10])):
+        d = RunDir(seed_dir(run.root, s))
+        _summary(d, ["ppo", "grpo"], gains)
+    table = seed_table(run.root)
+    per = table[table.seed != "pooled"]
+    assert sorted(per.seed.unique()) == sorted(["1", "2", str(cfg.run.seed)])
+    grpo = table[(table.seed == "pooled") & (table.algorithm == "grpo")].iloc[0]
+    assert grpo["seeds"] == 3 and grpo["gain"] == pytest.approx(0.05)
+    assert grpo["gain_seed_sd"] == pytest.approx(np.std([0.05, 0.0, 0.1], ddof=1))
+    assert grpo["gain_low"] < 0 < grpo["gain_high"]  # three seeds this far apart: not shown
+    write_seed_table(run.root)
+    assert run.exists("tables/eval_seeds.csv") and run.exists("figures/eval_seeds.png")
+    variables, files = seeds_section(run)
+    assert variables["seeds"] == "3"
+    assert "GRPO did not distinguishably move the reward over 3 seeds" in variables["sentence"]
+    assert "| PPO" in files["eval_seeds.md"]
+
+
+def test_report_says_how_to_add_seeds_when_there_are_none(tmp_path):
+    _, run = _run(tmp_path)
+    _summary(run, ["ppo"], [0.01])
+    variables, files = seeds_section(run)
+    assert "rlxf seeds" in variables["sentence"] and variables["seeds"] == "1"
+    assert "rlxf seeds" in files["eval_seeds.md"]
