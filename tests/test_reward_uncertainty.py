@@ -265,7 +265,7 @@ def test_summary_table_carries_reward_sd_and_its_paired_change() -> None:
     s, paired = summary_table(samples, ["base", "ppo"], "base", 4, 500, 0.05, 0)
     s = s.set_index("policy")
     cols = ["reward_sd", "reward_sd_low", "reward_sd_high", "sd_gain", "sd_gain_low",
-            "sd_gain_high", "sd_gain_p_holm"]  # fmt: skip
+            "sd_gain_high", "sd_gain_p_family"]  # fmt: skip
     assert set(cols) <= set(s.columns)
     assert s.loc["ppo", "reward_sd"] == pytest.approx(0.07, abs=0.002)
     assert s.loc["base", "reward_sd_low"] < 0.02 < s.loc["base", "reward_sd_high"]

@@ -12,7 +12,7 @@ import pandas as pd
 
 from rlxf_utils.evaluation.sampling import sample_tuned
 from rlxf_utils.models.policies import PolicySet
-from rlxf_utils.stats import bootstrap_ci
+from rlxf_utils.stats import bootstrap_ci, family_alpha, interval_p
 
 T = TypeVar("T")
 
@@ -135,11 +135,13 @@ def versus_best_of_n(samples: pd.DataFrame, per_prompt_bon: pd.DataFrame, summar
     policy's KL from the resampled prompts and reads the curve there, so the interval of the
     difference carries the KL's sampling error as well as the rewards'. Best-of-N's KL is its
     upper bound log N - (N - 1) / N: its true KL is at most that, so its curve is drawn too far
-    right and the comparison favours the RL policy (`bound_favours`).
+    right and the comparison favours the RL policy (`bound_favours`). The policies are one
+    family (`stats.family_alpha`): each interval at level 1 - alpha / m, `ci_level`.
     """
     ns = sorted(per_prompt_bon.columns)
     kls = np.array([best_of_n_kl_bound(n) for n in ns])
     rng_seed = np.random.SeedSequence(seed)
+    a_family = family_alpha(alpha, len(algos))  # one family: every policy against the curve
     rows = []
     for algo in algos:
         r = summary.set_index("policy").loc[algo]
@@ -171,7 +173,7 @@ def versus_best_of_n(samples: pd.DataFrame, per_prompt_bon: pd.DataFrame, summar
             c_b, _ = _curve_at(bon_v, kls, ns, k_b)
             reps[b] = float((own_v[pick] - c_b.to_numpy(float)[pick]).mean())
             kl_reps[b] = k_b
-        lo, hi = np.quantile(reps, [alpha / 2, 1 - alpha / 2])
+        lo, hi = np.quantile(reps, [a_family / 2, 1 - a_family / 2])
         k_lo, k_hi = np.quantile(kl_reps, [alpha / 2, 1 - alpha / 2])
         d = float(diff.mean())
         rows.append({"policy": algo, "kl": kl, "kl_low": float(k_lo), "kl_high": float(k_hi),
@@ -179,6 +181,7 @@ def versus_best_of_n(samples: pd.DataFrame, per_prompt_bon: pd.DataFrame, summar
                      "best_of_n_at_kl": float(curve.loc[diff.index].mean()),
                      "best_of_n_kl": float(min(kl, kls[-1])), "diff": d,
                      "diff_low": float(lo), "diff_high": float(hi), "beyond_curve": bool(beyond),
-                     "bound_favours": "RL policy",
+                     "bound_favours": "RL policy", "ci_level": 1 - a_family,
+                     "p_family": min(1.0, len(algos) * interval_p(reps)),
                      "verdict": "above" if lo > 0 else ("below" if hi < 0 else "not distinguishable")})  # fmt: skip
     return pd.DataFrame(rows)

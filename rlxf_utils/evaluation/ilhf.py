@@ -40,6 +40,7 @@ from rlxf_utils.report.wording import ci_verdict, is_present
 from rlxf_utils.stats import (
     bootstrap_ci,
     cluster_bootstrap,
+    family_alpha,
     level,
     paired_comparison,
     per_prompt_means,
@@ -70,7 +71,8 @@ TABLE_COLUMNS = [
 ]  # fmt: skip
 
 
-TEST_COLUMNS = ["measure", "policy", "versus", "n", "n_clusters", "diff", "low", "high", "verdict"]
+TEST_COLUMNS = ["measure", "policy", "versus", "n", "n_clusters", "diff", "low", "high", "verdict",
+                "ci_level"]  # fmt: skip
 
 
 Encoder = Callable[[Sequence[str]], np.ndarray]
@@ -256,6 +258,8 @@ def inclusive_tests(samples: pd.DataFrame, ppl_rows: pd.DataFrame | None, sims: 
     if not pairs:
         return pd.DataFrame(columns=TEST_COLUMNS)
     pols = sorted({p for _, a, b in pairs for p in (a, b)})
+    m = len(pairs)  # one family (`stats.family_alpha`): each interval at level 1 - alpha / m
+    a_family = family_alpha(alpha, m)
     reward = per_prompt_means(samples[samples["policy"].isin(pols)], "reward")
     sim = sims.pivot_table(index="prompt_id", columns="policy", values="pairwise_sim")
     country = prompt_clusters(samples, cluster_col="country").astype(str)
@@ -264,18 +268,18 @@ def inclusive_tests(samples: pd.DataFrame, ppl_rows: pd.DataFrame | None, sims: 
         if measure == "xent_met":
             if ppl_rows is None or not {a, b} <= set(ppl_rows["policy"]):
                 continue
-            d = xent_difference(ppl_rows, a, b, n_boot, alpha, seed)
+            d = xent_difference(ppl_rows, a, b, n_boot, a_family, seed)
         else:
             wide = reward if measure == "reward" else sim
             if a not in wide or b not in wide:
                 continue
             pair = wide[[a, b]].dropna()
-            res = paired_comparison(pair[a].to_numpy(), pair[b].to_numpy(), n_boot, seed,
-                                       alpha, clusters=country.loc[pair.index].to_numpy())  # fmt: skip
+            res = paired_comparison(pair[a].to_numpy(), pair[b].to_numpy(), n_boot, seed, alpha,
+                                    clusters=country.loc[pair.index].to_numpy(), family_size=m)  # fmt: skip
             d = {"diff": res["mean_diff"], "low": res["ci_low"], "high": res["ci_high"],
                  "n": res["n"], "n_clusters": res.get("n_clusters", res["n"])}  # fmt: skip
         rows.append({"measure": measure, "policy": a, "versus": b, **d,
-                     "verdict": ci_verdict(d["low"], d["high"])})  # fmt: skip
+                     "verdict": ci_verdict(d["low"], d["high"]), "ci_level": 1 - a_family})  # fmt: skip
     return pd.DataFrame(rows, columns=TEST_COLUMNS)
 
 

@@ -34,7 +34,7 @@ from rlxf_utils.report.wording import ci_verdict
 from rlxf_utils.stats import (
     bootstrap_ci,
     cluster_bootstrap,
-    holm,
+    family_alpha,
     level,
     paired_comparison,
     per_prompt_means,
@@ -52,7 +52,7 @@ HALVES = ("easy", "hard")
 
 EASY_HARD_COLUMNS = ["policy", "label", "half", "n_prompts", "n_countries", "ave_r", "ave_r_low",
                      "ave_r_high", "gain", "gain_low", "gain_high", "gain_verdict",
-                     "median_met_rate"]  # fmt: skip
+                     "gain_ci_level", "median_met_rate"]  # fmt: skip
 
 
 def policy_label(name: str) -> str:
@@ -196,7 +196,9 @@ def easy_hard_table(
     """Per policy and half (easy, hard): Ave(R) and the gain over the start policy, each with a
     cluster-bootstrap CI over countries; and a `hard_minus_easy` row per policy, the difference of
     the two halves' Ave(R) and of their gains, also resampling countries (a country may hold
-    prompts of both halves). `gain_verdict` reads the gain's interval."""
+    prompts of both halves). The gains are one family (`stats.family_alpha`: every policy's easy,
+    hard and hard - easy gain, each interval at level 1 - alpha / m, `gain_ci_level`);
+    `gain_verdict` reads the gain's interval. Ave(R) intervals are at 1 - alpha."""
     d = difficulty.set_index("prompt_id")
     d = d[d["half"].isin(HALVES)]
     if d.empty:  # no split: every context has the same rate, or none has history
@@ -205,6 +207,8 @@ def easy_hard_table(
     wide = wide.loc[wide.index.intersection(d.index)]
     half = d.loc[wide.index, "half"]
     country = d.loc[wide.index, "country"].astype(str)
+    m = 3 * sum(1 for pol in policies if pol in wide and pol != start)
+    a_gain = family_alpha(alpha, m)
     rows = []
     for pol in policies:
         if pol not in wide:
@@ -222,10 +226,11 @@ def easy_hard_table(
                    "ave_r_high": hi}  # fmt: skip
             if pol != start:
                 res = paired_comparison(v.to_numpy(), wide.loc[sel, start].to_numpy(), n_boot, seed,
-                                           alpha, clusters=country[sel].to_numpy())  # fmt: skip
-                rec.update(gain=res["mean_diff"], gain_low=res["ci_low"], gain_high=res["ci_high"])
+                                        alpha, clusters=country[sel].to_numpy(), family_size=m)  # fmt: skip
+                rec.update(gain=res["mean_diff"], gain_low=res["ci_low"], gain_high=res["ci_high"],
+                           gain_ci_level=1 - a_gain)  # fmt: skip
             rows.append(rec)
-        rows.append(_hard_minus_easy(wide, pol, start, half, country, n_boot, alpha, seed))
+        rows.append(_hard_minus_easy(wide, pol, start, half, country, n_boot, alpha, seed, a_gain))
     out = pd.DataFrame(rows).reindex(columns=EASY_HARD_COLUMNS)
     out["gain_verdict"] = [
         ci_verdict(lo, hi) if pd.notna(g) else ""
@@ -236,7 +241,7 @@ def easy_hard_table(
 
 
 def _hard_minus_easy(wide: pd.DataFrame, pol: str, start: str, half: pd.Series, country: pd.Series,
-                     n_boot: int, alpha: float, seed: int) -> dict[str, Any]:  # fmt: skip
+                     n_boot: int, alpha: float, seed: int, a_gain: float) -> dict[str, Any]:  # fmt: skip
     ok = (wide[pol].notna() & wide[start].notna()).to_numpy()
     hard = (half == "hard").to_numpy()[ok]
     g = country.to_numpy()[ok]
@@ -257,8 +262,8 @@ def _hard_minus_easy(wide: pd.DataFrame, pol: str, start: str, half: pd.Series, 
            "n_prompts": int(ok.sum()), "n_countries": int(pd.Series(g).nunique()), "ave_r": ave,
            "ave_r_low": lo, "ave_r_high": hi}  # fmt: skip
     if pol != start:
-        dg, glo, ghi = cluster_bootstrap(diff(gain), g, n_boot, alpha, seed)
-        rec.update(gain=dg, gain_low=glo, gain_high=ghi)
+        dg, glo, ghi = cluster_bootstrap(diff(gain), g, n_boot, a_gain, seed)
+        rec.update(gain=dg, gain_low=glo, gain_high=ghi, gain_ci_level=1 - a_gain)
     return rec
 
 
@@ -288,9 +293,10 @@ def guidance_table(
     `rl_vs_sft_met`: each RL algorithm against `sft_met`, when it was
     evaluated. Per-prompt mean rewards on the prompts both answered, difference with a cluster
     bootstrap CI over countries (`stats.paired.paired_comparison`), `verdict` read from that
-    interval, `p_holm` the Holm-adjusted Wilcoxon p over per-country differences within each
-    question and measure. Columns: question, measure, policy, versus, n, n_clusters, diff, low,
-    high, verdict, p_holm.
+    interval. Each question is a family under each measure (`stats.family_alpha`): its m intervals
+    at level 1 - alpha / m (`ci_level`), `p_family` below alpha exactly when the verdict is given.
+    Columns: question, measure, policy, versus, n, n_clusters, diff, low, high, verdict,
+    p_family, ci_level.
     """
     present = set(samples["policy"])
     pairs: list[tuple[str, str, str]] = []
@@ -302,27 +308,25 @@ def guidance_table(
     if "sft_met" in present:
         pairs += [("rl_vs_sft_met", a, "sft_met") for a in algos if a in present]
     cols = ["question", "measure", "policy", "versus", "n", "n_clusters", "diff", "low", "high",
-            "verdict", "p_holm"]  # fmt: skip
+            "verdict", "p_family", "ci_level"]  # fmt: skip
     if not pairs:
         return pd.DataFrame(columns=cols)
     cl = prompt_clusters(samples, cluster_col="country")
+    sizes = pd.Series([q for q, _, _ in pairs]).value_counts()  # each question's family size
     rows = []
     for measure in measures:
         wide = _per_prompt(samples, sorted({p for _, a, b in pairs for p in (a, b)}), measure)
         for question, a, b in pairs:
             pair = wide[[a, b]].dropna()
             res = paired_comparison(pair[a].to_numpy(), pair[b].to_numpy(), n_boot, seed, alpha,
-                                       clusters=cl.loc[pair.index].to_numpy())  # fmt: skip
+                                    clusters=cl.loc[pair.index].to_numpy(),
+                                    family_size=int(sizes[question]))  # fmt: skip
             rows.append({"question": question, "measure": measure, "policy": a, "versus": b,
                          "n": res["n"], "n_clusters": res.get("n_clusters", res["n"]),
                          "diff": res["mean_diff"], "low": res["ci_low"], "high": res["ci_high"],
                          "verdict": ci_verdict(res["ci_low"], res["ci_high"]),
-                         "p": res["p_wilcoxon"]})  # fmt: skip
-    out = pd.DataFrame(rows)
-    out["p_holm"] = math.nan
-    for _, idx in out.groupby(["question", "measure"], sort=False).groups.items():
-        out.loc[idx, "p_holm"] = holm(out.loc[idx, "p"].to_numpy())
-    return out[cols]
+                         "p_family": res["p_family"], "ci_level": res["ci_level"]})  # fmt: skip
+    return pd.DataFrame(rows)[cols]
 
 
 _MARKERS = {"zero-shot": "s", "supervised": "D", "RL": "o", "RL, guided": "^", "best-of-N": "*"}

@@ -265,7 +265,7 @@ def _write(run: RunDir, samples: pd.DataFrame, summary: pd.DataFrame, paired: pd
     hacking = summary.loc[
         summary["policy"].isin([*algos, "sft_met", "best_of_n"]),
         ["policy", "gain", "gain_low", "gain_high", "audit_gain", "audit_gain_low",
-         "audit_gain_high", "gap", "gap_low", "gap_high", "gap_p_holm"],
+         "audit_gain_high", "gap", "gap_low", "gap_high", "gap_p_family"],
     ].copy()  # fmt: skip
     tables = {
         "eval_summary": summary,
@@ -281,6 +281,9 @@ def _write(run: RunDir, samples: pd.DataFrame, summary: pd.DataFrame, paired: pd
                 "mean_diff",
                 "ci_low",
                 "ci_high",
+                "ci_level",
+                "p_boot",
+                "p_family",
                 "cohens_dz",
                 "rank_biserial",
                 "p_ttest",

@@ -99,7 +99,7 @@ def summary_table(
         out[prefix] = out["policy"].map(p["mean_diff"])
         out[f"{prefix}_low"] = out["policy"].map(p["ci_low"])
         out[f"{prefix}_high"] = out["policy"].map(p["ci_high"])
-        out[f"{prefix}_p_holm"] = out["policy"].map(p["p_wilcoxon_holm"])
+        out[f"{prefix}_p_family"] = out["policy"].map(p["p_family"])
     out = out.merge(kl[["policy", "kl", "kl_se", "kl_kind"]], on="policy", how="left")
     out["perplexity"] = out["policy"].map(ppl)
     fin = samples.dropna(subset=["finished"]).groupby("policy")["finished"].mean()

@@ -28,12 +28,33 @@ from rlxf_utils.reward.uncertainty import MARKER as HEADS_MARKER
 from rlxf_utils.stats import level
 
 
-def gain_verb(gain: float, p_holm: float, alpha: float) -> str:
-    """'raised' / 'lowered' when the Holm-adjusted paired test over prompts rejects at `alpha`
-    (the direction is the gain's), else 'did not significantly change'."""
-    if not (is_present(p_holm) and p_holm < alpha):
-        return "did not significantly change"
-    return "raised" if gain > 0 else "lowered"
+def gain_verb(low: float, high: float) -> str:
+    """'raised' / 'lowered' when the family's simultaneous interval of the gain lies above / below
+    zero (the study's one multiplicity rule, `stats.family_alpha`), else 'did not significantly
+    change'."""
+    return ci_verdict(low, high, "raised", "lowered", "did not significantly change")
+
+
+def family_level(paired: pd.DataFrame, measure: str = "reward") -> str:
+    """The confidence level of one family's simultaneous intervals ('99.4%'), from
+    `eval_paired`'s `ci_level` (the plain level of runs from before the rule)."""
+    rows = paired[paired["measure"] == measure] if "measure" in paired else paired
+    if "ci_level" not in rows or rows["ci_level"].dropna().empty:
+        return level(0.05)
+    return level(1 - float(rows["ci_level"].dropna().iloc[0]))
+
+
+#: The study's multiplicity rule, as the report states it once.
+MULTIPLICITY_RULE = (
+    "Every family of comparisons (one question asked of several policies: each policy against the "
+    "start policy under the reward model, under the audit model and in their gap; guidance against "
+    "PPO; RL against sft_met; easy against hard prompts; the ILHF tests; each policy against "
+    "best-of-N) is Bonferroni-adjusted: its m intervals are at level 1 − α/m, so they hold "
+    "together with probability at least 1 − α, and a verdict word is given only where an interval "
+    "excludes zero. The p-values beside them are dual to those intervals (m times the bootstrap "
+    "p-value, below α exactly when the verdict is given); the t and Wilcoxon tests on per-country "
+    "means are shown for reference only"
+)
 
 
 def history_sentence(hist: dict[str, float], contrast: dict[str, Any]) -> str:
@@ -70,13 +91,14 @@ def eval_section(run: RunDir, alpha: float = 0.05) -> tuple[dict[str, Any], dict
     vs_bon = pd.DataFrame(meta.get("vs_best_of_n", []))
     alpha = meta.get("alpha", alpha)
     lvl = level(alpha)
+    fam = family_level(paired)  # the vs-start families' simultaneous level
     ppl = pd.DataFrame(meta.get("heldout_perplexity", []))
 
     def gain_cell(r: pd.Series, col: str) -> str:
         if pd.isna(r.get(col)):
             return "·"
         low, high = r[col + "_low"], r[col + "_high"]
-        return f"{ci(r[col], low, high, signed=True)} ({fmt_p(r[col + '_p_holm'])})"
+        return f"{ci(r[col], low, high, signed=True)} ({fmt_p(r.get(col + '_p_family', math.nan))})"
 
     rows, cost = [], []
     for pol, r in s.iterrows():
@@ -84,10 +106,10 @@ def eval_section(run: RunDir, alpha: float = 0.05) -> tuple[dict[str, Any], dict
             "policy": pol, "prompts": int(r["n_prompts"]),
             f"Ave(R) [{lvl} CI]": ci(r["ave_r"], r["ave_r_low"], r["ave_r_high"]),
             f"reward SD [{lvl} CI]": ci(r["reward_sd"], r["reward_sd_low"], r["reward_sd_high"]) if is_present(r.get("reward_sd")) else "·",
-            f"gain vs {start} [{lvl} CI] (Holm p)": gain_cell(r, "gain"),
+            f"gain vs {start} [{fam} CI] (family p)": gain_cell(r, "gain"),
             f"audit [{lvl} CI]": ci(r["audit"], r["audit_low"], r["audit_high"]),
-            f"audit gain [{lvl} CI] (Holm p)": gain_cell(r, "audit_gain"),
-            f"reward − audit gap [{lvl} CI]": "·" if pd.isna(r.get("gap")) else ci(r["gap"], r["gap_low"], r["gap_high"]),
+            f"audit gain [{fam} CI] (family p)": gain_cell(r, "audit_gain"),
+            f"reward − audit gap [{fam} CI]": "·" if pd.isna(r.get("gap")) else ci(r["gap"], r["gap_low"], r["gap_high"]),
         })  # fmt: skip
         cost.append({
             "policy": pol,
@@ -104,12 +126,13 @@ def eval_section(run: RunDir, alpha: float = 0.05) -> tuple[dict[str, Any], dict
     cost_md = markdown_table(pd.DataFrame(cost))
     pt = paired.assign(
         **{
-            f"difference [{lvl} CI]": [ci(a, b, c) for a, b, c in zip(paired.mean_diff, paired.ci_low, paired.ci_high, strict=True)],
+            f"difference [{fam} CI]": [ci(a, b, c) for a, b, c in zip(paired.mean_diff, paired.ci_low, paired.ci_high, strict=True)],
+            "family p": paired["p_family"].map(pval) if "p_family" in paired else "·",
             "d_z": paired["cohens_dz"].map(lambda x: f"{x:.2f}"),
             "p (t, Holm)": paired["p_ttest_holm"].map(pval),
             "p (Wilcoxon, Holm)": paired["p_wilcoxon_holm"].map(pval),
         }
-    )[["measure", "policy", "n", "n_clusters", f"difference [{lvl} CI]", "d_z", "p (t, Holm)", "p (Wilcoxon, Holm)"]]  # fmt: skip
+    )[["measure", "policy", "n", "n_clusters", f"difference [{fam} CI]", "family p", "d_z", "p (t, Holm)", "p (Wilcoxon, Holm)"]]  # fmt: skip
     t3_md = markdown_table(
         t3.assign(
             prompt=t3["prompt"].map(lambda x: short_text(x, 70)),
@@ -120,13 +143,15 @@ def eval_section(run: RunDir, alpha: float = 0.05) -> tuple[dict[str, Any], dict
     sentences, concl = [], []
     for algo in algos:
         r = s.loc[algo]
-        verb = gain_verb(r["gain"], r["gain_p_holm"], alpha)
-        a_verb = gain_verb(r["audit_gain"], r["audit_gain_p_holm"], alpha)
+        verb = gain_verb(r["gain_low"], r["gain_high"])
+        a_verb = gain_verb(r["audit_gain_low"], r["audit_gain_high"])
         sentences.append(
             f"{algorithm_label(algo)} {verb} Ave(R) on the held-out prompts (from {f3(s.loc[start, 'ave_r'])} for {start} to "
-            f"{ci(r['ave_r'], r['ave_r_low'], r['ave_r_high'])}; paired gain {r['gain']:+.3f}, Holm-adjusted "
-            f"Wilcoxon {fmt_p(r['gain_p_holm'])}) and {a_verb} the audit model's reward ({r['audit_gain']:+.3f}, "
-            f"{fmt_p(r['audit_gain_p_holm'])}), at a KL of {r['kl']:.2f} nats to the starting policy"
+            f"{ci(r['ave_r'], r['ave_r_low'], r['ave_r_high'])}; paired gain "
+            f"{ci(r['gain'], r['gain_low'], r['gain_high'], signed=True)} at the family's {fam}, "
+            f"{fmt_p(r.get('gain_p_family', math.nan))}) and {a_verb} the audit model's reward "
+            f"({ci(r['audit_gain'], r['audit_gain_low'], r['audit_gain_high'], signed=True)}), at a KL of "
+            f"{r['kl']:.2f} nats to the starting policy"
         )
         gap_word = ci_verdict(r.get("gap_low", math.nan), r.get("gap_high", math.nan),
                               "larger than", "smaller than", "not distinguishable from")  # fmt: skip
@@ -187,6 +212,8 @@ def eval_section(run: RunDir, alpha: float = 0.05) -> tuple[dict[str, Any], dict
         "random_policy": f3(hist.get("random_policy", float("nan"))),
         "base_ave_r": f3(s.loc["base", "ave_r"]),
         "start": start,
+        "family_level": fam,
+        "multiplicity_rule": MULTIPLICITY_RULE,
         "start_ave_r": f3(s.loc[start, "ave_r"]),
         "bon_sentences": "; ".join(bon_sentences)
         if bon_sentences
@@ -272,18 +299,15 @@ HISTORY_WORDS = {
 def policy_lines(
     summary: pd.DataFrame, algos: list[str], start: str, meta: dict[str, Any], ec: Any
 ) -> str:
-    """Per RL policy: Ave(R), its gain over the start policy (Holm-adjusted test), the audit's
-    verdict, KL and perplexity; then best-of-N and the history references."""
+    """Per RL policy: Ave(R), its gain over the start policy (its family's simultaneous interval),
+    the audit's verdict, KL and perplexity; then best-of-N and the history references."""
     lines = []
     s = summary.loc[start]
     for algo in algos:
         r = summary.loc[algo]
-        direction = "higher" if r.gain > 0 else "lower"
-        verdict = (
-            f"significantly {direction} than the start policy (Holm-adjusted p = {r.gain_p_holm:.3g})"
-            if r.gain_p_holm < ec.alpha
-            else f"not distinguishable from the start policy (Holm-adjusted p = {r.gain_p_holm:.3g})"
-        )
+        word = ci_verdict(r.gain_low, r.gain_high, "significantly higher than",
+                          "significantly lower than", "not distinguishable from")  # fmt: skip
+        verdict = f"{word} the start policy (family p = {r.gain_p_family:.3g})"
         audit = ci_verdict(
             r.audit_gain_low, r.audit_gain_high, "rose", "fell", "did not clearly change"
         )

@@ -277,17 +277,19 @@ def rlgf_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], d
             "Every held-out prompt's context has the same historical MET rate: no split"
         )
     else:
+        levels = easy_hard.get("gain_ci_level", pd.Series(dtype=float)).dropna()
+        eh_lvl = level(1 - float(levels.iloc[0])) if len(levels) else lvl  # the gains' family
         eh = easy_hard.assign(
             half=easy_hard["half"].replace({"hard_minus_easy": "hard − easy"}),
             **{
                 f"Ave(R) [{lvl} CI]": [ci(a, b, c) for a, b, c in zip(easy_hard.ave_r, easy_hard.ave_r_low, easy_hard.ave_r_high, strict=True)],
-                f"gain over {start} [{lvl} CI]": [ci(a, b, c) if is_present(a) else "·" for a, b, c in zip(easy_hard.gain, easy_hard.gain_low, easy_hard.gain_high, strict=True)],
+                f"gain over {start} [{eh_lvl} CI]": [ci(a, b, c) if is_present(a) else "·" for a, b, c in zip(easy_hard.gain, easy_hard.gain_low, easy_hard.gain_high, strict=True)],
                 "verdict": easy_hard["gain_verdict"].fillna(""),
             },
         )  # fmt: skip
         eh_md = markdown_table(
             eh[["label", "half", "n_prompts", "n_countries", f"Ave(R) [{lvl} CI]",
-                f"gain over {start} [{lvl} CI]", "verdict"]].rename(
+                f"gain over {start} [{eh_lvl} CI]", "verdict"]].rename(
                 columns={"label": "policy", "n_prompts": "prompts", "n_countries": "countries"})
         )  # fmt: skip
     if guidance.empty:
@@ -298,12 +300,13 @@ def rlgf_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], d
             measure=guidance["measure"].map(MEASURES),
             policy=guidance["policy"].map(algorithm_label),
             versus=guidance["versus"].map(algorithm_label),
-            **{f"difference [{lvl} CI]": [ci(a, b, c) for a, b, c in zip(guidance["diff"], guidance["low"], guidance["high"], strict=True)],
-               "p (Wilcoxon, Holm)": guidance["p_holm"].map(pval)},
+            **{"difference [family CI]": [ci(a, b, c) for a, b, c in zip(guidance["diff"], guidance["low"], guidance["high"], strict=True)],
+               "level": guidance.get("ci_level", pd.Series(1 - alpha, index=guidance.index)).map(lambda v: level(1 - v)),
+               "family p": guidance["p_family"].map(pval) if "p_family" in guidance else "·"},
         )  # fmt: skip
         g_md = markdown_table(
             g[["question", "measure", "policy", "versus", "n", "n_clusters",
-               f"difference [{lvl} CI]", "verdict", "p (Wilcoxon, Holm)"]].rename(
+               "difference [family CI]", "level", "verdict", "family p"]].rename(
                 columns={"n": "prompts", "n_clusters": "countries"})
         )  # fmt: skip
     return variables, {

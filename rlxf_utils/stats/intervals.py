@@ -21,14 +21,31 @@ def bootstrap_ci(
     clusters: Sequence[Hashable] | np.ndarray | None = None,
 ) -> tuple[float, float, float]:
     """Percentile bootstrap of the mean: (mean, low, high) at level 1 - alpha; NaNs are dropped.
+    (`bootstrap_reps` for the replicates themselves; see it for the cluster bootstrap.)"""
+    check_alpha(alpha)
+    mean, reps = bootstrap_reps(values, n_boot, seed, chunk, clusters)
+    if reps.size == 0:
+        return (mean, mean, mean)
+    low, high = np.quantile(reps, [alpha / 2, 1 - alpha / 2])
+    return (mean, float(low), float(high))
+
+
+def bootstrap_reps(
+    values: Iterable[float],
+    n_boot: int = 2000,
+    seed: int = 0,
+    chunk: int = 2_000_000,
+    clusters: Sequence[Hashable] | np.ndarray | None = None,
+) -> tuple[float, np.ndarray]:
+    """(mean, bootstrap replicates of the mean); NaNs are dropped. No replicates (an empty
+    array) when fewer than two units are left: the mean alone (NaN when none).
 
     With `clusters` (one label per value, e.g. the prompt's country), whole clusters are
     resampled and each resample's statistic is the mean of the values it holds: values that
     share a cluster are correlated, and treating them as independent makes the interval too
     narrow. Resampling is vectorised in chunks of at most `chunk` drawn indices, so memory stays
-    bounded; the result depends only on (values, clusters, n_boot, alpha, seed).
+    bounded; the result depends only on (values, clusters, n_boot, seed).
     """
-    check_alpha(alpha)
     if n_boot < 1:
         raise ValueError(f"n_boot must be >= 1; got {n_boot}")
     x = np.asarray(list(values) if not isinstance(values, np.ndarray) else values, dtype=float)
@@ -37,20 +54,14 @@ def bootstrap_ci(
         if g.shape != x.shape:
             raise ValueError(f"clusters need one label per value; got {g.shape} for {x.shape}")
         keep = ~np.isnan(x)
-        return _cluster_bootstrap_mean(x[keep], g[keep], n_boot, alpha, seed, chunk)
+        x, g = x[keep], g[keep]
+        if x.size == 0:
+            return (math.nan, np.empty(0))
+        _, inv = np.unique(g, return_inverse=True)
+        return _resampled_means(x, np.bincount(inv, weights=x), np.bincount(inv).astype(float),
+                                n_boot, seed, chunk)  # fmt: skip
     x = x[~np.isnan(x)]
-    return _resampled_means(x, x, np.ones(x.size), n_boot, alpha, seed, chunk)
-
-
-def _cluster_bootstrap_mean(
-    x: np.ndarray, g: np.ndarray, n_boot: int, alpha: float, seed: int, chunk: int
-) -> tuple[float, float, float]:
-    if x.size == 0:
-        return (math.nan, math.nan, math.nan)
-    _, inv = np.unique(g, return_inverse=True)
-    sums = np.bincount(inv, weights=x)
-    counts = np.bincount(inv).astype(float)
-    return _resampled_means(x, sums, counts, n_boot, alpha, seed, chunk)
+    return _resampled_means(x, x, np.ones(x.size), n_boot, seed, chunk)
 
 
 def _resampled_means(
@@ -58,18 +69,17 @@ def _resampled_means(
     sums: np.ndarray,
     counts: np.ndarray,
     n_boot: int,
-    alpha: float,
     seed: int,
     chunk: int,
-) -> tuple[float, float, float]:
-    """(mean of x, percentile CI) resampling units with replacement; each unit carries the sum and
+) -> tuple[float, np.ndarray]:
+    """(mean of x, replicates) resampling units with replacement; each unit carries the sum and
     count of its values (one value per unit for the plain bootstrap, a cluster's otherwise)."""
     c = sums.size
     if c == 0:
-        return (math.nan, math.nan, math.nan)
+        return (math.nan, np.empty(0))
     mean = float(x.mean())
     if c == 1:
-        return (mean, mean, mean)
+        return (mean, np.empty(0))
     rng = np.random.default_rng(seed)
     rows = max(1, chunk // c)
     means = np.empty(n_boot)
@@ -77,8 +87,45 @@ def _resampled_means(
         stop = min(n_boot, start + rows)
         idx = rng.integers(0, c, size=(stop - start, c))
         means[start:stop] = sums[idx].sum(axis=1) / counts[idx].sum(axis=1)
-    low, high = np.quantile(means, [alpha / 2, 1 - alpha / 2])
-    return (mean, float(low), float(high))
+    return (mean, means)
+
+
+def interval_p(replicates: np.ndarray) -> float:
+    """The p-value dual to the percentile interval of `replicates`: the smallest alpha at which
+    the interval (`np.quantile`'s linear rule, level 1 - alpha) excludes 0, i.e. 2 x the smaller
+    of the quantile levels at which the replicates' quantile function crosses 0. Exactly:
+    `interval_p(r) < a` if and only if that interval at level 1 - a lies above or below 0, so a
+    verdict read from the interval can never disagree with this test. NaN without replicates."""
+    x = np.sort(np.asarray(replicates, dtype=float))
+    x = x[~np.isnan(x)]
+    n = x.size
+    if n < 2:
+        return math.nan
+    # q_low: above it the quantile is > 0; q_high: below it the quantile is < 0
+    j = int(np.searchsorted(x, 0.0, side="right")) - 1  # last index with x <= 0
+    if j < 0:
+        q_low = 0.0
+    elif j >= n - 1:
+        q_low = 1.0
+    else:
+        q_low = (j + (0.0 - x[j]) / (x[j + 1] - x[j])) / (n - 1)
+    i = int(np.searchsorted(x, 0.0, side="left"))  # first index with x >= 0
+    if i <= 0:
+        q_high = 0.0
+    elif i >= n:
+        q_high = 1.0
+    else:
+        q_high = (i - 1 + (0.0 - x[i - 1]) / (x[i] - x[i - 1])) / (n - 1)
+    return float(min(1.0, 2 * min(q_low, 1.0 - q_high)))
+
+
+def family_alpha(alpha: float, m: int) -> float:
+    """The one multiplicity rule of the study: a family of m comparisons (one question asked of
+    several policies) is Bonferroni-adjusted, each interval at level 1 - alpha / m, so the
+    family's intervals hold together with probability at least 1 - alpha, and a verdict word is
+    given only where its interval excludes 0 (the family p-value, m x `interval_p`, < alpha)."""
+    check_alpha(alpha)
+    return alpha / max(int(m), 1)
 
 
 def check_alpha(alpha: float) -> None:

@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-from rlxf_utils.stats.intervals import bootstrap_ci
+from rlxf_utils.stats.intervals import bootstrap_ci, bootstrap_reps, family_alpha, interval_p
 
 
 def _rank_biserial(diff: np.ndarray) -> float:
@@ -32,18 +32,22 @@ def paired_comparison(
     seed: int = 0,
     alpha: float = 0.05,
     clusters: Sequence[Hashable] | np.ndarray | None = None,
+    family_size: int = 1,
 ) -> dict[str, float]:
     """Compare two policies on the same prompts (aligned per-prompt mean rewards), a minus b.
 
-    Returns the mean difference with a percentile-bootstrap CI over prompts, the paired t-test
-    p-value, the Wilcoxon signed-rank p-value, Cohen's d_z (mean diff / sd of diffs) and the
-    matched-pairs rank-biserial correlation. Pairs with a NaN on either side are dropped
+    The verdict's quantities share one unit, the prompt (each weighs the same): the mean
+    difference; its percentile-bootstrap interval at the family's level 1 - alpha / family_size
+    (`stats.family_alpha`: the study's one multiplicity rule; with `clusters`, one label per
+    prompt such as its country, whole clusters are resampled); `p_boot`, the p-value dual to that
+    bootstrap (`interval_p`: below alpha / family_size exactly when the interval excludes 0) and
+    `p_family` = min(1, family_size x p_boot), below alpha exactly when the verdict is given; and
+    Cohen's d_z = mean difference / SD of the per-prompt differences, whose sign is the
+    estimate's. Beside them, for reference: the paired t-test and Wilcoxon signed-rank p-values
+    and the matched-pairs rank-biserial correlation, on per-cluster mean differences
+    (`n_clusters` units) when clustered. Pairs with a NaN on either side are dropped
     (`n_dropped`). Degenerate cases are answered, not raised: all differences zero gives
     p = 1 and d_z = 0; a constant non-zero difference gives p = 0 and d_z = +/-inf.
-
-    With `clusters` (one label per prompt, e.g. its country) the CI resamples whole clusters and
-    the tests run on per-cluster mean differences (`n_clusters` units), since prompts of one
-    cluster are not independent.
     """
     a = np.asarray(per_prompt_a, dtype=float)
     b = np.asarray(per_prompt_b, dtype=float)
@@ -64,8 +68,18 @@ def paired_comparison(
     }
     if g is not None:
         g = g[keep]
-    mean_diff, low, high = bootstrap_ci(diff, n_boot=n_boot, alpha=alpha, seed=seed, clusters=g)
-    out.update(mean_diff=mean_diff, ci_low=low, ci_high=high)
+    a_family = family_alpha(alpha, family_size)
+    mean_diff, reps = bootstrap_reps(diff, n_boot=n_boot, seed=seed, clusters=g)
+    if reps.size:
+        low, high = (float(v) for v in np.quantile(reps, [a_family / 2, 1 - a_family / 2]))
+    else:
+        low = high = mean_diff
+    p_boot = interval_p(reps)
+    prompt_sd = float(diff.std(ddof=1)) if n > 1 else math.nan
+    out.update(mean_diff=mean_diff, ci_low=low, ci_high=high, family_size=int(family_size),
+               ci_level=1 - a_family, p_boot=p_boot,
+               p_family=min(1.0, family_size * p_boot) if not math.isnan(p_boot) else math.nan,
+               cohens_dz=_dz(mean_diff, prompt_sd))  # fmt: skip
     if g is not None:
         # the tests' units are the clusters: mean difference per cluster
         frame = pd.DataFrame({"g": g, "a": a, "b": b}).groupby("g", sort=True).mean()
@@ -74,27 +88,34 @@ def paired_comparison(
         n = int(diff.size)
         out["n_clusters"] = n
     if n < 2:
-        out.update(t_stat=math.nan, p_ttest=math.nan, p_wilcoxon=math.nan, cohens_dz=math.nan)
+        out.update(t_stat=math.nan, p_ttest=math.nan, p_wilcoxon=math.nan)
         out["rank_biserial"] = _rank_biserial(diff) if n else math.nan
         return out
-    sd = float(diff.std(ddof=1))
     if np.ptp(diff) <= 1e-12 * max(1.0, float(np.abs(diff).max())):
         # constant differences (up to rounding): ttest_rel gives NaN or noise; the answer is known.
-        zero = mean_diff == 0.0
-        out["t_stat"] = 0.0 if zero else math.copysign(math.inf, mean_diff)
+        zero = float(diff.mean()) == 0.0
+        out["t_stat"] = 0.0 if zero else math.copysign(math.inf, float(diff.mean()))
         out["p_ttest"] = 1.0 if zero else 0.0
-        out["cohens_dz"] = 0.0 if zero else math.copysign(math.inf, mean_diff)
     else:
         res = stats.ttest_rel(a, b)
         out["t_stat"] = float(res.statistic)
         out["p_ttest"] = float(res.pvalue)
-        out["cohens_dz"] = mean_diff / sd
     if np.all(diff == 0):
         out["p_wilcoxon"] = 1.0  # no evidence of any shift; scipy would warn or raise
     else:
         out["p_wilcoxon"] = float(stats.wilcoxon(diff, zero_method="wilcox").pvalue)
     out["rank_biserial"] = _rank_biserial(diff)
     return out
+
+
+def _dz(mean_diff: float, sd: float) -> float:
+    """Cohen's d_z on the prompt unit: 0 when nothing differs, +/-inf for a constant non-zero
+    difference, NaN without a spread to measure."""
+    if math.isnan(mean_diff) or math.isnan(sd):
+        return math.nan
+    if sd <= 1e-12 * max(1.0, abs(mean_diff)):
+        return 0.0 if mean_diff == 0.0 else math.copysign(math.inf, mean_diff)
+    return mean_diff / sd
 
 
 def holm(pvalues: Sequence[float] | np.ndarray) -> np.ndarray:
@@ -164,22 +185,25 @@ def paired_table(
     """Every policy vs `base` on their shared prompts, with Holm adjustment across policies.
 
     Rewards are averaged within each (policy, prompt) first; each comparison uses only the
-    prompts both policies were scored on. Holm is applied separately to the t-test and the
-    Wilcoxon p-values (columns `p_ttest_holm`, `p_wilcoxon_holm`). With `cluster_col` (a column
-    constant within a prompt, e.g. country) CIs and tests treat that cluster as the unit.
+    prompts both policies were scored on. The table is one family: each interval is at level
+    1 - alpha / m for its m comparisons and `p_family` decides the verdict
+    (`paired_comparison`). Holm is applied, for reference, to the t-test and the Wilcoxon
+    p-values (columns `p_ttest_holm`, `p_wilcoxon_holm`). With `cluster_col` (a column constant
+    within a prompt, e.g. country) intervals resample that cluster.
     """
     wide = per_prompt_means(df, reward_col, policy_col, prompt_col)
     if base not in wide.columns:
         raise KeyError(f"base policy {base!r} not in {list(wide.columns)}")
     cl = prompt_clusters(df, prompt_col, cluster_col)
     rows = []
+    m = sum(1 for pol in wide.columns if pol != base)
     for pol in wide.columns:
         if pol == base:
             continue
         pair = wide[[pol, base]].dropna()
         res = paired_comparison(
             pair[pol].to_numpy(), pair[base].to_numpy(), n_boot=n_boot, seed=seed, alpha=alpha,
-            clusters=None if cl is None else cl.loc[pair.index].to_numpy(),
+            clusters=None if cl is None else cl.loc[pair.index].to_numpy(), family_size=m,
         )  # fmt: skip
         rows.append({"policy": pol, "vs": base, **res})
     table = pd.DataFrame(rows)
