@@ -241,6 +241,48 @@ def test_prior_pull_keeps_particles_near_their_start():
     assert moved[50.0] < 0.5 * moved[0.0]
 
 
+def test_the_papers_prior_scaling_pulls_n_times_harder_than_map():
+    """Algorithm 2 adds eta ||phi - phi_0||^2 to each minibatch's loss (`paper`); `map` divides
+    it by the pairs of an epoch. At the paper's eta = 1, over 16 pairs the paper's pull keeps the
+    particle closer to its start than the MAP reading does."""
+    from rlxf_utils.rl.ilhf import prior_coefficient
+
+    assert prior_coefficient(ILHFConfig(prior_reg=1.0, prior_scaling="paper"), 256) == 1.0
+    assert prior_coefficient(ILHFConfig(prior_reg=1.0), 256) == 1.0 / 256
+    moved = {}
+    for scaling in ("map", "paper"):
+        torch.manual_seed(0)
+        model, tok = ensemble(particles=1)
+        ic = ILHFConfig(particles=1, learning_rate=1e-2, prior_reg=1.0, prior_scaling=scaling)
+        tr = ILHFTrainer(model, tok, ic, small_cfg(), "/tmp/unused", "ilhf_history")
+        prompt = tok("w10", add_special_tokens=False)["input_ids"]
+        pairs = [(prompt, tok("w20 <eos>")["input_ids"], tok("w30 <eos>")["input_ids"], 1.0)] * 16
+        for s in range(10):
+            tr.update(pairs, 1.0, 4, len(pairs), draw_seed=s)
+        moved[scaling] = float(tr._prior("p0"))
+    assert moved["paper"] < moved["map"]
+
+
+def test_one_particle_is_plain_ilhf_without_bootstrap(monkeypatch):
+    """particles: 1 draws no double-or-nothing weights (they resample nothing for one model)."""
+    calls = []
+    real = __import__("rlxf_utils.rl.ilhf", fromlist=["double_or_nothing"]).double_or_nothing
+    monkeypatch.setattr("rlxf_utils.rl.ilhf.double_or_nothing",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))  # fmt: skip
+    model, tok = ensemble(particles=1)
+    tr = ILHFTrainer(model, tok, ILHFConfig(particles=1, bootstrap=True), small_cfg(),
+                     "/tmp/unused", "ilhf_history")  # fmt: skip
+    prompt = tok("w10", add_special_tokens=False)["input_ids"]
+    pairs = [(prompt, tok("w20 <eos>")["input_ids"], tok("w30 <eos>")["input_ids"], 1.0)] * 4
+    tr.update(pairs, 1.0, 4, 4, draw_seed=0)
+    assert calls == []
+    model, tok = ensemble(particles=2)
+    tr = ILHFTrainer(model, tok, ILHFConfig(particles=2, bootstrap=True), small_cfg(),
+                     "/tmp/unused", "ilhf_history")  # fmt: skip
+    tr.update(pairs, 1.0, 4, 4, draw_seed=0)
+    assert calls  # two particles: each draws its weights
+
+
 def test_thompson_generation_uses_the_drawn_particle():
     model, tok = ensemble(particles=2, prior_scale=0.5)  # particles far apart: distinct samples
     prompts = ["w10 w11 w12"] * 6

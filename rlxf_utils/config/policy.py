@@ -282,8 +282,13 @@ class ILHFConfig(Section):
     prior_scale: float = Field(default=0.01, ge=0.0)
     """Sd of each particle's LoRA B matrices at initialisation (the paper's prior scale)."""
     prior_reg: float = Field(default=1.0, ge=0.0)
-    """Eta: the pull towards each particle's initial weights, eta / N * ||phi - phi_0||^2 with N
-    the pairs of an epoch (the MAP scaling of the paper's eta for a mean loss)"""
+    """Eta: the pull towards each particle's initial weights, scaled by `prior_scaling`."""
+    prior_scaling: Literal["map", "paper"] = "map"
+    """How eta enters each minibatch's mean loss. paper: + eta ||phi - phi_0||^2, as Algorithm 2
+    writes it (line 13); map: + eta / N ||phi - phi_0||^2 with N the pairs of one epoch's data
+    (history: every pair, N = history_max_pairs; online: the step's pairs, Algorithm 2's D^k), the
+    MAP reading of eta for a summed loss, in both variants (the default; the paper's phi is not
+    our LoRA weights, so its eta's scale does not carry over as such); paper.yaml runs paper."""
     bootstrap: bool = True
     """Double-or-nothing bootstrap weights per particle and pair (paper's Algorithm 2)."""
     learning_rate: float | None = Field(default=None, gt=0.0)

@@ -13,8 +13,16 @@ their one-token example). It is DPO at beta = 1 without a reference term.
 Ensemble (their Algorithm 2): M LoRA particles on the start policy, each initialised with its
 B matrices ~ N(0, prior_scale^2) (a perturbation of the start policy's weights); a particle drawn
 uniformly per prompt answers it (Thompson sampling); every particle trains on every episode with
-double-or-nothing bootstrap weights (w in {0, 2}) and a pull eta / N * ||phi - phi_0||^2 towards
-its own initial weights (N: the pairs of an epoch, the MAP scaling of their eta for a mean loss).
+double-or-nothing bootstrap weights (w in {0, 2}) and a pull towards its own initial weights: the
+paper's eta ||phi - phi_0||^2 per minibatch (`ilhf.prior_scaling: paper`) or, by default, its MAP
+reading eta / N ||phi - phi_0||^2 with N the pairs of one epoch's data in both variants (`map`).
+One particle is plain ILHF: unperturbed, unweighted.
+
+What the paper's setting does not carry over (the report's ILHF section says it): history mode's
+labels are deterministic (P = 1 for MET over Non-MET), so its loss has no finite optimum (the margin
+grows until the prior and the step count stop it); its P = 1/2 pairs of two different conditions
+of one context push their summed log-likelihoods together, which favours neither content but
+length; and nothing is sampled in history mode, so Thompson sampling has nothing to act on.
 
 Two ways to get pairs on MONA:
 
@@ -156,6 +164,12 @@ def history_pairs(rows: pd.DataFrame, max_pairs: int, per_context: int, seed: in
     return pairs.reset_index(drop=True)
 
 
+def prior_coefficient(ic: ILHFConfig, n_data: int) -> float:
+    """The weight of ||phi - phi_0||^2 in each minibatch's mean loss: eta (Algorithm 2, line 13;
+    `prior_scaling: paper`) or eta / N with N the pairs of one epoch (`map`)."""
+    return ic.prior_reg if ic.prior_scaling == "paper" else ic.prior_reg / max(n_data, 1)
+
+
 class ILHFTrainer(Trainer):
     """ILHF on an ensemble of LoRA particles (`add_particles`); writes to `output_dir`.
 
@@ -236,7 +250,8 @@ class ILHFTrainer(Trainer):
         n_data: int,
         draw_seed: int,
     ) -> dict[str, float]:
-        """Train each particle on `pairs`; `n_data` scales the prior (pairs per epoch)."""
+        """Train each particle on `pairs`; `n_data` (the pairs of an epoch) scales the prior under
+        `ilhf.prior_scaling: map`. One particle is plain ILHF: no bootstrap weights."""
         ic = self.ilhf
         total = max(1, math.ceil(len(pairs) * epochs / batch_pairs))
         losses, priors, acc, logits = [], [], [], {}
@@ -256,10 +271,10 @@ class ILHFTrainer(Trainer):
                 lp_a, lp_b = lp[: len(mb)], lp[len(mb) :]
                 p_a = torch.tensor([q for *_, q in mb], device=lp.device)
                 w = (torch.as_tensor(double_or_nothing(len(mb), rng), device=lp.device)
-                     if ic.bootstrap else None)  # fmt: skip
+                     if ic.bootstrap and len(self.names) > 1 else None)  # fmt: skip
                 loss = ilhf_loss(lp_a.float(), lp_b.float(), p_a, w)
                 prior = self._prior(name)
-                total_loss = loss + ic.prior_reg / max(n_data, 1) * prior
+                total_loss = loss + prior_coefficient(ic, n_data) * prior
                 opt = self.optimizers[name]
                 opt.zero_grad(set_to_none=True)
                 total_loss.backward()
@@ -514,10 +529,14 @@ def run_ilhf(job: TrainJob) -> pd.DataFrame:
             f"unknown ILHF algorithm {algo!r}; expected 'ilhf_history' or 'ilhf_online'"
         )
     seed_everything(job.seed)
-    model = add_particles(job.model, job.policy.lora, ic.particles, ic.prior_scale, job.seed)
+    # one particle is plain ILHF: it starts at the start policy (no perturbation, no bootstrap)
+    scale = ic.prior_scale if ic.particles > 1 else 0.0
+    model = add_particles(job.model, job.policy.lora, ic.particles, scale, job.seed)
     args = (model, job.tokenizer, ic, job.rl, out, algo, job.seed, job.policy.autocast)
-    common = {"particles": ic.particles, "prior_scale": ic.prior_scale, "prior_reg": ic.prior_reg,
-              "bootstrap": ic.bootstrap, "learning_rate": ic.learning_rate or job.rl.learning_rate,
+    common = {"particles": ic.particles, "prior_scale": scale, "prior_reg": ic.prior_reg,
+              "prior_scaling": ic.prior_scaling,
+              "bootstrap": ic.bootstrap and ic.particles > 1,
+              "learning_rate": ic.learning_rate or job.rl.learning_rate,
               "kl_penalty": "none (the ensemble's pull towards its initial weights)",
               "advantage": "none: the policy's log-likelihoods are the reward (ILHF loss)"}  # fmt: skip
     if algo == "ilhf_history":
