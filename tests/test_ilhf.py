@@ -23,6 +23,7 @@ from rlxf_utils.models.ensemble import (
 from rlxf_utils.models.generation import generate
 from rlxf_utils.rl.didactic import didactic
 from rlxf_utils.rl.ilhf import (
+    ILHFHistoryTrainer,
     ILHFOnlineTrainer,
     ILHFTrainer,
     double_or_nothing,
@@ -351,6 +352,33 @@ def test_online_resume_matches_uninterrupted(tmp_path):
     got = resumed.train(progress=False)
     cols = ["reward_mean", "ilhf_loss", "kl"]
     assert np.allclose(got[cols].to_numpy(float), want[cols].to_numpy(float), atol=1e-5)
+
+
+def history(tmp_path):
+    model, tok = ensemble(particles=2)
+    prompt = tok("w10", add_special_tokens=False)["input_ids"]
+    pairs = [(prompt, tok(f"w{20 + i} <eos>")["input_ids"], tok(f"w{40 + i} <eos>")["input_ids"],
+              1.0 if i % 2 else 0.5) for i in range(16)]  # fmt: skip
+    ic = ILHFConfig(particles=2, learning_rate=3e-3, history_batch_pairs=4)
+    cfg = small_cfg(checkpoint_every=2)
+    return ILHFHistoryTrainer(model, tok, ic, cfg, tmp_path, "ilhf_history", seed=0, pairs=pairs)
+
+
+def test_history_resume_matches_uninterrupted(tmp_path):
+    """16 pairs in steps of 4: 4 steps; a run cut after step 2 resumes from its checkpoint and
+    ends where an uninterrupted one does (same pairs, bootstrap draws and particles)."""
+    want = history(tmp_path / "a")
+    log_a = want.train(progress=False)
+    assert list(log_a["step"]) == [1, 2, 3, 4]
+    history(tmp_path / "b").train(steps=2, progress=False)
+    resumed = history(tmp_path / "b")
+    assert resumed.load_checkpoint() and resumed.step == 2
+    log_b = resumed.train(progress=False)
+    cols = ["ilhf_loss", "prior_loss"]
+    np.testing.assert_allclose(log_b[cols].to_numpy(float), log_a[cols].to_numpy(float), atol=1e-5)
+    for (n, p1), (_, p2) in zip(want.model.named_parameters(), resumed.model.named_parameters(),
+                                strict=True):  # fmt: skip
+        assert torch.allclose(p1, p2, atol=1e-6), n
 
 
 def test_run_marker_and_bad_model(tmp_path):

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pandas as pd
 import pytest
-from test_ppo import small_cfg, tiny_tokenizer, toy_contexts, toy_reward
+from test_ppo import dense_reward, small_cfg, tiny_tokenizer, toy_contexts, toy_reward
 from tiny import tiny_llama
 
 from rlxf_utils.config import LoraSettings, PolicyConfig
@@ -33,7 +33,8 @@ def test_trl_one_step(tmp_path, algo):
     prompts, contexts = toy_contexts(8)
     rl = small_cfg(steps=1, batch_size=4, num_generations=2, minibatch_size=4)
     policy = PolicyConfig(lora=LoraSettings(rank=4, alpha=8, target_modules=["q_proj", "v_proj"]))
-    log = run_trl(TrainJob(algo, model, tok, prompts, contexts, toy_reward, rl, policy,
+    # a reward that differs within a prompt's group, so the group baseline leaves an advantage
+    log = run_trl(TrainJob(algo, model, tok, prompts, contexts, dense_reward, rl, policy,
                            tmp_path / algo, progress=False))  # fmt: skip
     assert list(log.columns) == list(LOG_COLUMNS)
     assert len(log) == 1 and log.algo.iloc[0] == algo
@@ -41,6 +42,12 @@ def test_trl_one_step(tmp_path, algo):
     assert (tmp_path / algo / "adapter" / "adapter_model.safetensors").is_file()
     assert (tmp_path / algo / "train_log.parquet").is_file()
     assert (tmp_path / algo / "samples.jsonl").is_file()
+    # the step learned: LoRA's B matrices start at zero and the update moved them
+    from safetensors.torch import load_file
+
+    weights = load_file(str(tmp_path / algo / "adapter" / "adapter_model.safetensors"))
+    b = [w for k, w in weights.items() if "lora_B" in k]
+    assert b and any(w.abs().max() > 0 for w in b)
 
 
 @pytest.mark.parametrize("algo", ["grpo", "rloo"])
