@@ -572,7 +572,9 @@ def test_frontier_points_score_every_algorithms_snapshots(tmp_path, monkeypatch)
                            load_snapshot=lambda algo, path: loaded.append((algo, path.parent.name)) or "snapshot")  # fmt: skip
 
     def fake_sample(pset_, name, prompts, k, kw, batch, desc, judges):
-        return pd.DataFrame({"prompt_id": range(len(prompts)), "logp_policy": -4.0, "n_tokens": 5})
+        return pd.DataFrame(
+            {"prompt_id": range(len(prompts)), "sample_id": 0, "logp_policy": -4.0, "n_tokens": 5}
+        )
 
     def fake_rewards(df, contexts, reward_model, audit_model, batch):
         df["reward"], df["audit_reward"] = 0.5, 0.6

@@ -338,3 +338,41 @@ def test_a_killed_study_resumes_to_the_same_artifacts(smoke_run: Path, tmp_path:
     result = compare_runs(smoke_run, run_dir)
     assert result.same, {s: result.paths(s) for s in ("differs", "missing", "extra")}
     assert result.paths("identical"), "nothing was compared"
+
+
+@pytest.mark.slow
+def test_a_further_seed_of_the_smoke_run(smoke_run: Path, tmp_path: Path) -> None:
+    """`rlxf seeds` on (a hard-linked copy of) the smoke run: one further training seed trains
+    every algorithm again on the run's reward model and SFT policies, which it does not retrain,
+    evaluates it on the same prompts, and the run gets the across-seed table; the report
+    includes it."""
+    import os
+    import shutil
+
+    import pandas as pd
+
+    from rlxf_utils.cli import main
+    from rlxf_utils.report.render import load_variables, render_report
+
+    run_dir = tmp_path / "smoke"
+    shutil.copytree(smoke_run, run_dir, copy_function=os.link)
+    assert main(["seeds", "--run-dir", str(run_dir), "--seeds", "11", "--quiet"]) == 0
+    seed = run_dir / "seeds" / "seed_11"
+    for rel in ("reward_model/bundle.json", "policy/sft/adapter/adapter_model.safetensors"):
+        assert (seed / rel).samefile(run_dir / rel), rel  # reused, not retrained
+    a = pd.read_parquet(run_dir / "policy/ppo/train_log.parquet")
+    b = pd.read_parquet(seed / "policy/ppo/train_log.parquet")
+    assert not a["reward_mean"].equals(b["reward_mean"])  # another training seed
+    same = ["prompt_id", "sample_id"]
+    sa = pd.read_parquet(run_dir / "eval/samples.parquet")
+    sb = pd.read_parquet(seed / "eval/samples.parquet")
+    base_a, base_b = (s[s.policy == "sft"][[*same, "response"]] for s in (sa, sb))
+    assert base_a.reset_index(drop=True).equals(
+        base_b.reset_index(drop=True)
+    )  # same prompts, seeds
+    table = pd.read_csv(run_dir / "tables/eval_seeds.csv")
+    pooled = table[table["seed"] == "pooled"]
+    algos = json.loads((run_dir / "manifest.json").read_text())["params"]["rl"]["algorithm"]
+    assert set(pooled["algorithm"]) == set(algos) and (pooled["seeds"] == 2).all()
+    render_report(run_dir, engine="pandoc")
+    assert load_variables(run_dir)["seeds"]["seeds"] == "2"

@@ -67,18 +67,15 @@ def _toy(seed: int = 0):
         [{"prompt_id": p, "sample_id": j, "response": f"r{p}-{j}", "reward": rng.random(),
           "audit_reward": rng.random() * 0.1} for p in prompts for j in range(8)]
     )  # fmt: skip
-    samples = pd.concat(
-        [
-            pd.DataFrame(
-                {"policy": "sft", "prompt_id": prompts, "reward": 0.5, "audit_reward": 0.4}
-            ),
-            pd.DataFrame(
-                {"policy": "ppo", "prompt_id": prompts, "reward": 0.7, "audit_reward": 0.3}
-            ),
-        ]
+    # sft drew two samples per prompt (proxy 0.4 and 0.6, mean 0.5); the snapshot only sample 0
+    frame = lambda pol, sid, r, g: pd.DataFrame(  # noqa: E731
+        {"policy": pol, "prompt_id": prompts, "sample_id": sid, "reward": r, "audit_reward": g}
     )
-    snaps = pd.DataFrame({"algo": "ppo", "step": 4, "prompt_id": prompts, "reward": 0.6,
-                          "audit_reward": 0.4, "logp_policy": -10.0, "logp_ref": -11.0})  # fmt: skip
+    samples = pd.concat([frame("sft", 0, 0.4, 0.4), frame("sft", 1, 0.6, 0.4),
+                         frame("ppo", 0, 0.7, 0.3), frame("ppo", 1, 0.7, 0.3)])  # fmt: skip
+    snaps = pd.DataFrame({"algo": "ppo", "step": 4, "prompt_id": prompts, "sample_id": 0,
+                          "reward": 0.5, "audit_reward": 0.4, "logp_policy": -10.0,
+                          "logp_ref": -11.0})  # fmt: skip
     summary = pd.DataFrame({"policy": ["sft", "ppo"], "kl": [0.0, 2.25], "kl_se": [0.0, 0.1]})
     return samples, snaps, pool, summary, countries
 
@@ -93,6 +90,7 @@ def test_points_are_paired_gains_against_sqrt_kl():
     assert bon.loc[8, "kl"] == pytest.approx(best_of_n_kl_bound(8))
     assert bon["proxy"].is_monotonic_increasing  # the max of more candidates
     ppo = pts[pts["method"] == "ppo"].set_index("point")
+    # the snapshot (sample 0 only) against sft's own sample 0: 0.5 - 0.4, not 0.5 - 0.5
     assert ppo.loc[4, "kl"] == pytest.approx(1.0) and ppo.loc[4, "proxy"] == pytest.approx(0.1)
     assert ppo.loc[8, "sqrt_kl"] == pytest.approx(1.5)
     assert ppo.loc[8, "proxy"] == pytest.approx(0.2) and ppo.loc[8, "gold"] == pytest.approx(-0.1)
@@ -125,7 +123,10 @@ def test_report_section_reads_every_verdict_from_an_interval(tmp_path):
     run.write_table("eval_overoptimisation_fit", overoptimisation_fits(pts))
     variables, files = overopt_section(run)
     # PPO: proxy +0.2 and gold -0.1 at every prompt: both intervals exclude zero
-    assert "PPO at its farthest point (step 8, √KL 1.50) raised the proxy" in variables["sentence"]
+    assert (
+        "PPO at its farthest point (its final policy, √KL 1.50) raised the proxy"
+        in variables["sentence"]
+    )
     assert "lowered the gold" in variables["sentence"]
     assert "best-of-8" in variables["sentence"]
     assert "100% of the prompts" in variables["distinct_sentence"]

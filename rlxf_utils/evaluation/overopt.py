@@ -105,15 +105,24 @@ def overoptimisation_points(
     `logp_policy`, `logp_ref`); `summary`: evaluation's summary (final policies' `kl`, `kl_se`);
     `final_step`: the step of the final policies (`rl.steps`); `clusters`: the country of each
     prompt_id. Best-of-n's gains are over the pool's own n = 1 (its start-policy level, same
-    candidates), the policies' over `start`'s samples."""
-    base = {
-        col: samples[samples["policy"] == start].groupby("prompt_id")[col].mean() for col in REWARDS
-    }
+    candidates), the policies' over `start`'s samples with the same sample ids (`base_for`)."""
+    own = samples[samples["policy"] == start]
+
+    def base_for(frame: pd.DataFrame) -> dict[str, pd.Series]:
+        """The start policy's per-prompt mean over the sample ids `frame` holds: a snapshot drawn
+        with fewer samples per prompt is compared with the start policy's same draws (the same
+        sampling seeds), so a policy that has not moved gains exactly 0."""
+        mine = own
+        if "sample_id" in frame and "sample_id" in own:
+            mine = own[own["sample_id"].isin(set(frame["sample_id"]))]
+        return {col: mine.groupby("prompt_id")[col].mean() for col in REWARDS}
+
     rows = []
     ns = sorted({1, *ns})  # n = 1 is the pool's own start-policy level: every n's gain is paired
     exp = best_of_n_expectations(pool, ns)
     for n in ns:
-        rec = {"method": "best_of_n", "point": int(n), "kl": best_of_n_kl_bound(n), "kl_se": 0.0}
+        rec = {"method": "best_of_n", "point": int(n), "source": "best_of_n",
+               "kl": best_of_n_kl_bound(n), "kl_se": 0.0}  # fmt: skip
         for col, key in zip(REWARDS, ("proxy", "gold"), strict=True):
             gain = exp[col][n] - exp[col][1]
             rec[key], rec[f"{key}_low"], rec[f"{key}_high"] = _gain_ci(
@@ -126,14 +135,14 @@ def overoptimisation_points(
         if len(snapshots):
             for step, g in snapshots[snapshots["algo"] == algo].groupby("step", sort=True):
                 k = kl_estimate(g["logp_policy"], g["logp_ref"])
-                parts.append((int(step), g, k["kl"], k["kl_se"]))
+                parts.append((int(step), "snapshot", g, k["kl"], k["kl_se"]))
         fin = samples[samples["policy"] == algo]
         if len(fin) and algo in kl_of.index:
-            parts.append(
-                (final_step, fin, float(kl_of.loc[algo, "kl"]), float(kl_of.loc[algo, "kl_se"]))
-            )
-        for step, g, kl, kl_se in parts:
-            rec = {"method": algo, "point": step, "kl": kl, "kl_se": kl_se}
+            kl, kl_se = float(kl_of.loc[algo, "kl"]), float(kl_of.loc[algo, "kl_se"])
+            parts.append((final_step, "final", fin, kl, kl_se))
+        for step, source, g, kl, kl_se in parts:
+            rec = {"method": algo, "point": step, "source": source, "kl": kl, "kl_se": kl_se}
+            base = base_for(g)
             for col, key in zip(REWARDS, ("proxy", "gold"), strict=True):
                 gain = g.groupby("prompt_id")[col].mean() - base[col]
                 rec[key], rec[f"{key}_low"], rec[f"{key}_high"] = _gain_ci(

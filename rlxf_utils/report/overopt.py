@@ -53,9 +53,10 @@ def overopt_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
         )
     for _, g in pts[pts["method"] != "best_of_n"].groupby("method", sort=False):
         far = g.loc[g["sqrt_kl"].idxmax()]
+        where = ("its final policy" if far.get("source") == "final"
+                 else f"its step-{int(far['point'])} snapshot")  # fmt: skip
         clauses.append(
-            f"{far['label']} at its farthest point (step {int(far['point'])}, √KL "
-            f"{far['sqrt_kl']:.2f}) {_pair(far)}"
+            f"{far['label']} at its farthest point ({where}, √KL {far['sqrt_kl']:.2f}) {_pair(far)}"
         )
     sentence = (
         f"Gains over `{start}` on the held-out prompts, {lvl} cluster-bootstrap intervals over "
