@@ -40,7 +40,6 @@ import pandas as pd
 import torch
 from torch import nn
 
-from rlxf_utils.algorithms import algorithm
 from rlxf_utils.artifacts import atomic_path
 from rlxf_utils.config import CRITIC_INIT, RLConfig
 from rlxf_utils.models.generation import (
@@ -71,8 +70,8 @@ from rlxf_utils.rl.core import (
     value_loss,
     whiten,
 )
+from rlxf_utils.rl.mle import context_prompt, mle_loss, mle_settings
 from rlxf_utils.rl.rollout import ForcedPrefix, Prepared, Rollout
-from rlxf_utils.rl.sft import SFTExample, collate, met_references, target_nll
 from rlxf_utils.rl.trainer import TrainJob, write_settings
 from rlxf_utils.runtime import seed_everything
 
@@ -380,36 +379,13 @@ class PPOTrainer(AcceleratedTrainer):
             kl_tokens=kl_tokens, entropy=entropy, value_prior=prior,
         )  # fmt: skip
 
-    # -- the paper's MLE term on historical MET descriptions ------------------------------------
+    # -- the paper's MLE term on historical MET descriptions (`rl.mle`) ------------------------
     def extra_loss(self, ro: Rollout, mb: torch.Tensor) -> torch.Tensor | None:
-        """eta * mean NLL of one historical MET description per context in the minibatch,
-        through the (DDP-wrapped) module: `update` backpropagates it on its own, so that DDP
-        averages its gradient over the processes like the PPO loss's."""
-        if self.mle_coef == 0:
-            return None
-        ctx = sorted({ro.context_idx[int(i)] for i in mb})
-        rng = np.random.default_rng([self.seed, self.step, 2])
-        examples = []
-        for c in ctx:
-            refs = self.references[c]
-            if refs:
-                examples.append(SFTExample(self._prompt(c), refs[int(rng.integers(len(refs)))]))
-        if not examples:
-            return None
-        batch = collate(examples, self.tokenizer.pad_token_id)
-        batch = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()}
-        with self._autocast():
-            logits, _ = self.module(
-                batch["input_ids"], batch["attention_mask"], int(batch["n_tail"]), with_values=False
-            )
-        nll, mask = target_nll(logits, batch)
-        return self.mle_coef * nll.sum() / mask.sum().clamp(min=1)
+        """A loss added to each minibatch's: the MLE term (`rl.mle.mle_loss`; None without it)."""
+        return mle_loss(self, ro, mb)
 
     def _prompt(self, c: int) -> list[int]:
-        if c not in self._prompt_ids:
-            enc = self.encode([c])
-            self._prompt_ids[c] = enc["input_ids"][0].tolist()
-        return self._prompt_ids[c]
+        return context_prompt(self, c)
 
     # -- phase 3: the update --------------------------------------------------------------------
     def update(self, ro: Rollout, pp: Prepared) -> dict[str, list[float]]:
@@ -611,16 +587,6 @@ def ppo_loss_settings(rl: RLConfig, advantage: str) -> dict[str, Any]:
         "vf_coef": rl.vf_coef, "approx_kl_stop": rl.approx_kl_stop,
         "critic_init": CRITIC_INIT[rl.critic_init],
     }  # fmt: skip
-
-
-def mle_settings(job: TrainJob, model: Any) -> dict[str, Any]:
-    """The MLE term's arguments for a trainer (`references`, `mle_coef`): the RLGF paper's
-    eta x NLL of historical MET descriptions for an algorithm registered with `mle`, else none."""
-    if not algorithm(job.algo).mle:
-        return {"references": None, "mle_coef": 0.0}
-    cfg, run_dir = job.require_study()
-    refs = met_references(cfg, run_dir, job.contexts, job.tokenizer, model)
-    return {"references": refs, "mle_coef": cfg.rlgf.mle_coef}
 
 
 def run_ppo(job: TrainJob) -> pd.DataFrame:
