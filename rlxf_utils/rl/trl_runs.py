@@ -117,7 +117,7 @@ def run_trl(job: TrainJob) -> pd.DataFrame:
     base_model, tokenizer = job.model, job.tokenizer
     prompts, contexts, reward_fn = job.prompts, job.contexts, job.reward_fn
     rl, policy, output_dir, seed = job.rl, job.policy, job.output_dir, job.seed
-    progress, steps, generation_kwargs = job.progress, job.n_steps, job.generation_kwargs
+    steps, generation_kwargs = job.n_steps, job.generation_kwargs
     seed_everything(seed)
     # The dataset is PPO's prompt schedule laid out step by step and read unshuffled: every
     # algorithm answers the same prompts at the same step.
@@ -130,11 +130,9 @@ def run_trl(job: TrainJob) -> pd.DataFrame:
     dataset = Dataset.from_list(rows)
     per_batch = rl.optimizer_steps_per_batch
     args = Config(
-        output_dir=str(output_dir / "trl"),
         # completions per optimiser step, over all processes (as PPO's minibatch)
         per_device_train_batch_size=rl.minibatch_size // world_size(),
         steps_per_generation=rl.batch_size // rl.minibatch_size,  # generation batch = rl.batch_size
-        gradient_accumulation_steps=1,
         shuffle_dataset=False,
         num_generations=rl.num_generations,
         max_completion_length=rl.max_new_tokens,
@@ -142,32 +140,12 @@ def run_trl(job: TrainJob) -> pd.DataFrame:
         top_p=rl.top_p,
         top_k=0,
         generation_kwargs=dict(generation_kwargs) if generation_kwargs else None,
-        learning_rate=rl.learning_rate,
         beta=rl.kl_coef,  # KL to the adapter-disabled reference, as in PPO
         epsilon=rl.clip_range,
-        max_grad_norm=rl.max_grad_norm,
         num_iterations=rl.update_epochs,  # passes over each generation batch, as PPO's epochs
-        max_steps=steps * per_batch,  # TRL counts optimiser steps
-        logging_steps=1,
-        # Trainer checkpoints (adapter, optimiser, RNG, data position) at generation-batch
-        # boundaries every `checkpoint_every` batches, the last one kept: an interrupted run
-        # resumes there (with its log rows, saved beside each checkpoint by _HistoryCallback)
-        save_strategy="steps",
-        save_steps=rl.checkpoint_every * per_batch,
-        save_total_limit=1,
-        report_to="none",
-        push_to_hub=False,
-        seed=seed,
-        data_seed=seed,
-        disable_tqdm=not progress,
-        dataloader_num_workers=0,
-        remove_unused_columns=False,
-        use_cpu=not torch.cuda.is_available(),
-        bf16=policy.dtype == "bfloat16" and torch.cuda.is_available(),  # autocast: see train()
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        gradient_checkpointing=rl.gradient_checkpointing,  # TRL defaults to True; PPO matches
-    )
+        remove_unused_columns=False,  # the context columns reach the reward function
+        **trainer_arguments(job, max_steps=steps * per_batch, save_steps=rl.checkpoint_every * per_batch),
+    )  # fmt: skip
     history: list[dict[str, Any]] = []
 
     class _LogCallback(TrainerCallback):
@@ -215,41 +193,9 @@ def run_trl(job: TrainJob) -> pd.DataFrame:
                 "%s step %d: reward %.4f kl %.3f", algo, row["step"], row["reward_mean"], row["kl"]
             )
 
-    class _SnapshotCallback(TrainerCallback):
-        """At the end of each generation batch: its wall time (generation and every optimiser
-        step, as PPO's step time counts them) into the log row; every `checkpoint_every` batches
-        the adapter, for the reward-KL frontier."""
-
-        last = time.perf_counter()
-
-        def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-            self.last = time.perf_counter()
-
-        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-            step, rest = divmod(int(state.global_step), per_batch)
-            if rest:
-                return
-            now = time.perf_counter()
-            if history and history[-1]["step"] == step:  # noqa: B023
-                history[-1]["step_time_s"] = now - self.last  # noqa: B023
-            self.last = now
-            if step % rl.checkpoint_every == 0 and step < steps:
-                _save_snapshot(trainer, output_dir, step)
-
-    class _HistoryCallback(TrainerCallback):
-        """The log rows so far, written into each checkpoint Trainer saves."""
-
-        def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-            ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-            if ckpt.is_dir() and state.is_world_process_zero:
-                with atomic_path(ckpt / HISTORY_FILE) as tmp:
-                    tmp.write_text(json.dumps(to_jsonable(history)), encoding="utf-8")  # noqa: B023
-
-    resume = _latest_trl_checkpoint(output_dir / "trl")
-    if resume is not None:
-        history.extend(json.loads((resume / HISTORY_FILE).read_text(encoding="utf-8")))
-        log.info("%s: resuming from %s (%d batches logged)", algo, resume, len(history))
+    resume = resume_history(output_dir, history, algo)
     cb = _LogCallback()
+    holder = TrainerHolder()
     trainer = Trainer(
         model=base_model,
         reward_funcs=trl_reward_function(reward_fn, rl.response_postprocess),
@@ -257,8 +203,9 @@ def run_trl(job: TrainJob) -> pd.DataFrame:
         train_dataset=dataset,
         processing_class=trl_tokenizer(tokenizer, prompts),
         peft_config=lora_config(policy.lora),
-        callbacks=[cb, _SnapshotCallback(), _HistoryCallback()],
-    )
+        callbacks=[cb, *bookkeeping_callbacks(holder, history, per_batch, steps, rl.checkpoint_every, output_dir)],
+    )  # fmt: skip
+    holder.trainer = trainer
     write_settings(output_dir, algo, rl, {
         "kl_penalty": "k3 estimator in the loss, fixed beta" if algo == "grpo"
         else "sequence log-ratio to the reference subtracted from the reward, fixed beta",
@@ -272,21 +219,7 @@ def run_trl(job: TrainJob) -> pd.DataFrame:
     with autocast(policy.autocast, trainer.accelerator.device):
         trainer.train(resume_from_checkpoint=str(resume) if resume is not None else None)
     frame = pd.DataFrame(history, columns=list(LOG_COLUMNS))
-    if trainer.accelerator.is_main_process:
-        peft_model = trainer.accelerator.unwrap_model(trainer.model)
-        del peft_model.generate  # drop the timer before saving
-        atomic_dir(output_dir / "adapter", lambda d: peft_model.save_pretrained(d))
-        with atomic_path(output_dir / "train_log.parquet") as tmp:
-            frame.to_parquet(tmp, index=False)
-        n = min(4, len(prompts))
-        with autocast(policy.autocast, trainer.accelerator.device):
-            texts = sample_responses(peft_model, tokenizer, prompts[:n], rl, seed=seed)
-        scores = reward_fn([dict(c) for c in contexts[:n]], texts)
-        samples = [
-            {"step": steps, **{k: contexts[i][k] for k in CONTEXT_FIELDS}, "response": texts[i], "reward": float(scores[i])}
-            for i in range(n)
-        ]  # fmt: skip
-        write_jsonl(output_dir / "samples.jsonl", samples, ensure_ascii=True)
+    finish_trl_run(trainer, job, frame)
     return frame
 
 
@@ -314,3 +247,121 @@ def _save_snapshot(trainer: Any, output_dir: Path, step: int) -> None:
         output_dir / "snapshots" / f"step_{step:06d}",
         lambda d: save_file(state, str(d / "adapter_model.safetensors")),
     )
+
+
+# -- what every run in TRL's Trainer shares (GRPO, RLOO and the offline methods, `rl.offline`) ----
+def trainer_arguments(job: TrainJob, max_steps: int, save_steps: int) -> dict[str, Any]:
+    """The TrainingArguments every TRL run of the study shares: LoRA's learning rate, clipping,
+    a constant schedule, `max_steps` optimiser steps, checkpoints every `save_steps` (the last
+    kept; an interrupted run resumes there), the run's seed, CPU or CUDA, and the autocast and
+    gradient checkpointing of PPO."""
+    rl, policy = job.rl, job.policy
+    return dict(
+        output_dir=str(job.output_dir / "trl"),
+        gradient_accumulation_steps=1,
+        learning_rate=rl.learning_rate,
+        max_grad_norm=rl.max_grad_norm,
+        max_steps=max_steps,  # TRL counts optimiser steps
+        logging_steps=1,
+        # Trainer checkpoints (adapter, optimiser, RNG, data position) every `save_steps`, the
+        # last one kept: an interrupted run resumes there (with its log rows, saved beside each
+        # checkpoint by `HistoryCallback`)
+        save_strategy="steps",
+        save_steps=save_steps,
+        save_total_limit=1,
+        report_to="none",
+        push_to_hub=False,
+        seed=job.seed,
+        data_seed=job.seed,
+        disable_tqdm=not job.progress,
+        dataloader_num_workers=0,
+        use_cpu=not torch.cuda.is_available(),
+        bf16=policy.dtype == "bfloat16" and torch.cuda.is_available(),  # autocast: see train()
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        gradient_checkpointing=rl.gradient_checkpointing,  # TRL defaults to True; PPO matches
+    )
+
+
+class TrainerHolder:
+    """The Trainer, set once it exists (the callbacks are built before it)."""
+
+    trainer: Any = None
+
+
+def bookkeeping_callbacks(
+    holder: TrainerHolder,
+    history: list[dict[str, Any]],
+    per_batch: int,
+    steps: int,
+    checkpoint_every: int,
+    output_dir: Path,
+) -> list[Any]:
+    """A snapshot callback (at the end of each batch of `per_batch` optimiser steps: its wall
+    time into the log row of that step; every `checkpoint_every` batches the adapter, for the
+    reward-KL frontier) and a history callback (the log rows so far, written into each
+    checkpoint Trainer saves)."""
+    from transformers import TrainerCallback
+
+    class _SnapshotCallback(TrainerCallback):
+        last = time.perf_counter()
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            self.last = time.perf_counter()
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            step, rest = divmod(int(state.global_step), per_batch)
+            if rest:
+                return
+            now = time.perf_counter()
+            if history and history[-1]["step"] == step:
+                history[-1]["step_time_s"] = now - self.last
+            self.last = now
+            if step % checkpoint_every == 0 and step < steps:
+                _save_snapshot(holder.trainer, output_dir, step)
+
+    class _HistoryCallback(TrainerCallback):
+        def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            if ckpt.is_dir() and state.is_world_process_zero:
+                with atomic_path(ckpt / HISTORY_FILE) as tmp:
+                    tmp.write_text(json.dumps(to_jsonable(history)), encoding="utf-8")
+
+    return [_SnapshotCallback(), _HistoryCallback()]
+
+
+def resume_history(output_dir: Path, history: list[dict[str, Any]], algo: str) -> Path | None:
+    """The newest complete Trainer checkpoint under `output_dir/trl` (None: train afresh), its
+    log rows appended to `history`."""
+    resume = _latest_trl_checkpoint(output_dir / "trl")
+    if resume is not None:
+        history.extend(json.loads((resume / HISTORY_FILE).read_text(encoding="utf-8")))
+        log.info("%s: resuming from %s (%d rows logged)", algo, resume, len(history))
+    return resume
+
+
+def finish_trl_run(trainer: Any, job: TrainJob, frame: pd.DataFrame) -> None:
+    """The final adapter, the log and a few scored samples of training prompts, each atomically
+    (main process)."""
+    if not trainer.accelerator.is_main_process:
+        return
+    peft_model = trainer.accelerator.unwrap_model(trainer.model)
+    if "generate" in vars(peft_model):
+        del peft_model.generate  # drop GRPO's timer before saving
+    out, rl, prompts, contexts = job.output_dir, job.rl, job.prompts, job.contexts
+    atomic_dir(out / "adapter", lambda d: peft_model.save_pretrained(d))
+    with atomic_path(out / "train_log.parquet") as tmp:
+        frame.to_parquet(tmp, index=False)
+    n = min(4, len(prompts))
+    with autocast(job.policy.autocast, trainer.accelerator.device):
+        texts = sample_responses(peft_model, job.tokenizer, prompts[:n], rl, seed=job.seed)
+    scores = (
+        job.reward_fn([dict(c) for c in contexts[:n]], texts)
+        if job.reward_fn is not None
+        else [np.nan] * n
+    )
+    samples = [
+        {"step": job.n_steps, **{k: contexts[i][k] for k in CONTEXT_FIELDS}, "response": texts[i], "reward": float(scores[i])}
+        for i in range(n)
+    ]  # fmt: skip
+    write_jsonl(out / "samples.jsonl", samples, ensure_ascii=True)
