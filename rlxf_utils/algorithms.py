@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-Family = Literal["ppo", "trl", "rlgf", "ilhf"]
+Family = Literal["ppo", "trl", "rlgf", "ilhf", "offline"]
 
 #: What each family is, in words (the report's methods section and `settings.json`).
 FAMILIES: dict[str, str] = {
@@ -27,6 +27,7 @@ FAMILIES: dict[str, str] = {
     "trl": "group-baseline policy gradient through TRL (no critic)",
     "rlgf": "RL with guided feedback on our PPO (Chang et al., 2023)",
     "ilhf": "inclusive learning: the policy is its own reward (Xu et al., 2023)",
+    "offline": "learning from experience without RL: KTO, DPO, rejection-sampling fine-tuning",
 }
 
 
@@ -95,6 +96,12 @@ ALGORITHMS: dict[str, Algorithm] = {
             one_process=True,
             pairs=True,
         ),  # fmt: skip
+        # without RL (`rl.offline`): from MONA's outcomes, from historical pairs, from best-of-N
+        Algorithm("kto", "KTO", "offline", "rlxf_utils.rl.offline:run_offline", ("offline",)),
+        Algorithm("dpo", "DPO", "offline", "rlxf_utils.rl.offline:run_offline", ("offline",)),
+        Algorithm(
+            "rft", "RFT (best-of-N)", "offline", "rlxf_utils.rl.offline:run_offline", ("offline",)
+        ),  # fmt: skip
     )
 }
 
@@ -118,6 +125,10 @@ def of_family(family: Family) -> tuple[str, ...]:
 RLGF_ALGORITHMS: tuple[str, ...] = of_family("rlgf")
 #: Inclusive learning (`rl.ilhf`): the policy is its own reward; ensembles of LoRA particles.
 ILHF_ALGORITHMS: tuple[str, ...] = of_family("ilhf")
+#: Learning from experience without RL (`rl.offline`): KTO, DPO, rejection-sampling fine-tuning.
+OFFLINE_ALGORITHMS: tuple[str, ...] = of_family("offline")
+#: The RL algorithms proper (policy-gradient against the reward model): PPO, TRL's, the RLGF ones.
+RL_ALGORITHMS: tuple[str, ...] = (*of_family("ppo"), *of_family("trl"), *RLGF_ALGORITHMS)
 
 #: The supervised policies (`rl.sft`) and which outcomes each learns from.
 SFT_POLICIES: dict[str, str] = {"sft": "all", "sft_met": "met"}

@@ -191,10 +191,12 @@ def test_a_finished_algorithm_is_reused_only_while_its_inputs_are_unchanged(tmp_
     run()
     assert len(calls) == 2 and ckpt.is_dir()  # same run: its checkpoint is kept for the resume
     (run_dir / "policy/ppo/snapshots/step_000001").mkdir(parents=True)
+    (run_dir / "policy/ppo/pool.parquet").write_text("RFT's candidates, scored by the old reward")
     (run_dir / "reward_model/bundle.json").write_text('{"retrained": true}')
     run()
     assert len(calls) == 3  # the reward changed: retrained
     assert not ckpt.exists() and not (run_dir / "policy/ppo/snapshots").exists()  # nothing stale
+    assert not (run_dir / "policy/ppo/pool.parquet").exists()
     (run_dir / "policy/sft/adapter/adapter_model.safetensors").write_text("other sft")
     run()
     run()

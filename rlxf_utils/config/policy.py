@@ -303,3 +303,43 @@ class ILHFConfig(Section):
     """Ilhf_history: passes over the pairs."""
     history_max_tokens: int = Field(default=48, ge=1)
     """Ilhf_history: longest description kept (tokens; = rl.max_new_tokens in the profiles)."""
+
+
+class OfflineConfig(Section):
+    """Learning from experience without RL (`rl.offline`): KTO on MONA's outcomes (Ethayarajh et
+    al., 2024: a MET description desirable, a Non-MET one undesirable, unpaired), DPO on historical
+    pairs (Rafailov et al., 2023: a MET and a Non-MET description of one context) and
+    rejection-sampling fine-tuning (`rft`: the start policy's best of `rft_candidates` responses
+    per training context under the reward model, fine-tuned on; RAFT / ReST / expert iteration,
+    one round). KTO and DPO run in TRL's trainers, RFT in TRL's SFTTrainer; all three train the
+    RL algorithms' LoRA from the start policy, which is their reference.
+
+    Like for like with RL: each learns from `examples` sequences (null: rl.steps x
+    rl.batch_size, the responses an RL algorithm is trained on; DPO: half as many pairs), drawn
+    from the rows and contexts the RL stage may see, in minibatches of rl.minibatch_size sequences
+    for rl.update_epochs passes, at rl.learning_rate with a constant schedule: the same number of
+    optimiser steps of the same size as every RL algorithm (rl.steps x
+    rl.optimizer_steps_per_batch).
+    """
+
+    examples: int | None = Field(default=None, gt=1)
+    """Training sequences per method (null: rl.steps x rl.batch_size; DPO: examples / 2 pairs)."""
+    max_tokens: int = Field(default=48, ge=1)
+    """Longest historical description kept for KTO and DPO (tokens with the end token; =
+    rl.max_new_tokens in the profiles, so no target runs past what a policy may write)."""
+    kto_beta: float = Field(default=0.1, gt=0.0)
+    """KTO's beta (TRL's default and the KTO paper's)."""
+    kto_desirable_weight: float = Field(default=1.0, gt=0.0)
+    """KTO's weight on desirable (MET) examples (TRL's default)."""
+    kto_undesirable_weight: float | None = Field(default=None, gt=0.0)
+    """KTO's weight on undesirable (Non-MET) examples; null: n_desirable / n_undesirable of the
+    drawn examples, so that lambda_D n_D / lambda_U n_U = 1, inside the range the KTO paper
+    recommends ([1, 4/3], its Eq. 8) where TRL's default of 1 is not (MONA is about 63% MET)."""
+    dpo_beta: float = Field(default=0.1, gt=0.0)
+    """DPO's beta (TRL's default and the DPO paper's)."""
+    pairs_per_context: int = Field(default=4, ge=1)
+    """DPO: at most this many MET/Non-MET pairs per context (spreads the pairs over contexts)."""
+    rft_candidates: int = Field(default=4, ge=1)
+    """RFT: responses sampled per training context from the start policy; the reward model's
+    best is kept (= rl.num_generations and evaluation.best_of_n in the profiles: the best-of-N
+    policy it distils)."""

@@ -11,7 +11,14 @@ from pydantic import Field, field_validator, model_validator
 from rlxf_utils.algorithms import RLGF_ALGORITHMS
 from rlxf_utils.config.base import Section
 from rlxf_utils.config.data import DataConfig, RunConfig
-from rlxf_utils.config.policy import ILHFConfig, PolicyConfig, RLConfig, RLGFConfig, SFTConfig
+from rlxf_utils.config.policy import (
+    ILHFConfig,
+    OfflineConfig,
+    PolicyConfig,
+    RLConfig,
+    RLGFConfig,
+    SFTConfig,
+)
 from rlxf_utils.config.reward import ForensicConfig, RewardConfig
 
 
@@ -223,6 +230,8 @@ class StudyConfig(Section):
     """The RLGF algorithms' own settings."""
     ilhf: ILHFConfig = Field(default_factory=ILHFConfig)
     """The ILHF algorithms' own settings."""
+    offline: OfflineConfig = Field(default_factory=OfflineConfig)
+    """The offline methods' own settings (KTO, DPO, rejection-sampling fine-tuning)."""
     evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
     """Evaluation (notebook 04) and the study's significance level."""
     risk: RiskConfig = Field(default_factory=RiskConfig)
@@ -276,6 +285,21 @@ class StudyConfig(Section):
                 f"rl {bad} must be divisible by compute.num_processes={n}: each process takes an "
                 "equal share of every batch and minibatch (global sizes stay as in one process)"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _offline_batches(self) -> StudyConfig:
+        """KTO's reference point pairs each completion with another of its batch (TRL needs at
+        least two per process); DPO takes rl.minibatch_size / 2 pairs per optimiser step."""
+        per = self.rl.minibatch_size // self.compute.num_processes
+        if "kto" in self.rl.algorithm and per < 2:
+            raise ValueError(f"rl.minibatch_size={self.rl.minibatch_size}: KTO needs at least 2 "
+                             "examples per process and optimiser step (its reference point pairs "
+                             "each completion with another of its batch)")  # fmt: skip
+        if "dpo" in self.rl.algorithm and (per < 2 or per % 2):
+            raise ValueError(f"rl.minibatch_size={self.rl.minibatch_size}: DPO takes "
+                             "minibatch_size / 2 pairs per optimiser step (two sequences each); "
+                             "expected an even number of at least 2 per process")  # fmt: skip
         return self
 
     @model_validator(mode="after")

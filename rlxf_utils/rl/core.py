@@ -58,6 +58,7 @@ KL_ESTIMATORS = {
     "trl": "TRL's k3 per token x mean response length (k1 not available from TRL's logs)",
     "ilhf_online": "k1 of the ensemble's mixture density on its own samples",
     "ilhf_history": "none (history mode samples nothing)",
+    "offline": "none (no samples of the policy in training; evaluation measures KL to the start policy)",
 }
 
 

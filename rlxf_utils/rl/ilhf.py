@@ -120,14 +120,17 @@ def double_or_nothing(n: int, rng: np.random.Generator) -> np.ndarray:
     return 2.0 * rng.integers(0, 2, size=n)
 
 
-def history_pairs(rows: pd.DataFrame, max_pairs: int, per_context: int, seed: int) -> pd.DataFrame:
+def history_pairs(
+    rows: pd.DataFrame, max_pairs: int, per_context: int, seed: int, mixed_only: bool = False
+) -> pd.DataFrame:
     """Pairs of historical descriptions of one context (`CONTEXT_FIELDS`), from `rows` (already limited
     to what the RL stage may see): `p_a` = 1 when only A was MET, 0 when only B was, 1/2 when
     both share an outcome. Pairs of identical descriptions (MONA repeats a condition across an
     arrangement's reviews) carry no preference between texts and are left out.
 
-    At most `per_context` pairs per context, drawn uniformly among its distinct pairs, then at
-    most `max_pairs` overall (uniformly), A/B order random; seeded.
+    At most `per_context` pairs per context, drawn uniformly among its distinct pairs (with
+    `mixed_only`, among its pairs of one MET and one Non-MET description: DPO's), then at most
+    `max_pairs` overall (uniformly), A/B order random; seeded.
     """
     missing = [c for c in (*CONTEXT_FIELDS, "row_id", "description", "y") if c not in rows.columns]
     if missing:
@@ -142,7 +145,8 @@ def history_pairs(rows: pd.DataFrame, max_pairs: int, per_context: int, seed: in
         if len(idx) < 2:
             continue
         cand = [(i, j) for ai, i in enumerate(idx) for j in idx[ai + 1 :]
-                if frame.at[i, "_text"] != frame.at[j, "_text"]]  # fmt: skip
+                if frame.at[i, "_text"] != frame.at[j, "_text"]
+                and not (mixed_only and frame.at[i, "y"] == frame.at[j, "y"])]  # fmt: skip
         if not cand:
             continue
         take = rng.choice(len(cand), size=min(per_context, len(cand)), replace=False)
@@ -498,26 +502,55 @@ def encoded_history_pairs(
     labelled, splits = load_splits(rd)
     ctx = rd.read_parquet("data/contexts.parquet", stage="notebook 01 (data exploration)")
     rows = eligible_rows(labelled, splits, ctx, cfg.reward.reward_protocol, "all")
-    area = ctx.set_index(list(CONTEXT_FIELDS))["econ_area"]
+    area = context_areas(ctx)
     pairs = history_pairs(
         rows, ic.history_max_pairs * 2, ic.history_pairs_per_context, cfg.run.seed
     )
-    a_ids = target_ids(pairs["text_a"], tokenizer, model)
-    b_ids = target_ids(pairs["text_b"], tokenizer, model)
-    ok = np.array([len(a) <= ic.history_max_tokens and len(b) <= ic.history_max_tokens
-                   for a, b in zip(a_ids, b_ids, strict=True)], dtype=bool)  # fmt: skip
-    pairs = pairs[ok].head(ic.history_max_pairs).reset_index(drop=True)
-    a_ids = [a for a, k in zip(a_ids, ok, strict=True) if k][: len(pairs)]
-    b_ids = [b for b, k in zip(b_ids, ok, strict=True) if k][: len(pairs)]
-    records = [{**{k: r[k] for k in CONTEXT_FIELDS}, "econ_area": area.get(tuple(r[k] for k in CONTEXT_FIELDS), "")}
-               for r in pairs.to_dict("records")]  # fmt: skip
-    prompts = build_prompts(records, tokenizer, cfg.rl.prompt_template, cfg.policy)
-    p_ids = encode_prompts(tokenizer, prompts)["input_ids"] if prompts else []
+    pairs, a_ids, b_ids = pair_targets(
+        pairs, tokenizer, model, ic.history_max_tokens, ic.history_max_pairs, cfg.run.seed
+    )
+    p_ids = context_prompt_ids(pairs, area, tokenizer, cfg)
     enc = [
         (list(p), a, b, float(q))
         for p, a, b, q in zip(p_ids, a_ids, b_ids, pairs["p_a"], strict=True)
     ]
     return pairs, enc
+
+
+def pair_targets(
+    pairs: pd.DataFrame, tokenizer: Any, model: Any, max_tokens: int, n: int, seed: int
+) -> tuple[pd.DataFrame, list[list[int]], list[list[int]]]:
+    """`n` of the pairs whose two descriptions (tokens + end token, `sft.target_ids`) both fit in
+    `max_tokens` (all of them when fewer fit; else drawn uniformly, seeded, in their order), with
+    those token ids."""
+    a_ids = target_ids(pairs["text_a"], tokenizer, model)
+    b_ids = target_ids(pairs["text_b"], tokenizer, model)
+    fits = np.flatnonzero([len(a) <= max_tokens and len(b) <= max_tokens
+                           for a, b in zip(a_ids, b_ids, strict=True)])  # fmt: skip
+    if len(fits) > n:  # not the first n: `history_pairs` orders its pairs by context
+        fits = np.sort(np.random.default_rng(seed).choice(fits, size=n, replace=False))
+    kept = pairs.iloc[fits].reset_index(drop=True)
+    return kept, [a_ids[i] for i in fits], [b_ids[i] for i in fits]
+
+
+def context_areas(contexts: pd.DataFrame) -> pd.Series:
+    """Each context's economic area (`data/contexts.parquet`), indexed by `CONTEXT_FIELDS`."""
+    return contexts.set_index(list(CONTEXT_FIELDS))["econ_area"]
+
+
+def context_prompts(frame: pd.DataFrame, areas: pd.Series, tokenizer: Any, cfg: Any) -> list[str]:
+    """The RL prompt of each row's context (`CONTEXT_FIELDS`, area from `areas`), formatted."""
+    records = [{**{k: r[k] for k in CONTEXT_FIELDS}, "econ_area": areas.get(tuple(r[k] for k in CONTEXT_FIELDS), "")}
+               for r in frame.to_dict("records")]  # fmt: skip
+    return build_prompts(records, tokenizer, cfg.rl.prompt_template, cfg.policy)
+
+
+def context_prompt_ids(
+    frame: pd.DataFrame, areas: pd.Series, tokenizer: Any, cfg: Any
+) -> list[list[int]]:
+    """Token ids of `context_prompts` (`encode_prompts`)."""
+    prompts = context_prompts(frame, areas, tokenizer, cfg)
+    return [list(p) for p in encode_prompts(tokenizer, prompts)["input_ids"]] if prompts else []
 
 
 def run_ilhf(job: TrainJob) -> pd.DataFrame:

@@ -57,6 +57,11 @@ def make_reward_fn(reward_model: Any, batch_size: int = 32) -> RewardFn:
     return reward_fn
 
 
+#: What a run leaves that only that run may resume from: checkpoints (ours and TRL's), frontier
+#: snapshots and RFT's scored candidates; removed when the settings or inputs change.
+STALE_OUTPUTS = ("checkpoints", "trl", "snapshots", "pool.parquet")
+
+
 def training_seed(cfg: StudyConfig) -> int:
     """The RL algorithms' training seed: `rl.seed`, or `run.seed` when it is null."""
     return cfg.run.seed if cfg.rl.seed is None else cfg.rl.seed
@@ -134,13 +139,16 @@ def run_algorithm(
     started = out / "started.json"
     if is_main_process():  # the others wait until the folder is ready
         if out.exists() and not _matches(started, marker):
-            stale = [out / d for d in ("checkpoints", "trl", "snapshots") if (out / d).exists()]
+            stale = [out / d for d in STALE_OUTPUTS if (out / d).exists()]
             if stale:
                 log.info(
                     "%s: settings or inputs changed; removing %s", algo, [p.name for p in stale]
                 )
             for d in stale:
-                shutil.rmtree(d)
+                if d.is_dir():
+                    shutil.rmtree(d)
+                else:
+                    d.unlink()
             done.unlink(missing_ok=True)
         out.mkdir(parents=True, exist_ok=True)
         # a process killed while writing leaves the temporary folders of `atomic_dir` behind
