@@ -132,3 +132,17 @@ def test_report_section_reads_every_verdict_from_an_interval(tmp_path):
     assert "100% of the prompts" in variables["distinct_sentence"]
     assert "best-of-n, proxy: α" in variables["fit_sentence"]
     assert "| best-of-n" in files["eval_overoptimisation_fit.md"]
+
+
+def test_the_rl_fit_pools_only_the_rl_algorithms():
+    """Gao's RL form is fitted to PPO's, TRL's and the RLGF algorithms' points; ILHF's and the
+    offline methods' points are drawn, not fitted."""
+    d = np.array([0.5, 1.0, 1.5])
+    rows = [{"method": m, "point": i, "sqrt_kl": x, "proxy": y, "gold": y}
+            for m, ys in (("ppo", d * (0.3 - 0.1 * np.log(d))), ("grpo", d * (0.3 - 0.1 * np.log(d))),
+                          ("kto", [9.0, -9.0, 9.0]), ("ilhf_history", [5.0, 5.0, -5.0]))
+            for i, (x, y) in enumerate(zip(d, ys, strict=True))]  # fmt: skip
+    fits = overoptimisation_fits(pd.DataFrame(rows)).set_index(["family", "reward"])
+    rl = fits.loc[("rl", "proxy")]
+    assert rl["points"] == 6
+    assert rl["alpha"] == pytest.approx(0.3) and rl["beta"] == pytest.approx(0.1)

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from rlxf_utils.algorithms import algorithm_label
+from rlxf_utils.algorithms import RL_ALGORITHMS, algorithm_label
 from rlxf_utils.evaluation.best_of_n import best_of_n_kl_bound, order_weights
 from rlxf_utils.models.logprobs import kl_estimate
 from rlxf_utils.plots import ci_err
@@ -185,13 +185,15 @@ def fit_form(d: np.ndarray, r: np.ndarray, form: str) -> dict[str, float]:
 
 
 def overoptimisation_fits(points: pd.DataFrame) -> pd.DataFrame:
-    """Gao et al.'s forms fitted to the best-of-n points and to the pooled RL points, for the
-    proxy and the gold reward: family, reward, form, points, alpha, beta (with SEs), R²."""
+    """Gao et al.'s forms fitted to the best-of-n points and to the pooled points of the RL
+    algorithms (PPO, TRL's, the RLGF algorithms: the optimiser Gao's RL form describes; ILHF and
+    the offline methods are drawn, not fitted), for the proxy and the gold reward: family, reward,
+    form, points, alpha, beta (with SEs), R²."""
     rows = []
     if points.empty:
         return pd.DataFrame(rows)
     for family, sel in (("best_of_n", points["method"] == "best_of_n"),
-                        ("rl", points["method"] != "best_of_n")):  # fmt: skip
+                        ("rl", points["method"].isin(RL_ALGORITHMS))):  # fmt: skip
         g = points[sel]
         for key in ("proxy", "gold"):
             fit = fit_form(g["sqrt_kl"].to_numpy(float), g[key].to_numpy(float), family)
@@ -223,14 +225,14 @@ def plot_overoptimisation(points: pd.DataFrame, fits: pd.DataFrame, start: str,
             sel = (
                 points["method"] == "best_of_n"
                 if f["family"] == "best_of_n"
-                else points["method"] != "best_of_n"
+                else points["method"].isin(RL_ALGORITHMS)
             )
             top = points.loc[sel, "sqrt_kl"].max()
             d = np.linspace(1e-3, top, 100)
             f1, f2 = FORMS[f["family"]][1](d)
             ax.plot(d, f["alpha"] * f1 - f["beta"] * f2, ls=":", lw=1.2,
                     color="gray" if f["family"] == "best_of_n" else "black",
-                    label=f"fit, {'best-of-n' if f['family'] == 'best_of_n' else 'RL pooled'}")  # fmt: skip
+                    label=f"fit, {'best-of-n' if f['family'] == 'best_of_n' else 'RL algorithms pooled'}")  # fmt: skip
         ax.set(
             xlabel=f"√KL(policy ‖ {start}), √nats",
             title=REWARDS["reward" if key == "proxy" else "audit_reward"],

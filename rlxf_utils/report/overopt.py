@@ -70,7 +70,7 @@ def overopt_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
     else:
         fit_sentence = "Fitted by least squares (@tbl-overopt-fit): " + listing(
             [
-                f"{'best-of-n' if f['family'] == 'best_of_n' else 'RL (all points pooled)'}, "
+                f"{'best-of-n' if f['family'] == 'best_of_n' else 'the RL algorithms (their points pooled)'}, "
                 f"{f['reward']}: α {_coef(f['alpha'], f['alpha_se'])}, β {_coef(f['beta'], f['beta_se'])} "
                 f"(R² {f['r2']:.2f}, {int(f['points'])} points)"
                 for _, f in fitted.iterrows()
@@ -88,7 +88,7 @@ def overopt_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
         else "The pool's distinct share was not recorded"
     )
     table = fits.assign(
-        family=fits["family"].map({"best_of_n": "best-of-n", "rl": "RL (pooled)"}),
+        family=fits["family"].map({"best_of_n": "best-of-n", "rl": "RL algorithms (pooled)"}),
         alpha=[_coef(a, s) for a, s in zip(fits["alpha"], fits["alpha_se"], strict=True)],
         beta=[_coef(b, s) for b, s in zip(fits["beta"], fits["beta_se"], strict=True)],
         r2=fits["r2"].map(lambda v: f"{v:.2f}" if is_present(v) and math.isfinite(v) else "·"),
