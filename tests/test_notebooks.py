@@ -271,10 +271,20 @@ def test_smoke_study_renders_the_report(smoke_run: Path) -> None:
     assert {"ppo", "grpo", "rloo", "d2lols"} <= set(algos)  # the smoke profile runs RLGF too
     assert {"ilhf_history", "ilhf_online"} <= set(algos)  # and both ILHF variants
     # ILHF from history learns from historical pairs, not from sampled prompts: its own regime
-    sampled = [a for a in algos if a != "ilhf_history"]
+    offline = ("kto", "dpo", "rft")
+    assert set(offline) <= set(algos)  # and the three offline methods
+    sampled = [a for a in algos if a != "ilhf_history" and a not in offline]
     settings = [json.loads((run_dir / f"policy/{a}/settings.json").read_text()) for a in sampled]
     shared = ("prompts_per_step", "responses_per_prompt", "optimizer_steps_per_batch", "steps")
     assert all(s_[k] == settings[0][k] for s_ in settings for k in shared)
+    # the offline methods: RL's optimiser steps, of RL's minibatch, on as many sequences as RL
+    # trains on
+    rl_cfg = json.loads((run_dir / "manifest.json").read_text())["params"]["rl"]
+    for algo in offline:
+        st = json.loads((run_dir / f"policy/{algo}/settings.json").read_text())
+        assert st["optimizer_steps"] == rl_cfg["steps"] * settings[0]["optimizer_steps_per_batch"]
+        assert st["minibatch_size"] == rl_cfg["minibatch_size"]
+        assert st["training_sequences"] == rl_cfg["steps"] * rl_cfg["batch_size"]
     for algo in algos:
         if algo.startswith("ilhf"):  # an ensemble of particles, evaluated by Thompson sampling
             marker = json.loads((run_dir / f"policy/{algo}/adapter/ensemble.json").read_text())

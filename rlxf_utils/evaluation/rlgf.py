@@ -28,6 +28,7 @@ import numpy as np
 import pandas as pd
 
 from rlxf_utils.algorithms import RLGF_ALGORITHMS, algorithm_label
+from rlxf_utils.evaluation.questions import question_comparisons
 from rlxf_utils.plots import ci_err
 from rlxf_utils.prompts import CONTEXT_FIELDS
 from rlxf_utils.report.wording import ci_verdict
@@ -38,7 +39,6 @@ from rlxf_utils.stats import (
     level,
     paired_comparison,
     per_prompt_means,
-    prompt_clusters,
 )
 
 SUPERVISED = ("sft", "sft_met")
@@ -307,26 +307,7 @@ def guidance_table(
         ]
     if "sft_met" in present:
         pairs += [("rl_vs_sft_met", a, "sft_met") for a in algos if a in present]
-    cols = ["question", "measure", "policy", "versus", "n", "n_clusters", "diff", "low", "high",
-            "verdict", "p_family", "ci_level"]  # fmt: skip
-    if not pairs:
-        return pd.DataFrame(columns=cols)
-    cl = prompt_clusters(samples, cluster_col="country")
-    sizes = pd.Series([q for q, _, _ in pairs]).value_counts()  # each question's family size
-    rows = []
-    for measure in measures:
-        wide = _per_prompt(samples, sorted({p for _, a, b in pairs for p in (a, b)}), measure)
-        for question, a, b in pairs:
-            pair = wide[[a, b]].dropna()
-            res = paired_comparison(pair[a].to_numpy(), pair[b].to_numpy(), n_boot, seed, alpha,
-                                    clusters=cl.loc[pair.index].to_numpy(),
-                                    family_size=int(sizes[question]))  # fmt: skip
-            rows.append({"question": question, "measure": measure, "policy": a, "versus": b,
-                         "n": res["n"], "n_clusters": res.get("n_clusters", res["n"]),
-                         "diff": res["mean_diff"], "low": res["ci_low"], "high": res["ci_high"],
-                         "verdict": ci_verdict(res["ci_low"], res["ci_high"]),
-                         "p_family": res["p_family"], "ci_level": res["ci_level"]})  # fmt: skip
-    return pd.DataFrame(rows)[cols]
+    return question_comparisons(samples, pairs, n_boot, alpha, seed, measures)
 
 
 _MARKERS = {"zero-shot": "s", "supervised": "D", "RL": "o", "RL, guided": "^", "best-of-N": "*"}

@@ -61,6 +61,7 @@ from rlxf_utils.evaluation.figures import (
 from rlxf_utils.evaluation.grounding import HistoricalIndex, ground_frame, minilm_encoder
 from rlxf_utils.evaluation.history import HISTORY_POLICIES, history_contrast, history_references
 from rlxf_utils.evaluation.ilhf import ilhf_figures, ilhf_tables
+from rlxf_utils.evaluation.offline import methods_table, need_rl, plot_methods, rl_vs_offline
 from rlxf_utils.evaluation.overopt import (
     overoptimisation_fits,
     overoptimisation_meta,
@@ -238,6 +239,9 @@ def run_evaluation_stage(cfg: Any, run: RunDir, progress: bool = True) -> EvalSt
                 samples, summary, ppl_rows, algos, start, ec.n_boot, ec.alpha, cfg.run.seed, encoder
             ),  # fmt: skip
         }
+    with timer("offline methods against RL"):
+        extra["eval_methods"] = methods_table(summary, vs_bon, algos, ec.best_of_n)
+        extra["eval_rl_vs_offline"] = rl_vs_offline(samples, algos, ec.n_boot, ec.alpha, cfg.run.seed)  # fmt: skip
     with timer("writing"):
         stage = _write(run, samples, summary, paired, frontier, t3, algos, order, cfg, start,
                        extra, timer.seconds, over_meta)  # fmt: skip
@@ -318,6 +322,11 @@ def _write(run: RunDir, samples: pd.DataFrame, summary: pd.DataFrame, paired: pd
         ("eval_grounding", plot_grounding(summary)),
         *rlgf_figures(extra, start, cfg.evaluation.alpha).items(),
         *ilhf_figures(extra, start, cfg.evaluation.alpha).items(),
+        *(
+            [("eval_methods", plot_methods(extra["eval_methods"], cfg.evaluation.alpha))]
+            if len(extra["eval_methods"])
+            else []
+        ),
     ):
         run.write_figure(name, fig)
         plt.close(fig)
@@ -331,6 +340,10 @@ def _write(run: RunDir, samples: pd.DataFrame, summary: pd.DataFrame, paired: pd
             "best_of_n_curve": sorted(set(cfg.evaluation.best_of_n_curve)),
             "vs_best_of_n": extra["eval_vs_best_of_n"].to_dict("records"),
             "overoptimisation": dict(overoptimisation or {}),
+            # does learning from experience need RL here? (`evaluation.offline.need_rl`)
+            "need_rl": {
+                m: need_rl(extra["eval_rl_vs_offline"], m) for m in ("audit_reward", "reward")
+            },
             "heldout_perplexity": extra["eval_heldout_perplexity"].to_dict("records"),
             "n_prompts": int(samples.loc[samples.policy == "base", "prompt_id"].nunique()),
             "samples_per_prompt": cfg.evaluation.samples_per_prompt,

@@ -29,6 +29,7 @@ from rlxf_utils.report.data import data_section
 from rlxf_utils.report.evaluation import eval_section
 from rlxf_utils.report.forensic import forensic_section
 from rlxf_utils.report.ilhf import ilhf_section
+from rlxf_utils.report.offline import offline_section
 from rlxf_utils.report.overopt import overopt_section
 from rlxf_utils.report.reward import reward_section
 from rlxf_utils.report.risk import risk_section
@@ -172,6 +173,7 @@ def build_sources(run: RunDir, build: Path, src: Path = REPORT_SRC) -> dict[str,
         ("rl", rl_section(run, params)),
         ("eval", eval_section(run, params.get("evaluation", {}).get("alpha", 0.05))),
         ("overopt", overopt_section(run)),
+        ("offline", offline_section(run)),
         ("seeds", seeds_section(run)),
         ("rlgf", rlgf_section(run, params)),
         ("ilhf", ilhf_section(run, params)),
@@ -204,6 +206,7 @@ OPTIONAL_FIGURES = {
     "eval_easy_hard": "notebook 04_evaluation",
     "eval_reward_uncertainty": "notebook 04_evaluation",
     "eval_inclusive": "notebook 04_evaluation",
+    "eval_methods": "notebook 04_evaluation",
     "reward_encoders": "notebook 02_reward_model",
 }
 

@@ -26,11 +26,12 @@ from rlxf_utils.report.wording import (
 
 def move_sentence(algo: str, r: pd.Series) -> str:
     """How one algorithm's training reward moved (a row of `rl.summary_table`); an algorithm
-    that logs no training reward (ILHF from history: no reward model) is said to, not 'nan'."""
+    that logs no training reward (ILHF from history, the offline methods: they sample nothing
+    while they train) is said to, not 'nan'."""
     d = r["reward_last"] - r["reward_first"]
     if not is_present(d):
         return (
-            f"{algo} trains without the reward model, so it logs no training reward, "
+            f"{algo} samples nothing while it trains, so it logs no training reward, "
             f"{r['step_time_s']:.0f} s per step"
         )
     return (

@@ -1,0 +1,123 @@
+"""Does learning from experience need RL here? RL, ILHF, the offline methods (KTO, DPO,
+rejection-sampling fine-tuning) and best-of-N side by side, and RL against the offline methods.
+
+`methods_table` puts every method's gain over the start policy under the reward model and under
+the disjoint-rows audit (the judge none of them was trained on) beside its KL, finished share and
+place against best-of-N at equal KL: all read from notebook 04's summary, measured the same way
+for every policy. `rl_vs_offline` compares each RL algorithm with each offline method on the same
+prompts (one family per measure, `evaluation.questions`), and `need_rl` reads the answer from
+those intervals: RL is needed where some RL algorithm beats every offline method; it is not
+where some offline method beats every RL algorithm; otherwise the data do not tell.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from rlxf_utils.algorithms import ALGORITHMS, OFFLINE_ALGORITHMS, RL_ALGORITHMS, algorithm_label
+from rlxf_utils.evaluation.questions import question_comparisons
+from rlxf_utils.plots import ci_err
+
+#: How the methods are grouped in the table and figure (registry family -> group)
+GROUPS = {"ppo": "RL", "trl": "RL", "rlgf": "RL", "ilhf": "ILHF", "offline": "offline"}
+#: Groups in display order, with the references
+GROUP_ORDER = ("RL", "ILHF", "offline", "supervised", "best-of-N")
+
+
+def method_group(policy: str) -> str:
+    """RL, ILHF, offline, supervised (`sft_met`) or best-of-N."""
+    if policy in ALGORITHMS:
+        return GROUPS[ALGORITHMS[policy].family]
+    return {"best_of_n": "best-of-N", "sft_met": "supervised"}.get(policy, "other")
+
+
+def methods_table(
+    summary: pd.DataFrame, vs_best_of_n: pd.DataFrame, algos: Sequence[str], best_of_n: int = 0
+) -> pd.DataFrame:
+    """One row per method (every algorithm, `sft_met`, best-of-N): its display name, group, gain
+    over the start policy under the reward model and the audit with their intervals, KL to the
+    start policy, finished share and the verdict against best-of-N at equal KL."""
+    labels = {"sft_met": "SFT on MET only", "best_of_n": f"best-of-{best_of_n or 'N'}"}
+    names = [*algos, *(p for p in ("sft_met", "best_of_n") if p in set(summary["policy"]))]
+    rec = summary.set_index("policy")
+    vs = vs_best_of_n.set_index("policy") if len(vs_best_of_n) else pd.DataFrame()
+    rows = []
+    for name in names:
+        if name not in rec.index:
+            continue
+        r = rec.loc[name]
+        v = vs.loc[name] if name in vs.index else None
+        rows.append({"policy": name, "method": labels.get(name, algorithm_label(name)),
+                     "group": method_group(name),
+                     **{c: float(r[c]) for c in ("gain", "gain_low", "gain_high", "audit_gain",
+                                                 "audit_gain_low", "audit_gain_high", "kl", "finished")},
+                     "kl_kind": r.get("kl_kind", ""),
+                     "vs_best_of_n": v["verdict"] if v is not None else "",
+                     "vs_best_of_n_diff": float(v["diff"]) if v is not None else np.nan})  # fmt: skip
+    out = pd.DataFrame(rows)
+    if out.empty:
+        return out
+    rank = {g: i for i, g in enumerate(GROUP_ORDER)}
+    return out.sort_values("group", key=lambda s: s.map(rank), kind="stable").reset_index(drop=True)
+
+
+def rl_vs_offline(
+    samples: pd.DataFrame, algos: Sequence[str], n_boot: int, alpha: float, seed: int
+) -> pd.DataFrame:
+    """Each RL algorithm against each offline method that ran (question `rl_vs_offline`), under the
+    reward model and the audit: one family per measure (`question_comparisons`)."""
+    present = set(samples["policy"])
+    rl = [a for a in algos if a in RL_ALGORITHMS and a in present]
+    off = [a for a in algos if a in OFFLINE_ALGORITHMS and a in present]
+    pairs = [("rl_vs_offline", a, b) for a in rl for b in off]
+    return question_comparisons(samples, pairs, n_boot, alpha, seed)
+
+
+def need_rl(comparisons: pd.DataFrame, measure: str) -> dict[str, Any]:
+    """The answer under `measure` read from the intervals of `rl_vs_offline`: 'rl' when some RL
+    algorithm's interval is above zero against every offline method (`winners`: those
+    algorithms), 'offline' when some offline method's is against every RL algorithm, else
+    'undecided' (`beaten`: the pairs whose interval excludes zero, either way)."""
+    t = comparisons[comparisons["measure"] == measure]
+    if t.empty:
+        return {"measure": measure, "answer": "not compared", "winners": [], "beaten": []}
+    n_off, n_rl = t["versus"].nunique(), t["policy"].nunique()
+    above = t[t["low"] > 0].groupby("policy")["versus"].nunique()
+    below = t[t["high"] < 0].groupby("versus")["policy"].nunique()
+    rl_win = sorted(above[above == n_off].index)
+    off_win = sorted(below[below == n_rl].index)
+    beaten = [(r.policy, r.versus, "above" if r.low > 0 else "below")
+              for r in t.itertuples() if r.low > 0 or r.high < 0]  # fmt: skip
+    answer = "rl" if rl_win else ("offline" if off_win else "undecided")
+    return {"measure": measure, "answer": answer, "winners": rl_win or off_win,
+            "beaten": beaten, "ci_level": float(t["ci_level"].iloc[0]), "pairs": len(t)}  # fmt: skip
+
+
+def plot_methods(table: pd.DataFrame, alpha: float = 0.05) -> Any:
+    """Every method's gain over the start policy under the reward model and under the audit, with
+    its interval, grouped (RL, ILHF, offline, supervised, best-of-N)."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 0.45 * max(len(table), 4) + 1.4), sharey=True)
+    y = np.arange(len(table))[::-1]
+    colours = dict(zip(GROUP_ORDER, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False))  # fmt: skip
+    for ax, (col, title) in zip(axes, (("gain", "under the reward model"),
+                                       ("audit_gain", "under the audit (never trained on)")),
+                                strict=True):  # fmt: skip
+        for group, g in table.groupby("group", sort=False):
+            idx = g.index.to_numpy()
+            ax.errorbar(g[col], y[idx], xerr=ci_err(g, col, f"{col}_low", f"{col}_high", True),
+                        fmt="o", color=colours.get(group, "gray"), label=group, capsize=3)  # fmt: skip
+        ax.axvline(0, color="black", lw=0.8)
+        ax.set(title=f"Gain {title}", xlabel="gain over the start policy in P(MET)")
+        ax.grid(alpha=0.3, axis="x")
+    axes[0].set_yticks(y, table["method"])
+    axes[0].legend(fontsize=8, loc="best")
+    fig.suptitle("Every method from the same start policy (intervals Bonferroni-simultaneous "
+                 f"per family, alpha = {alpha:g})", fontsize=10)  # fmt: skip
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,115 @@
+"""Evaluation of the offline methods beside RL (`evaluation.offline`): the side-by-side table, RL
+against the offline methods on the same prompts, and the answer read from the intervals."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from rlxf_utils.evaluation.offline import methods_table, need_rl, plot_methods, rl_vs_offline
+
+
+def samples(shift: dict[str, float], n_prompts=40, k=2, seed=0) -> pd.DataFrame:
+    """Rewards per policy: a shared per-prompt level plus noise, shifted per policy."""
+    rng = np.random.default_rng(seed)
+    level = rng.normal(0.5, 0.1, n_prompts)
+    rows = []
+    for pol, d in shift.items():
+        for i in range(n_prompts):
+            for j in range(k):
+                r = level[i] + d + rng.normal(0, 0.02)
+                rows.append({"policy": pol, "prompt_id": i, "sample_id": j, "country": f"C{i % 20}",
+                             "reward": r, "audit_reward": r})  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+ALGOS = ["ppo", "grpo", "ilhf_history", "kto", "dpo"]
+
+
+@pytest.mark.parametrize(
+    ("shift", "answer", "winners"),
+    [
+        ({"ppo": 0.0, "grpo": 0.0, "kto": 0.1, "dpo": 0.0}, "offline", ["kto"]),  # kto beats both
+        ({"ppo": 0.0, "grpo": 0.0, "kto": 0.1, "dpo": 0.1}, "offline", ["dpo", "kto"]),
+        # ppo beats kto and ties dpo, dpo beats grpo: pairs decided, the question not
+        ({"ppo": 0.1, "grpo": 0.0, "kto": 0.0, "dpo": 0.1}, "undecided", []),
+        ({"ppo": 0.1, "grpo": 0.0, "kto": 0.0, "dpo": 0.0}, "rl", ["ppo"]),
+        ({"ppo": 0.0, "grpo": 0.0, "kto": 0.0, "dpo": 0.0}, "undecided", []),
+    ],
+)
+def test_need_rl_reads_the_answer_from_every_pair(shift, answer, winners):
+    s = samples({"sft": 0.0, "ilhf_history": 0.0, **shift})
+    comp = rl_vs_offline(s, ALGOS, n_boot=300, alpha=0.05, seed=0)
+    assert set(comp["policy"]) == {"ppo", "grpo"} and set(comp["versus"]) == {"kto", "dpo"}
+    assert (comp["ci_level"] == 1 - 0.05 / 4).all()  # one family of 4 pairs per measure
+    got = need_rl(comp, "audit_reward")
+    assert got["answer"] == answer and got["winners"] == winners
+    if answer == "undecided" and shift["ppo"] > 0:
+        assert {("ppo", "kto", "above"), ("grpo", "dpo", "below")} == set(got["beaten"])
+
+
+def test_no_offline_method_no_question():
+    s = samples({"sft": 0.0, "ppo": 0.0})
+    comp = rl_vs_offline(s, ["ppo"], n_boot=100, alpha=0.05, seed=0)
+    assert comp.empty and need_rl(comp, "reward")["answer"] == "not compared"
+
+
+def test_methods_table_groups_every_method_and_draws():
+    summary = pd.DataFrame({
+        "policy": ["sft", "sft_met", "ppo", "kto", "ilhf_history", "best_of_n"],
+        **{c: [0.0, 0.01, 0.02, 0.03, 0.04, 0.05] for c in ("gain", "audit_gain")},
+        **{c: [0.0, -0.01, 0.0, 0.01, 0.02, 0.03] for c in ("gain_low", "audit_gain_low")},
+        **{c: [0.0, 0.03, 0.04, 0.05, 0.06, 0.07] for c in ("gain_high", "audit_gain_high")},
+        "kl": [0, 1, 2, 3, 4, 0.8], "finished": [0.9] * 6,
+        "kl_kind": ["sampled"] * 5 + ["upper bound"],
+    })  # fmt: skip
+    vs = pd.DataFrame({"policy": ["ppo", "kto"], "verdict": ["below", "not distinguishable"],
+                       "diff": [-0.02, 0.0]})  # fmt: skip
+    t = methods_table(summary, vs, ["ppo", "ilhf_history", "kto"])
+    assert list(t["group"]) == ["RL", "ILHF", "offline", "supervised", "best-of-N"]
+    assert list(t["method"])[:3] == ["PPO", "ILHF (history)", "KTO"]
+    assert t.set_index("policy").loc["ppo", "vs_best_of_n"] == "below"
+    assert t.set_index("policy").loc["best_of_n", "vs_best_of_n"] == ""
+    fig = plot_methods(t)
+    assert len(fig.axes) == 2 and fig.axes[0].get_yticklabels()[0].get_text() == "PPO"
+
+
+def test_report_section_answers_from_the_intervals(tmp_path):
+    from rlxf_utils.artifacts import RunDir
+    from rlxf_utils.report.offline import answer_sentence, offline_section
+
+    s = samples({"sft": 0.0, "ppo": 0.0, "grpo": 0.0, "kto": 0.1, "dpo": 0.0, "ilhf_history": 0.0})
+    comp = rl_vs_offline(s, ALGOS, n_boot=300, alpha=0.05, seed=0)
+    summary = pd.DataFrame({
+        "policy": ["sft", "ppo", "kto", "best_of_n"],
+        "gain": [0.0, 0.001, 0.1, 0.02], "gain_low": [0.0, -0.01, 0.08, 0.01],
+        "gain_high": [0.0, 0.012, 0.12, 0.03], "audit_gain": [0.0, 0.0, 0.05, -0.01],
+        "audit_gain_low": [0.0, -0.02, 0.03, -0.03], "audit_gain_high": [0.0, 0.02, 0.07, 0.01],
+        "kl": [0.0, 0.5, 2.5, 0.84], "finished": [0.9, 0.9, 0.8, 0.9],
+        "kl_kind": ["sampled"] * 3 + ["upper bound"],
+    })  # fmt: skip
+    run = RunDir(tmp_path)
+    run.write_table("eval_methods", methods_table(summary, pd.DataFrame(), ["ppo", "kto"], 4))
+    run.write_json("eval/summary.json", {"start_policy": "sft", "need_rl": {
+        m: need_rl(comp, m) for m in ("audit_reward", "reward")}})  # fmt: skip
+    variables, files = offline_section(run)
+    assert variables["answer"].startswith("Under the disjoint-rows audit")
+    assert "did not need RL: KTO beat every RL algorithm" in variables["answer"]
+    assert (
+        "(each RL algorithm against each offline method, 4 paired comparisons, 98.8%"
+        in variables["answer"]
+    )
+    assert variables["offline"].startswith(
+        "KTO raised the reward (+0.100 [+0.080, +0.120]) and raised the audit"
+    )
+    assert "did not significantly change the audit (-0.010" in variables["references"]
+    assert (
+        variables["references"].startswith("best-of-4 raised")
+        and "nan" not in variables["references"]
+    )
+    assert "0.84 (bound)" in files["eval_methods.md"] and "best-of-N" in files["eval_methods.md"]
+    undecided = {"measure": "reward", "answer": "undecided", "winners": [], "ci_level": 0.99,
+                 "pairs": 2, "beaten": [("ppo", "kto", "above")]}  # fmt: skip
+    text = answer_sentence(undecided)
+    assert "cannot say whether RL is needed" in text and "PPO above KTO" in text
