@@ -80,6 +80,7 @@ def test_kto_raises_desirable_and_lowers_undesirable(tmp_path):
     log = offline.train_offline(job, OfflineConfig(kto_beta=0.5), rows, list(zip(p_ids, t_ids, strict=True)))  # fmt: skip
     assert list(log.columns) == [*LOG_COLUMNS, *offline.OFFLINE_COLUMNS]
     assert list(log.step) == [1, 2] and log.policy_loss.notna().all()
+    assert (log.step_time_s > 0).all()
     good = _gain(job.output_dir, PROMPTS, [GOOD] * 4)
     bad = _gain(job.output_dir, PROMPTS, [BAD] * 4)
     assert good.mean() > 0 > bad.mean()  # relative to the reference

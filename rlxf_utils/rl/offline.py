@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -211,6 +212,10 @@ def _log_callback(algo: str, history: list[dict[str, Any]], per_batch: int) -> A
     class _LogCallback(TrainerCallback):
         def __init__(self) -> None:
             self.rows: list[dict[str, float]] = []
+            self.last = time.perf_counter()
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            self.last = time.perf_counter()
 
         def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kw: Any) -> None:  # fmt: skip
             if not logs or "loss" not in logs:
@@ -221,11 +226,12 @@ def _log_callback(algo: str, history: list[dict[str, Any]], per_batch: int) -> A
             if rest:
                 return
             mean = pd.DataFrame(self.rows).mean().to_dict()
-            self.rows = []
+            now = time.perf_counter()  # the step's optimiser steps (Trainer logs after each)
+            self.rows, seconds, self.last = [], now - self.last, now
             history.append({"algo": algo, "step": step, "kl_estimator": KL_ESTIMATORS["offline"],
                             **{c: np.nan for c in LOG_COLUMNS if c not in ("algo", "step", "kl_estimator")},
-                            **mean, "processes": world_size()})  # fmt: skip
-            log.info("%s step %d: loss %.4f", algo, step, mean["policy_loss"])
+                            **mean, "step_time_s": seconds, "processes": world_size()})  # fmt: skip
+            log.info("%s step %d: loss %.4f (%.1f s)", algo, step, mean["policy_loss"], seconds)
 
     return _LogCallback()
 
