@@ -309,6 +309,7 @@ def _render_pandoc(build: Path, variables: dict[str, Any], out_dir: Path) -> Ren
                 "--standalone",
                 "--embed-resources",
                 "--mathml",
+                "--css=report.css",  # side contents, tables that scroll in their box (reports/)
                 f"--output={tmp}",
             ],
             build,
