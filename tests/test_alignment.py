@@ -479,7 +479,12 @@ def test_guidance_verdicts_follow_the_intervals() -> None:
         "D²LOLS cannot be told apart from PPO under both the reward and the audit model"
         in s["guidance"]
     )
-    assert "90% cluster-bootstrap CI" in s["guidance"]
+    # each sentence states its question's family level (two guided algorithms: 1 - 0.05 / 2),
+    # not a level of its own (it said the 90% of the alpha passed in)
+    assert "97.5% cluster-bootstrap CI" in s["guidance"]
+    from rlxf_utils.stats import level
+
+    assert f"{level(0.05 / len(ALGOS))} cluster-bootstrap CI" in s["rl_vs_sft_met"]
     assert "GRPO falls short of sft_met under the reward model" in s["rl_vs_sft_met"]
     # the verb follows the interval, not the point estimate: a positive estimate whose
     # interval crosses zero is not a win
@@ -488,7 +493,7 @@ def test_guidance_verdicts_follow_the_intervals() -> None:
         0.08, -0.01, 0.17, "not distinguishable"]  # fmt: skip
     assert guidance_sentences(fake, ALGOS, 0.05)["guidance"].startswith(
         "PPO++ cannot be told apart from PPO under both the reward and the audit model (difference "
-        "in Ave(R), 95% cluster-bootstrap CI over countries: reward model +0.080 [-0.010, +0.170]; "
+        "in Ave(R), 97.5% cluster-bootstrap CI over countries: reward model +0.080 [-0.010, +0.170]; "
     )
 
 

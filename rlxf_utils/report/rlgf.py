@@ -54,7 +54,8 @@ def diff_ci(r: Any) -> str:
 
 def _comparison_sentence(g: pd.DataFrame, a: str, b: str, lvl: str, b_name: str) -> str:
     """'<a> <verb> <b> under the reward model and <verb> it under the audit model (...)', each
-    verb read from its measure's interval."""
+    verb read from its measure's interval, whose level (its family's, `ci_level`; else `lvl`)
+    the sentence states."""
     rows = g[(g["policy"] == a) & (g["versus"] == b)].set_index("measure")
     have = [(m, who) for m, who in MEASURES.items() if m in rows.index]
     words = [_BEAT[rows.loc[m, "verdict"]] for m, _ in have]
@@ -66,6 +67,8 @@ def _comparison_sentence(g: pd.DataFrame, a: str, b: str, lvl: str, b_name: str)
             for i, (w, (_, who)) in enumerate(zip(words, have, strict=True))
         ]
     cis = [f"{who} {diff_ci(rows.loc[m])}" for m, who in have]
+    if "ci_level" in rows and rows["ci_level"].notna().any():  # the question's family level
+        lvl = level(1 - float(rows["ci_level"].dropna().iloc[0]))
     return (f"{algorithm_label(a)} " + " and ".join(verbs)
             + f" (difference in Ave(R), {lvl} cluster-bootstrap CI over countries: " + "; ".join(cis) + ")")  # fmt: skip
 
