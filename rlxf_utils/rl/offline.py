@@ -272,8 +272,7 @@ def run_offline(job: TrainJob) -> pd.DataFrame:
     """KTO, DPO or RFT from the start policy on the run's data (`offline_dataset`); resumes;
     returns the log."""
     cfg, _ = job.require_study()
-    seed_everything(job.seed)
-    frame, rows, ids, extra = offline_dataset(job)
+    frame, rows, ids, extra = offline_dataset(job)  # its draws are seeded by job.seed
     job.output_dir.mkdir(parents=True, exist_ok=True)
     with atomic_path(job.output_dir / "data.parquet") as tmp:
         frame.to_parquet(tmp, index=False)
