@@ -76,6 +76,37 @@ def test_random_state_round_trips_through_plain_values() -> None:
     assert (random.random(), float(np.random.rand()), float(torch.rand(()))) == want
 
 
+def test_kernel_warm_up_draws_no_random_numbers_and_runs_once_per_thread_count(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`warm_up_kernels` (run by `seed_everything`) leaves every generator where the seed put it,
+    so a seeded stage draws the same numbers with it as without; it runs each listed kernel in
+    both dtypes, once per thread count."""
+    from torch.nn import functional as F
+
+    from rlxf_utils import runtime
+
+    seed_everything(5)
+    want = (random.random(), float(np.random.rand()), float(torch.rand(())))
+    monkeypatch.setattr(runtime, "_warmed", set())
+    calls: list[tuple[str, torch.dtype]] = []
+    for name in runtime.WARM_UP_OPS:
+        mod = F if name in ("silu", "gelu", "softmax", "log_softmax") else torch
+        if name == "pow":
+            mod, name = torch.Tensor, "pow"
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda x, *a, _n=name, _f=real, **k: (
+            calls.append((_n, x.dtype)), _f(x, *a, **k))[1])  # fmt: skip
+    seed_everything(5)
+    assert (random.random(), float(np.random.rand()), float(torch.rand(()))) == want
+    assert set(calls) == {
+        (n, d) for n in runtime.WARM_UP_OPS for d in (torch.float32, torch.bfloat16)
+    }
+    assert runtime._warmed == {torch.get_num_threads()}
+    seed_everything(5)  # the same thread count: nothing runs again
+    assert len(calls) == 2 * len(runtime.WARM_UP_OPS)
+
+
 class Payload:
     """Runs code when unpickled, as a crafted state.pt would."""
 

@@ -77,6 +77,7 @@ from rlxf_utils.models.policies import PolicySet
 from rlxf_utils.prompts import CONTEXT_FIELDS
 from rlxf_utils.reward.bundle import load_reward
 from rlxf_utils.reward.uncertainty import fit_or_load
+from rlxf_utils.runtime import warm_up_kernels
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +119,7 @@ def run_evaluation_stage(cfg: Any, run: RunDir, progress: bool = True) -> EvalSt
     ec, rl = cfg.evaluation, cfg.rl
     if ec.num_threads is not None:
         torch.set_num_threads(ec.num_threads)
+    warm_up_kernels()
     timer = PhaseTimer("evaluation")
     with timer("loading"):
         contexts = load_contexts(run.root, "eval", ec.max_prompts, cfg.run.seed)

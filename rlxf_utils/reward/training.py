@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
-from rlxf_utils.runtime import resolve_device
+from rlxf_utils.runtime import resolve_device, warm_up_kernels
 
 if TYPE_CHECKING:  # heavy imports stay lazy so that `import rlxf_utils.reward` is cheap
     import torch
@@ -61,6 +61,7 @@ def _set_threads(n: int | None) -> None:
 
     if n:
         torch.set_num_threads(n)
+    warm_up_kernels()
 
 
 def train_encoder(
@@ -296,4 +297,5 @@ def configure_threads(n: int | None = None) -> int:
 
     n = n or len(os.sched_getaffinity(0))
     torch.set_num_threads(n)
+    warm_up_kernels()
     return n
