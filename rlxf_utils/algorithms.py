@@ -140,9 +140,19 @@ REFERENCE_LABELS: dict[str, str] = {
     "random_policy": "random policy",
 }
 
+#: Display names of the policies that are not algorithms: the zero-shot model, the supervised
+#: policies, best-of-N and the references.
+POLICY_LABELS: dict[str, str] = {
+    "base": "zero-shot model",
+    "sft": "SFT",
+    "sft_met": "SFT on MET rows",
+    "best_of_n": "best-of-N",
+    **REFERENCE_LABELS,
+}
+
 
 def algorithm_label(name: str) -> str:
     """Display name of a policy or algorithm id ('d2lols' -> 'D²LOLS'); other names unchanged."""
     if name in ALGORITHMS:
         return ALGORITHMS[name].label
-    return REFERENCE_LABELS.get(name, name)
+    return POLICY_LABELS.get(name, name)

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from rlxf_utils.names import relabel_figure
 from rlxf_utils.report.wording import markdown_table
 
 __all__ = [
@@ -165,8 +166,10 @@ class RunDir:
         return csv_target
 
     def write_figure(self, name: str, fig: Any, dpi: int = 150) -> Path:
-        """Save a matplotlib figure as `figures/<name>.png`."""
+        """Save a matplotlib figure as `figures/<name>.png`, its texts in display names
+        (`names.relabel_figure`: the ids stay in the data, the reader sees the names)."""
         target = self.path(f"figures/{name}.png")
+        relabel_figure(fig)
         with atomic_path(target, ".png") as tmp:
             fig.savefig(tmp, dpi=dpi, bbox_inches="tight", format="png")
         return target

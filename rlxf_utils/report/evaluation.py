@@ -197,7 +197,9 @@ def eval_section(run: RunDir, alpha: float = 0.05) -> tuple[dict[str, Any], dict
             floatfmt=".1f",
         )
         pp = ppl.set_index("policy")
-        ppl_sentence = "; ".join(f"{p} {pp.loc[p, 'ppl_all']:.1f}" for p in pp.index)
+        ppl_sentence = "; ".join(
+            f"{algorithm_label(p)} {pp.loc[p, 'ppl_all']:.1f}" for p in pp.index
+        )
     fin = s["finished"].dropna() if "finished" in s else pd.Series(dtype=float)
     marker = f"{HEADS_FOLDER}/{HEADS_MARKER}"  # the reward heads' settings (reward_uncertainty)
     heads = run.read_json(marker) if run.exists(marker) else None
@@ -220,12 +222,14 @@ def eval_section(run: RunDir, alpha: float = 0.05) -> tuple[dict[str, Any], dict
         else "No RL algorithm was compared with best-of-N",
         "bon_curve": ", ".join(str(n) for n in meta.get("best_of_n_curve", [])),
         "ppl_sentence": ppl_sentence,
-        "finished_sentence": "; ".join(f"{p} {v:.0%}" for p, v in fin.items()),
+        "finished_sentence": "; ".join(f"{algorithm_label(p)} {v:.0%}" for p, v in fin.items()),
         "best_ave_r": f3(b["ave_r"]),
         "best_gain": f"{b['gain']:+.3f}",
         "best_audit_gain": f"{b['audit_gain']:+.3f}",
         "best_kl": f"{b['kl']:.2f}",
-        "grounding_sentence": "; ".join(f"{p} {f3(r['grounded_met'])}" for p, r in g.iterrows()),
+        "grounding_sentence": "; ".join(
+            f"{algorithm_label(p)} {f3(r['grounded_met'])}" for p, r in g.iterrows()
+        ),
         "uncertainty_sentence": uncertainty_sentence(s, algos, start, lvl, heads),
     }
     return variables, {

@@ -25,6 +25,7 @@ import yaml
 
 from rlxf_utils.artifacts import RunDir, atomic_path
 from rlxf_utils.config import PROJECT_ROOT
+from rlxf_utils.names import humanise, humanise_values
 from rlxf_utils.report.data import data_section
 from rlxf_utils.report.evaluation import eval_section
 from rlxf_utils.report.forensic import forensic_section
@@ -181,17 +182,21 @@ def build_sources(run: RunDir, build: Path, src: Path = REPORT_SRC) -> dict[str,
     ):
         variables[key] = vals
         includes.update(files)
+    # one mapping from internal ids to display names, for prose, variables and tables alike
+    variables = humanise_values(variables)
     with atomic_path(build / "_variables.yml") as tmp:
         tmp.write_text(yaml.safe_dump(variables, sort_keys=True, allow_unicode=True))
+    qmd = build / QMD
+    qmd.write_text(humanise(qmd.read_text(encoding="utf-8")), encoding="utf-8")
     gen = build / "_generated"
     gen.mkdir(exist_ok=True)
     for name, text in includes.items():
-        (gen / name).write_text(text, encoding="utf-8")
+        (gen / name).write_text(humanise(text), encoding="utf-8")
     for name, (table, stage) in TABLE_INCLUDES.items():
         md = run.require(f"tables/{table}.md", stage).read_text(encoding="utf-8")
-        (gen / name).write_text(md, encoding="utf-8")
+        (gen / name).write_text(humanise(md), encoding="utf-8")
     for name, text in _manifest_tables(run).items():
-        (gen / name).write_text(text, encoding="utf-8")
+        (gen / name).write_text(humanise(text), encoding="utf-8")
     figs = run.root / "figures"
     if figs.is_dir():
         shutil.copytree(figs, build / "figures")

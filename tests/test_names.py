@@ -1,0 +1,62 @@
+"""Display names: one mapping from internal ids to what a reader sees (`rlxf_utils.names`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from rlxf_utils.algorithms import ALGORITHMS  # noqa: E402
+from rlxf_utils.artifacts import RunDir  # noqa: E402
+from rlxf_utils.names import DISPLAY_NAMES, display_label, humanise, humanise_values  # noqa: E402
+
+
+def test_every_policy_and_variant_has_a_name_a_reader_can_read() -> None:
+    for a in ALGORITHMS:
+        assert DISPLAY_NAMES[a] != a or a.isalpha(), a
+    for name, shown in DISPLAY_NAMES.items():
+        assert "_" not in shown, (name, shown)
+
+
+def test_humanise_replaces_ids_in_prose_tables_and_ticks_but_not_paths_or_code() -> None:
+    text = (
+        "| policy | kl to reference | econ_descriptor |\n|:---|---:|:---|\n"
+        "| sft_met | 0.1 | a |\n| sft | 2.0 | b |\n"
+        "The `sft` policy and sft_met beat d2lols, unlike `ppo_mle`; see policy/sft_met/adapter.\n"
+        "A base model and the sft step; ppo.py and @sec-rlgf.\n"
+        "```yaml\n  md_as_met: {met: [M]}\n```\n"
+    )
+    out = humanise(text)
+    assert out.splitlines()[0] == "| policy | KL to start policy | economic descriptor |"
+    assert "| SFT on MET rows | 0.1 |" in out and "| SFT | 2.0 |" in out
+    assert "The SFT policy and SFT on MET rows beat D²LOLS, unlike PPO + MLE" in out
+    assert "policy/sft_met/adapter" in out  # a path stays a path
+    assert "A base model and the SFT step; ppo.py and @sec-rlgf." in out  # 'base': English
+    assert "  md_as_met: {met: [M]}" in out  # the parameters file is quoted as written
+    assert humanise_values({"a": ["sft", "x sft_met"], "b": 1}) == {
+        "a": ["SFT", "x SFT on MET rows"],
+        "b": 1,
+    }
+    assert display_label("ppo step 8") == "PPO step 8"
+    assert display_label("mean P(MET) minus sft") == "mean P(MET) minus SFT"
+    assert display_label("base") == "zero-shot model"
+
+
+def test_a_written_figure_shows_display_names(tmp_path: Path) -> None:
+    fig, ax = plt.subplots()
+    ax.bar(["base", "sft_met", "d2lols"], [1, 2, 3], label="best_of_n")
+    ax.set_yticks([1, 2], ["history_met", "random_policy"])
+    ax.set_title("gain over sft")
+    ax.legend()
+    RunDir(tmp_path).write_figure("f", fig)
+    fig.canvas.draw()
+    ticks = [t.get_text() for t in ax.get_xticklabels()]
+    assert ticks == ["zero-shot model", "SFT on MET rows", "D²LOLS"]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["history (MET)", "random policy"]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["best-of-N"]
+    assert ax.get_title() == "gain over SFT"
+    assert (tmp_path / "figures/f.png").stat().st_size > 0
+    plt.close(fig)
