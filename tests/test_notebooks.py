@@ -183,6 +183,7 @@ def smoke_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_smoke_study_renders_the_report(smoke_run: Path) -> None:
     """The smoke run's report: both files, figures embedded, no holes, numbers equal the artifacts."""
 
+    import pandas as pd
     import pypdf
 
     from rlxf_utils.report.render import load_variables, render_report
@@ -215,6 +216,7 @@ def test_smoke_study_renders_the_report(smoke_run: Path) -> None:
     text = " ".join(p.extract_text() for p in pypdf.PdfReader(res.pdf).pages)
     text = " ".join(text.split())
     for heading in (
+        "Key findings",
         "Introduction",
         "Data: the experience in MONA",
         "The reward model",
@@ -264,6 +266,30 @@ def test_smoke_study_renders_the_report(smoke_run: Path) -> None:
     hist = next(r for r in risk["country_swap"]["by_source"] if r["source"] == "historical")
     assert variables["risk"]["swap_mean_abs_delta"] == f"{hist['mean_abs_delta']:.4f}"
     assert f"by {hist['mean_abs_delta']:.4f} on average" in text
+
+    # the abstract states the findings with the run's numbers (issue 33)
+    after_title = html.split('class="abstract-title">Abstract</div>')[1].split("</div>")[0]
+    abstract = " ".join(__import__("html").unescape(re.sub(r"<[^>]+>", " ", after_title)).split())
+    main = next(m for m in metrics if m["protocol"] == "grouped" and m["model"] == "encoder")
+    auc = f"{main['roc_auc']:.3f} [{main['roc_auc_low']:.3f}, {main['roc_auc_high']:.3f}]"
+    assert auc in abstract, abstract
+    chance = main["roc_auc_low"] <= 0.5 <= main["roc_auc_high"]
+    assert ("not distinguishable from chance" in abstract) == chance
+    methods = pd.read_csv(run_dir / "tables/eval_methods.csv")
+    bon = methods[methods["group"] == "best-of-N"].iloc[0]
+    assert f"gains {bon['gain']:+.3f} [{bon['gain_low']:+.3f}, {bon['gain_high']:+.3f}]" in abstract
+    for _, r in methods[methods["group"].isin(["RL", "ILHF"])].iterrows():
+        named = f"{r['method']} ({r['gain']:+.3f} [{r['gain_low']:+.3f}, {r['gain_high']:+.3f}])"
+        assert (named in abstract) == (r["gain_low"] > 0 or r["gain_high"] < 0), named
+    assert len(abstract.split()) <= 220, len(abstract.split())  # about 200 words
+    # display names: no internal id reaches the reader (the quoted parameters file aside)
+    from rlxf_utils.names import DISPLAY_NAMES, ENGLISH_WORDS
+
+    shown = re.sub(r"<(pre|script|style)\b.*?</\1>", " ", html, flags=re.S)
+    shown = __import__("html").unescape(re.sub(r"<[^>]+>", " ", shown))
+    leaks = [n for n in DISPLAY_NAMES if n not in ENGLISH_WORDS
+             and re.search(rf"(?<![\w/.-]){re.escape(n)}(?![\w/-])", shown)]  # fmt: skip
+    assert not leaks, leaks
 
     # like for like: every algorithm started from sft, saved snapshots and its settings, and
     # took the same prompts, responses and optimiser steps per batch

@@ -28,6 +28,7 @@ from rlxf_utils.config import PROJECT_ROOT
 from rlxf_utils.names import humanise, humanise_values
 from rlxf_utils.report.data import data_section
 from rlxf_utils.report.evaluation import eval_section
+from rlxf_utils.report.findings import findings_section
 from rlxf_utils.report.forensic import forensic_section
 from rlxf_utils.report.ilhf import ilhf_section
 from rlxf_utils.report.offline import offline_section
@@ -175,6 +176,7 @@ def build_sources(run: RunDir, build: Path, src: Path = REPORT_SRC) -> dict[str,
         ("eval", eval_section(run, params.get("evaluation", {}).get("alpha", 0.05))),
         ("overopt", overopt_section(run)),
         ("offline", offline_section(run)),
+        ("findings", findings_section(run)),
         ("seeds", seeds_section(run)),
         ("rlgf", rlgf_section(run, params)),
         ("ilhf", ilhf_section(run, params)),

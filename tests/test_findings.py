@@ -1,0 +1,79 @@
+"""The findings the abstract and the key-findings section state (`rlxf_utils.report.findings`):
+each chosen from an interval."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from rlxf_utils.report.findings import (
+    best_of_n_finding,
+    offline_finding,
+    reward_finding,
+    rl_finding,
+)
+
+
+def _metrics(acc_high: float, auc: tuple[float, float, float]) -> dict:
+    row = {"protocol": "grouped", "model": "encoder", "accuracy": 0.61, "accuracy_low": 0.57,
+           "accuracy_high": acc_high, "roc_auc": auc[0], "roc_auc_low": auc[1], "roc_auc_high": auc[2]}  # fmt: skip
+    tfidf = {**row, "protocol": "random", "model": "tfidf", "accuracy": 0.66, "accuracy_high": 0.69}
+    majority = {**row, "model": "majority", "accuracy": 0.9, "accuracy_high": 0.95}
+    return {"alpha": 0.05, "reward_source": "encoder", "reward_protocol": "grouped",
+            "metrics": [row, tfidf, majority]}  # fmt: skip
+
+
+def test_reward_finding_reads_the_claim_and_chance_from_the_intervals() -> None:
+    low = reward_finding(_metrics(0.64, (0.54, 0.49, 0.58)))
+    assert low.startswith("No model of MONA's condition texts reproduces the paper's 82%")
+    assert "66.0% [57.0%, 69.0%], TF-IDF + LR, random split" in low  # the best, not majority
+    assert "0.540 [0.490, 0.580], not distinguishable from chance" in low
+    high = reward_finding(_metrics(0.85, (0.60, 0.55, 0.65)))
+    assert high.startswith("The paper's 82% accuracy is within a model's interval")
+    assert "61.0% [57.0%, 85.0%]" in high and "above chance" in high
+
+
+def _methods() -> pd.DataFrame:
+    rows = [("PPO", "RL", 0.001, -0.004, 0.006, 0.002, -0.001, 0.005, 0.1, "below"),
+            ("GRPO", "RL", 0.026, 0.022, 0.032, 0.005, -0.001, 0.011, 13.0, "below"),
+            ("ILHF (history)", "ILHF", 0.010, 0.005, 0.017, 0.009, 0.005, 0.013, 13.1, "not distinguishable"),
+            ("KTO", "offline", 0.0, -0.01, 0.01, 0.0, -0.01, 0.01, 0.2, "not distinguishable"),
+            ("best-of-4", "best-of-N", 0.018, 0.012, 0.024, 0.004, -0.002, 0.010, 0.64, None)]  # fmt: skip
+    cols = ["method", "group", "gain", "gain_low", "gain_high", "audit_gain", "audit_gain_low",
+            "audit_gain_high", "kl", "vs_best_of_n"]  # fmt: skip
+    return pd.DataFrame(rows, columns=cols)
+
+
+def test_rl_finding_names_only_the_methods_whose_interval_excludes_zero() -> None:
+    text = rl_finding(_methods(), "sft", "99.6%")
+    assert text.startswith(
+        "Of 3 RL and ILHF algorithms tuned from SFT, GRPO (+0.026 [+0.022, +0.032])"
+    )
+    assert "PPO" not in text and "KTO" not in text  # PPO's interval holds 0; KTO is offline
+    assert "no method optimised, ILHF (history) (+0.009 [+0.005, +0.013]) raised it" in text
+    assert text.endswith("(99.6% simultaneous CIs)")
+    none = _methods().assign(gain_low=-1.0, audit_gain_low=-1.0)
+    assert "none raised the reward model's score" in rl_finding(none, "sft", "99%")
+
+
+def test_best_of_n_finding_counts_the_verdicts() -> None:
+    text = best_of_n_finding(_methods(), "sft")
+    assert text.startswith(
+        "Best-of-4 sampling from SFT, with no training, gains +0.018 [+0.012, +0.024]"
+    )
+    assert text.endswith("at equal KL, 2 of the 4 trained methods lie below it and none above")
+    above = _methods().assign(vs_best_of_n=["above", "below", "below", "below", None])
+    assert "PPO lies above it and 3 of the 4 trained methods below" in best_of_n_finding(
+        above, "sft"
+    )
+
+
+def test_offline_finding_states_the_need_rl_answer() -> None:
+    base = {"ci_level": 0.99, "pairs": 6, "winners": [], "measure": "audit_reward"}
+    assert "the data cannot say" in offline_finding(
+        {"audit_reward": {**base, "answer": "undecided"}}
+    )
+    rl = offline_finding({"audit_reward": {**base, "answer": "rl", "winners": ["grpo"]}})
+    assert rl.startswith("Learning from MONA's outcomes needed RL under the audit: GRPO beat")
+    off = offline_finding({"audit_reward": {**base, "answer": "offline", "winners": ["kto"]}})
+    assert "did not need RL under the audit: KTO beat every RL algorithm (6 paired" in off
+    assert "did not run" in offline_finding({})
