@@ -38,6 +38,7 @@ from rlxf_utils.report.risk import risk_section
 from rlxf_utils.report.rl import rl_section
 from rlxf_utils.report.rlgf import rlgf_section
 from rlxf_utils.report.seeds import seeds_section
+from rlxf_utils.report.sources import sources_table
 from rlxf_utils.report.wording import markdown_table
 
 log = logging.getLogger(__name__)
@@ -199,6 +200,9 @@ def build_sources(run: RunDir, build: Path, src: Path = REPORT_SRC) -> dict[str,
         (gen / name).write_text(humanise(md), encoding="utf-8")
     for name, text in _manifest_tables(run).items():
         (gen / name).write_text(humanise(text), encoding="utf-8")
+    copies = {Path(k).stem: t for k, (t, _) in TABLE_INCLUDES.items()}
+    sources = sources_table(qmd.read_text(encoding="utf-8"), run, copies)
+    (gen / "sources.md").write_text(sources, encoding="utf-8")
     figs = run.root / "figures"
     if figs.is_dir():
         shutil.copytree(figs, build / "figures")
