@@ -360,7 +360,7 @@ def test_rlgf_table_assembles_the_summary_in_the_papers_order() -> None:
     shuffled = summary.sample(frac=1.0, random_state=3)  # the table's order is its own
     t = rlgf_table(shuffled, ppl, ALGOS)
     assert t["policy"].tolist() == ["base", "sft", "sft_met", *ALGOS, "best_of_n"]
-    assert t["label"].tolist() == ["zero-shot (base)", "sft", "sft_met", "PPO", "PPO++", "GRPO",
+    assert t["label"].tolist() == ["zero-shot (base)", "SFT", "SFT on MET rows", "PPO", "PPO++", "GRPO",
                                    "D²LOLS", "best-of-N"]  # fmt: skip
     assert t.set_index("policy")["kind"].to_dict() == {
         "base": "zero-shot", "sft": "supervised", "sft_met": "supervised", "ppo": "RL",
@@ -523,7 +523,7 @@ def test_easy_hard_sentences_read_the_intervals() -> None:
     d = prompt_difficulty(samples[samples.policy == "sft"], _history())
     t = easy_hard_table(samples, d, ["sft", "grpo"], "sft", 300, 0.1, 0)
     s = easy_hard_sentences(t, "sft", 0.1)
-    assert "GRPO is not distinguishable from sft on easy prompts" in s
+    assert "GRPO is not distinguishable from SFT on easy prompts" in s
     assert "above it on hard prompts" in s and "its gain is larger on hard prompts" in s
     assert (
         "90% cluster-bootstrap intervals" in s and "sft is" not in s
@@ -647,14 +647,14 @@ def test_report_rlgf_section_words_follow_the_intervals(tmp_path) -> None:
     assert "GRPO falls short of sft_met" in v["rl_vs_sft_met_sentence"]
     assert v["context_key"] == "country × arrangement type × economic descriptor"
     assert v["easy_hard_sentence"].startswith(
-        "Gains over sft with 90% cluster-bootstrap intervals: "
+        "Gains over SFT with 90% cluster-bootstrap intervals: "
     )
     assert v["median"] == "0.500"  # between (3 + 1) / (4 + 2) (easy) and (1 + 1) / (4 + 2) (hard)
     table = inc["rlgf_table.md"]
     assert "Ave(R) [90% CI]" in table and "PPO++" in table and "≤ " in table  # best-of-N's bound
     rows = [r for r in table.splitlines() if r.startswith("| ")]
     assert [r.split("|")[1].strip() for r in rows[1:]] == [
-        "zero-shot (base)", "sft", "sft_met", "PPO", "PPO++", "GRPO", "D²LOLS", "best-of-N"]  # fmt: skip
+        "zero-shot (base)", "SFT", "SFT on MET rows", "PPO", "PPO++", "GRPO", "D²LOLS", "best-of-N"]  # fmt: skip
     assert (
         "does guidance beat PPO?" in inc["rlgf_guidance.md"] and "higher" in inc["rlgf_guidance.md"]
     )

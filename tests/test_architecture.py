@@ -18,12 +18,13 @@ README = PKG.parent / "README.md"
 #: wording modules are rooms of their own because stages below the report use them.
 ROOMS: dict[str, set[str]] = {
     "algorithms": set(),
+    "names": {"algorithms"},
     "prompts": set(),
     "stats": set(),
     "config": {"algorithms"},
     "runtime": {"config"},
     "report.wording": {"stats"},
-    "artifacts": {"report.wording"},
+    "artifacts": {"report.wording", "names"},
     "plots": {"stats"},
     "compare": {"artifacts"},
     "freshness": {"config", "artifacts"},
@@ -68,6 +69,7 @@ ROOMS: dict[str, set[str]] = {
     "report": {
         "config",
         "algorithms",
+        "names",
         "artifacts",
         "stats",
         "prompts",

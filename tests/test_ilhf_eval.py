@@ -214,14 +214,14 @@ def test_verdicts_follow_the_intervals() -> None:
     assert "ILHF (history) writes more varied samples of one prompt than PPO (-1.000" in md
     assert "ILHF (history) cannot be told apart in Ave(R) from PPO" in md
     assert (
-        "; it reaches a higher Ave(R) than sft_met (+0.050 [+0.050, +0.050]) and sft (+0.100 [+0.100, +0.100])"
+        "; it reaches a higher Ave(R) than SFT on MET rows (+0.050 [+0.050, +0.050]) and SFT (+0.100 [+0.100, +0.100])"
         in md
     )
     assert (
-        "finds held-out MET descriptions likelier than sft_met (-0.300 [-0.300, -0.300]) and sft (-0.500"
+        "finds held-out MET descriptions likelier than SFT on MET rows (-0.300 [-0.300, -0.300]) and SFT (-0.500"
         in md
     )
-    assert "PPO's samples of one prompt are more alike than those of sft" in md
+    assert "PPO's samples of one prompt are more alike than those of SFT" in md
     assert "95% cluster-bootstrap CI over countries" in md and "real MET descriptions" in md
     # the verb follows the interval, not the point estimate
     fake = _tables()
@@ -231,7 +231,7 @@ def test_verdicts_follow_the_intervals() -> None:
     s = inclusive_sentences(fake, ALGOS, "sft", 0.05)
     assert s["reward"].startswith("ILHF (history) cannot be told apart in Ave(R) from PPO (")
     assert (
-        "and sft (+0.080 [-0.010, +0.170]); it reaches a higher Ave(R) than sft_met ("
+        "and SFT (+0.080 [-0.010, +0.170]); it reaches a higher Ave(R) than SFT on MET rows ("
         in s["reward"]
     )
 
@@ -241,7 +241,7 @@ def test_markdown_says_when_no_ilhf_algorithm_ran() -> None:
     assert set(tables["eval_inclusive_tests"]["policy"]) == {"ppo"}  # PPO vs start only
     md = ilhf_markdown(tables, ["ppo", "grpo"], "sft", 0.05)
     assert md.startswith("- No ILHF algorithm ran: this run trained PPO and GRPO")
-    assert "more alike than those of sft" in md
+    assert "more alike than those of SFT" in md
     none = _tables(["grpo"])
     assert none["eval_inclusive_tests"].empty
     s = inclusive_sentences(none, ["grpo"], "sft", 0.05)
@@ -255,7 +255,7 @@ def test_figure_has_every_policy_and_the_history_lines() -> None:
     tables = _tables()
     fig = ilhf_figures(tables, "sft", 0.1)["eval_inclusive"]
     labels = [t.get_text() for t in fig.legends[0].get_texts()]
-    assert labels[:5] == ["sft", "sft_met", "PPO", "GRPO", "ILHF (history)"]
+    assert labels[:5] == ["SFT", "SFT on MET rows", "PPO", "GRPO", "ILHF (history)"]
     assert "history (MET)" in labels and "history (MET) (no density)" in labels
     assert "90% CI" in fig._suptitle.get_text()
 
@@ -283,7 +283,7 @@ def test_report_section_reads_the_tables(tmp_path) -> None:
     assert "90% cluster-bootstrap CI" in v["collapse_sentence"]
     rows = [r for r in inc["ilhf_table.md"].splitlines() if r.startswith("| ")]
     assert [r.split("|")[1].strip() for r in rows[1:]] == [
-        "sft", "sft_met", "PPO", "GRPO", "ILHF (history)", "history (MET)", "history (Non-MET)"]  # fmt: skip
+        "SFT", "SFT on MET rows", "PPO", "GRPO", "ILHF (history)", "history (MET)", "history (Non-MET)"]  # fmt: skip
     assert "pairwise similarity [90% CI]" in rows[0] and "reward SD" not in rows[0]
     assert "lower" in inc["ilhf_tests.md"] and "pairwise similarity" in inc["ilhf_tests.md"]
     # every variable the report source quotes is provided, every include is generated
