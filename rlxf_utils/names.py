@@ -69,9 +69,9 @@ def humanise(text: str, names: Mapping[str, str] = DISPLAY_NAMES) -> str:
     pattern = _SAFE if names is DISPLAY_NAMES else _pattern(names)
     out, fenced = [], False
     for line in text.split("\n"):
-        if line.lstrip().startswith(("```", "~~~")):
-            fenced = not fenced
-        if fenced or line.lstrip().startswith(("```", "~~~")):
+        fence = line.lstrip().startswith(("```", "~~~"))
+        fenced ^= fence
+        if fenced or fence:
             out.append(line)
             continue
         line = _TICKED.sub(lambda m: names.get(m.group(1), m.group(0)), line)
@@ -85,7 +85,7 @@ def humanise_values(value: object, names: Mapping[str, str] = DISPLAY_NAMES) -> 
     """`humanise` over every string of a nested structure (the report's variables); a string
     that is exactly an id becomes its display name."""
     if isinstance(value, str):
-        return names[value] if value in names else humanise(value, names)
+        return display_label(value, names)
     if isinstance(value, Mapping):
         return {k: humanise_values(v, names) for k, v in value.items()}
     if isinstance(value, list):
