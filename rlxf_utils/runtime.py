@@ -40,7 +40,7 @@ def warm_up_kernels() -> None:
     first forward of a stage came out ~1.5e-4 off on half of the batch in 18 of 79 fresh
     processes, and every later call agreed. ILHF's first update starts from that forward, so a
     resumed study's ILHF differed from the uninterrupted one. After a warm-up no first forward
-    differed (16 of 16). Consumes no random numbers (results are otherwise unchanged); runs again
+    differed (0 of 32). Consumes no random numbers (results are otherwise unchanged); runs again
     only when the thread count changes."""
     threads = torch.get_num_threads()
     if threads in _warmed:

@@ -24,6 +24,9 @@ from rlxf_utils.stats import level
 #: The paper's reported accuracy, precision, recall and F1 ("surpassing 82% on each").
 PAPER_CLAIM = 0.82
 
+#: The findings, in the order the abstract and the key-findings list state them.
+FINDINGS = ("reward", "rl", "best_of_n", "offline")
+
 
 def _pct_ci(mid: float, low: float, high: float) -> str:
     return f"{100 * mid:.1f}% [{100 * low:.1f}%, {100 * high:.1f}%]"
@@ -173,7 +176,6 @@ def findings_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
         note = f"This run directory predates the methods' comparison; rerun {stage}"
         found["rl"] = found["best_of_n"] = note
     found["offline"] = offline_finding(summary.get("need_rl", {}))
-    found["abstract"] = " ".join(f"{found[k]}." for k in ("reward", "rl", "best_of_n", "offline"))
-    listed = "\n".join(f"{i}. {found[k]}." for i, k in
-                        enumerate(("reward", "rl", "best_of_n", "offline"), 1))  # fmt: skip
+    found["abstract"] = " ".join(f"{found[k]}." for k in FINDINGS)
+    listed = "\n".join(f"{i}. {found[k]}." for i, k in enumerate(FINDINGS, 1))
     return found, {"findings.md": listed + "\n"}
