@@ -82,3 +82,13 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+if os.environ.get("RLXF_TEST_AUTOCAST"):
+    # A device check: every test that takes the policy settings' default runs its matmuls under
+    # this autocast dtype (e.g. `RLXF_TEST_AUTOCAST=bfloat16` on a GPU). Off by default.
+    from rlxf_utils.config.policy import PolicyConfig
+
+    PolicyConfig.model_fields["autocast"].default = os.environ["RLXF_TEST_AUTOCAST"]
+    PolicyConfig.model_rebuild(force=True)
+    assert PolicyConfig().autocast == os.environ["RLXF_TEST_AUTOCAST"]

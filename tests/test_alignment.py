@@ -19,7 +19,7 @@ from rlxf_utils.evaluation.figures import plot_frontier
 from rlxf_utils.evaluation.history import history_references
 from rlxf_utils.evaluation.sampling import frame_logprobs, sample_tuned
 from rlxf_utils.evaluation.tables import frontier_points, summary_table
-from rlxf_utils.models.generation import generate, trim_response
+from rlxf_utils.models.generation import autocast, generate, trim_response
 from rlxf_utils.models.policies import PolicySet
 from rlxf_utils.report.wording import display_country
 
@@ -84,7 +84,8 @@ def test_policy_set_switches_adapters_on_one_base(tmp_path, monkeypatch) -> None
     ref, _ = _base()
     ids = torch.tensor([tok("w10 w11 w12")["input_ids"]])
     with torch.no_grad():
-        want_base = ref(ids).logits
+        with autocast(pset.autocast_dtype, "cpu"):  # the policy settings' (RLXF_TEST_AUTOCAST)
+            want_base = ref(ids).logits
         with pset.use("base") as m:
             got_base = m(ids).logits
         with pset.use("ppo") as m:
