@@ -8,12 +8,19 @@
 #   there: bash bench/device_check.sh                 # installs .whl/ into /tmp/site, runs the tests
 # Logs go to $OUT (or bench/results/) as device_fp32.log and device_bf16.log.
 set -u
-WHEELS="transformers==5.23.0 tokenizers==0.23.3 trl==1.16.0 peft==0.21.2 datasets==5.2.0 dill==0.4.1
-multiprocess==0.70.19 pydantic==2.14.3 pydantic_core==2.50.4 annotated-types==0.8.0
-typing-inspection==0.4.5 typing_extensions==4.16.0 gguf==0.19.0 pandas==3.1.1 fsspec==2026.9.0
-sentence-transformers==6.2.0 scikit-learn==1.9.1"
+# what the device's image lacks or holds in another version; the versions are read from this
+# checkout's installed environment (`make install`, from pyproject.toml's pins), never typed here
+NEEDED="transformers tokenizers trl peft datasets dill multiprocess pydantic pydantic_core
+annotated-types typing-inspection typing_extensions gguf pandas fsspec sentence-transformers
+scikit-learn"
 if [ "${1:-}" = "--download" ]; then
-  mkdir -p .whl && grep -qx "/.whl/" .git/info/exclude 2>/dev/null || echo /.whl/ >> .git/info/exclude
+  mkdir -p .whl .git/info && grep -qx "/.whl/" .git/info/exclude 2>/dev/null || echo /.whl/ >> .git/info/exclude
+  WHEELS=$(.venv/bin/python - $NEEDED <<'PY'
+import sys
+from importlib.metadata import version
+print(" ".join(f"{n}=={version(n)}" for n in sys.argv[1:]))
+PY
+) || exit 3
   exec python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl $WHEELS
