@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+
+import numpy as np
 import pytest
 import torch
 from test_ppo import tiny_tokenizer
@@ -187,3 +190,72 @@ def test_generation_cache_in_autocast_dtype_is_bit_identical():
     with torch.inference_mode():
         out = model.generate(**enc, **kw)  # no autocast: transformers' own cache
     assert type(out.past_key_values.layers[0]) is DynamicLayer
+
+
+def _lora_tiny(tok):
+    """A tiny tied-embedding Llama (as SmolLM2) with a trained-looking LoRA adapter."""
+    base = generation.cache_in_autocast_dtype(tiny_llama(tok, init=0.5, tie_word_embeddings=True))
+    lora = LoraSettings(rank=4, alpha=8, target_modules=["q_proj", "v_proj"])
+    model = loading.apply_lora(base, lora)
+    torch.manual_seed(1)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:  # LoRA starts with B = 0: make the adapter matter
+            p.data.normal_(0.0, 0.3)
+    return base, model.eval()
+
+
+def test_frozen_weights_cast_once_sample_the_same_tokens_and_are_restored():
+    """Generation under bf16 autocast with the frozen base weights cast once (what `generate`
+    does) samples the very tokens, with the very scores, of autocast casting them at every step;
+    inside the context the frozen weights are bf16 and the trainable LoRA weights float32; on
+    leaving every original parameter is back and the LM head is tied to the embeddings again;
+    outside autocast nothing is cast."""
+    tok = tiny_tokenizer()
+    base, model = _lora_tiny(tok)
+    params = dict(model.named_parameters())
+    assert base.lm_head.weight is base.model.embed_tokens.weight
+    enc = tok(["a b c d", "b"], return_tensors="pt", padding=True)
+    kw = dict(do_sample=True, max_new_tokens=8, top_k=0, output_scores=True,
+              return_dict_in_generate=True, pad_token_id=tok.pad_token_id)  # fmt: skip
+    runs = {}
+    for name, gen in (
+        ("each step", lambda **k: type(base).generate(base, past_key_values=generation.autocast_kv_cache(base), **k)),
+        ("once", model.generate),
+    ):  # fmt: skip
+        torch.manual_seed(0)
+        with torch.inference_mode(), generation.autocast("bfloat16", "cpu"):
+            runs[name] = gen(**enc, **kw)
+    assert torch.equal(runs["once"].sequences, runs["each step"].sequences)
+    for a, b in zip(runs["once"].scores, runs["each step"].scores, strict=True):
+        assert torch.equal(a, b)
+
+    q = base.model.layers[0].self_attn.q_proj
+    with generation.autocast("bfloat16", "cpu"), generation.frozen_weights_in_autocast_dtype(model):
+        assert q.base_layer.weight.dtype == torch.bfloat16
+        assert base.lm_head.weight.dtype == torch.bfloat16
+        assert base.model.embed_tokens.weight.dtype == torch.float32
+        assert q.lora_A["default"].weight.dtype == torch.float32  # trainable: untouched
+    now = dict(model.named_parameters())
+    assert now.keys() == params.keys() and all(now[n] is p for n, p in params.items())
+    assert base.lm_head.weight is base.model.embed_tokens.weight
+    with generation.frozen_weights_in_autocast_dtype(model):  # no autocast
+        assert q.base_layer.weight.dtype == torch.float32
+
+
+def test_sequence_logprobs_with_weights_cast_once_are_identical(monkeypatch):
+    """`sequence_logprobs` under bf16 autocast gives the same numbers with the frozen weights cast
+    once as with autocast casting them in every forward pass."""
+    from rlxf_utils.models import logprobs
+
+    tok = tiny_tokenizer()
+    _, model = _lora_tiny(tok)
+    pairs = (["a b c d", "b", "c d"], [[5, 6, 7], [8], [9, 10]])
+    with generation.autocast("bfloat16", "cpu"):
+        once, _ = logprobs.sequence_logprobs(model, tok, *pairs, batch_size=2, padding_side="left")
+        monkeypatch.setattr(
+            logprobs, "frozen_weights_in_autocast_dtype", lambda m: contextlib.nullcontext()
+        )
+        each, _ = logprobs.sequence_logprobs(model, tok, *pairs, batch_size=2, padding_side="left")
+    fp32, _ = logprobs.sequence_logprobs(model, tok, *pairs, batch_size=2, padding_side="left")
+    assert np.array_equal(once, each)
+    assert not np.array_equal(once, fp32)  # autocast was on: bf16 numbers differ from fp32's

@@ -25,8 +25,9 @@ def word_tokenizer(
     )
 
 
-def tiny_llama(tok, seed: int = 0, init: float = 0.02, vocab_size: int | None = None):
-    """A random 2-layer Llama (hidden 32) sized to `tok`; `init` sets how peaked its outputs are."""
+def tiny_llama(tok, seed: int = 0, init: float = 0.02, vocab_size: int | None = None, **fields):
+    """A random 2-layer Llama (hidden 32) sized to `tok`; `init` sets how peaked its outputs are;
+    `fields`: further LlamaConfig fields (e.g. tie_word_embeddings=True, as SmolLM2 has)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -34,6 +35,6 @@ def tiny_llama(tok, seed: int = 0, init: float = 0.02, vocab_size: int | None = 
         vocab_size=vocab_size or len(tok), hidden_size=32, intermediate_size=64,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         max_position_embeddings=64, initializer_range=init, pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id,
+        eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id, **fields,
     )  # fmt: skip
     return LlamaForCausalLM(config)

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from rlxf_utils.models.generation import encode_prompts
+from rlxf_utils.models.generation import encode_prompts, frozen_weights_in_autocast_dtype
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ def sequence_logprobs(
     was_training = model.training
     model.eval()
     try:
-        with torch.inference_mode():
+        with torch.inference_mode(), frozen_weights_in_autocast_dtype(model):
             for start in range(0, n, batch_size):
                 idx = order[start : start + batch_size]
                 if all(n_tok[j] == 0 for j in idx):
