@@ -7,12 +7,14 @@ import json
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 from test_ppo import dense_reward, small_cfg, tiny_tokenizer, toy_contexts, toy_reward
 from tiny import tiny_llama
 
 from rlxf_utils.config import LoraSettings, PolicyConfig
 from rlxf_utils.data.contexts import load_contexts
-from rlxf_utils.models.generation import postprocess_response
+from rlxf_utils.models.generation import autocast, postprocess_response
+from rlxf_utils.rl import trl_runs
 from rlxf_utils.rl.core import LOG_COLUMNS, prompt_schedule
 from rlxf_utils.rl.stage import run_algorithm
 from rlxf_utils.rl.tables import summary_table, training_curves_figure
@@ -270,3 +272,45 @@ def test_training_curves_show_the_critic_prior_beside_the_critic():
     assert lines["PPO: prior alone"].get_color() == lines["PPO"].get_color()
     assert list(lines["PPO: prior alone"].get_ydata()) == [0.1, 0.3, 0.5]
     plt.close(fig)
+
+
+def test_trl_fused_head_scores_only_labelled_positions_on_the_cpu(monkeypatch):
+    """TRL's fused LM head on the CPU, made to score only the labelled positions, gives their
+    log-probabilities and the parameters' gradients as the full layout does (up to float32
+    summation order), zeros elsewhere; the patch is idempotent, leaves other devices to TRL, and
+    is skipped, with False, when TRL's module lacks the switch."""
+    import trl.trainer.utils as trl_utils
+
+    original = getattr(trl_utils._use_triton, "__wrapped__", trl_utils._use_triton)
+    monkeypatch.setattr(trl_utils, "_use_triton", original)
+    tok = tiny_tokenizer()
+    model = tiny_llama(tok, init=0.5)
+    trl_utils.add_fused_lm_head(model)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10], [0, 0, 5, 6, 7, 8]])
+    labels = ids.clone()
+    labels[0, :3] = -100  # a prompt
+    labels[1, :4] = -100  # padding and a prompt
+
+    def run():
+        model.zero_grad()
+        with autocast("bfloat16", "cpu"):
+            out = model(input_ids=ids, labels=labels, fused_lm_head=True)
+        out.loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return out.log_probs.detach().float(), grads
+
+    full, full_grads = run()
+    assert not trl_utils._use_triton(torch.device("cpu"))
+    assert trl_runs.score_labelled_positions_only() and trl_runs.score_labelled_positions_only()
+    assert trl_utils._use_triton(torch.device("cpu"))
+    assert trl_utils._use_triton.__wrapped__ is original  # not wrapped twice
+    assert trl_utils._use_triton(torch.device("meta")) == original(torch.device("meta"))
+    compact, compact_grads = run()
+    labelled = labels[:, 1:] != -100
+    assert (full[labelled] != 0).all() and (compact[~labelled] == 0).all()
+    torch.testing.assert_close(compact, full, rtol=0, atol=1e-5)
+    assert compact_grads.keys() == full_grads.keys()
+    for name, grad in compact_grads.items():
+        torch.testing.assert_close(grad, full_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    monkeypatch.delattr(trl_utils, "_use_triton")
+    assert not trl_runs.score_labelled_positions_only()

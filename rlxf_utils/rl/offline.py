@@ -58,6 +58,7 @@ from rlxf_utils.rl.trl_runs import (
     bookkeeping_callbacks,
     finish_trl_run,
     resume_history,
+    score_labelled_positions_only,
     trainer_arguments,
     trl_tokenizer,
 )
@@ -297,6 +298,7 @@ def train_offline(
 
     algo, rl, out = job.algo, job.rl, job.output_dir
     seed_everything(job.seed)
+    score_labelled_positions_only()
     per_batch, steps, n = rl.optimizer_steps_per_batch, job.n_steps, world_size()
     common = dict(num_train_epochs=rl.update_epochs, max_length=None,
                   **trainer_arguments(job, total_steps(job), rl.checkpoint_every * per_batch))  # fmt: skip
