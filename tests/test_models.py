@@ -242,6 +242,34 @@ def test_frozen_weights_cast_once_sample_the_same_tokens_and_are_restored():
         assert q.base_layer.weight.dtype == torch.float32
 
 
+def test_frozen_weights_cast_once_keep_mixed_adapter_batches_identical(monkeypatch):
+    """An ILHF ensemble's batch, each prompt answered by its own adapter (peft's mixed batches),
+    with every adapter frozen as evaluation loads them: the adapters' weights are cast once too,
+    and the tokens and scores are those of autocast casting every weight at every step."""
+    tok = tiny_tokenizer()
+    _, model = _lora_tiny(tok)
+    model.add_adapter("second", loading.lora_config(LoraSettings(rank=4, alpha=8, target_modules=["q_proj", "v_proj"])))  # fmt: skip
+    torch.manual_seed(2)
+    for name, p in model.named_parameters():
+        if "lora_B.second" in name:
+            p.data.normal_(0.0, 0.3)
+    model.requires_grad_(False)
+    enc = tok(["a b c d", "b", "c", "d a"], return_tensors="pt", padding=True)
+    kw = dict(do_sample=True, max_new_tokens=8, top_k=0, output_scores=True,
+              return_dict_in_generate=True, pad_token_id=tok.pad_token_id,
+              adapter_names=["default", "second", "second", "default"])  # fmt: skip
+    runs = {}
+    for name in ("once", "each step"):
+        if name == "each step":
+            monkeypatch.setattr(generation, "frozen_weights_in_autocast_dtype", lambda m: contextlib.nullcontext())  # fmt: skip
+        torch.manual_seed(0)
+        with torch.inference_mode(), generation.autocast("bfloat16", "cpu"):
+            runs[name] = model.generate(**enc, **kw)
+    assert torch.equal(runs["once"].sequences, runs["each step"].sequences)
+    for a, b in zip(runs["once"].scores, runs["each step"].scores, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_sequence_logprobs_with_weights_cast_once_are_identical(monkeypatch):
     """`sequence_logprobs` under bf16 autocast gives the same numbers with the frozen weights cast
     once as with autocast casting them in every forward pass."""
