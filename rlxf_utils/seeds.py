@@ -30,6 +30,7 @@ from rlxf_utils.algorithms import algorithm_label
 from rlxf_utils.artifacts import RunDir, atomic_path
 from rlxf_utils.config import load_config
 from rlxf_utils.pipeline import FROZEN_PARAMS, run_study
+from rlxf_utils.stats import family_alpha, level
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +120,11 @@ def seed_runs(run_dir: str | Path) -> dict[int, Path]:
 def seed_table(run_dir: str | Path, alpha: float = 0.05) -> pd.DataFrame:
     """Per algorithm and training seed: gain over the start policy (with its interval), audit
     gain, KL and finished share; then per algorithm the seeds pooled ('pooled' rows): mean over
-    seeds, the seed-to-seed SD and a t interval over seeds for the mean (NaN with one seed)."""
+    seeds, the seed-to-seed SD and a t interval over seeds for the mean (NaN with one seed).
+
+    The pooled intervals follow the study's one multiplicity rule (`stats.family_alpha`): each
+    measure asked of the m algorithms is one family, so every interval is at level 1 - alpha / m
+    (`ci_level`) and the report's verdict words hold together."""
     rows = []
     for seed, d in seed_runs(run_dir).items():
         meta = RunDir(d).read_json("eval/summary.json", stage="notebook 04_evaluation")
@@ -138,15 +143,16 @@ def seed_table(run_dir: str | Path, alpha: float = 0.05) -> pd.DataFrame:
     if per_seed.empty:
         return per_seed
     pooled = []
+    a_family = family_alpha(alpha, per_seed["algorithm"].nunique())
     for algo, g in per_seed.groupby("algorithm", sort=False):
         rec: dict[str, Any] = {"algorithm": algo, "label": algorithm_label(algo), "seed": "pooled",
-                               "seeds": len(g)}  # fmt: skip
+                               "seeds": len(g), "ci_level": 1 - a_family}  # fmt: skip
         for m in MEASURES:
             v = g[m].dropna().to_numpy(float)
             mean = float(v.mean()) if v.size else math.nan
             sd = float(v.std(ddof=1)) if v.size > 1 else math.nan
             half = (
-                stats.t.ppf(1 - alpha / 2, v.size - 1) * sd / math.sqrt(v.size)
+                stats.t.ppf(1 - a_family / 2, v.size - 1) * sd / math.sqrt(v.size)
                 if v.size > 1
                 else math.nan
             )
@@ -159,7 +165,7 @@ def seed_table(run_dir: str | Path, alpha: float = 0.05) -> pd.DataFrame:
 
 def plot_seeds(table: pd.DataFrame, start: str) -> Any:
     """Per algorithm: each seed's gain under the reward model and the audit (dots) and the mean
-    over seeds with its t interval (bar)."""
+    over seeds with its simultaneous t interval (bar)."""
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
@@ -181,8 +187,9 @@ def plot_seeds(table: pd.DataFrame, start: str) -> Any:
         ax.set(title=f"gain over {start}: {title}")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("P(MET) difference")
-    fig.suptitle("Across training seeds: each seed (dots), mean over seeds with a t interval (squares)",
-                 fontsize=10)  # fmt: skip
+    lvl = level(1 - float(pooled["ci_level"].iloc[0])) if len(pooled) else ""
+    fig.suptitle(f"Across training seeds: each seed (dots), mean over seeds with its {lvl} "
+                 "simultaneous t interval (squares)", fontsize=10)  # fmt: skip
     fig.tight_layout()
     return fig
 

@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 import pytest
+from scipy import stats
 
 from rlxf_utils.artifacts import RunDir
 from rlxf_utils.config import PROJECT_ROOT, load_config
@@ -60,10 +61,10 @@ def test_a_seed_needs_a_finished_run(tmp_path):
 
 def test_seed_table_pools_seeds_with_their_spread(tmp_path):
     cfg, run = _run(tmp_path)
-    _summary(run, ["ppo", "grpo"], [0.01, 0.05])
+    _summary(run, ["ppo", "grpo"], [0.02, 0.05])
     assert write_seed_table(run.root).loc[lambda t: t.seed == "pooled", "seeds"].max() == 1
     assert not run.exists("tables/eval_seeds.csv")  # one seed: nothing to compare
-    for s, gains in ((1, [0.03, 0.00]), (2, [0.02, 0.10])):
+    for s, gains in ((1, [0.021, 0.00]), (2, [0.019, 0.10])):
         d = RunDir(seed_dir(run.root, s))
         _summary(d, ["ppo", "grpo"], gains)
     table = seed_table(run.root)
@@ -73,11 +74,19 @@ def test_seed_table_pools_seeds_with_their_spread(tmp_path):
     assert grpo["seeds"] == 3 and grpo["gain"] == pytest.approx(0.05)
     assert grpo["gain_seed_sd"] == pytest.approx(np.std([0.05, 0.0, 0.1], ddof=1))
     assert grpo["gain_low"] < 0 < grpo["gain_high"]  # three seeds this far apart: not shown
+    # the one multiplicity rule: one family per measure, 2 algorithms, each at 1 - 0.05 / 2
+    assert grpo["ci_level"] == pytest.approx(0.975)
+    half = stats.t.ppf(1 - 0.025 / 2, 2) * grpo["gain_seed_sd"] / np.sqrt(3)
+    assert grpo["gain_high"] - grpo["gain"] == pytest.approx(half)
+    ppo = table[(table.seed == "pooled") & (table.algorithm == "ppo")].iloc[0]
+    assert ppo["gain"] == pytest.approx(0.02) and ppo["gain_low"] > 0  # close seeds: shown
     write_seed_table(run.root)
     assert run.exists("tables/eval_seeds.csv") and run.exists("figures/eval_seeds.png")
     variables, files = seeds_section(run)
     assert variables["seeds"] == "3"
     assert "GRPO did not distinguishably move the reward over 3 seeds" in variables["sentence"]
+    assert "PPO raised the reward over 3 seeds" in variables["sentence"]
+    assert "97.5% simultaneous t intervals" in variables["sentence"]
     assert "| PPO" in files["eval_seeds.md"]
 
 

@@ -49,7 +49,7 @@ MULTIPLICITY_RULE = (
     "Every family of comparisons (one question asked of several policies: each policy against the "
     "start policy under the reward model, under the audit model and in their gap; guidance against "
     "PPO; RL against sft_met; easy against hard prompts; the ILHF tests; each policy against "
-    "best-of-N) is Bonferroni-adjusted: its m intervals are at level 1 − α/m, so they hold "
+    "best-of-N; each algorithm's mean gain over training seeds) is Bonferroni-adjusted: its m intervals are at level 1 − α/m, so they hold "
     "together with probability at least 1 − α, and a verdict word is given only where an interval "
     "excludes zero. The p-values beside them are dual to those intervals (m times the bootstrap "
     "p-value, below α exactly when the verdict is given); the t and Wilcoxon tests on per-country "

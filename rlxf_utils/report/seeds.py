@@ -29,6 +29,10 @@ def seeds_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
     t = run.read_table("eval_seeds", "rlxf seeds")
     pooled = t[t["seed"] == "pooled"]
     n = int(pooled["seeds"].max())
+    if (
+        "ci_level" in pooled and pooled["ci_level"].notna().any()
+    ):  # tables from before the rule: alpha's
+        lvl = level(1 - float(pooled["ci_level"].dropna().iloc[0]))
     clauses = []
     for _, r in pooled.iterrows():
         verb = ci_verdict(r["gain_low"], r["gain_high"], *_MOVE)
@@ -41,7 +45,8 @@ def seeds_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
         )
     sentence = (
         f"Over {n} training seeds, each evaluated on the same prompts with the same sampling seeds, "
-        f"gains over `{start}` with {lvl} t intervals over seeds: " + "; ".join(clauses)
+        f"gains over `{start}` with {lvl} simultaneous t intervals over seeds (one family per "
+        "measure, as every verdict of the study): " + "; ".join(clauses)
     )
     shown = []
     for _, r in t.iterrows():
