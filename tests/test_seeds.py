@@ -64,12 +64,12 @@ def test_seed_table_pools_seeds_with_their_spread(tmp_path):
     _summary(run, ["ppo", "grpo"], [0.02, 0.05])
     assert write_seed_table(run.root).loc[lambda t: t.seed == "pooled", "seeds"].max() == 1
     assert not run.exists("tables/eval_seeds.csv")  # one seed: nothing to compare
-    for s, gains in ((1, [0.021, 0.00]), (2, [0.019, 0.10])):
+    for s, gains in ((11, [0.021, 0.00]), (3, [0.019, 0.10])):
         d = RunDir(seed_dir(run.root, s))
         _summary(d, ["ppo", "grpo"], gains)
     table = seed_table(run.root)
     per = table[table.seed != "pooled"]
-    assert sorted(per.seed.unique()) == sorted(["1", "2", str(cfg.run.seed)])
+    assert sorted(per.seed.unique()) == sorted(["11", "3", str(cfg.run.seed)])
     grpo = table[(table.seed == "pooled") & (table.algorithm == "grpo")].iloc[0]
     assert grpo["seeds"] == 3 and grpo["gain"] == pytest.approx(0.05)
     assert grpo["gain_seed_sd"] == pytest.approx(np.std([0.05, 0.0, 0.1], ddof=1))
@@ -88,6 +88,15 @@ def test_seed_table_pools_seeds_with_their_spread(tmp_path):
     assert "PPO raised the reward over 3 seeds" in variables["sentence"]
     assert "97.5% simultaneous t intervals" in variables["sentence"]
     assert "| PPO" in files["eval_seeds.md"]
+    ppo_rows = [
+        row.split("|") for row in files["eval_seeds.md"].splitlines() if row.startswith("| PPO |")
+    ]
+    assert [r[2].strip() for r in ppo_rows] == [
+        "3",
+        "11",
+        str(cfg.run.seed),
+        "pooled",
+    ]  # numeric order
 
 
 def test_report_says_how_to_add_seeds_when_there_are_none(tmp_path):

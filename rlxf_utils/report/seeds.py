@@ -58,7 +58,12 @@ def seeds_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
             "KL (nats)": f"{r['kl']:.2f}",
             "seed SD of gain": f"{r['gain_seed_sd']:.3f}" if pooled_row and is_present(r.get("gain_seed_sd")) else "·",
         })  # fmt: skip
-    table = pd.DataFrame(shown).sort_values(["algorithm", "seed"], kind="stable")
+    # per algorithm: the seeds in numeric order, then their pooled row
+    order = pd.to_numeric(t["seed"], errors="coerce").fillna(float("inf")).to_numpy()
+    table = (
+        pd.DataFrame(shown).assign(_order=order).sort_values(["algorithm", "_order"], kind="stable")
+    )
+    table = table.drop(columns="_order")
     return {"sentence": sentence, "seeds": str(n), "level": lvl}, {
         "eval_seeds.md": markdown_table(table)
     }
