@@ -164,32 +164,47 @@ def seed_table(run_dir: str | Path, alpha: float = 0.05) -> pd.DataFrame:
 
 
 def plot_seeds(table: pd.DataFrame, start: str) -> Any:
-    """Per algorithm: each seed's gain under the reward model and the audit (dots) and the mean
-    over seeds with its simultaneous t interval (bar)."""
+    """Per algorithm: each seed's gain under the reward model and the audit with its interval
+    within that seed's evaluation (dots), and the mean over seeds with its simultaneous t interval
+    (squares). The axis spans the seeds' own intervals: a t interval over few seeds can be many
+    times wider, and is then cut at the axis with its half-width written there."""
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
     per = table[table["seed"] != "pooled"]
     pooled = table[table["seed"] == "pooled"].reset_index(drop=True)
-    for ax, (col, title) in zip(
-        axes, (("gain", "reward model"), ("audit_gain", "audit")), strict=True
-    ):
+    cols = (("gain", "reward model"), ("audit_gain", "audit"))
+    seen = np.concatenate(
+        [per[[c, f"{c}_low", f"{c}_high"]].to_numpy(float).ravel() for c, _ in cols]
+    )
+    seen = seen[np.isfinite(seen)]
+    low, high = (min(seen.min(), 0.0), max(seen.max(), 0.0)) if seen.size else (-1.0, 1.0)
+    pad = 0.15 * (high - low or 1.0)
+    low, high = low - pad, high + pad
+    for ax, (col, title) in zip(axes, cols, strict=True):
         ax.axhline(0, color="black", lw=0.8)
         for i, r in pooled.iterrows():
-            pts = per.loc[per["algorithm"] == r["algorithm"], col]
-            ax.plot(
-                np.full(len(pts), i) + np.linspace(-0.12, 0.12, len(pts)), pts, "o", ms=4, alpha=0.7
-            )
+            pts = per[per["algorithm"] == r["algorithm"]]
+            x = np.full(len(pts), i) + np.linspace(-0.12, 0.12, len(pts))
+            y = pts[col].to_numpy(float)
+            err = [y - pts[f"{col}_low"].to_numpy(float), pts[f"{col}_high"].to_numpy(float) - y]
+            ax.errorbar(x, y, yerr=err, fmt="o", ms=4, lw=0.8, alpha=0.8, color=f"C{i % 10}")
             if math.isfinite(r[f"{col}_low"]):
                 ax.errorbar(i + 0.3, r[col], yerr=[[r[col] - r[f"{col}_low"]], [r[f"{col}_high"] - r[col]]],
                             fmt="s", color="black", capsize=3)  # fmt: skip
+                if r[f"{col}_low"] < low or r[f"{col}_high"] > high:  # cut at the axis
+                    ax.annotate(f"±{(r[f'{col}_high'] - r[f'{col}_low']) / 2:.2f}", (i + 0.3, high),
+                                xytext=(2, -2), textcoords="offset points", ha="left", va="top",
+                                fontsize=6.5, rotation=90)  # fmt: skip
+        ax.set_ylim(low, high)
         ax.set_xticks(range(len(pooled)), pooled["label"], rotation=20, ha="right")
         ax.set(title=f"gain over {start}: {title}")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("P(MET) difference")
     lvl = level(1 - float(pooled["ci_level"].iloc[0])) if len(pooled) else ""
-    fig.suptitle(f"Across training seeds: each seed (dots), mean over seeds with its {lvl} "
-                 "simultaneous t interval (squares)", fontsize=10)  # fmt: skip
+    fig.suptitle(f"Across training seeds: each seed with its own interval (dots), the mean over "
+                 f"seeds with its {lvl} simultaneous t interval (squares; cut at the axis: ± half-width)",
+                 fontsize=9)  # fmt: skip
     fig.tight_layout()
     return fig
 

@@ -13,7 +13,7 @@ from rlxf_utils.artifacts import RunDir
 from rlxf_utils.config import PROJECT_ROOT, load_config
 from rlxf_utils.pipeline import freeze_params
 from rlxf_utils.report.seeds import seeds_section
-from rlxf_utils.seeds import prepare_seed, seed_dir, seed_table, write_seed_table
+from rlxf_utils.seeds import plot_seeds, prepare_seed, seed_dir, seed_table, write_seed_table
 
 
 def _run(tmp_path):
@@ -80,6 +80,10 @@ def test_seed_table_pools_seeds_with_their_spread(tmp_path):
     assert grpo["gain_high"] - grpo["gain"] == pytest.approx(half)
     ppo = table[(table.seed == "pooled") & (table.algorithm == "ppo")].iloc[0]
     assert ppo["gain"] == pytest.approx(0.02) and ppo["gain_low"] > 0  # close seeds: shown
+    fig = plot_seeds(table, "sft")
+    low, high = fig.axes[0].get_ylim()  # the axis follows the seeds' own intervals...
+    assert high >= per["gain_high"].max() and low <= min(per["gain_low"].min(), 0.0)
+    assert high < grpo["gain_high"] and low > grpo["gain_low"]  # ...not a t interval over 3 seeds
     write_seed_table(run.root)
     assert run.exists("tables/eval_seeds.csv") and run.exists("figures/eval_seeds.png")
     variables, files = seeds_section(run)
