@@ -92,6 +92,8 @@ def test_seed_table_pools_seeds_with_their_spread(tmp_path):
     assert "PPO raised the reward over 3 seeds" in variables["sentence"]
     assert "97.5% simultaneous t intervals" in variables["sentence"]
     assert "| PPO" in files["eval_seeds.md"]
+    assert "](figures/eval_seeds.png){#fig-seeds" in files["eval_seeds_figure.md"]
+    assert "97.5% simultaneous t interval" in files["eval_seeds_figure.md"]
     ppo_rows = [
         row.split("|") for row in files["eval_seeds.md"].splitlines() if row.startswith("| PPO |")
     ]
@@ -109,3 +111,4 @@ def test_report_says_how_to_add_seeds_when_there_are_none(tmp_path):
     variables, files = seeds_section(run)
     assert "rlxf seeds" in variables["sentence"] and variables["seeds"] == "1"
     assert "rlxf seeds" in files["eval_seeds.md"]
+    assert files["eval_seeds_figure.md"] == ""  # no figure without further seeds

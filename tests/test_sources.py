@@ -56,3 +56,24 @@ def test_writers_follow_the_stage_modules_names() -> None:
     assert writer("rlgf_guidance") == writer("sft_loss") == writer("ilhf_training") == "notebook 03"
     assert writer("rlgf_table") == writer("ilhf_tests") == "notebook 04"
     assert writer("risk_drift") == "notebook 05" and writer("split_sizes") == "notebook 01"
+
+
+def test_a_figure_shown_only_when_the_run_has_it_is_listed_where_its_include_stands(
+    tmp_path: Path,
+) -> None:
+    run = RunDir(tmp_path / "run")
+    gen = tmp_path / "_generated"
+    gen.mkdir()
+    qmd = (
+        "{{< include _generated/eval_seeds_figure.md >}}\n\n"
+        "![Gains.](figures/eval_gains.png){#fig-gains width=90%}\n"
+    )
+    (gen / "eval_seeds_figure.md").write_text(
+        "![Seeds.](figures/eval_seeds.png){#fig-seeds width=100%}", encoding="utf-8"
+    )
+    rows = sources_table(qmd, run, {}, gen).splitlines()[2:]
+    assert [r.split("|")[1].strip() for r in rows] == ["@fig-seeds", "@fig-gains"]
+    assert "`rlxf seeds`" in rows[0]
+    (gen / "eval_seeds_figure.md").write_text("", encoding="utf-8")  # a run without seeds
+    rows = sources_table(qmd, run, {}, gen).splitlines()[2:]
+    assert [r.split("|")[1].strip() for r in rows] == ["@fig-gains"]

@@ -201,7 +201,7 @@ def build_sources(run: RunDir, build: Path, src: Path = REPORT_SRC) -> dict[str,
     for name, text in _manifest_tables(run).items():
         (gen / name).write_text(humanise(text), encoding="utf-8")
     copies = {Path(k).stem: t for k, (t, _) in TABLE_INCLUDES.items()}
-    sources = sources_table(qmd.read_text(encoding="utf-8"), run, copies)
+    sources = sources_table(qmd.read_text(encoding="utf-8"), run, copies, gen)
     (gen / "sources.md").write_text(sources, encoding="utf-8")
     figs = run.root / "figures"
     if figs.is_dir():

@@ -16,8 +16,8 @@ _MOVE = ("raised", "lowered", "did not distinguishably move")
 
 
 def seeds_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
-    """Variables (`sentence`, `seeds`, `level`) and the across-seed table; a run without further
-    seeds says how to add them."""
+    """Variables (`sentence`, `seeds`, `level`), the across-seed table and its figure (nothing
+    for a run without further seeds, whose table says how to add them)."""
     meta = run.read_json("eval/summary.json", stage="notebook 04_evaluation")
     lvl = level(meta.get("alpha", 0.05))
     start = meta.get("start_policy", "sft")
@@ -25,7 +25,10 @@ def seeds_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
         note = ("This run trained each algorithm with one seed, so an algorithm's effect cannot be "
                 "told from its seed's here; `rlxf seeds --run-dir <run> --seeds 1 2` trains and "
                 "evaluates more on the same reward model, SFT policies and prompts")  # fmt: skip
-        return {"sentence": note, "seeds": "1", "level": lvl}, {"eval_seeds.md": table_note(note)}
+        return {"sentence": note, "seeds": "1", "level": lvl}, {
+            "eval_seeds.md": table_note(note),
+            "eval_seeds_figure.md": "",
+        }
     t = run.read_table("eval_seeds", "rlxf seeds")
     pooled = t[t["seed"] == "pooled"]
     n = int(pooled["seeds"].max())
@@ -64,6 +67,14 @@ def seeds_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
         pd.DataFrame(shown).assign(_order=order).sort_values(["algorithm", "_order"], kind="stable")
     )
     table = table.drop(columns="_order")
+    figure = (
+        "![Each algorithm's gain over the start policy under the reward model (left) and the audit "
+        "(right) at each training seed, with that seed's own interval (dots), and the mean over "
+        f"seeds with its {lvl} simultaneous t interval (squares; an interval running off the axis "
+        "is cut there, its half-width written beside it).](figures/eval_seeds.png){#fig-seeds "
+        "width=100%}"
+    )
     return {"sentence": sentence, "seeds": str(n), "level": lvl}, {
-        "eval_seeds.md": markdown_table(table)
+        "eval_seeds.md": markdown_table(table),
+        "eval_seeds_figure.md": figure,
     }

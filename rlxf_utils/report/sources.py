@@ -4,6 +4,7 @@ read from and the step of the study that wrote that artifact (the report's appen
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pandas as pd
 
@@ -46,6 +47,8 @@ _TABLE = re.compile(
     r"\{\{< include _generated/([\w-]+)\.md >\}\}\s*\n\s*\n: [^\n]*\{#(tbl-[\w-]+)\}"
 )
 _FIGURE = re.compile(r"\]\(figures/([\w-]+)\.png\)\{#(fig-[\w-]+)")
+#: A figure the report shows only when the run has it: written by a section into `_generated/`.
+_FIGURE_INCLUDE = re.compile(r"\{\{< include _generated/([\w-]+_figure)\.md >\}\}")
 
 
 def writer(stem: str) -> str:
@@ -64,9 +67,22 @@ def table_source(stem: str, run: RunDir, tables: dict[str, str]) -> tuple[str, s
     return next(s for p, s in SUMMARY_OF_PREFIX if stem.startswith(p)), writer(stem)
 
 
-def sources_table(qmd: str, run: RunDir, tables: dict[str, str]) -> str:
+def sources_table(
+    qmd: str, run: RunDir, tables: dict[str, str], generated: Path | None = None
+) -> str:
     """The markdown table of every table and figure that `qmd` shows (in its order): the item
-    (a cross-reference), the artifact and the step that wrote it."""
+    (a cross-reference), the artifact and the step that wrote it. A figure included from
+    `generated` (`_generated/<name>_figure.md`, empty when the run lacks it) counts where its
+    include stands."""
+    if generated is not None:
+        qmd = _FIGURE_INCLUDE.sub(
+            lambda m: (
+                (generated / f"{m.group(1)}.md").read_text(encoding="utf-8")
+                if (generated / f"{m.group(1)}.md").is_file()
+                else ""
+            ),
+            qmd,
+        )
     items: list[tuple[int, str, str, str]] = []
     for m in _TABLE.finditer(qmd):
         if m.group(1) == "sources":  # this table itself
