@@ -8,7 +8,7 @@ from typing import Any
 import pandas as pd
 
 from rlxf_utils.artifacts import RunDir
-from rlxf_utils.report.evaluation import table_note
+from rlxf_utils.report.evaluation import family_level, table_note
 from rlxf_utils.report.wording import ci, ci_verdict, is_present, markdown_table
 from rlxf_utils.stats import level
 
@@ -32,10 +32,8 @@ def seeds_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
     t = run.read_table("eval_seeds", "rlxf seeds")
     pooled = t[t["seed"] == "pooled"]
     n = int(pooled["seeds"].max())
-    if (
-        "ci_level" in pooled and pooled["ci_level"].notna().any()
-    ):  # tables from before the rule: alpha's
-        lvl = level(1 - float(pooled["ci_level"].dropna().iloc[0]))
+    if "ci_level" in pooled:  # the family's level; tables from before the rule keep alpha's
+        lvl = family_level(pooled)
     clauses = []
     for _, r in pooled.iterrows():
         verb = ci_verdict(r["gain_low"], r["gain_high"], *_MOVE)
