@@ -12,7 +12,7 @@ from scipy import stats
 from rlxf_utils.artifacts import RunDir
 from rlxf_utils.config import PROJECT_ROOT, load_config
 from rlxf_utils.pipeline import freeze_params
-from rlxf_utils.report.seeds import seeds_section
+from rlxf_utils.report.seeds import _by_verdict, seeds_section
 from rlxf_utils.seeds import plot_seeds, prepare_seed, seed_dir, seed_table, write_seed_table
 
 
@@ -88,8 +88,15 @@ def test_seed_table_pools_seeds_with_their_spread(tmp_path):
     assert run.exists("tables/eval_seeds.csv") and run.exists("figures/eval_seeds.png")
     variables, files = seeds_section(run)
     assert variables["seeds"] == "3"
-    assert "GRPO did not distinguishably move the reward over 3 seeds" in variables["sentence"]
-    assert "PPO raised the reward over 3 seeds" in variables["sentence"]
+    sentence = variables["sentence"]
+    reward, audit = sentence.split("; under the audit model, ")
+    assert "under the reward model, PPO (mean gain +0.020 [" in reward
+    assert reward.endswith("raised it, while GRPO did not distinguishably move it")
+    assert audit.startswith("PPO (mean gain +0.010 [") and audit.endswith(
+        "GRPO did not distinguishably move it"
+    )
+    flat = table[table.seed == "pooled"].assign(gain_low=-1.0)  # every interval covers zero
+    assert _by_verdict(flat, "gain") == "none of the 2 algorithms distinguishably moved it"
     assert "97.5% simultaneous t intervals" in variables["sentence"]
     assert "| PPO" in files["eval_seeds.md"]
     assert "](figures/eval_seeds.png){#fig-seeds" in files["eval_seeds_figure.md"]
@@ -103,6 +110,8 @@ def test_seed_table_pools_seeds_with_their_spread(tmp_path):
         str(cfg.run.seed),
         "pooled",
     ]  # numeric order
+    labels = [row.split("|")[1].strip() for row in files["eval_seeds.md"].splitlines()[2:]]
+    assert labels == ["PPO"] * 4 + ["GRPO"] * 4  # the study's order, not the alphabet's
 
 
 def test_report_says_how_to_add_seeds_when_there_are_none(tmp_path):

@@ -9,7 +9,7 @@ import pandas as pd
 
 from rlxf_utils.artifacts import RunDir
 from rlxf_utils.report.evaluation import family_level, table_note
-from rlxf_utils.report.wording import ci, ci_verdict, is_present, markdown_table
+from rlxf_utils.report.wording import ci, ci_verdict, is_present, listing, markdown_table
 from rlxf_utils.stats import level
 
 _MOVE = ("raised", "lowered", "did not distinguishably move")
@@ -34,20 +34,12 @@ def seeds_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
     n = int(pooled["seeds"].max())
     if "ci_level" in pooled:  # the family's level; tables from before the rule keep alpha's
         lvl = family_level(pooled)
-    clauses = []
-    for _, r in pooled.iterrows():
-        verb = ci_verdict(r["gain_low"], r["gain_high"], *_MOVE)
-        a_verb = ci_verdict(r["audit_gain_low"], r["audit_gain_high"], *_MOVE)
-        clauses.append(
-            f"{r['label']} {verb} the reward over {int(r['seeds'])} seeds (mean gain "
-            f"{ci(r['gain'], r['gain_low'], r['gain_high'], signed=True)}, seed SD "
-            f"{r['gain_seed_sd']:.3f}) and {a_verb} the audit reward "
-            f"({ci(r['audit_gain'], r['audit_gain_low'], r['audit_gain_high'], signed=True)})"
-        )
+    measures = (("gain", "under the reward model"), ("audit_gain", "under the audit model"))
     sentence = (
         f"Over {n} training seeds, each evaluated on the same prompts with the same sampling seeds, "
-        f"gains over `{start}` with {lvl} simultaneous t intervals over seeds (one family per "
-        "measure, as every verdict of the study): " + "; ".join(clauses)
+        f"with {lvl} simultaneous t intervals over seeds for the mean gain over `{start}` (one "
+        "family per measure, as every verdict of the study): "
+        + "; ".join(f"{where}, {_by_verdict(pooled, col)}" for col, where in measures)
     )
     shown = []
     for _, r in t.iterrows():
@@ -59,12 +51,15 @@ def seeds_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
             "KL (nats)": f"{r['kl']:.2f}",
             "seed SD of gain": f"{r['gain_seed_sd']:.3f}" if pooled_row and is_present(r.get("gain_seed_sd")) else "·",
         })  # fmt: skip
-    # per algorithm: the seeds in numeric order, then their pooled row
-    order = pd.to_numeric(t["seed"], errors="coerce").fillna(float("inf")).to_numpy()
+    # the algorithms in the study's order; per algorithm its seeds in numeric order, then pooled
+    algo_order = t["algorithm"].map({a: i for i, a in enumerate(pooled["algorithm"])})
+    seed_order = pd.to_numeric(t["seed"], errors="coerce").fillna(float("inf"))
     table = (
-        pd.DataFrame(shown).assign(_order=order).sort_values(["algorithm", "_order"], kind="stable")
+        pd.DataFrame(shown)
+        .assign(_algo=algo_order.to_numpy(), _seed=seed_order.to_numpy())
+        .sort_values(["_algo", "_seed"], kind="stable")
+        .drop(columns=["_algo", "_seed"])
     )
-    table = table.drop(columns="_order")
     figure = (
         "![Each algorithm's gain over the start policy under the reward model (left) and the audit "
         "(right) at each training seed, with that seed's own interval (dots), and the mean over "
@@ -76,3 +71,25 @@ def seeds_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
         "eval_seeds.md": markdown_table(table),
         "eval_seeds_figure.md": figure,
     }
+
+
+def _by_verdict(pooled: pd.DataFrame, col: str) -> str:
+    """The algorithms grouped by what their pooled interval over seeds supports: those that moved
+    the measure with their mean and interval, the rest named together."""
+    moved: dict[str, list[str]] = {_MOVE[0]: [], _MOVE[1]: []}
+    still = []
+    for _, r in pooled.iterrows():
+        verb = ci_verdict(r[f"{col}_low"], r[f"{col}_high"], *_MOVE)
+        if verb in moved:
+            est = ci(r[col], r[f"{col}_low"], r[f"{col}_high"], signed=True)
+            moved[verb].append(f"{r['label']} (mean gain {est})")
+        else:
+            still.append(str(r["label"]))
+    parts = [f"{listing(names)} {verb} it" for verb, names in moved.items() if names]
+    if still:
+        parts.append(
+            f"{listing(still)} did not distinguishably move it"
+            if parts or len(still) == 1
+            else f"none of the {len(still)} algorithms distinguishably moved it"
+        )
+    return ", while ".join(parts)
