@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 
 from rlxf_utils.artifacts import ArtifactMissing, RunDir, atomic_path, to_jsonable
-from rlxf_utils.report.wording import markdown_table
+from rlxf_utils.report.wording import markdown_table, typeset_minus
 
 
 def test_atomic_write_keeps_old_file_when_writer_fails(tmp_path: Path) -> None:
@@ -66,3 +66,21 @@ def test_figure_written(tmp_path: Path) -> None:
 def test_markdown_dashes_give_wordy_columns_room() -> None:
     md = markdown_table(pd.DataFrame({"k": ["a", "b"], "long": ["x" * 120, "y" * 100]}))
     assert md.splitlines()[1] == "|:-------|:" + "-" * 44 + "|"
+
+
+def test_negative_numbers_get_a_minus_sign_and_nothing_else_changes() -> None:
+    text = (
+        "gain (-0.001 [-0.085, +0.083]), β -.5; offset -2.00\n"
+        "| PPO | -0.004 [-0.008, +0.001] |\n"
+        "steps 2-3, 2024-05-14, Platt-scaled, MiniLM-L6-v2, e-5, x=-1, `kl_coef: -0.1`, $e^{-1}$\n"
+        "```yaml\nkl_coef: -0.1\n```\n"
+        "|---:|:---|"
+    )
+    out = typeset_minus(text)
+    m = "\u2212"
+    assert out.split("\n")[:2] == [
+        f"gain ({m}0.001 [{m}0.085, +0.083]), β {m}.5; offset {m}2.00",
+        f"| PPO | {m}0.004 [{m}0.008, +0.001] |",
+    ]
+    assert out.split("\n", 2)[2] == text.split("\n", 2)[2].replace("x=-1", f"x={m}1")
+    assert typeset_minus(out) == out  # idempotent

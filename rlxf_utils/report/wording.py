@@ -5,6 +5,7 @@ turns an interval into a verdict word. Imports nothing of the study's but `stats
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -131,6 +132,29 @@ def pval(p: float) -> str:
     if not is_present(p):
         return "n/a"
     return "<0.001" if p < 0.001 else f"{p:.3f}"
+
+
+_CODE_OR_MATH = re.compile(r"(`[^`\n]*`|\$[^$\n]*\$)")
+_HYPHEN_MINUS = re.compile(r"(?<![\w.\-\u2212/])-(?=\.?\d)")
+
+
+def typeset_minus(text: str) -> str:
+    """Markdown with every negative number's hyphen-minus made a minus sign (U+2212), in prose and
+    tables alike. Typst turns some such hyphens into minus signs and leaves others, so the PDF
+    showed '(-0.001 [\u22120.085, +0.083])'. Ranges, dates and words ('2-3', '2024-05', 'Platt-
+    scaled'), fenced code, inline code and math are left as written."""
+    out, fenced = [], False
+    for line in text.split("\n"):
+        fence = line.lstrip().startswith(("```", "~~~"))
+        fenced ^= fence
+        if fenced or fence:
+            out.append(line)
+            continue
+        parts = _CODE_OR_MATH.split(line)  # odd items: code spans and math, kept
+        out.append(
+            "".join(p if i % 2 else _HYPHEN_MINUS.sub("\u2212", p) for i, p in enumerate(parts))
+        )
+    return "\n".join(out)
 
 
 def short_text(text: Any, n: int = 160) -> str:
