@@ -72,7 +72,7 @@ def history_sentence(hist: dict[str, float], contrast: dict[str, Any]) -> str:
             h["ci_low"], h["ci_high"], "above", "below", "not distinguishably apart from"
         )
         parts.append(f"{who} places what was met {word} what was not "
-                     f"(difference {ci(h['mean_diff'], h['ci_low'], h['ci_high'])})")  # fmt: skip
+                     f"(difference {ci(h['mean_diff'], h['ci_low'], h['ci_high'], signed=True)})")  # fmt: skip
     return (
         f"Real MET descriptions for the same contexts, from rows neither model trained on, score "
         f"{f3(hist['history_met'])} and real Non-MET ones {f3(hist['history_nonmet'])}; on the "
@@ -110,7 +110,7 @@ def eval_section(run: RunDir, alpha: float = 0.05) -> tuple[dict[str, Any], dict
             f"gain vs {start} [{fam} CI] (family p)": gain_cell(r, "gain"),
             f"audit [{lvl} CI]": ci(r["audit"], r["audit_low"], r["audit_high"]),
             f"audit gain [{fam} CI] (family p)": gain_cell(r, "audit_gain"),
-            f"reward − audit gap [{fam} CI]": "·" if pd.isna(r.get("gap")) else ci(r["gap"], r["gap_low"], r["gap_high"]),
+            f"reward − audit gap [{fam} CI]": "·" if pd.isna(r.get("gap")) else ci(r["gap"], r["gap_low"], r["gap_high"], signed=True),
         })  # fmt: skip
         cost.append({
             "policy": pol,
@@ -127,7 +127,7 @@ def eval_section(run: RunDir, alpha: float = 0.05) -> tuple[dict[str, Any], dict
     cost_md = markdown_table(pd.DataFrame(cost))
     pt = paired.assign(
         **{
-            f"difference [{fam} CI]": [ci(a, b, c) for a, b, c in zip(paired.mean_diff, paired.ci_low, paired.ci_high, strict=True)],
+            f"difference [{fam} CI]": [ci(a, b, c, signed=True) for a, b, c in zip(paired.mean_diff, paired.ci_low, paired.ci_high, strict=True)],
             "family p": paired["p_family"].map(pval) if "p_family" in paired else "·",
             "d_z": paired["cohens_dz"].map(lambda x: f"{x:.2f}"),
             "p (t, Holm)": paired["p_ttest_holm"].map(pval),
@@ -186,7 +186,7 @@ def eval_section(run: RunDir, alpha: float = 0.05) -> tuple[dict[str, Any], dict
             f"{algorithm_label(r['policy'])} ({f3(r['ave_r'])} at {r['kl']:.2f} nats) lies {where} the best-of-N curve "
             f"({f3(r['best_of_n_at_kl'])} at {bon_kl(r):.2f} nats"
             f"{': its KL is beyond the curve, compared with the largest N' if r['beyond_curve'] else ', the same KL'}; "
-            f"difference {ci(r['diff'], r['diff_low'], r['diff_high'])})"
+            f"difference {ci(r['diff'], r['diff_low'], r['diff_high'], signed=True)})"
         )  # fmt: skip
     ppl_md = "No held-out perplexity was measured."
     ppl_sentence = ""
@@ -267,7 +267,7 @@ def uncertainty_sentence(
         parts.append(
             f"{algorithm_label(algo)} {sd_verdict(low, high)} (mean SD "
             f"{ci(r['reward_sd'], r['reward_sd_low'], r['reward_sd_high'])}; paired change "
-            f"{ci(r.get('sd_gain', math.nan), low, high)})"
+            f"{ci(r.get('sd_gain', math.nan), low, high, signed=True)})"
         )
     start_sd = ci(
         s.loc[start, "reward_sd"], s.loc[start, "reward_sd_low"], s.loc[start, "reward_sd_high"]

@@ -258,7 +258,7 @@ def ilhf_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], d
             measure=tests["measure"].map(MEASURES),
             policy=tests["policy"].map(algorithm_label),
             versus=tests["versus"].map(algorithm_label),
-            **{f"difference [{lvl} CI]": [ci(a, b, c) for a, b, c in zip(tests["diff"], tests["low"], tests["high"], strict=True)]},
+            **{f"difference [{lvl} CI]": [ci(a, b, c, signed=True) for a, b, c in zip(tests["diff"], tests["low"], tests["high"], strict=True)]},
         )  # fmt: skip
         tests_md = markdown_table(
             tt[["measure", "policy", "versus", "n", "n_clusters", f"difference [{lvl} CI]",

@@ -135,7 +135,7 @@ def reward_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
                 "calibration rows": cal["n_calibration"].astype(int),
                 f"ECE before [{lvl} CI]": [ci(a, b, c) for a, b, c in zip(cal.test_ece_before, cal.test_ece_before_low, cal.test_ece_before_high, strict=True)],
                 f"ECE after [{lvl} CI]": [ci(a, b, c) for a, b, c in zip(cal.test_ece_after, cal.test_ece_after_low, cal.test_ece_after_high, strict=True)],
-                f"after − before [{lvl} CI]": [ci(a - b, lo, hi) for a, b, lo, hi in zip(cal.test_ece_after, cal.test_ece_before, cal.ece_diff_low, cal.ece_diff_high, strict=True)],
+                f"after − before [{lvl} CI]": [ci(a - b, lo, hi, signed=True) for a, b, lo, hi in zip(cal.test_ece_after, cal.test_ece_before, cal.ece_diff_low, cal.ece_diff_high, strict=True)],
                 "Brier before": cal["test_brier_before"].map(f3),
                 "Brier after": cal["test_brier_after"].map(f3),
             }
