@@ -16,11 +16,11 @@ from rlxf_utils.report.evaluation import eval_meta, table_note
 from rlxf_utils.report.wording import (
     ci,
     ci_verdict,
-    f3,
     fmt_num,
     is_present,
     listing,
     markdown_table,
+    num,
 )
 from rlxf_utils.stats import level
 
@@ -232,11 +232,13 @@ def ilhf_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], d
     variables.update({f"{k}_sentence": v for k, v in sentences.items()})
     t = tables["eval_inclusive"]
 
-    def cell(r: pd.Series, col: str) -> str:
+    def cell(r: pd.Series, col: str, signed: bool = False) -> str:
         if not is_present(r[col]):
             return "·"
         lo, hi = r.get(f"{col}_low", math.nan), r.get(f"{col}_high", math.nan)
-        return ci(r[col], lo, hi) if is_present(lo) and is_present(hi) else f3(r[col])
+        if is_present(lo) and is_present(hi):
+            return ci(r[col], lo, hi, signed=signed)
+        return num(r[col], signed=signed)
 
     with_sd = t["reward_sd"].notna().any()
     rows = [
@@ -244,7 +246,7 @@ def ilhf_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], d
          **({f"reward SD [{lvl} CI]": cell(r, "reward_sd")} if with_sd else {}),
          "KL (nats)": f"{r['kl']:.2f}" if is_present(r["kl"]) else "·",
          "MET cross-entropy": cell(r, "xent_met"),
-         f"vs {start} [{lvl} CI]": cell(r, "xent_met_vs_start"),
+         f"vs {start} [{lvl} CI]": cell(r, "xent_met_vs_start", signed=True),
          "area entropy": cell(r, "area_entropy"), "area KL from history": cell(r, "area_kl_to_history"),
          "distinct-2": cell(r, "distinct_2"),
          f"pairwise similarity [{lvl} CI]": cell(r, "pairwise_sim")}
