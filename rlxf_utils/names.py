@@ -9,7 +9,7 @@ a figure's texts (when a stage writes it).
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from rlxf_utils.algorithms import ALGORITHMS, POLICY_LABELS
@@ -67,17 +67,24 @@ def humanise(text: str, names: Mapping[str, str] = DISPLAY_NAMES) -> str:
     table cells (headers included) and, but for `ENGLISH_WORDS`, anywhere else. Fenced code
     blocks (the parameters file) and paths are left as written."""
     pattern = _SAFE if names is DISPLAY_NAMES else _pattern(names)
+
+    def line_names(line: str) -> str:
+        line = _TICKED.sub(lambda m: names.get(m.group(1), m.group(0)), line)
+        if line.lstrip().startswith("|"):
+            line = "|".join(_cell(c, names) for c in line.split("|"))
+        return pattern.sub(lambda m: names[m.group(1)], line)
+
+    return outside_fences(text, line_names)
+
+
+def outside_fences(text: str, change: Callable[[str], str]) -> str:
+    """`text` (markdown) with `change` applied to each line outside fenced code blocks, which
+    stay as written."""
     out, fenced = [], False
     for line in text.split("\n"):
         fence = line.lstrip().startswith(("```", "~~~"))
         fenced ^= fence
-        if fenced or fence:
-            out.append(line)
-            continue
-        line = _TICKED.sub(lambda m: names.get(m.group(1), m.group(0)), line)
-        if line.lstrip().startswith("|"):
-            line = "|".join(_cell(c, names) for c in line.split("|"))
-        out.append(pattern.sub(lambda m: names[m.group(1)], line))
+        out.append(line if fenced or fence else change(line))
     return "\n".join(out)
 
 

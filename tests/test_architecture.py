@@ -23,7 +23,7 @@ ROOMS: dict[str, set[str]] = {
     "stats": set(),
     "config": {"algorithms"},
     "runtime": {"config"},
-    "report.wording": {"stats"},
+    "report.wording": {"stats", "names"},
     "artifacts": {"report.wording", "names"},
     "plots": {"stats"},
     "compare": {"artifacts"},

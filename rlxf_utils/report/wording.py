@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from rlxf_utils.names import outside_fences
 from rlxf_utils.stats import ci_sign, level
 
 
@@ -143,18 +144,12 @@ def typeset_minus(text: str) -> str:
     tables alike. Typst turns some such hyphens into minus signs and leaves others, so the PDF
     showed '(-0.001 [\u22120.085, +0.083])'. Ranges, dates and words ('2-3', '2024-05', 'Platt-
     scaled'), fenced code, inline code and math are left as written."""
-    out, fenced = [], False
-    for line in text.split("\n"):
-        fence = line.lstrip().startswith(("```", "~~~"))
-        fenced ^= fence
-        if fenced or fence:
-            out.append(line)
-            continue
+
+    def line_minus(line: str) -> str:
         parts = _CODE_OR_MATH.split(line)  # odd items: code spans and math, kept
-        out.append(
-            "".join(p if i % 2 else _HYPHEN_MINUS.sub("\u2212", p) for i, p in enumerate(parts))
-        )
-    return "\n".join(out)
+        return "".join(p if i % 2 else _HYPHEN_MINUS.sub("\u2212", p) for i, p in enumerate(parts))
+
+    return outside_fences(text, line_minus)
 
 
 def short_text(text: Any, n: int = 160) -> str:
