@@ -6,13 +6,14 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pandas as pd
 import pytest
 from scipy import stats
 
 from rlxf_utils.artifacts import RunDir
 from rlxf_utils.config import PROJECT_ROOT, load_config
 from rlxf_utils.pipeline import freeze_params
-from rlxf_utils.report.seeds import _by_verdict, seeds_section
+from rlxf_utils.report.seeds import _by_verdict, seed_finding, seeds_section
 from rlxf_utils.seeds import plot_seeds, prepare_seed, seed_dir, seed_table, write_seed_table
 
 
@@ -112,6 +113,24 @@ def test_seed_table_pools_seeds_with_their_spread(tmp_path):
     ]  # numeric order
     labels = [row.split("|")[1].strip() for row in files["eval_seeds.md"].splitlines()[2:]]
     assert labels == ["PPO"] * 4 + ["GRPO"] * 4  # the study's order, not the alphabet's
+    assert seed_finding(run) is None  # no level for the seeds' own intervals: no finding
+
+    # with the evaluation's family level, each seed's own interval is counted too
+    pd.DataFrame({"measure": ["reward"], "ci_level": [0.99]}).to_csv(
+        run.path("tables/eval_paired.csv"), index=False
+    )
+    sentence = seeds_section(run)[0]["sentence"]
+    assert sentence.endswith(
+        "Seed by seed, each with its own evaluation's 99% simultaneous interval, the gain under "
+        "the reward model lay above zero at all 3 seeds for PPO; at 2 seeds for GRPO. Under the "
+        "audit model it did at 2 seeds for GRPO; at 1 seed for PPO"
+    )  # GRPO's 0.00 +- 0.01 covers zero; PPO's audit intervals are 0.0105, 0.0100, 0.0095 +- 0.01
+    assert seed_finding(run) == (
+        "Over 3 training seeds, each evaluated with its own 99% simultaneous intervals, the gain "
+        "under the reward model lay above zero at every seed for PPO, and under the audit model "
+        "for no algorithm; the mean gain over seeds (97.5% simultaneous t intervals) was "
+        "distinguishable from zero under the reward model for PPO and under the audit model for PPO"
+    )
 
 
 def test_report_says_how_to_add_seeds_when_there_are_none(tmp_path):

@@ -18,6 +18,7 @@ from rlxf_utils.algorithms import algorithm_label
 from rlxf_utils.artifacts import RunDir
 from rlxf_utils.report.evaluation import family_level
 from rlxf_utils.report.reward import reward_labels
+from rlxf_utils.report.seeds import seed_finding
 from rlxf_utils.report.wording import ci, is_present, listing
 from rlxf_utils.stats import level
 
@@ -160,8 +161,9 @@ def offline_finding(need: dict[str, Any]) -> str:
 
 
 def findings_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
-    """Variables `reward`, `rl`, `best_of_n`, `offline` (one finding each) and `abstract` (the
-    four as running text); `findings.md`, the key-findings list."""
+    """Variables `reward`, `rl`, `best_of_n`, `offline` (one finding each; `seeds` too where the
+    run has further training seeds) and `abstract` (them as running text); `findings.md`, the
+    key-findings list."""
     meta = run.read_json("reward/metrics.json", stage="notebook 02_reward_model")
     stage = "notebook 04_evaluation"
     summary = run.read_json("eval/summary.json", stage=stage)
@@ -176,6 +178,14 @@ def findings_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
         note = f"This run directory predates the methods' comparison; rerun {stage}"
         found["rl"] = found["best_of_n"] = note
     found["offline"] = offline_finding(summary.get("need_rl", {}))
-    found["abstract"] = " ".join(f"{found[k]}." for k in FINDINGS)
-    listed = "\n".join(f"{i}. {found[k]}." for i, k in enumerate(FINDINGS, 1))
+    keys = list(FINDINGS)
+    seeds = seed_finding(run)
+    if seeds is not None:  # a run with further training seeds
+        keys.append("seeds")
+    found["seeds"] = seeds or (
+        "This run trained each algorithm with one seed, so the question is open here "
+        "(`rlxf seeds` trains and evaluates more)"
+    )
+    found["abstract"] = " ".join(f"{found[k]}." for k in keys)
+    listed = "\n".join(f"{i}. {found[k]}." for i, k in enumerate(keys, 1))
     return found, {"findings.md": listed + "\n"}

@@ -10,7 +10,7 @@ import pandas as pd
 from rlxf_utils.artifacts import RunDir
 from rlxf_utils.report.evaluation import family_level, table_note
 from rlxf_utils.report.wording import ci, ci_verdict, is_present, listing, markdown_table
-from rlxf_utils.stats import level
+from rlxf_utils.stats import ci_sign, level
 
 _MOVE = ("raised", "lowered", "did not distinguishably move")
 
@@ -41,6 +41,14 @@ def seeds_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
         "family per measure, as every verdict of the study): "
         + "; ".join(f"{where}, {_by_verdict(pooled, col)}" for col, where in measures)
     )
+    per = t[t["seed"] != "pooled"]
+    if run.exists("tables/eval_paired.csv"):  # the level of each seed's own gain intervals
+        own = family_level(run.read_table("eval_paired", "notebook 04_evaluation"))
+        sentence += (
+            f". Seed by seed, each with its own evaluation's {own} simultaneous interval, the gain "
+            f"under the reward model lay above zero {_seed_counts(per, pooled, 'gain', n)}. Under "
+            f"the audit model it did {_seed_counts(per, pooled, 'audit_gain', n)}"
+        )
     shown = []
     for _, r in t.iterrows():
         pooled_row = r["seed"] == "pooled"
@@ -93,3 +101,62 @@ def _by_verdict(pooled: pd.DataFrame, col: str) -> str:
             else f"none of the {len(still)} algorithms distinguishably moved it"
         )
     return ", while ".join(parts)
+
+
+def _seed_counts(per: pd.DataFrame, pooled: pd.DataFrame, col: str, n: int) -> str:
+    """'at all 3 seeds for GRPO and KTO; at 2 seeds for DPO; at none for PPO': how many seeds'
+    own intervals lie above zero, per algorithm (and below zero, where any does)."""
+    groups: dict[tuple[int, int], list[str]] = {}
+    for algo, label in zip(pooled["algorithm"], pooled["label"], strict=True):
+        g = per[per["algorithm"] == algo]
+        signs = [ci_sign(lo, hi) for lo, hi in zip(g[f"{col}_low"], g[f"{col}_high"], strict=True)]
+        groups.setdefault((signs.count(1), signs.count(-1)), []).append(str(label))
+    parts = []
+    for (up, down), labels in sorted(groups.items(), key=lambda kv: (-kv[0][0], kv[0][1])):
+        where = (
+            f"all {n} seeds" if up == n else ("none" if up == 0 else f"{up} seed{'s' * (up > 1)}")
+        )
+        below = f" (below zero at {down})" if down else ""
+        parts.append(f"at {where} for {listing(labels)}{below}")
+    return "; ".join(parts)
+
+
+def seed_finding(run: RunDir) -> str | None:
+    """The across-seed finding for the key findings (None without further seeds): which
+    algorithms' gains lay above zero at every seed, under the reward model and the audit, and
+    what the pooled intervals over seeds support."""
+    if not (run.exists("tables/eval_seeds.csv") and run.exists("tables/eval_paired.csv")):
+        return None
+    t = run.read_table("eval_seeds", "rlxf seeds")
+    pooled, per = t[t["seed"] == "pooled"], t[t["seed"] != "pooled"]
+    n = int(pooled["seeds"].max())
+    own = family_level(run.read_table("eval_paired", "notebook 04_evaluation"))
+
+    def every(col: str) -> str:
+        labels = [
+            str(label)
+            for algo, label in zip(pooled["algorithm"], pooled["label"], strict=True)
+            if all(ci_sign(lo, hi) == 1 for lo, hi in
+                   per.loc[per["algorithm"] == algo, [f"{col}_low", f"{col}_high"]].to_numpy())
+        ]  # fmt: skip
+        return listing(labels) if labels else "no algorithm"
+
+    def pooled_moved(col: str) -> list[str]:
+        return [str(r["label"]) for _, r in pooled.iterrows()
+                if ci_sign(r[f"{col}_low"], r[f"{col}_high"]) != 0]  # fmt: skip
+
+    reward, audit = pooled_moved("gain"), pooled_moved("audit_gain")
+    lvl = family_level(pooled)
+    if reward or audit:
+        over = (
+            f"the mean gain over seeds ({lvl} simultaneous t intervals) was distinguishable from "
+            f"zero under the reward model for {listing(reward) if reward else 'no algorithm'} and "
+            f"under the audit model for {listing(audit) if audit else 'no algorithm'}"
+        )
+    else:
+        over = f"no mean gain over seeds was distinguishable from zero ({lvl} simultaneous t intervals)"
+    return (
+        f"Over {n} training seeds, each evaluated with its own {own} simultaneous intervals, the "
+        f"gain under the reward model lay above zero at every seed for {every('gain')}, and under "
+        f"the audit model for {every('audit_gain')}; {over}"
+    )
