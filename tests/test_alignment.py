@@ -753,14 +753,17 @@ def test_history_sentence_is_read_from_the_interval() -> None:
 def test_move_sentence_says_when_an_algorithm_logs_no_training_reward() -> None:
     import pandas as pd
 
-    from rlxf_utils.report.rl import move_sentence
+    from rlxf_utils.report.rl import moves_sentence
 
     nan = float("nan")
-    rose = pd.Series({"reward_first": 0.6, "reward_last": 0.65, "kl_last": 1.5, "step_time_s": 12})
-    assert move_sentence("PPO", rose) == (
+    rose = {"reward_first": 0.6, "reward_last": 0.65, "kl_last": 1.5, "step_time_s": 12}
+    none = {"reward_first": nan, "reward_last": nan, "kl_last": nan, "step_time_s": 6}
+    rows = pd.DataFrame([rose, none, {**none, "step_time_s": 31.6}], index=["PPO", "ILHF", "KTO"])
+    assert moves_sentence(rows) == (
         "PPO's mean training reward went from 0.600 to 0.650 (+0.050) at a final KL of 1.50 nats, "
-        "12 s per step"
+        "12 s per step; ILHF and KTO sample nothing while they train, so they log no training "
+        "reward (6 and 32 s per step)"
     )
-    none = pd.Series({"reward_first": nan, "reward_last": nan, "kl_last": nan, "step_time_s": 6})
-    said = move_sentence("ILHF (history)", none)
-    assert "no training reward" in said and "nan" not in said and "n/a" not in said
+    assert moves_sentence(rows.iloc[[1]]) == (
+        "ILHF samples nothing while it trains, so it logs no training reward (6 s per step)"
+    )

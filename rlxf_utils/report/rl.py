@@ -24,16 +24,28 @@ from rlxf_utils.report.wording import (
 )
 
 
-def move_sentence(algo: str, r: pd.Series) -> str:
-    """How one algorithm's training reward moved (a row of `rl.summary_table`); an algorithm
-    that logs no training reward (ILHF from history, the offline methods: they sample nothing
-    while they train) is said to, not 'nan'."""
-    d = r["reward_last"] - r["reward_first"]
-    if not is_present(d):
-        return (
-            f"{algo} samples nothing while it trains, so it logs no training reward, "
-            f"{r['step_time_s']:.0f} s per step"
+def moves_sentence(rows: pd.DataFrame) -> str:
+    """How each algorithm's training reward moved (`rl.summary_table`'s rows, by algorithm), the
+    algorithms that log no training reward (ILHF from history, the offline methods: they sample
+    nothing while they train) said together once, not 'nan'."""
+    moved = rows["reward_last"].map(is_present) & rows["reward_first"].map(is_present)
+    parts = [move_sentence(algo, r) for algo, r in rows[moved].iterrows()]
+    silent = rows[~moved]
+    if len(silent):
+        one = len(silent) == 1
+        secs = listing([f"{t:.0f}" for t in silent["step_time_s"]])
+        parts.append(
+            f"{listing(list(silent.index))} {'samples' if one else 'sample'} nothing while "
+            f"{'it trains' if one else 'they train'}, so {'it logs' if one else 'they log'} no "
+            f"training reward ({secs} s per step)"
         )
+    return "; ".join(parts)
+
+
+def move_sentence(algo: str, r: pd.Series) -> str:
+    """How one algorithm's training reward moved (a row of `rl.summary_table` whose algorithm
+    logs a training reward)."""
+    d = r["reward_last"] - r["reward_first"]
     return (
         f"{algo}'s mean training reward went from {f3(r['reward_first'])} to {f3(r['reward_last'])} "
         f"({'+' if d >= 0 else '−'}{abs(d):.3f}) at a final KL of {r['kl_last']:.2f} nats, "
@@ -133,12 +145,11 @@ def rl_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], dic
             f"(mean {r['explained_variance_last_third']:.2f}, t interval over those steps "
             f"{interval(r.get('explained_variance_low', math.nan), r.get('explained_variance_high', math.nan), signed=False, digits=2)}{prior}); {beta}"
         )
-    moves = [move_sentence(algo, r) for algo, r in rows.iterrows()]
     variables = {
         "algorithms": listing([a for a in rows.index]),
         "steps": str(rl["steps"]),
         "batch_size": str(rl["batch_size"]),
-        "moves": "; ".join(moves),
+        "moves": moves_sentence(rows),
         "template": " ".join(rl["prompt_template"].split()),
         "ppo_sentence": ppo_sentence or "PPO did not run",
         "prompts_per_step": str(rl["batch_size"] // rl["num_generations"]),
