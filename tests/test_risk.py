@@ -760,7 +760,12 @@ def test_drift_verdicts_follow_the_intervals_not_the_point_estimates():
     assert "the base rate fell after the cut-off (-10.0 percentage points" in clear
     assert "it overstates the later MET rate" in clear
     assert "accuracy falls over the test years" in clear
-    assert "higher in 1 and lower in 0 of 2 test years" in clear
+    assert "higher in 1 of 2 test years, lower in 0 and not distinguishable in the other 1" in clear
+    level = _drift((-0.15, -0.05), (0.02, 0.12), (-0.3, -0.1))
+    level["tests"]["vs_majority"][0].update(low=-0.02)  # both years' intervals now cover zero
+    assert "not distinguishable from the always-the-training-majority rule's in any of the 2 " in (
+        prose.drift_text(level).paragraph()
+    )
     unclear = prose.drift_text(_drift((-0.2, 0.01), (-0.01, 0.12), (-0.3, 0.1))).paragraph()
     assert "shows no change distinguishable from zero" in unclear
     assert "the difference is not distinguishable from zero" in unclear

@@ -108,10 +108,14 @@ def drift_text(
     if vs:
         signs = [sign_of(r["low"], r["high"]) for r in vs]
         up, down = signs.count(1), signs.count(-1)
+        per_year = f"per-year {level(alpha)} intervals of the difference"
         items.append(
-            f"Against the always-the-training-majority rule its accuracy is higher in {up} and "
-            f"lower in {down} of {len(vs)} test years, and not distinguishable in the other "
-            f"{len(vs) - up - down} (per-year {level(alpha)} intervals of the difference)."
+            f"Its accuracy is not distinguishable from the always-the-training-majority rule's in "
+            f"any of the {len(vs)} test years ({per_year})."
+            if up == down == 0
+            else f"Against the always-the-training-majority rule its accuracy is higher in {up} "
+            f"of {len(vs)} test years, lower in {down} and not distinguishable in the other "
+            f"{len(vs) - up - down} ({per_year})."
         )
     return Finding(lead, items)
 
@@ -228,7 +232,7 @@ def swap_text(cs: Mapping[str, Any], alpha: float = 0.05) -> Finding:
     )
     if not cs.get("generated_included"):
         items.append("Generated texts were not swapped (notebook 04's samples are missing).")
-    return Finding("Changing only the country of a condition:", items)
+    return Finding("We change only the country of each condition and score it again.", items)
 
 
 def length_text(
@@ -392,8 +396,10 @@ def labels_text(records: Sequence[Mapping[str, Any]], alpha: float = 0.05) -> Fi
         if r["variant"] == ref_name:
             continue
         lo, hi = r.get("spearman_low"), r.get("spearman_high")
+        variant, dropped = str(r["variant"]), r["excluded_statuses"]
+        dropped = dropped if _ok(dropped) and str(dropped).strip("- ") else "none"
         items.append(
-            f"{r['variant']} (MET = {r['met_statuses']}; dropped: {r['excluded_statuses']}): "
+            f"Under the mapping “`{variant}`” (MET = {r['met_statuses']}; dropped: {dropped}): "
             f"{r['train_labels_changed']} training and {r['test_labels_changed']} test labels change "
             f"and {r['train_rows_dropped']} training and {r['test_rows_dropped']} test rows are "
             f"dropped; test MET share {_pct(r['met_share_test'])} ({ref_name}: "
@@ -405,7 +411,8 @@ def labels_text(records: Sequence[Mapping[str, Any]], alpha: float = 0.05) -> Fi
             "test texts."
         )
     return Finding(
-        f"The TF-IDF reward retrained under each mapping, against the {ref_name} mapping:", items
+        f"The TF-IDF reward is retrained under each mapping and compared with the {ref_name} mapping.",
+        items,
     )
 
 
@@ -444,9 +451,7 @@ def interpret(summary: Mapping[str, Any], alpha: float | None = None) -> dict[st
 def base_rate_sentence(d: Mapping[str, Any] | None, alpha: float) -> str:
     """One clause for the report's conclusion: the base rate across the cut-off, with its verdict."""
     if not d:
-        return (
-            "the temporal protocol was not run, so the base rate across a cut-off is not measured"
-        )
+        return "the base rate across a cut-off is not measured (the temporal protocol was not run)"
     bs = (d.get("tests") or {}).get("base_rate_shift") or {}
     verdict = word(
         bs.get("low"),

@@ -16,7 +16,7 @@ _MOVE = ("raised", "lowered", "did not distinguishably move")
 
 
 def seeds_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
-    """Variables (`sentence`, `seeds`, `level`), the across-seed table and its figure (nothing
+    """Variables (`sentence`, `seeds`, `count_words`, `level`), the across-seed table and its figure (nothing
     for a run without further seeds, whose table says how to add them)."""
     meta = run.read_json("eval/summary.json", stage="notebook 04_evaluation")
     lvl = level(meta.get("alpha", 0.05))
@@ -25,7 +25,7 @@ def seeds_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
         note = ("This run trained each algorithm with one seed, so an algorithm's effect cannot be "
                 "told from its seed's here; `rlxf seeds --run-dir <run> --seeds 1 2` trains and "
                 "evaluates more on the same reward model, SFT policies and prompts")  # fmt: skip
-        return {"sentence": note, "seeds": "1", "level": lvl}, {
+        return {"sentence": note, "seeds": "1", "count_words": "one training seed", "level": lvl}, {
             "eval_seeds.md": table_note(note),
             "eval_seeds_figure.md": "",
         }
@@ -75,7 +75,12 @@ def seeds_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
         "is cut there, its half-width written beside it).](figures/eval_seeds.png){#fig-seeds "
         "width=100%}"
     )
-    return {"sentence": sentence, "seeds": str(n), "level": lvl}, {
+    return {
+        "sentence": sentence,
+        "seeds": str(n),
+        "count_words": f"{n} training seeds",
+        "level": lvl,
+    }, {
         "eval_seeds.md": markdown_table(table),
         "eval_seeds_figure.md": figure,
     }
