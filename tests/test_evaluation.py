@@ -477,3 +477,14 @@ def test_area_distribution_entropy_kl_hand_computed() -> None:
     big = kl_divergence(d, collapsed, eps=1e-9)
     assert math.isfinite(big) and big > 5
     assert kl_divergence(d, collapsed, eps=0) == math.inf
+
+
+def test_a_final_policy_is_placed_at_its_own_last_step(tmp_path):
+    from rlxf_utils.artifacts import RunDir
+    from rlxf_utils.evaluation.tables import trained_steps
+
+    run = RunDir(tmp_path)
+    run.write_json("policy/ilhf_history/settings.json", {"algo": "ilhf_history", "steps": 32})
+    run.write_json("policy/old/settings.json", {"algo": "old"})  # from before `steps` was kept
+    assert trained_steps(run, "ilhf_history", 16) == 32
+    assert trained_steps(run, "old", 16) == 16 and trained_steps(run, "missing", 16) == 16

@@ -107,6 +107,10 @@ def test_points_are_paired_gains_against_sqrt_kl():
     assert math.isnan(fits.set_index(["family", "reward"]).loc[("rl", "proxy"), "alpha"])
     fig = plot_overoptimisation(pts, fits, "sft")
     assert len(fig.axes) == 2
+    # an algorithm that counts its own steps (ILHF from history) has its final point there
+    own = overoptimisation_points(samples, snaps, pool, summary, ["ppo"], "sft", [2], {"ppo": 32},
+                                  countries, 50, 0.05, 0)  # fmt: skip
+    assert set(own.loc[own["method"] == "ppo", "point"]) == {4, 32}
 
 
 def test_report_section_reads_every_verdict_from_an_interval(tmp_path):

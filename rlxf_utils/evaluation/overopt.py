@@ -92,7 +92,7 @@ def overoptimisation_points(
     algos: Sequence[str],
     start: str,
     ns: Sequence[int],
-    final_step: int,
+    final_step: int | Mapping[str, int],
     clusters: pd.Series,
     n_boot: int,
     alpha: float,
@@ -103,7 +103,8 @@ def overoptimisation_points(
     `start` with its interval. `samples`: every policy's samples (`policy`, `prompt_id`,
     `reward`, `audit_reward`); `snapshots`: the frontier snapshots' samples (`algo`, `step`, ...,
     `logp_policy`, `logp_ref`); `summary`: evaluation's summary (final policies' `kl`, `kl_se`);
-    `final_step`: the step of the final policies (`rl.steps`); `clusters`: the country of each
+    `final_step`: the step of the final policies (`rl.steps`), or each algorithm's own (ILHF from
+    history counts its steps in pairs, not in RL's batches); `clusters`: the country of each
     prompt_id. Best-of-n's gains are over the pool's own n = 1 (its start-policy level, same
     candidates), the policies' over `start`'s samples with the same sample ids (`base_for`)."""
     own = samples[samples["policy"] == start]
@@ -139,7 +140,8 @@ def overoptimisation_points(
         fin = samples[samples["policy"] == algo]
         if len(fin) and algo in kl_of.index:
             kl, kl_se = float(kl_of.loc[algo, "kl"]), float(kl_of.loc[algo, "kl_se"])
-            parts.append((final_step, "final", fin, kl, kl_se))
+            last = final_step[algo] if isinstance(final_step, Mapping) else final_step
+            parts.append((int(last), "final", fin, kl, kl_se))
         for step, source, g, kl, kl_se in parts:
             rec = {"method": algo, "point": step, "source": source, "kl": kl, "kl_se": kl_se}
             base = base_for(g)

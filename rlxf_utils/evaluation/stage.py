@@ -70,7 +70,13 @@ from rlxf_utils.evaluation.overopt import (
 )
 from rlxf_utils.evaluation.rlgf import rlgf_figures, rlgf_tables
 from rlxf_utils.evaluation.sampling import add_judge_logprobs, add_rewards, sample_tuned
-from rlxf_utils.evaluation.tables import frontier_points, heldout_perplexity, summary_table, table3
+from rlxf_utils.evaluation.tables import (
+    frontier_points,
+    heldout_perplexity,
+    summary_table,
+    table3,
+    trained_steps,
+)
 from rlxf_utils.models.generation import build_prompts, sampling_kwargs
 from rlxf_utils.models.logprobs import sequence_logprobs
 from rlxf_utils.models.policies import PolicySet
@@ -195,10 +201,12 @@ def run_evaluation_stage(cfg: Any, run: RunDir, progress: bool = True) -> EvalSt
         vs_bon = versus_best_of_n(
             samples, per_prompt_bon, summary, algos, ec.n_boot, ec.alpha, cfg.run.seed, country
         )
+    # each final policy at its own last step: ILHF from history counts its steps in pairs
+    trained = {a: trained_steps(run, a, rl.steps) for a in algos}
     final = []
     for name in pset.names:
         r = summary[summary.policy == name].iloc[0]
-        final.append({"algo": name, "step": rl.steps if name in algos else 0, "reward": r["ave_r"],
+        final.append({"algo": name, "step": trained.get(name, 0), "reward": r["ave_r"],
                       "reward_low": r["ave_r_low"], "reward_high": r["ave_r_high"], "audit_reward": r["audit"],
                       "kl": r["kl"], "kl_se": r["kl_se"],
                       "source": "final" if name in algos or name == start else "reference"})  # fmt: skip
@@ -211,7 +219,7 @@ def run_evaluation_stage(cfg: Any, run: RunDir, progress: bool = True) -> EvalSt
     frontier = pd.concat([pd.DataFrame(final), snaps, curve], ignore_index=True)
     with timer("over-optimisation curve"):
         over = overoptimisation_points(samples, snap_samples, pool, summary, algos, start,
-                                       sorted(set(ec.best_of_n_curve)), rl.steps, country,
+                                       sorted(set(ec.best_of_n_curve)), trained, country,
                                        ec.n_boot, ec.alpha, cfg.run.seed)  # fmt: skip
         over_fits = overoptimisation_fits(over)
         over_meta = overoptimisation_meta(over, pool)

@@ -141,7 +141,8 @@ def frontier_points(
             for path in sorted(
                 run.path(f"policy/{algo}/snapshots").glob("step_*/adapter_model.safetensors")
             )
-            if int(path.parent.name.split("_")[1]) < rl.steps  # the final policy is measured apart
+            # the final policy is measured apart
+            if int(path.parent.name.split("_")[1]) < trained_steps(run, algo, rl.steps)
         ]
         if ec.frontier_max_checkpoints and len(snaps) > ec.frontier_max_checkpoints:
             keep = np.linspace(0, len(snaps) - 1, ec.frontier_max_checkpoints).round().astype(int)
@@ -221,3 +222,13 @@ def heldout_perplexity(pset: PolicySet, rows: pd.DataFrame, template: str, cfg: 
             rec[f"nll_{label}"] = float(-lp[sel].sum() / n[sel].sum()) if sel.any() else math.nan
         out.append(rec)
     return pd.DataFrame(out), pd.concat(per_row, ignore_index=True)
+
+
+def trained_steps(run: RunDir, algo: str, default: int) -> int:
+    """How many training steps `algo`'s final policy took (its `settings.json`'s `steps`; ILHF
+    from history counts its steps in pairs, not in RL's batches), or `default` (`rl.steps`) for
+    a run that did not record them."""
+    rel = f"policy/{algo}/settings.json"
+    if not run.exists(rel):
+        return default
+    return int(run.read_json(rel, stage="notebook 03_ppo_finetuning").get("steps") or default)

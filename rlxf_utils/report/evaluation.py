@@ -178,12 +178,12 @@ def eval_section(run: RunDir, alpha: float = 0.05) -> tuple[dict[str, Any], dict
 
     for _, r in vs_bon.iterrows():
         where = {
-            "above": "above",
-            "below": "below",
-            "not distinguishable": "not distinguishable from",
+            "above": "lies above",
+            "below": "lies below",
+            "not distinguishable": "cannot be told apart from",
         }[r["verdict"]]
         bon_sentences.append(
-            f"{algorithm_label(r['policy'])} ({f3(r['ave_r'])} at {r['kl']:.2f} nats) lies {where} the best-of-N curve "
+            f"{algorithm_label(r['policy'])} ({f3(r['ave_r'])} at {r['kl']:.2f} nats) {where} the best-of-N curve "
             f"({f3(r['best_of_n_at_kl'])} at {bon_kl(r):.2f} nats"
             f"{': its KL is beyond the curve, compared with the largest N' if r['beyond_curve'] else ', the same KL'}; "
             f"difference {ci(r['diff'], r['diff_low'], r['diff_high'], signed=True)})"
