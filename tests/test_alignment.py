@@ -612,6 +612,11 @@ def test_frontier_points_score_every_algorithms_snapshots(tmp_path, monkeypatch)
     assert sorted(set(zip(snap_samples["algo"], snap_samples["step"], strict=True))) == sorted(
         (a, s) for a in ALGOS for s in (1, 2)
     )
+    # an algorithm that trained longer than rl.steps (ILHF from history counts its own steps):
+    # its step-3 snapshot is a snapshot, not its final policy
+    run.write_json(f"policy/{ALGOS[0]}/settings.json", {"steps": 4})
+    f, _ = frontier_points(pset, run, ["a", "b", "c"], contexts, None, None, cfg, False)
+    assert sorted(f.loc[f["algo"] == ALGOS[0], "step"]) == [1, 2, 3]
 
 
 def _eval_run(tmp_path, algos: list[str], alpha: float = 0.05, with_tables: bool = True) -> RunDir:
