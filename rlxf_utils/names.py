@@ -91,12 +91,18 @@ def outside_fences(text: str, change: Callable[[str], str]) -> str:
 def humanise_values(value: object, names: Mapping[str, str] = DISPLAY_NAMES) -> object:
     """`humanise` over every string of a nested structure (the report's variables); a string
     that is exactly an id becomes its display name."""
+    return map_strings(value, lambda text: display_label(text, names))
+
+
+def map_strings(value: object, change: Callable[[str], str]) -> object:
+    """`value` (a string, or mappings and lists nesting them) with `change` applied to every
+    string in it; anything else is returned as it is."""
     if isinstance(value, str):
-        return display_label(value, names)
+        return change(value)
     if isinstance(value, Mapping):
-        return {k: humanise_values(v, names) for k, v in value.items()}
+        return {k: map_strings(v, change) for k, v in value.items()}
     if isinstance(value, list):
-        return [humanise_values(v, names) for v in value]
+        return [map_strings(v, change) for v in value]
     return value
 
 

@@ -136,13 +136,13 @@ def frontier_points(
     ec, rl = cfg.evaluation, cfg.rl
     rows, frames = [], []
     for algo in pset.algos:
+        last = trained_steps(run, algo, rl.steps)  # the final policy is measured apart
         snaps = [
             path
             for path in sorted(
                 run.path(f"policy/{algo}/snapshots").glob("step_*/adapter_model.safetensors")
             )
-            # the final policy is measured apart
-            if int(path.parent.name.split("_")[1]) < trained_steps(run, algo, rl.steps)
+            if int(path.parent.name.split("_")[1]) < last
         ]
         if ec.frontier_max_checkpoints and len(snaps) > ec.frontier_max_checkpoints:
             keep = np.linspace(0, len(snaps) - 1, ec.frontier_max_checkpoints).round().astype(int)

@@ -25,7 +25,7 @@ import yaml
 
 from rlxf_utils.artifacts import RunDir, atomic_path
 from rlxf_utils.config import PROJECT_ROOT
-from rlxf_utils.names import humanise, humanise_values
+from rlxf_utils.names import humanise, humanise_values, map_strings
 from rlxf_utils.report.data import data_section
 from rlxf_utils.report.evaluation import eval_section
 from rlxf_utils.report.findings import findings_section
@@ -156,18 +156,6 @@ TABLE_INCLUDES = {
 }
 
 
-def _for_reader(value: Any) -> Any:
-    """What the reader sees, typeset: every string of `value` (markdown, or the variables'
-    nested mapping) with its negative numbers' minus signs (`wording.typeset_minus`)."""
-    if isinstance(value, str):
-        return typeset_minus(value)
-    if isinstance(value, dict):
-        return {k: _for_reader(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_for_reader(v) for v in value]
-    return value
-
-
 def build_sources(run: RunDir, build: Path, src: Path = REPORT_SRC) -> dict[str, Any]:
     """Copy the report source into `build` with `_variables.yml`, `_generated/` and `figures/`."""
     if build.exists():
@@ -198,20 +186,20 @@ def build_sources(run: RunDir, build: Path, src: Path = REPORT_SRC) -> dict[str,
         variables[key] = vals
         includes.update(files)
     # one mapping from internal ids to display names, for prose, variables and tables alike
-    variables = _for_reader(humanise_values(variables))
+    variables = map_strings(humanise_values(variables), typeset_minus)
     with atomic_path(build / "_variables.yml") as tmp:
         tmp.write_text(yaml.safe_dump(variables, sort_keys=True, allow_unicode=True))
     qmd = build / QMD
-    qmd.write_text(_for_reader(humanise(qmd.read_text(encoding="utf-8"))), encoding="utf-8")
+    qmd.write_text(typeset_minus(humanise(qmd.read_text(encoding="utf-8"))), encoding="utf-8")
     gen = build / "_generated"
     gen.mkdir(exist_ok=True)
     for name, text in includes.items():
-        (gen / name).write_text(_for_reader(humanise(text)), encoding="utf-8")
+        (gen / name).write_text(typeset_minus(humanise(text)), encoding="utf-8")
     for name, (table, stage) in TABLE_INCLUDES.items():
         md = run.require(f"tables/{table}.md", stage).read_text(encoding="utf-8")
-        (gen / name).write_text(_for_reader(humanise(md)), encoding="utf-8")
+        (gen / name).write_text(typeset_minus(humanise(md)), encoding="utf-8")
     for name, text in _manifest_tables(run).items():
-        (gen / name).write_text(_for_reader(humanise(text)), encoding="utf-8")
+        (gen / name).write_text(typeset_minus(humanise(text)), encoding="utf-8")
     copies = {Path(k).stem: t for k, (t, _) in TABLE_INCLUDES.items()}
     sources = sources_table(qmd.read_text(encoding="utf-8"), run, copies, gen)
     (gen / "sources.md").write_text(sources, encoding="utf-8")
