@@ -108,14 +108,23 @@ def _by_verdict(pooled: pd.DataFrame, col: str) -> str:
     return ", while ".join(parts)
 
 
+def _seed_signs(per: pd.DataFrame, pooled: pd.DataFrame, col: str) -> list[tuple[str, int, int]]:
+    """Per algorithm (in the study's order): its label and how many seeds' own intervals lie
+    above and below zero."""
+    out = []
+    for algo, label in zip(pooled["algorithm"], pooled["label"], strict=True):
+        g = per[per["algorithm"] == algo]
+        signs = [ci_sign(lo, hi) for lo, hi in zip(g[f"{col}_low"], g[f"{col}_high"], strict=True)]
+        out.append((str(label), signs.count(1), signs.count(-1)))
+    return out
+
+
 def _seed_counts(per: pd.DataFrame, pooled: pd.DataFrame, col: str, n: int) -> str:
     """'at all 3 seeds for GRPO and KTO; at 2 seeds for DPO; at none for PPO': how many seeds'
     own intervals lie above zero, per algorithm (and below zero, where any does)."""
     groups: dict[tuple[int, int], list[str]] = {}
-    for algo, label in zip(pooled["algorithm"], pooled["label"], strict=True):
-        g = per[per["algorithm"] == algo]
-        signs = [ci_sign(lo, hi) for lo, hi in zip(g[f"{col}_low"], g[f"{col}_high"], strict=True)]
-        groups.setdefault((signs.count(1), signs.count(-1)), []).append(str(label))
+    for label, up, down in _seed_signs(per, pooled, col):
+        groups.setdefault((up, down), []).append(label)
     parts = []
     for (up, down), labels in sorted(groups.items(), key=lambda kv: (-kv[0][0], kv[0][1])):
         where = (
@@ -138,12 +147,7 @@ def seed_finding(run: RunDir) -> str | None:
     own = family_level(run.read_table("eval_paired", "notebook 04_evaluation"))
 
     def every(col: str) -> str:
-        labels = [
-            str(label)
-            for algo, label in zip(pooled["algorithm"], pooled["label"], strict=True)
-            if all(ci_sign(lo, hi) == 1 for lo, hi in
-                   per.loc[per["algorithm"] == algo, [f"{col}_low", f"{col}_high"]].to_numpy())
-        ]  # fmt: skip
+        labels = [label for label, up, _ in _seed_signs(per, pooled, col) if up == n]
         return listing(labels) if labels else "no algorithm"
 
     def pooled_moved(col: str) -> list[str]:
