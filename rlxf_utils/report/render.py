@@ -156,6 +156,12 @@ TABLE_INCLUDES = {
 }
 
 
+def _for_reader(markdown: str) -> str:
+    """Markdown as the reader sees it: display names (`names.humanise`), then minus signs
+    (`wording.typeset_minus`)."""
+    return typeset_minus(humanise(markdown))
+
+
 def build_sources(run: RunDir, build: Path, src: Path = REPORT_SRC) -> dict[str, Any]:
     """Copy the report source into `build` with `_variables.yml`, `_generated/` and `figures/`."""
     if build.exists():
@@ -190,16 +196,16 @@ def build_sources(run: RunDir, build: Path, src: Path = REPORT_SRC) -> dict[str,
     with atomic_path(build / "_variables.yml") as tmp:
         tmp.write_text(yaml.safe_dump(variables, sort_keys=True, allow_unicode=True))
     qmd = build / QMD
-    qmd.write_text(typeset_minus(humanise(qmd.read_text(encoding="utf-8"))), encoding="utf-8")
+    qmd.write_text(_for_reader(qmd.read_text(encoding="utf-8")), encoding="utf-8")
     gen = build / "_generated"
     gen.mkdir(exist_ok=True)
     for name, text in includes.items():
-        (gen / name).write_text(typeset_minus(humanise(text)), encoding="utf-8")
+        (gen / name).write_text(_for_reader(text), encoding="utf-8")
     for name, (table, stage) in TABLE_INCLUDES.items():
         md = run.require(f"tables/{table}.md", stage).read_text(encoding="utf-8")
-        (gen / name).write_text(typeset_minus(humanise(md)), encoding="utf-8")
+        (gen / name).write_text(_for_reader(md), encoding="utf-8")
     for name, text in _manifest_tables(run).items():
-        (gen / name).write_text(typeset_minus(humanise(text)), encoding="utf-8")
+        (gen / name).write_text(_for_reader(text), encoding="utf-8")
     copies = {Path(k).stem: t for k, (t, _) in TABLE_INCLUDES.items()}
     sources = sources_table(qmd.read_text(encoding="utf-8"), run, copies, gen)
     (gen / "sources.md").write_text(sources, encoding="utf-8")
