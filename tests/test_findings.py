@@ -3,14 +3,21 @@ each chosen from an interval."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pandas as pd
 
+from rlxf_utils.artifacts import RunDir
+from rlxf_utils.names import humanise
 from rlxf_utils.report.findings import (
     best_of_n_finding,
+    findings_section,
     offline_finding,
     reward_finding,
     rl_finding,
 )
+from rlxf_utils.report.wording import num, typeset_minus
 
 
 def _metrics(acc_high: float, auc: tuple[float, float, float]) -> dict:
@@ -77,3 +84,51 @@ def test_offline_finding_states_the_need_rl_answer() -> None:
     off = offline_finding({"audit_reward": {**base, "answer": "offline", "winners": ["kto"]}})
     assert "did not need RL under the audit: KTO beat every RL algorithm (6 paired" in off
     assert "did not run" in offline_finding({})
+
+
+def test_a_bound_that_rounds_to_zero_keeps_its_sign() -> None:
+    """A signed number that is not zero shows its first significant digit: '-0.000' cannot say on
+    which side of zero an interval's bound lies (issue 47)."""
+    assert num(-0.00037, signed=True) == "-0.0004"
+    assert num(0.00037, signed=True) == "+0.0004"
+    assert num(-0.013, signed=True) == "-0.013"
+    assert num(0.0, signed=True) == "+0.000"
+    assert num(-1e-12, signed=True) == "-0.000000"  # at most six decimals
+    assert num(-0.00037) == "-0.000"  # unsigned numbers are not differences: as asked
+    assert num(-0.004, 1, signed=True, scale=100) == "-0.4"
+
+
+def _lowered_run(tmp_path: Path) -> RunDir:
+    """A constructed run whose ILHF (history) lowered the reward model's score and PPO raised it
+    under the audit: the files `findings_section` reads, and nothing else."""
+    root = tmp_path / "run"
+    (root / "reward").mkdir(parents=True)
+    (root / "eval").mkdir()
+    (root / "tables").mkdir()
+    (root / "reward/metrics.json").write_text(json.dumps(_metrics(0.64, (0.60, 0.55, 0.65))))
+    (root / "eval/summary.json").write_text(json.dumps({"start_policy": "sft"}))
+    t = _methods()
+    t.loc[t["method"] == "ILHF (history)", ["gain", "gain_low", "gain_high"]] = (
+        -0.013, -0.047, -0.00037)  # fmt: skip
+    t.loc[t["method"] == "PPO", ["audit_gain", "audit_gain_low", "audit_gain_high"]] = (
+        -0.002, -0.006, -0.0004)  # fmt: skip
+    t.to_csv(root / "tables/eval_methods.csv", index=False)
+    pd.DataFrame({"measure": ["reward"], "ci_level": [0.9964]}).to_csv(
+        root / "tables/eval_paired.csv", index=False
+    )
+    return RunDir(root)
+
+
+def test_the_abstract_says_a_method_lowered_the_reward_with_true_minus_signs(
+    tmp_path: Path,
+) -> None:
+    """The abstract as the reader sees it (display names, then minus signs, as the report
+    renders it) names a method whose interval lies below zero, with U+2212 signs and a bound that
+    rounds to zero printed with the digit that shows its sign."""
+    found, _ = findings_section(_lowered_run(tmp_path))
+    abstract = typeset_minus(humanise(found["abstract"]))
+    m = "\u2212"
+    assert f"and ILHF (history) ({m}0.013 [{m}0.047, {m}0.0004]) lowered it" in abstract
+    assert f"raised it and PPO ({m}0.002 [{m}0.006, {m}0.0004]) lowered it" in abstract
+    assert "GRPO (+0.026 [+0.022, +0.032]) raised the reward model's score" in abstract
+    assert "-0." not in abstract  # no hyphen-minus left before a digit

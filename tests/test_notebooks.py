@@ -12,6 +12,7 @@ import pytest
 
 from rlxf_utils.compare import compare_runs
 from rlxf_utils.pipeline import NotebookFailed, discover_notebooks, run_study
+from rlxf_utils.report.wording import ci, typeset_minus
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
@@ -277,10 +278,15 @@ def test_smoke_study_renders_the_report(smoke_run: Path) -> None:
     assert ("not distinguishable from chance" in abstract) == chance
     methods = pd.read_csv(run_dir / "tables/eval_methods.csv")
     bon = methods[methods["group"] == "best-of-N"].iloc[0]
-    assert f"gains {bon['gain']:+.3f} [{bon['gain_low']:+.3f}, {bon['gain_high']:+.3f}]" in abstract
+    bon_gain = ci(bon["gain"], bon["gain_low"], bon["gain_high"], signed=True)
+    assert typeset_minus(f"gains {bon_gain}") in abstract
     for _, r in methods[methods["group"].isin(["RL", "ILHF"])].iterrows():
-        named = f"{r['method']} ({r['gain']:+.3f} [{r['gain_low']:+.3f}, {r['gain_high']:+.3f}])"
+        # as the reader sees it: true minus signs (the format itself is tested in test_findings)
+        gain = ci(r["gain"], r["gain_low"], r["gain_high"], signed=True)
+        named = typeset_minus(f"{r['method']} ({gain})")
         assert (named in abstract) == (r["gain_low"] > 0 or r["gain_high"] < 0), named
+        if r["gain_high"] < 0:  # a method that lowered the reward is said to have lowered it
+            assert re.search(re.escape(named) + r"[^;]* lowered it", abstract), named
     assert len(abstract.split()) <= 220, len(abstract.split())  # about 200 words
     # display names: no internal id reaches the reader (the quoted parameters file aside)
     from rlxf_utils.names import DISPLAY_NAMES, ENGLISH_WORDS

@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 
 from rlxf_utils.artifacts import ArtifactMissing, RunDir
-from rlxf_utils.report.wording import interval
+from rlxf_utils.report.wording import interval, num
 from rlxf_utils.stats import level, rate_heterogeneity, rate_shift, rate_trend
 
 
@@ -54,8 +54,8 @@ def data_findings(labelled: pd.DataFrame, cutoff: int, alpha: float, min_n: int)
     shift_s = (
         f"conditions due after {cutoff} are met {shift['rate_after']:.1%} of the time against "
         f"{shift['rate_before']:.1%} up to {cutoff}, {shift_word} "
-        f"(difference {100 * shift['diff']:+.1f} points, {lvl} CI [{100 * shift['diff_low']:+.1f}, "
-        f"{100 * shift['diff_high']:+.1f}], p {_p(shift['p_value'])})"
+        f"(difference {num(shift['diff'], 1, True, 100)} points, {lvl} CI "
+        f"{interval(shift['diff_low'], shift['diff_high'], 1, scale=100)}, p {_p(shift['p_value'])})"
     )
 
     def het(r: dict[str, float], what: str) -> str:

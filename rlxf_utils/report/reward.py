@@ -16,6 +16,7 @@ from rlxf_utils.report.wording import (
     interval,
     listing,
     markdown_table,
+    num,
     pct,
 )
 from rlxf_utils.reward.encoders import ENCODER_NAMES
@@ -295,8 +296,8 @@ def encoders_section(
                     scale, unit = (100, " points") if measure == "accuracy" else (1, "")
                     bits.append(
                         f"{word} {words.get(r['verdict'], r['verdict'])} "
-                        f"({scale * r['diff']:+.{1 if scale == 100 else 3}f}{unit} "
-                        f"[{scale * r['diff_low']:+.{1 if scale == 100 else 3}f}, {scale * r['diff_high']:+.{1 if scale == 100 else 3}f}])"
+                        f"({num(r['diff'], 1 if scale == 100 else 3, True, scale)}{unit} "
+                        f"{interval(r['diff_low'], r['diff_high'], 1 if scale == 100 else 3, scale=scale)})"
                     )  # fmt: skip
             row = t[(t["model"] == name) & (t["protocol"] == proto)].iloc[0]
             base = t[(t["model"] == "encoder") & (t["protocol"] == proto)]
@@ -507,8 +508,8 @@ def calibration_lines(cal: pd.DataFrame, model: str, lvl: str) -> str:
     return "\n".join(
         f"- **{r.protocol}** ({r.model}): T {r.temperature:.2f}, offset {r.offset:+.2f} from "
         f"{r.n_calibration} calibration rows; test ECE {r.test_ece_before:.3f} → {r.test_ece_after:.3f} "
-        f"(change {r.test_ece_after - r.test_ece_before:+.3f}, paired {lvl} CI [{r.ece_diff_low:+.3f}, "
-        f"{r.ece_diff_high:+.3f}]: calibration {word.get(r.ece_verdict, 'did not significantly change')} "
+        f"(change {r.test_ece_after - r.test_ece_before:+.3f}, paired {lvl} CI "
+        f"{interval(r.ece_diff_low, r.ece_diff_high)}: calibration {word.get(r.ece_verdict, 'did not significantly change')} "
         f"the ECE), Brier {r.test_brier_before:.3f} → {r.test_brier_after:.3f}."
         for r in cal[cal["model"] == model].itertuples()
     )

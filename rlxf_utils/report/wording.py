@@ -102,12 +102,31 @@ def spaced(name: Any) -> str:
     return str(name).replace("_", " ")
 
 
+#: The most decimals a signed number gets to show its sign (see `num`).
+MAX_SIGN_DIGITS = 6
+
+
+def sign_digits(x: float, digits: int) -> int:
+    """The decimals a signed number needs: `digits`, or more (up to `MAX_SIGN_DIGITS`) when a
+    nonzero value would round to zero, so that −0.00037 reads −0.0004, not '−0.000': an interval
+    bound printed as zero cannot say on which side of zero it lies."""
+    d = digits
+    while x != 0 and round(abs(x), d) == 0 and d < MAX_SIGN_DIGITS:
+        d += 1
+    return d
+
+
 def num(x: Any, digits: int = 3, signed: bool = False, scale: float = 1.0) -> str:
     """A number for prose and tables: `digits` decimals, a sign when `signed`, times `scale`
-    (100 for percentage points); 'n/a' when missing."""
+    (100 for percentage points); 'n/a' when missing. A signed number (a difference, a gain, an
+    interval's bound) that is not zero but would round to zero gets the decimals that show its
+    first significant digit (`sign_digits`)."""
     if not is_present(x):
         return "n/a"
-    return f"{scale * x:{'+' if signed else ''}.{digits}f}"
+    v = scale * x
+    if signed:
+        return f"{v:+.{sign_digits(v, digits)}f}"
+    return f"{v:.{digits}f}"
 
 
 def interval(low: Any, high: Any, digits: int = 3, signed: bool = True, scale: float = 1.0) -> str:
