@@ -63,6 +63,12 @@ def test_every_profile_resolves_to_its_golden_parameters(profile: Path) -> None:
     assert _resolved_text(profile) == golden.read_text(encoding="utf-8"), profile.name
 
 
+def test_the_profiles_besides_default_extend_it() -> None:
+    for name in ("smoke", "paper", "full"):
+        raw = yaml.safe_load((ROOT / "params" / f"{name}.yaml").read_text())
+        assert raw["extends"] == "default.yaml", name
+
+
 def test_full_extends_default_and_lists_only_its_changes() -> None:
     full, default = (
         load_config(ROOT / "params/full.yaml"),
