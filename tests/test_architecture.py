@@ -4,12 +4,13 @@ it (the README's architecture table), and modules of a readable size."""
 
 from __future__ import annotations
 
-import ast
 import re
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
+
+from rlxf_utils.freshness import Import, package_imports, package_modules
 
 PKG = Path(__file__).resolve().parent.parent / "rlxf_utils"
 README = PKG.parent / "README.md"
@@ -95,10 +96,7 @@ MAX_LINES = (
 
 
 def _modules() -> dict[str, Path]:
-    return {
-        ".".join(p.relative_to(PKG.parent).with_suffix("").parts).removesuffix(".__init__"): p
-        for p in sorted(PKG.rglob("*.py"))
-    }
+    return package_modules(PKG)
 
 
 def _room(module: str) -> str:
@@ -108,29 +106,10 @@ def _room(module: str) -> str:
     return parts[0] if parts else "rlxf_utils"
 
 
-def _imports() -> list[tuple[str, str, str | None, bool]]:
+def _imports() -> list[Import]:
     """(importer, imported module, imported name or None, inside a function) of every import of
-    the package by itself."""
-    mods = _modules()
-    out = []
-    for mod, path in mods.items():
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.Import):
-                targets = [(a.name, None) for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    parts = mod.split(".") if path.name == "__init__.py" else mod.split(".")[:-1]
-                    parts = parts[: len(parts) - (node.level - 1)]
-                    base = ".".join(parts + ([base] if base else []))
-                targets = [(f"{base}.{a.name}", None) if f"{base}.{a.name}" in mods
-                           else (base, a.name) for a in node.names]  # fmt: skip
-            else:
-                continue
-            for target, name in targets:
-                if target.split(".")[0] == "rlxf_utils" and target != mod:
-                    out.append((mod, target, name, node.col_offset > 0))
-    return out
+    the package by itself: the graph `freshness` also follows for notebooks' fingerprints."""
+    return package_imports(PKG)
 
 
 def test_no_import_cycles_counting_imports_inside_functions() -> None:

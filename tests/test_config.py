@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -12,9 +13,8 @@ PROFILES = sorted((ROOT / "params").glob("*.yaml"))
 
 
 def write_params(tmp_path: Path, mutate) -> Path:
-    raw = yaml.safe_load((ROOT / "params" / "smoke.yaml").read_text())
-    raw["data"]["path"] = str(ROOT / "data" / "raw" / "MONA_From2002.csv")
-    raw["risk"]["regions_path"] = str(ROOT / "data" / "regions" / "imf_regions.csv")
+    """The smoke profile, resolved (every key written out, paths absolute), after `mutate`."""
+    raw = load_config(ROOT / "params" / "smoke.yaml").resolved()
     mutate(raw)
     p = tmp_path / "p.yaml"
     p.write_text(yaml.safe_dump(raw))
@@ -32,6 +32,41 @@ def test_every_profile_validates(profile: Path) -> None:
 
 def test_profiles_are_the_four_of_the_design() -> None:
     assert {p.stem for p in PROFILES} == {"smoke", "default", "full", "paper"}
+
+
+#: Every profile's resolved parameters (what the manifest and the frozen `params.yaml` record),
+#: checkout paths written `<root>`. Rewrite them after a deliberate change of a value with
+#: `PYTHONPATH=. python tests/test_config.py`.
+GOLDEN = ROOT / "tests" / "golden" / "params"
+
+
+def _resolved_text(profile: Path) -> str:
+    """The profile's resolved parameters as JSON, in the order they resolve, paths under the
+    checkout written `<root>/...`."""
+    root = str(PROJECT_ROOT)
+
+    def rel(node):
+        if isinstance(node, dict):
+            return {k: rel(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [rel(v) for v in node]
+        return node.replace(root, "<root>", 1) if isinstance(node, str) else node
+
+    return json.dumps(rel(load_config(profile).resolved()), indent=1, ensure_ascii=False) + "\n"
+
+
+@pytest.mark.parametrize("profile", PROFILES, ids=lambda p: p.stem)
+def test_every_profile_resolves_to_its_golden_parameters(profile: Path) -> None:
+    """smoke, paper and full say only what differs from default (`extends:`); what they resolve
+    to is, byte for byte, what they resolved to as full copies."""
+    golden = GOLDEN / f"{profile.stem}.json"
+    assert _resolved_text(profile) == golden.read_text(encoding="utf-8"), profile.name
+
+
+def test_the_profiles_besides_default_extend_it() -> None:
+    for name in ("smoke", "paper", "full"):
+        raw = yaml.safe_load((ROOT / "params" / f"{name}.yaml").read_text())
+        assert raw["extends"] == "default.yaml", name
 
 
 def test_full_extends_default_and_lists_only_its_changes() -> None:
@@ -217,3 +252,10 @@ def test_every_parameter_has_a_docstring() -> None:
     bare = [f"{c.__name__}.{n}" for c in sections for n, f in c.model_fields.items()
             if not (f.description and len(f.description) > 10)]  # fmt: skip
     assert not bare, bare
+
+
+if __name__ == "__main__":  # rewrite the golden parameters (after a deliberate change of a value)
+    GOLDEN.mkdir(parents=True, exist_ok=True)
+    for profile in PROFILES:
+        (GOLDEN / f"{profile.stem}.json").write_text(_resolved_text(profile), encoding="utf-8")
+        print(GOLDEN / f"{profile.stem}.json")

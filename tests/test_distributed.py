@@ -71,11 +71,10 @@ def _params(tmp_path: Path, **compute) -> Path:
     two sequences per process in each of the smoke's two-sequence minibatches."""
     import yaml
 
-    raw = yaml.safe_load((ROOT / "params/smoke.yaml").read_text())
+    # the smoke profile resolved: every key written out, paths absolute
+    raw = load_config(ROOT / "params/smoke.yaml").resolved()
     if compute.get("num_processes", 1) > 1:
         raw["rl"]["algorithm"] = [a for a in raw["rl"]["algorithm"] if a not in ("kto", "dpo")]
-    raw["data"]["path"] = str(ROOT / "data/raw/MONA_From2002.csv")
-    raw["risk"]["regions_path"] = str(ROOT / "data/regions/imf_regions.csv")
     raw["compute"] = compute
     (tmp_path / "p.yaml").write_text(yaml.safe_dump(raw))
     return tmp_path / "p.yaml"
