@@ -156,7 +156,7 @@ TABLE_INCLUDES = {
 }
 
 
-def _for_reader(markdown: str) -> str:
+def for_reader(markdown: str) -> str:
     """Markdown as the reader sees it: display names (`names.humanise`), then minus signs
     (`wording.typeset_minus`)."""
     return typeset_minus(humanise(markdown))
@@ -196,16 +196,16 @@ def build_sources(run: RunDir, build: Path, src: Path = REPORT_SRC) -> dict[str,
     with atomic_path(build / "_variables.yml") as tmp:
         tmp.write_text(yaml.safe_dump(variables, sort_keys=True, allow_unicode=True))
     qmd = build / QMD
-    qmd.write_text(_for_reader(qmd.read_text(encoding="utf-8")), encoding="utf-8")
+    qmd.write_text(for_reader(qmd.read_text(encoding="utf-8")), encoding="utf-8")
     gen = build / "_generated"
     gen.mkdir(exist_ok=True)
     for name, text in includes.items():
-        (gen / name).write_text(_for_reader(text), encoding="utf-8")
+        (gen / name).write_text(for_reader(text), encoding="utf-8")
     for name, (table, stage) in TABLE_INCLUDES.items():
         md = run.require(f"tables/{table}.md", stage).read_text(encoding="utf-8")
-        (gen / name).write_text(_for_reader(md), encoding="utf-8")
+        (gen / name).write_text(for_reader(md), encoding="utf-8")
     for name, text in _manifest_tables(run).items():
-        (gen / name).write_text(_for_reader(text), encoding="utf-8")
+        (gen / name).write_text(for_reader(text), encoding="utf-8")
     copies = {Path(k).stem: t for k, (t, _) in TABLE_INCLUDES.items()}
     sources = sources_table(qmd.read_text(encoding="utf-8"), run, copies, gen)
     (gen / "sources.md").write_text(sources, encoding="utf-8")
@@ -297,16 +297,17 @@ def _run(cmd: list[str], cwd: Path) -> None:
         raise ReportError(f"unresolved cross-reference in the report:\n{res.stderr[-2000:]}")
 
 
-def _render_pandoc(build: Path, variables: dict[str, Any], out_dir: Path) -> RenderResult:
-    text = (build / QMD).read_text(encoding="utf-8")
-    expanded = expand_shortcodes(text, variables, build)
-    md = build / "rlxf_report.md"
-    md.write_text(expanded, encoding="utf-8")
-    pandoc = _pandoc()
-    common = [
-        pandoc,
+#: pandoc's markdown without raw HTML and raw blocks: the report places no HTML of its own, so
+#: nothing in the text can become an element, fetch a URL or embed a file (`--embed-resources`
+#: embeds only the figures the source names).
+READER = "markdown-raw_html-raw_attribute"
+
+
+def _pandoc_args(md: Path) -> list[str]:
+    return [
+        _pandoc(),
         md.name,
-        "--from=markdown",
+        f"--from={READER}",
         "--number-sections",
         "--toc",
         "--lua-filter=crossref.lua",  # before citeproc, which would take @fig-x for a citation
@@ -315,13 +316,15 @@ def _render_pandoc(build: Path, variables: dict[str, Any], out_dir: Path) -> Ren
         "--metadata=link-citations:true",
         "--resource-path=.",
     ]
-    seconds: dict[str, float] = {}
-    t0 = time.perf_counter()
-    html = out_dir / "rlxf_report.html"
+
+
+def pandoc_html(md: Path, html: Path) -> Path:
+    """`md` (in the report's build folder, beside crossref.lua, references.bib and report.css)
+    rendered to a self-contained `html`, written atomically."""
     with atomic_path(html, ".html") as tmp:
         _run(
             [
-                *common,
+                *_pandoc_args(md),
                 "--to=html5",
                 "--standalone",
                 "--embed-resources",
@@ -329,22 +332,38 @@ def _render_pandoc(build: Path, variables: dict[str, Any], out_dir: Path) -> Ren
                 "--css=report.css",  # side contents, tables that scroll in their box (reports/)
                 f"--output={tmp}",
             ],
-            build,
+            md.parent,
         )
-    seconds["html"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    typ = build / "rlxf_report.typ"
+    return html
+
+
+def pandoc_typst(md: Path) -> Path:
+    """`md` rendered to Typst source beside it (`rlxf_report.typ` for `rlxf_report.md`)."""
+    typ = md.with_suffix(".typ")
     _run(
         [
-            *common,
+            *_pandoc_args(md),
             "--to=typst",
             "--standalone",
             "--include-in-header=typst-header.typ",
             "--variable=papersize:a4",
             f"--output={typ.name}",
         ],
-        build,
+        md.parent,
     )
+    return typ
+
+
+def _render_pandoc(build: Path, variables: dict[str, Any], out_dir: Path) -> RenderResult:
+    text = (build / QMD).read_text(encoding="utf-8")
+    md = build / "rlxf_report.md"
+    md.write_text(expand_shortcodes(text, variables, build), encoding="utf-8")
+    seconds: dict[str, float] = {}
+    t0 = time.perf_counter()
+    html = pandoc_html(md, out_dir / "rlxf_report.html")
+    seconds["html"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    typ = pandoc_typst(md)
     import typst
 
     pdf = out_dir / "rlxf_report.pdf"
