@@ -11,6 +11,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
@@ -158,10 +159,11 @@ class RunDir:
     def write_table(
         self, name: str, df: pd.DataFrame, floatfmt: str = ".3f", index: bool = False
     ) -> Path:
-        """Write `tables/<name>.csv` and a markdown twin `tables/<name>.md` for the report."""
+        """Write `tables/<name>.csv` (text cells `spreadsheet_safe`) and a markdown twin
+        `tables/<name>.md` for the report."""
         csv_target = self.path(f"tables/{name}.csv")
         with atomic_path(csv_target, ".csv") as tmp:
-            df.to_csv(tmp, index=index)
+            spreadsheet_safe(df).to_csv(tmp, index=index)
         self.write_text(f"tables/{name}.md", markdown_table(df, floatfmt=floatfmt, index=index))
         return csv_target
 
@@ -186,7 +188,54 @@ class RunDir:
         return pd.read_parquet(self.require(rel, stage))
 
     def read_table(self, name: str, stage: str | None = None) -> pd.DataFrame:
-        return pd.read_csv(self.require(f"tables/{name}.csv", stage))
+        """A table `write_table` wrote, its text cells as they were before `spreadsheet_safe`."""
+        return _map_text(pd.read_csv(self.require(f"tables/{name}.csv", stage)), _unquote)
+
+
+#: A text cell a spreadsheet would run as a formula (=, +, -, @, tab, carriage return first),
+#: after any quotes `spreadsheet_safe` put before it.
+_FORMULA = re.compile(r"'*[=+\-@\t\r]")
+#: A number written as text ('-0.5', '+3e-4'): a spreadsheet reads it as that number.
+_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
+
+
+def _quote(v: Any) -> Any:
+    if isinstance(v, str) and _FORMULA.match(v) and not _NUMBER.fullmatch(v):
+        return "'" + v
+    return v
+
+
+def _unquote(v: Any) -> Any:
+    if (
+        isinstance(v, str)
+        and v.startswith("'")
+        and _FORMULA.match(v[1:])
+        and not _NUMBER.fullmatch(v[1:])
+    ):
+        return v[1:]
+    return v
+
+
+def _map_text(df: pd.DataFrame, change: Callable[[Any], Any]) -> pd.DataFrame:
+    """`df` with `change` applied to every cell of its text columns (a copy when any)."""
+    text = [
+        i
+        for i, t in enumerate(df.dtypes)
+        if pd.api.types.is_object_dtype(t) or isinstance(t, pd.StringDtype)
+    ]
+    if not text:
+        return df
+    out = df.copy()
+    for i in text:
+        out.isetitem(i, out.iloc[:, i].map(change))
+    return out
+
+
+def spreadsheet_safe(df: pd.DataFrame) -> pd.DataFrame:
+    """`df` with every text cell that a spreadsheet would run as a formula (`=HYPERLINK(...)`,
+    `+cmd`, `@SUM`, `-2+3`) quoted with a leading `'`, which spreadsheets show as text; numbers,
+    and text that is just a number, are left as they are. `RunDir.read_table` removes the quote."""
+    return _map_text(df, _quote)
 
 
 def atomic_dir(target: Path, write: Callable[[Path], Any]) -> None:
