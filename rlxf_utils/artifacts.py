@@ -117,7 +117,9 @@ class RunDir:
     """
 
     def __init__(self, root: str | Path):
-        self.root = Path(root)
+        # absolute once, here: a kernel or a launched stage that runs in another folder reads
+        # the same paths (`..` is folded, links are kept)
+        self.root = Path(os.path.abspath(root))
         self.root.mkdir(parents=True, exist_ok=True)
 
     def __repr__(self) -> str:

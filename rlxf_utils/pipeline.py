@@ -204,13 +204,23 @@ class RunLocked(RuntimeError):
     """Another `rlxf run` is writing into the same run directory; the message says which."""
 
 
-def check_run_dir(root: Path) -> None:
-    """The run directory can be created and written, or a `ValueError` naming it and why."""
+def check_run_dir(root: Path, notebook_dir: Path) -> None:
+    """The run directory can be created and written and holds no sources, or a `ValueError`
+    naming it and why. Leaves nothing behind: the lock and the run's files come later."""
     if root.exists() and not root.is_dir():
         raise ValueError(f"{root}: --run-dir names a file; expected a folder for the run's outputs")
+    sources = [
+        p for p in (PROJECT_ROOT, notebook_dir.resolve()) if p.is_relative_to(root.resolve())
+    ]
+    if sources:
+        raise ValueError(
+            f"{root}: the run would write into {sources[0]} (the project or its notebooks' "
+            "sources) and overwrite them; expected a folder of its own, e.g. runs/<run.name>"
+        )
+    made = [p for p in (root, *root.parents) if not p.exists()]
     try:
-        (root / ".rlxf").mkdir(parents=True, exist_ok=True)
-        probe = root / ".rlxf" / f".probe.{os.getpid()}"
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / f".rlxf-probe.{os.getpid()}"
         probe.write_text("", encoding="utf-8")
         probe.unlink()
     except OSError as exc:
@@ -218,6 +228,10 @@ def check_run_dir(root: Path) -> None:
             f"{root}: the run cannot be written there ({exc.strerror or exc}); expected a folder "
             "this user may create and write, e.g. runs/<run.name>"
         ) from None
+    finally:
+        for p in made:  # innermost first
+            with contextlib.suppress(OSError):
+                p.rmdir()
 
 
 @contextlib.contextmanager
@@ -293,9 +307,11 @@ def run_study(
     import papermill as pm
 
     cfg = load_config(params_file)  # validate before any compute
-    root = Path(run_dir or PROJECT_ROOT / "runs" / cfg.run.name)
-    check_run_dir(root)
-    notebooks = discover_notebooks(notebook_dir or PROJECT_ROOT / "notebooks", only)
+    # absolute once, here: the kernels run in notebooks/ and read the paths they are given
+    root = Path(os.path.abspath(run_dir or PROJECT_ROOT / "runs" / cfg.run.name))
+    notebook_dir = Path(notebook_dir or PROJECT_ROOT / "notebooks")
+    check_run_dir(root, notebook_dir)
+    notebooks = discover_notebooks(notebook_dir, only)
     if not notebooks:
         raise ValueError(f"no NN_*.ipynb notebooks found in {notebook_dir}")
     numbers = [NOTEBOOK_RE.match(nb.name).group(1) for nb in notebooks]
@@ -360,13 +376,15 @@ def _run_locked(cfg: Any, run: RunDir, notebooks: list[Path], numbers: list[str]
             pm.execute_notebook(
                 str(nb),
                 str(out),
-                parameters={"params_file": str(frozen), "run_dir": str(run.root.resolve())},
+                parameters={"params_file": str(frozen), "run_dir": str(run.root)},
                 kernel_name=kernel_name,
                 cwd=str(nb.parent),
                 progress_bar=progress,
                 log_output=False,
             )
             status = "ok"
+        except KeyboardInterrupt:  # recorded below, then passed on: `rlxf run` says it, exits 130
+            status, error = "interrupted", f"notebook {nb.name} interrupted (Ctrl-C)"
         except pm.PapermillExecutionError as exc:
             status = "failed"
             source = (exc.source or "").strip().splitlines()
@@ -390,6 +408,8 @@ def _run_locked(cfg: Any, run: RunDir, notebooks: list[Path], numbers: list[str]
             write_record(run, nb.stem, digest, parts, spec, seconds)
         record([result])
         print(f"      {status} in {seconds:.1f} s", flush=True)
+        if status == "interrupted":
+            raise KeyboardInterrupt(error)
         if error:
             raise NotebookFailed(error)
     return run.root
