@@ -34,7 +34,7 @@ from rlxf_utils.artifacts import RunDir, sha256_file
 from rlxf_utils.config import PROJECT_ROOT, load_config
 from rlxf_utils.data.checks import load_data
 from rlxf_utils.freshness import clear_record, fingerprint, stage_spec, up_to_date, write_record
-from rlxf_utils.runtime import hub_environment
+from rlxf_utils.runtime import hub_environment, quiet_library_warnings
 
 __all__ = [
     "KERNEL_NAME",
@@ -48,6 +48,10 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 KERNEL_NAME = "rlxf"
+#: The kernel's own log at errors only: it opens every notebook with a warning that it talks to
+#: papermill over TCP on this machine without encryption, which a reader of the log takes for a
+#: fault of the run.
+KERNEL_ARGUMENTS = ["--IPKernelApp.log_level=ERROR"]
 NOTEBOOK_RE = re.compile(r"^(\d{2})_[A-Za-z0-9_]+\.ipynb$")
 #: Packages whose versions change results or rendering; recorded in the manifest.
 TRACKED_PACKAGES = (
@@ -342,6 +346,7 @@ def _run_locked(cfg: Any, run: RunDir, notebooks: list[Path], numbers: list[str]
 
     # the kernels (and the stages they launch) inherit it; read once, when transformers loads
     log.info("hub: %s", hub_environment(cfg))
+    log.info("PYTHONWARNINGS: %s", quiet_library_warnings())
     # the kernels inherit a fixed string-hash seed: set iteration order, and with it what peft
     # writes in adapter_config.json (target_modules), is the same in every run
     os.environ.setdefault("PYTHONHASHSEED", "0")
@@ -378,6 +383,7 @@ def _run_locked(cfg: Any, run: RunDir, notebooks: list[Path], numbers: list[str]
                 str(out),
                 parameters={"params_file": str(frozen), "run_dir": str(run.root)},
                 kernel_name=kernel_name,
+                extra_arguments=KERNEL_ARGUMENTS,
                 cwd=str(nb.parent),
                 progress_bar=progress,
                 log_output=False,
