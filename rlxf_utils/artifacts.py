@@ -26,9 +26,11 @@ from rlxf_utils.report.wording import markdown_table
 
 __all__ = [
     "ArtifactMissing",
+    "NotARun",
     "RunDir",
     "atomic_dir",
     "atomic_path",
+    "read_manifest",
     "sha256_file",
     "to_jsonable",
     "write_json",
@@ -43,6 +45,50 @@ os.umask(_UMASK)
 
 class ArtifactMissing(FileNotFoundError):
     """An artifact an earlier stage should have written is absent; the message names it."""
+
+
+class NotARun(ValueError):
+    """A folder that is not a run `rlxf run` wrote, or not one far enough along; the message
+    names the folder or file and what was expected."""
+
+
+#: What every manifest `rlxf run` writes holds, and what the report and `rlxf seeds` read.
+MANIFEST_FIELDS = ("params.run.title", "params.run.authors", "params.run.wp_number",
+                   "data.sha256", "environment.packages", "notebooks")  # fmt: skip
+
+
+def _lacks(record: dict[str, Any], dotted: str) -> bool:
+    value: Any = record
+    for part in dotted.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return True
+        value = value[part]
+    return False
+
+
+def read_manifest(run_dir: str | Path) -> dict[str, Any]:
+    """`<run_dir>/manifest.json` when it is the record `rlxf run` writes, else `NotARun` saying
+    what was found instead. Reads only: nothing is created, even when the folder is missing."""
+    root = Path(run_dir)
+    expected = "a run folder that `rlxf run` wrote (runs/<run.name>/ with manifest.json)"
+    path = root / "manifest.json"
+    if not root.is_dir():
+        raise NotARun(
+            f"{root}: {'not a folder' if root.exists() else 'no such folder'}; expected {expected}"
+        )
+    if not path.is_file():
+        raise NotARun(f"{root}: no manifest.json; expected {expected}")
+    record_of = "expected the JSON object `rlxf run` writes there; rerun it, or move the file aside"
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, OSError) as exc:
+        raise NotARun(f"{path}: unreadable ({exc}); {record_of}") from None
+    if not isinstance(record, dict):
+        raise NotARun(f"{path}: a JSON {type(record).__name__}; {record_of}")
+    missing = [f for f in MANIFEST_FIELDS if _lacks(record, f)]
+    if missing:
+        raise NotARun(f"{path}: lacks {', '.join(missing)}; {record_of}")
+    return record
 
 
 @contextlib.contextmanager

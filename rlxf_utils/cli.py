@@ -85,12 +85,12 @@ def _cmd_data_summary(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from rlxf_utils.artifacts import ArtifactMissing
+    from rlxf_utils.artifacts import ArtifactMissing, NotARun
     from rlxf_utils.report.render import ReportError, render_report
 
     try:
         res = render_report(args.run_dir, engine=args.engine)
-    except (ReportError, ArtifactMissing) as exc:
+    except (ReportError, ArtifactMissing, NotARun) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     timing = ", ".join(f"{k} {v:.1f} s" for k, v in res.seconds.items())
@@ -186,14 +186,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_seeds(args: argparse.Namespace) -> int:
+    from rlxf_utils.artifacts import ArtifactMissing
     from rlxf_utils.pipeline import NotebookFailed
     from rlxf_utils.seeds import run_seeds
 
     try:
         table = run_seeds(args.run_dir, args.seeds, progress=not args.quiet)
-    except (ConfigError, ValueError, RuntimeError) as exc:
+    except (ConfigError, ValueError, RuntimeError, ArtifactMissing) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1 if isinstance(exc, NotebookFailed) else EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        return _interrupted("rlxf seeds")
     pooled = table[table["seed"] == "pooled"] if len(table) else table
     for _, r in pooled.iterrows():
         print(f"{r['label']}: gain {r['gain']:+.4f} (seed SD {r['gain_seed_sd']:.4f}), audit gain "

@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from rlxf_utils.artifacts import RunDir, atomic_path
+from rlxf_utils.artifacts import NotARun, RunDir, atomic_path, read_manifest
 from rlxf_utils.config import PROJECT_ROOT
 from rlxf_utils.names import humanise, humanise_values, map_strings
 from rlxf_utils.report.data import data_section
@@ -392,26 +392,19 @@ def render_report(
     which: Callable[[str], str | None] = shutil.which,
 ) -> RenderResult:
     """Render `<run_dir>/report/rlxf_report.{html,pdf}`; `engine` is auto, quarto or pandoc."""
-    root = Path(run_dir)
-    if not (root / "manifest.json").is_file():  # checked before anything is written there
-        what = (
-            "no such folder"
-            if not root.exists()
-            else "not a folder"
-            if not root.is_dir()
-            else "no manifest.json"
-        )
-        raise ReportError(
-            f"{root}: {what}; expected a run folder that `rlxf run` wrote (runs/<run.name>/ with "
-            "manifest.json)"
-        )  # fmt: skip
-    run = RunDir(root)
-    out_dir = run.path("report/x").parent
-    build = out_dir / "_build"
-    variables = build_sources(run, build, src)
+    _check_finished(run_dir)  # before anything is written there
     quarto = which("quarto") if engine in ("auto", "quarto") else None
     if engine == "quarto" and not quarto:
         raise ReportError("engine 'quarto' requested but quarto is not on PATH")
+    run = RunDir(run_dir)
+    out_dir = run.root / "report"
+    build = out_dir / "_build"
+    made = not out_dir.exists()
+    try:
+        variables = build_sources(run, build, src)
+    except Exception:  # a missing artifact: leave no half-built sources behind
+        shutil.rmtree(out_dir if made else build, ignore_errors=True)
+        raise
     if quarto:
         log.info("rendering with Quarto (%s)", quarto)
         result = _render_quarto(quarto, build, out_dir)
@@ -420,6 +413,20 @@ def render_report(
         result = _render_pandoc(build, variables, out_dir)
     run.write_json("report/render.json", {"engine": result.engine, "seconds": result.seconds})
     return result
+
+
+def _check_finished(run_dir: str | Path) -> None:
+    """`run_dir` is a run whose every recorded notebook finished, or a `NotARun` naming the
+    manifest and the notebook that did not."""
+    manifest = read_manifest(run_dir)
+    unfinished = [n for n in manifest["notebooks"] if n.get("status") != "ok"]
+    if unfinished or not manifest["notebooks"]:
+        what = (f"notebook {unfinished[0].get('name')} is {unfinished[0].get('status')!r}"
+                if unfinished else "no notebook has run")  # fmt: skip
+        raise NotARun(
+            f"{Path(run_dir) / 'manifest.json'}: {what}; expected a finished run: rerun "
+            "`rlxf run` with the same parameters and --run-dir to finish it"
+        )
 
 
 def load_variables(run_dir: str | Path) -> dict[str, Any]:
