@@ -48,10 +48,11 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 KERNEL_NAME = "rlxf"
-#: The kernel's own log at errors only: it opens every notebook with a warning that it talks to
-#: papermill over TCP on this machine without encryption, which a reader of the log takes for a
-#: fault of the run.
-KERNEL_ARGUMENTS = ["--IPKernelApp.log_level=ERROR"]
+#: The kernel's own log (Jupyter's plumbing, not the cells: their errors come back through
+#: papermill) at critical only: it opened every notebook with a warning that it talks to
+#: papermill over TCP without encryption, and a Ctrl-C ended with its traceback of a closed
+#: socket; a reader of the log took both for faults of the run.
+KERNEL_ARGUMENTS = ["--IPKernelApp.log_level=CRITICAL"]
 NOTEBOOK_RE = re.compile(r"^(\d{2})_[A-Za-z0-9_]+\.ipynb$")
 #: Packages whose versions change results or rendering; recorded in the manifest.
 TRACKED_PACKAGES = (

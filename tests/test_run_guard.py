@@ -180,7 +180,7 @@ def test_a_relative_run_dir_reaches_the_kernels_as_absolute_paths(
     assert params == {"params_file": str(tmp_path / "runs/x/params.yaml"),
                       "run_dir": str(tmp_path / "runs/x")}  # fmt: skip
     assert Path(fake_kernel[0]["out"]).is_absolute() and fake_kernel[0]["cwd"].endswith("notebooks")
-    assert "--IPKernelApp.log_level=ERROR" in fake_kernel[0]["extra_arguments"]
+    assert "--IPKernelApp.log_level=CRITICAL" in fake_kernel[0]["extra_arguments"]
     assert RunDir("runs/x").path("a").is_absolute()
     assert RunDir("runs/x/../x").root == tmp_path / "runs/x"
 
