@@ -11,6 +11,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
@@ -25,9 +26,11 @@ from rlxf_utils.report.wording import markdown_table
 
 __all__ = [
     "ArtifactMissing",
+    "NotARun",
     "RunDir",
     "atomic_dir",
     "atomic_path",
+    "read_manifest",
     "sha256_file",
     "to_jsonable",
     "write_json",
@@ -42,6 +45,50 @@ os.umask(_UMASK)
 
 class ArtifactMissing(FileNotFoundError):
     """An artifact an earlier stage should have written is absent; the message names it."""
+
+
+class NotARun(ValueError):
+    """A folder that is not a run `rlxf run` wrote, or not one far enough along; the message
+    names the folder or file and what was expected."""
+
+
+#: What every manifest `rlxf run` writes holds, and what the report and `rlxf seeds` read.
+MANIFEST_FIELDS = ("params.run.title", "params.run.authors", "params.run.wp_number",
+                   "data.sha256", "environment.packages", "notebooks")  # fmt: skip
+
+
+def _lacks(record: dict[str, Any], dotted: str) -> bool:
+    value: Any = record
+    for part in dotted.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return True
+        value = value[part]
+    return False
+
+
+def read_manifest(run_dir: str | Path) -> dict[str, Any]:
+    """`<run_dir>/manifest.json` when it is the record `rlxf run` writes, else `NotARun` saying
+    what was found instead. Reads only: nothing is created, even when the folder is missing."""
+    root = Path(run_dir)
+    expected = "a run folder that `rlxf run` wrote (runs/<run.name>/ with manifest.json)"
+    path = root / "manifest.json"
+    if not root.is_dir():
+        raise NotARun(
+            f"{root}: {'not a folder' if root.exists() else 'no such folder'}; expected {expected}"
+        )
+    if not path.is_file():
+        raise NotARun(f"{root}: no manifest.json; expected {expected}")
+    record_of = "expected the JSON object `rlxf run` writes there; rerun it, or move the file aside"
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, OSError) as exc:
+        raise NotARun(f"{path}: unreadable ({exc}); {record_of}") from None
+    if not isinstance(record, dict):
+        raise NotARun(f"{path}: a JSON {type(record).__name__}; {record_of}")
+    missing = [f for f in MANIFEST_FIELDS if _lacks(record, f)]
+    if missing:
+        raise NotARun(f"{path}: lacks {', '.join(missing)}; {record_of}")
+    return record
 
 
 @contextlib.contextmanager
@@ -116,7 +163,9 @@ class RunDir:
     """
 
     def __init__(self, root: str | Path):
-        self.root = Path(root)
+        # absolute once, here: a kernel or a launched stage that runs in another folder reads
+        # the same paths (`..` is folded, links are kept)
+        self.root = Path(os.path.abspath(root))
         self.root.mkdir(parents=True, exist_ok=True)
 
     def __repr__(self) -> str:
@@ -158,10 +207,11 @@ class RunDir:
     def write_table(
         self, name: str, df: pd.DataFrame, floatfmt: str = ".3f", index: bool = False
     ) -> Path:
-        """Write `tables/<name>.csv` and a markdown twin `tables/<name>.md` for the report."""
+        """Write `tables/<name>.csv` (text cells `spreadsheet_safe`) and a markdown twin
+        `tables/<name>.md` for the report."""
         csv_target = self.path(f"tables/{name}.csv")
         with atomic_path(csv_target, ".csv") as tmp:
-            df.to_csv(tmp, index=index)
+            spreadsheet_safe(df).to_csv(tmp, index=index)
         self.write_text(f"tables/{name}.md", markdown_table(df, floatfmt=floatfmt, index=index))
         return csv_target
 
@@ -186,7 +236,54 @@ class RunDir:
         return pd.read_parquet(self.require(rel, stage))
 
     def read_table(self, name: str, stage: str | None = None) -> pd.DataFrame:
-        return pd.read_csv(self.require(f"tables/{name}.csv", stage))
+        """A table `write_table` wrote, its text cells as they were before `spreadsheet_safe`."""
+        return _map_text(pd.read_csv(self.require(f"tables/{name}.csv", stage)), _unquote)
+
+
+#: A text cell a spreadsheet would run as a formula (=, +, -, @, tab, carriage return first),
+#: after any quotes `spreadsheet_safe` put before it.
+_FORMULA = re.compile(r"'*[=+\-@\t\r]")
+#: A number written as text ('-0.5', '+3e-4'): a spreadsheet reads it as that number.
+_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
+
+
+def _quote(v: Any) -> Any:
+    if isinstance(v, str) and _FORMULA.match(v) and not _NUMBER.fullmatch(v):
+        return "'" + v
+    return v
+
+
+def _unquote(v: Any) -> Any:
+    if (
+        isinstance(v, str)
+        and v.startswith("'")
+        and _FORMULA.match(v[1:])
+        and not _NUMBER.fullmatch(v[1:])
+    ):
+        return v[1:]
+    return v
+
+
+def _map_text(df: pd.DataFrame, change: Callable[[Any], Any]) -> pd.DataFrame:
+    """`df` with `change` applied to every cell of its text columns (a copy when any)."""
+    text = [
+        i
+        for i, t in enumerate(df.dtypes)
+        if pd.api.types.is_object_dtype(t) or isinstance(t, pd.StringDtype)
+    ]
+    if not text:
+        return df
+    out = df.copy()
+    for i in text:
+        out.isetitem(i, out.iloc[:, i].map(change))
+    return out
+
+
+def spreadsheet_safe(df: pd.DataFrame) -> pd.DataFrame:
+    """`df` with every text cell that a spreadsheet would run as a formula (`=HYPERLINK(...)`,
+    `+cmd`, `@SUM`, `-2+3`) quoted with a leading `'`, which spreadsheets show as text; numbers,
+    and text that is just a number, are left as they are. `RunDir.read_table` removes the quote."""
+    return _map_text(df, _quote)
 
 
 def atomic_dir(target: Path, write: Callable[[Path], Any]) -> None:

@@ -7,7 +7,7 @@ rlxf data summary data/raw/MONA_From2002.csv [--params params/default.yaml] [--u
 rlxf compare runs/a runs/b
 
 Exit codes: 0 done; 1 a notebook failed (its cell and error are printed); 2 bad input (a
-parameters file, a data file, a run directory), nothing computed.
+parameters file, a data file, a run directory), nothing computed; 130 stopped by Ctrl-C.
 """
 
 from __future__ import annotations
@@ -39,8 +39,20 @@ def _cmd_run(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1 if isinstance(exc, NotebookFailed) else EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        return _interrupted("rlxf run")
     print(f"run complete: {run_dir}")
     return 0
+
+
+EXIT_INTERRUPTED = 130  # what a shell reports for a command Ctrl-C stopped (128 + SIGINT)
+
+
+def _interrupted(command: str) -> int:
+    """One line for Ctrl-C, not a traceback: what was kept and how to go on."""
+    print(f"\ninterrupted: {command} stopped (Ctrl-C); finished work is kept in the run dir and "
+          "the same command resumes it", file=sys.stderr)  # fmt: skip
+    return EXIT_INTERRUPTED
 
 
 def _cmd_data_summary(args: argparse.Namespace) -> int:
@@ -73,12 +85,12 @@ def _cmd_data_summary(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from rlxf_utils.artifacts import ArtifactMissing
+    from rlxf_utils.artifacts import ArtifactMissing, NotARun
     from rlxf_utils.report.render import ReportError, render_report
 
     try:
         res = render_report(args.run_dir, engine=args.engine)
-    except (ReportError, ArtifactMissing) as exc:
+    except (ReportError, ArtifactMissing, NotARun) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     timing = ", ".join(f"{k} {v:.1f} s" for k, v in res.seconds.items())
@@ -98,7 +110,8 @@ continues from its last checkpoint.
 
 exit codes: 0 the study ran; 1 a notebook failed (its cell and error are printed, the executed
 copy keeps the traceback); 2 bad input (parameters, data, run directory, a run already in the
-folder), nothing computed."""
+folder), nothing computed; 130 stopped by Ctrl-C (the manifest records the notebook as
+interrupted; the same command resumes)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -173,14 +186,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_seeds(args: argparse.Namespace) -> int:
+    from rlxf_utils.artifacts import ArtifactMissing
     from rlxf_utils.pipeline import NotebookFailed
     from rlxf_utils.seeds import run_seeds
 
     try:
         table = run_seeds(args.run_dir, args.seeds, progress=not args.quiet)
-    except (ConfigError, ValueError, RuntimeError) as exc:
+    except (ConfigError, ValueError, RuntimeError, ArtifactMissing) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1 if isinstance(exc, NotebookFailed) else EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        return _interrupted("rlxf seeds")
     pooled = table[table["seed"] == "pooled"] if len(table) else table
     for _, r in pooled.iterrows():
         print(f"{r['label']}: gain {r['gain']:+.4f} (seed SD {r['gain_seed_sd']:.4f}), audit gain "

@@ -34,7 +34,7 @@ from rlxf_utils.artifacts import RunDir, sha256_file
 from rlxf_utils.config import PROJECT_ROOT, load_config
 from rlxf_utils.data.checks import load_data
 from rlxf_utils.freshness import clear_record, fingerprint, stage_spec, up_to_date, write_record
-from rlxf_utils.runtime import hub_environment
+from rlxf_utils.runtime import hub_environment, quiet_library_warnings
 
 __all__ = [
     "KERNEL_NAME",
@@ -48,6 +48,11 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 KERNEL_NAME = "rlxf"
+#: The kernel's own log (Jupyter's plumbing, not the cells: their errors come back through
+#: papermill) at critical only: it opened every notebook with a warning that it talks to
+#: papermill over TCP without encryption, and a Ctrl-C ended with its traceback of a closed
+#: socket; a reader of the log took both for faults of the run.
+KERNEL_ARGUMENTS = ["--IPKernelApp.log_level=CRITICAL"]
 NOTEBOOK_RE = re.compile(r"^(\d{2})_[A-Za-z0-9_]+\.ipynb$")
 #: Packages whose versions change results or rendering; recorded in the manifest.
 TRACKED_PACKAGES = (
@@ -204,13 +209,23 @@ class RunLocked(RuntimeError):
     """Another `rlxf run` is writing into the same run directory; the message says which."""
 
 
-def check_run_dir(root: Path) -> None:
-    """The run directory can be created and written, or a `ValueError` naming it and why."""
+def check_run_dir(root: Path, notebook_dir: Path) -> None:
+    """The run directory can be created and written and holds no sources, or a `ValueError`
+    naming it and why. Leaves nothing behind: the lock and the run's files come later."""
     if root.exists() and not root.is_dir():
         raise ValueError(f"{root}: --run-dir names a file; expected a folder for the run's outputs")
+    sources = [
+        p for p in (PROJECT_ROOT, notebook_dir.resolve()) if p.is_relative_to(root.resolve())
+    ]
+    if sources:
+        raise ValueError(
+            f"{root}: the run would write into {sources[0]} (the project or its notebooks' "
+            "sources) and overwrite them; expected a folder of its own, e.g. runs/<run.name>"
+        )
+    made = [p for p in (root, *root.parents) if not p.exists()]
     try:
-        (root / ".rlxf").mkdir(parents=True, exist_ok=True)
-        probe = root / ".rlxf" / f".probe.{os.getpid()}"
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / f".rlxf-probe.{os.getpid()}"
         probe.write_text("", encoding="utf-8")
         probe.unlink()
     except OSError as exc:
@@ -218,6 +233,10 @@ def check_run_dir(root: Path) -> None:
             f"{root}: the run cannot be written there ({exc.strerror or exc}); expected a folder "
             "this user may create and write, e.g. runs/<run.name>"
         ) from None
+    finally:
+        for p in made:  # innermost first
+            with contextlib.suppress(OSError):
+                p.rmdir()
 
 
 @contextlib.contextmanager
@@ -293,9 +312,11 @@ def run_study(
     import papermill as pm
 
     cfg = load_config(params_file)  # validate before any compute
-    root = Path(run_dir or PROJECT_ROOT / "runs" / cfg.run.name)
-    check_run_dir(root)
-    notebooks = discover_notebooks(notebook_dir or PROJECT_ROOT / "notebooks", only)
+    # absolute once, here: the kernels run in notebooks/ and read the paths they are given
+    root = Path(os.path.abspath(run_dir or PROJECT_ROOT / "runs" / cfg.run.name))
+    notebook_dir = Path(notebook_dir or PROJECT_ROOT / "notebooks")
+    check_run_dir(root, notebook_dir)
+    notebooks = discover_notebooks(notebook_dir, only)
     if not notebooks:
         raise ValueError(f"no NN_*.ipynb notebooks found in {notebook_dir}")
     numbers = [NOTEBOOK_RE.match(nb.name).group(1) for nb in notebooks]
@@ -326,6 +347,7 @@ def _run_locked(cfg: Any, run: RunDir, notebooks: list[Path], numbers: list[str]
 
     # the kernels (and the stages they launch) inherit it; read once, when transformers loads
     log.info("hub: %s", hub_environment(cfg))
+    log.info("PYTHONWARNINGS: %s", quiet_library_warnings())
     # the kernels inherit a fixed string-hash seed: set iteration order, and with it what peft
     # writes in adapter_config.json (target_modules), is the same in every run
     os.environ.setdefault("PYTHONHASHSEED", "0")
@@ -360,13 +382,16 @@ def _run_locked(cfg: Any, run: RunDir, notebooks: list[Path], numbers: list[str]
             pm.execute_notebook(
                 str(nb),
                 str(out),
-                parameters={"params_file": str(frozen), "run_dir": str(run.root.resolve())},
+                parameters={"params_file": str(frozen), "run_dir": str(run.root)},
                 kernel_name=kernel_name,
+                extra_arguments=KERNEL_ARGUMENTS,
                 cwd=str(nb.parent),
                 progress_bar=progress,
                 log_output=False,
             )
             status = "ok"
+        except KeyboardInterrupt:  # recorded below, then passed on: `rlxf run` says it, exits 130
+            status, error = "interrupted", f"notebook {nb.name} interrupted (Ctrl-C)"
         except pm.PapermillExecutionError as exc:
             status = "failed"
             source = (exc.source or "").strip().splitlines()
@@ -390,6 +415,8 @@ def _run_locked(cfg: Any, run: RunDir, notebooks: list[Path], numbers: list[str]
             write_record(run, nb.stem, digest, parts, spec, seconds)
         record([result])
         print(f"      {status} in {seconds:.1f} s", flush=True)
+        if status == "interrupted":
+            raise KeyboardInterrupt(error)
         if error:
             raise NotebookFailed(error)
     return run.root

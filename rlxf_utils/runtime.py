@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import random
+import re
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -121,6 +123,23 @@ def hub_environment(cfg: Any) -> dict[str, str]:
     already sets them (an explicit `HF_HUB_OFFLINE=0 make study` wins); returns them."""
     value = "1" if cfg.compute.hf_offline else "0"
     return {k: os.environ.setdefault(k, value) for k in _HUB_VARS}
+
+
+#: How the FutureWarnings of the pinned libraries that say nothing about the run begin:
+#: transformers 5 renamed `gradient_checkpointing*` to `activation_checkpointing*`, and TRL and
+#: peft still call the old names (a warning on every call). The study uses the new names.
+QUIET_FUTURE_WARNINGS = ("`gradient_checkpointing", "`is_gradient_checkpointing")
+
+
+def quiet_library_warnings() -> str:
+    """Hide `QUIET_FUTURE_WARNINGS` in this process and, through `PYTHONWARNINGS`, in every
+    process it starts (the notebooks' kernels and the stages they launch); returns the latter."""
+    entries = [f"ignore:{m}:FutureWarning" for m in QUIET_FUTURE_WARNINGS]
+    for m in QUIET_FUTURE_WARNINGS:
+        warnings.filterwarnings("ignore", re.escape(m), FutureWarning)
+    current = [w for w in os.environ.get("PYTHONWARNINGS", "").split(",") if w]
+    os.environ["PYTHONWARNINGS"] = ",".join([*current, *(e for e in entries if e not in current)])
+    return os.environ["PYTHONWARNINGS"]
 
 
 def process_state() -> Any:

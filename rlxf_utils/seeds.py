@@ -27,7 +27,7 @@ import yaml
 from scipy import stats
 
 from rlxf_utils.algorithms import algorithm_label
-from rlxf_utils.artifacts import RunDir, atomic_path
+from rlxf_utils.artifacts import NotARun, RunDir, atomic_path, read_manifest
 from rlxf_utils.config import load_config
 from rlxf_utils.pipeline import FROZEN_PARAMS, run_study
 from rlxf_utils.stats import family_alpha, level
@@ -94,10 +94,28 @@ def prepare_seed(run_dir: str | Path, seed: int) -> Path:
     return params
 
 
+#: What a run must have before `rlxf seeds` extends it: file -> what writes it.
+FINISHED = {FROZEN_PARAMS: "rlxf run", "data": "notebook 01", "reward_model": "notebook 02",
+            "eval/summary.json": "notebook 04"}  # fmt: skip
+
+
+def check_finished(run_dir: str | Path) -> None:
+    """`run_dir` is a run `rlxf run` took through notebook 04, or a `NotARun` naming what is
+    missing. Reads only: a missing folder is not created."""
+    read_manifest(run_dir)
+    missing = [f"{p} ({by})" for p, by in FINISHED.items() if not (Path(run_dir) / p).exists()]
+    if missing:
+        raise NotARun(
+            f"{run_dir}: not a finished run, {', '.join(missing)} missing; expected a folder "
+            "where `rlxf run` finished notebooks 01-04"
+        )
+
+
 def run_seeds(run_dir: str | Path, seeds: Sequence[int], progress: bool = True) -> pd.DataFrame:
     """Train and evaluate the run's algorithms with each of `seeds` (notebooks 03 and 04 in
     `seeds/seed_<s>/`; finished seeds are skipped by the pipeline's own freshness), then write
     and return the across-seed table."""
+    check_finished(run_dir)
     for s in seeds:
         params = prepare_seed(run_dir, s)
         log.info("seed %d: %s", s, seed_dir(run_dir, s))

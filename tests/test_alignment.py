@@ -657,7 +657,7 @@ def test_report_rlgf_section_words_follow_the_intervals(tmp_path) -> None:
     )
     assert v["median"] == "0.500"  # between (3 + 1) / (4 + 2) (easy) and (1 + 1) / (4 + 2) (hard)
     table = inc["rlgf_table.md"]
-    assert "Ave(R) [90% CI]" in table and "PPO++" in table and "≤ " in table  # best-of-N's bound
+    assert r"Ave(R) \[90% CI\]" in table and "PPO++" in table and "≤ " in table  # best-of-N's bound
     rows = [r for r in table.splitlines() if r.startswith("| ")]
     assert [r.split("|")[1].strip() for r in rows[1:]] == [
         "zero-shot (base)", "SFT", "SFT on MET rows", "PPO", "PPO++", "GRPO", "D²LOLS", "best-of-N"]  # fmt: skip
@@ -666,7 +666,7 @@ def test_report_rlgf_section_words_follow_the_intervals(tmp_path) -> None:
     )
     assert (
         "hard − easy" in inc["rlgf_easy_hard.md"]
-        and "gain over sft [99.5% CI]" in inc["rlgf_easy_hard.md"]
+        and r"gain over sft \[99.5% CI\]" in inc["rlgf_easy_hard.md"]
     )
 
 

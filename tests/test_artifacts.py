@@ -84,3 +84,21 @@ def test_negative_numbers_get_a_minus_sign_and_nothing_else_changes() -> None:
     ]
     assert out.split("\n", 2)[2] == text.split("\n", 2)[2].replace("x=-1", f"x={m}1")
     assert typeset_minus(out) == out  # idempotent
+
+
+def test_table_csvs_quote_what_a_spreadsheet_would_run_and_read_back_as_written(
+    tmp_path: Path,
+) -> None:
+    """A text cell starting = + - @ (a formula when the CSV is opened in a spreadsheet) is written
+    with a leading quote; numbers and text that is just a number are not; reading the table back
+    gives the cells as they were."""
+    text = ['=HYPERLINK("http://x","y")', "+cmd", "-2+3", "@SUM(A1)", "\tx", "-0.5", "ok", "'=q"]
+    df = pd.DataFrame({"t": text, "x": [-0.01, 1.5, -2.0, 0.0, 1.0, 2.0, 3.0, 4.0]})
+    run = RunDir(tmp_path)
+    run.write_table("t", df)
+    rows = (tmp_path / "tables/t.csv").read_text().splitlines()
+    assert rows[1] == '"\'=HYPERLINK(""http://x"",""y"")",-0.01'
+    assert rows[2:5] == ["'+cmd,1.5", "'-2+3,-2.0", "'@SUM(A1),0.0"]
+    assert rows[6:9] == ["-0.5,2.0", "ok,3.0", "''=q,4.0"]
+    back = run.read_table("t")
+    assert back["t"].tolist() == text and back["x"].tolist() == df["x"].tolist()

@@ -223,3 +223,65 @@ def test_the_cli_explains_itself(capsys) -> None:
     with pytest.raises(SystemExit):
         main(["data", "summary", "--help"])
     assert "--params" in capsys.readouterr().out
+
+
+GOOD_MANIFEST = {"params": {"run": {"title": "t", "authors": ["a"], "wp_number": "1"}},
+                 "data": {"sha256": "0" * 64},
+                 "environment": {"packages": {}}, "notebooks": []}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (None, "no manifest.json; expected a run folder that `rlxf run` wrote"),
+        ('{"params": {"run": ', "manifest.json: unreadable (Expecting value: line 1"),
+        ("", "manifest.json: unreadable (Expecting value"),
+        ("{}", "manifest.json: lacks params.run.title, params.run.authors"),
+        ("[]", "manifest.json: a JSON list; expected the JSON object `rlxf run` writes"),
+        ("\xff\xfe", "manifest.json: unreadable"),
+        (GOOD_MANIFEST, "manifest.json: no notebook has run; expected a finished run"),
+        ({**GOOD_MANIFEST, "notebooks": [{"name": "01_data", "status": "interrupted"}]},
+         "notebook 01_data is 'interrupted'; expected a finished run"),
+    ],
+)  # fmt: skip
+def test_report_and_seeds_on_a_run_that_is_not_one_exit_2_and_write_nothing(
+    tmp_path: Path, capsys, content, message
+) -> None:
+    import json
+
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
+    if content is not None:
+        text = content if isinstance(content, str) else json.dumps(content)
+        (run_dir / "manifest.json").write_text(text, encoding="latin-1")
+    before = sorted(p.name for p in run_dir.iterdir())
+    assert main(["report", "--run-dir", str(run_dir)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+    assert sorted(p.name for p in run_dir.iterdir()) == before  # no report/_build
+    assert main(["seeds", "--run-dir", str(run_dir), "--seeds", "5", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    if "finished run" not in message:
+        assert message in err, err
+    else:  # a manifest, but no finished run for seeds to extend
+        assert "not a finished run, params.yaml (rlxf run)" in err, err
+    assert sorted(p.name for p in run_dir.iterdir()) == before
+
+
+def test_seeds_on_a_missing_folder_creates_nothing(tmp_path: Path, capsys) -> None:
+    missing = tmp_path / "runs" / "nope"
+    assert main(["seeds", "--run-dir", str(missing), "--seeds", "5"]) == 2
+    assert f"{missing}: no such folder" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_report_missing_an_artifact_leaves_no_build_behind(tmp_path: Path, capsys) -> None:
+    import json
+
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
+    done = {**GOOD_MANIFEST, "notebooks": [{"name": "01_data", "status": "ok"}]}
+    (run_dir / "manifest.json").write_text(json.dumps(done))
+    assert main(["report", "--run-dir", str(run_dir), "--engine", "pandoc"]) == 2
+    assert "missing artifact" in capsys.readouterr().err
+    assert sorted(p.name for p in run_dir.iterdir()) == ["manifest.json"]

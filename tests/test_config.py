@@ -254,6 +254,88 @@ def test_every_parameter_has_a_docstring() -> None:
     assert not bare, bare
 
 
+SMOKE = ROOT / "params" / "smoke.yaml"
+
+
+def test_a_key_twice_is_refused_naming_it_and_its_lines(tmp_path: Path) -> None:
+    """YAML keeps the last of two `data:` blocks without a word: the run read another file."""
+    p = tmp_path / "p.yaml"
+    p.write_text(
+        f"extends: {SMOKE}\ndata:\n  max_rows: 500\nrun: {{seed: 1}}\ndata:\n  max_rows: 9\n"
+    )
+    with pytest.raises(ConfigError, match=r"p\.yaml: key 'data' appears twice.*lines 2 and 5"):
+        load_config(p)
+    p.write_text(f"extends: {SMOKE}\nrun: {{seed: 1, seed: 2}}\n")
+    with pytest.raises(ConfigError, match=r"key 'seed' appears twice"):
+        load_config(p)
+
+
+def test_an_alias_bomb_is_refused_at_once_with_a_short_message(tmp_path: Path) -> None:
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x]"]
+    lines += [f"a{i}: &a{i} [*a{i - 1}, *a{i - 1}, *a{i - 1}, *a{i - 1}]" for i in range(1, 30)]
+    p = tmp_path / "bomb.yaml"
+    p.write_text(f"extends: {SMOKE}\n" + "\n".join(lines) + "\nrun: {seed: *a29}\n")
+    with pytest.raises(
+        ConfigError, match=r"bomb\.yaml: line 3: alias \*a0: anchors and aliases"
+    ) as e:
+        load_config(p)
+    assert len(str(e.value)) < 300
+
+
+def test_a_bad_value_is_quoted_short(tmp_path: Path) -> None:
+    p = tmp_path / "p.yaml"
+    p.write_text(
+        f"extends: {SMOKE}\nrun: {{seed: '{'9x' * 50_000}'}}\nrl: {{steps: {list(range(10_000))}}}\n"
+    )
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    msg = str(e.value)
+    assert "key 'run.seed'" in msg and "key 'rl.steps'" in msg and len(msg) < 600, msg
+    assert "9x9x" in msg and "..." in msg
+
+
+def test_a_folder_or_a_fifo_is_not_called_missing(tmp_path: Path) -> None:
+    import os
+
+    with pytest.raises(ConfigError, match=r"a folder, not a file; expected a YAML parameters"):
+        load_config(tmp_path)
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)
+    with pytest.raises(ConfigError, match=r"fifo\.yaml: not a regular file \(a FIFO"):
+        load_config(fifo)
+    p = tmp_path / "p.yaml"
+    p.write_text(f"extends: {tmp_path}\n")
+    with pytest.raises(ConfigError, match=r"key 'extends': a folder, not a file"):
+        load_config(p)
+
+
+def test_the_internal_source_is_no_allowed_key(tmp_path: Path) -> None:
+    p = write_params(tmp_path, lambda r: r.update(sorce="x"))
+    with pytest.raises(ConfigError, match="unknown key; expected one of") as e:
+        load_config(p)
+    assert "source" not in str(e.value).split("expected one of:")[1]
+
+
+@pytest.mark.parametrize(
+    ("key", "content", "problem"),
+    [
+        ("risk.regions_path", "name,area\nKENYA,AFR\n", r"no column\(s\) \['country', 'region'\]"),
+        ("risk.regions_path", "country,region\nKENYA,\n", r"empty 'region' on line\(s\) \[2\]"),
+        ("risk.regions_path", "country,region\n", "no rows under a header"),
+        ("compute.accelerate_config", "- a\n- b\n", "a YAML list, not a mapping"),
+        ("compute.accelerate_config", "a: [1,\n", "not valid YAML"),
+    ],
+)
+def test_files_the_parameters_name_are_read_before_any_work(tmp_path, key, content, problem):
+    """Their contents were first read after all the training (notebook 05, the RL stage)."""
+    section, field = key.split(".")
+    f = tmp_path / "named.txt"
+    f.write_bytes(content.encode())
+    p = write_params(tmp_path, lambda r: r.setdefault(section, {}).update({field: str(f)}))
+    with pytest.raises(ConfigError, match=rf"key '{key}': {problem}.* at {f}; expected"):
+        load_config(p)
+
+
 if __name__ == "__main__":  # rewrite the golden parameters (after a deliberate change of a value)
     GOLDEN.mkdir(parents=True, exist_ok=True)
     for profile in PROFILES:

@@ -687,3 +687,36 @@ def test_bytes_no_encoding_reads_are_an_error_naming_what_was_tried(tmp_path: Pa
     )  # lone surrogate
     with pytest.raises(DataError, match=r"bad16\.csv: the byte-order mark says utf-16-le"):
         load_mona(q)
+
+
+def test_exports_joined_together_lose_their_repeated_headers_out_loud(tmp_path: Path) -> None:
+    """Two exports concatenated: the second header row became a Non-MET condition (only a
+    warning about its status), and rows present twice went unreported."""
+    header, rows = read_rows(40)
+    joined = write_csv(tmp_path / "joined.csv", header, rows[:30] + [header] + rows[20:40])
+    table = load_mona(joined)
+    assert table.report.rows_read == 50
+    assert "Status" not in set(table.frame["status_raw"])
+    repairs = " ".join(table.report.repairs)
+    assert "1 repeated header row(s) dropped (first after record 30)" in repairs
+    assert (
+        "10 record(s) repeat an earlier record exactly (first: record 31, as record 21)" in repairs
+    )
+    wb = write_xlsx(tmp_path / "joined.xlsx", {"S": [header, *rows[:5], header, *rows[5:10]]})
+    assert "1 repeated header row(s) dropped" in " ".join(load_mona(wb).report.repairs)
+
+
+def test_a_csv_named_xls_is_read_as_the_csv_it_is(small_mona: Path, tmp_path: Path) -> None:
+    named = tmp_path / "export.xls"
+    named.write_bytes(small_mona.read_bytes())
+    table = load_mona(named)
+    assert table.report.rows_read == 300 and table.report.source_format.startswith("CSV")
+    assert "named .xls but holds text" in " ".join(table.report.repairs)
+
+
+def test_a_schema_error_does_not_echo_a_foreign_file(tmp_path: Path) -> None:
+    secret = tmp_path / "notes.csv"
+    secret.write_text("token=hunter2-very-secret\nsecond line\n")
+    with pytest.raises(DataError, match=r"found no MONA column \(1 column\(s\), not shown\)") as e:
+        load_mona(secret)
+    assert "hunter2" not in str(e.value)

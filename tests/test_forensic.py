@@ -374,7 +374,7 @@ def test_forensic_section_from_the_stage_and_when_off(tmp_path: Path, small_mona
         v["fields"].startswith("`Comments`, `TestDate`") and "encoder_variants" in v["encoder_note"]
     )
     md = inc["reward_forensic.md"]
-    assert "| staff_comments | TF-IDF + LR | no |" in md and "accuracy [95% CI]" in md
+    assert "| staff_comments | TF-IDF + LR | no |" in md and r"accuracy \[95% CI\]" in md
     assert v["verdict"].startswith("Against the paper's claim of more than 82%")
     off, inc_off = rs.forensic_section(run, {"forensic": {"enabled": False}})
     assert "not run" in off["verdict"] and "not run" in inc_off["reward_forensic.md"]

@@ -284,7 +284,7 @@ def test_report_section_reads_the_tables(tmp_path) -> None:
     rows = [r for r in inc["ilhf_table.md"].splitlines() if r.startswith("| ")]
     assert [r.split("|")[1].strip() for r in rows[1:]] == [
         "SFT", "SFT on MET rows", "PPO", "GRPO", "ILHF (history)", "history (MET)", "history (Non-MET)"]  # fmt: skip
-    assert "pairwise similarity [90% CI]" in rows[0] and "reward SD" not in rows[0]
+    assert r"pairwise similarity \[90% CI\]" in rows[0] and "reward SD" not in rows[0]
     assert "lower" in inc["ilhf_tests.md"] and "pairwise similarity" in inc["ilhf_tests.md"]
     # every variable the report source quotes is provided, every include is generated
     qmd = (PROJECT_ROOT / "reports/rlxf_report.qmd").read_text(encoding="utf-8")

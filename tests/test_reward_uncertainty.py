@@ -329,7 +329,7 @@ def test_report_gives_reward_sd_beside_ave_r_and_a_verdict_from_its_interval(tmp
 
     v, inc = eval_section(_report_run(tmp_path / "up", _sd_samples(0.05), heads=True))
     header = inc["eval_summary.md"].splitlines()[0]
-    assert header.index("Ave(R) [95% CI]") < header.index("reward SD [95% CI]")
+    assert header.index(r"Ave(R) \[95% CI\]") < header.index(r"reward SD \[95% CI\]")
     assert v["uncertainty_sentence"].startswith("This run fitted 3 heads on 300 training rows.")
     assert "PPO moved into text the reward model is more unsure about" in v["uncertainty_sentence"]
     for shift, words in ((-0.01, "moved into text the reward model is less unsure about"),

@@ -125,3 +125,103 @@ def test_a_corrupt_manifest_is_an_error_naming_it(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"manifest\.json: unreadable"):
         write_manifest(run, load_config(SMOKE), [])
     assert (run.root / "manifest.json").read_text() == "{not json"  # left as it was
+
+
+@pytest.mark.parametrize("name", [".", "..", "...", "a/b", "../x"])
+def test_run_name_is_a_plain_folder_name(tmp_path: Path, name: str) -> None:
+    from rlxf_utils.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"key 'run\.name'"):
+        load_config(_params(tmp_path, f"run: {{name: '{name}'}}\n"))
+
+
+def test_a_run_dir_holding_the_sources_is_refused_and_nothing_is_written(tmp_path, capsys) -> None:
+    before = sorted(p.name for p in ROOT.iterdir())
+    for folder in (ROOT, ROOT / "notebooks", ROOT.parent, Path("/")):
+        assert main(["run", "--params", str(SMOKE), "--run-dir", str(folder)]) == 2
+        err = capsys.readouterr().err
+        assert "(the project or its notebooks' sources) and overwrite them" in err, err
+    assert sorted(p.name for p in ROOT.iterdir()) == before
+
+
+@pytest.fixture
+def fake_kernel(monkeypatch):
+    """`run_study` up to the first notebook, which a user stops with Ctrl-C: what papermill was
+    asked is recorded. No kernel starts; the data check is skipped (other tests cover it)."""
+    import papermill
+
+    import rlxf_utils.pipeline as pipeline
+
+    calls: list[dict] = []
+
+    def execute(path, out, **kw):
+        calls.append({"path": path, "out": out, **kw})
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(papermill, "execute_notebook", execute)
+    monkeypatch.setattr(pipeline, "_kernel_available", lambda name: True)
+    monkeypatch.setattr(pipeline, "load_data", lambda cfg: None)
+    return calls
+
+
+def test_a_relative_run_dir_reaches_the_kernels_as_absolute_paths(
+    tmp_path: Path, monkeypatch, fake_kernel
+) -> None:
+    """`rlxf run --run-dir runs/x` (the CLI's own example) and `make study RUN_DIR=runs/x`: the
+    kernels run in notebooks/, so every path they are given is absolute."""
+    make = subprocess.run(["make", "-n", "study", "RUN_DIR=runs/x"], cwd=ROOT, text=True,
+                          capture_output=True, check=True).stdout.splitlines()  # fmt: skip
+    run_line = next(line for line in make if " run --params " in line)
+    assert run_line.endswith("--run-dir runs/x") and make[-1].endswith("report --run-dir runs/x")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "p.yaml").write_text(f"extends: {SMOKE}\n", encoding="utf-8")
+    assert main(["run", "--params", "p.yaml", "--run-dir", "runs/x"]) == 130
+    params = fake_kernel[0]["parameters"]
+    assert params == {"params_file": str(tmp_path / "runs/x/params.yaml"),
+                      "run_dir": str(tmp_path / "runs/x")}  # fmt: skip
+    assert Path(fake_kernel[0]["out"]).is_absolute() and fake_kernel[0]["cwd"].endswith("notebooks")
+    assert "--IPKernelApp.log_level=CRITICAL" in fake_kernel[0]["extra_arguments"]
+    assert RunDir("runs/x").path("a").is_absolute()
+    assert RunDir("runs/x/../x").root == tmp_path / "runs/x"
+
+
+def test_ctrl_c_prints_one_line_exits_130_and_the_manifest_says_interrupted(
+    tmp_path: Path, capsys, fake_kernel
+) -> None:
+    run_dir = tmp_path / "r"
+    assert main(["run", "--params", str(SMOKE), "--run-dir", str(run_dir), "--quiet"]) == 130
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("interrupted: rlxf run stopped (Ctrl-C)") and "\n" not in err, err
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    (entry,) = manifest["notebooks"]
+    assert entry["name"] == Path(fake_kernel[0]["path"]).stem and entry["status"] == "interrupted"
+    with run_lock(run_dir):  # released
+        pass
+
+
+def test_a_failed_check_leaves_no_run_dir_behind(tmp_path: Path, capsys) -> None:
+    p = _params(tmp_path, "data: {sha256: " + "a" * 64 + "}\n")
+    run_dir = tmp_path / "new" / "r"
+    assert main(["run", "--params", str(p), "--run-dir", str(run_dir)]) == 2
+    assert "sha256 is" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
+
+
+def test_the_study_log_carries_no_renamed_checkpointing_warnings(monkeypatch) -> None:
+    """transformers 5 warns on every call of the `gradient_checkpointing*` names, which TRL and
+    peft still use: the kernels and stages `rlxf run` starts inherit a filter for those, and only
+    those (another FutureWarning still shows)."""
+    from rlxf_utils.runtime import quiet_library_warnings
+
+    monkeypatch.delenv("PYTHONWARNINGS", raising=False)
+    quiet_library_warnings()
+    code = ("import warnings, sys; sys.path.insert(0, 'tests')\n"
+            "from tiny import tiny_llama, word_tokenizer\n"
+            "m = tiny_llama(word_tokenizer(['a', 'b']))\n"
+            "m.gradient_checkpointing_enable(); m.is_gradient_checkpointing\n"
+            "from transformers import TrainingArguments\n"
+            "TrainingArguments(output_dir='.', gradient_checkpointing=True, report_to='none')\n"
+            "warnings.warn('another', FutureWarning)\n")  # fmt: skip
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, text=True, capture_output=True)
+    assert res.returncode == 0, res.stderr
+    assert "gradient_checkpointing" not in res.stderr and "another" in res.stderr, res.stderr

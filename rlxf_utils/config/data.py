@@ -14,7 +14,7 @@ class RunConfig(Section):
     """Identity of a run: its name (the folder under runs/), the global seed, the report's title block."""
 
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
-    """The run's folder under `runs/` (letters, digits, `_ . -`)."""
+    """The run's folder under `runs/` (letters, digits, `_ . -`; not `.` or `..`)."""
     seed: int = Field(default=20240514, ge=0)
     """The global seed: splits, sampling, LoRA initialisation and every bootstrap derive from
     it."""
@@ -24,6 +24,16 @@ class RunConfig(Section):
     """The report's authors."""
     wp_number: str = "WP/24/114 (rerun)"
     """The working-paper number on the report's title block."""
+
+    @field_validator("name")
+    @classmethod
+    def _plain_folder_name(cls, v: str) -> str:
+        if set(v) == {"."}:
+            raise ValueError(
+                f"{v!r} names no folder of its own (it would make runs/ or the project the run "
+                "dir); expected a plain folder name such as 'default' or 'smoke-2024'"
+            )
+        return v
 
 
 class LabelConfig(Section):

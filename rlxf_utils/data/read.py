@@ -222,7 +222,7 @@ def _parse_records(
     if not records:
         raise DataError(f"{path}: the file is empty; expected a header row and MONA records")
     header = normalise_header(records[0], path)
-    body = records[1:]
+    body = drop_repeats(records[0], records[1:], repairs)
     if not body:
         raise DataError(f"{path}: only a header row, no records; expected MONA conditions")
     width = len(header)
@@ -242,6 +242,31 @@ def _parse_records(
             "record(s) have the wrong width"
         )
     return header, body
+
+
+def drop_repeats(header: list[str], body: list[list[str]], repairs: list[str]) -> list[list[str]]:
+    """`body` without the rows that repeat the header (exports joined together: each brings its
+    own header row), noted in `repairs`; rows that repeat an earlier row exactly are kept and
+    noted too (the same export joined twice?)."""
+    same = [" ".join(c.split()).casefold() for c in header]
+    repeats = [i for i, r in enumerate(body) if [" ".join(c.split()).casefold() for c in r] == same]
+    if repeats:
+        dropped = set(repeats)
+        body = [r for i, r in enumerate(body) if i not in dropped]
+        repairs.append(
+            f"{len(repeats)} repeated header row(s) dropped (first after record {repeats[0]}): "
+            "the file looks like exports joined together"
+        )
+    first: dict[tuple[str, ...], int] = {}
+    dups = [(i, first.setdefault(tuple(r), i)) for i, r in enumerate(body)]
+    dups = [(i, j) for i, j in dups if i != j]
+    if dups:
+        i, j = dups[0]
+        repairs.append(
+            f"{len(dups)} record(s) repeat an earlier record exactly (first: record {i + 1}, as "
+            f"record {j + 1}); kept: check the file is not the same export joined twice"
+        )
+    return body
 
 
 def _cell_text(value: Any) -> str:
@@ -320,6 +345,7 @@ def _read_xlsx(
                 if any(c.strip() for c in cells[width:]):
                     beyond += 1
                 body.append((cells + [""] * width)[:width])
+            body = drop_repeats(header[:width], body, repairs)
             if not body:
                 raise DataError(
                     f"{path}{where}: only a header row, no records; expected MONA conditions"
@@ -359,11 +385,12 @@ def read_records(
 
     The reader behind `load_mona`: any other reader of the raw file should use it too, so that
     record numbers (`row_id`) agree. A workbook is recognised by its zip signature or its
-    `.xlsx`/`.xlsm` name; an Excel 97-2003 `.xls` is refused with what to do; anything else is
-    read as CSV (`_decode`, `sniff_delimiter`, `_parse_records`).
+    `.xlsx`/`.xlsm` name; an Excel 97-2003 workbook (its OLE signature, whatever its name) is
+    refused with what to do; anything else is read as CSV (`_decode`, `sniff_delimiter`,
+    `_parse_records`), a CSV named `.xls` too.
     """
     suffix = path.suffix.lower()
-    if raw.startswith(_OLE_MAGIC) or suffix == ".xls":
+    if raw.startswith(_OLE_MAGIC):
         raise DataError(
             f"{path}: an Excel 97-2003 workbook (.xls), which is not read; expected an .xlsx "
             "workbook or a CSV file: open it in a spreadsheet and save it as .xlsx or CSV"
@@ -371,6 +398,8 @@ def read_records(
     if raw.startswith(_ZIP_MAGIC) or suffix in (".xlsx", ".xlsm"):
         header, body, where = _read_xlsx(raw, path, repairs)
         return header, body, "xlsx", f"Excel workbook, {where}"
+    if suffix == ".xls":  # what the bytes are decides, not the name
+        repairs.append("named .xls but holds text, not an Excel workbook: read as CSV")
     text, encoding = _decode(raw, path, repairs)
     delimiter, text = sniff_delimiter(text)
     header, body = _parse_records(text, path, repairs, delimiter)

@@ -257,6 +257,15 @@ def matching_schema(columns: Iterable[str]) -> str | None:
     return None
 
 
+def _found_columns(cols: list[str]) -> str:
+    """The header found, for an error: its names when some are MONA's (a misspelt column shows),
+    else only how many (the first line of a file that is no export at all is not echoed)."""
+    known = [c for c in cols if _header_key(c) in CANONICAL_COLUMNS]
+    if not known:
+        return f"found no MONA column ({len([c for c in cols if c])} column(s), not shown)"
+    return f"found columns {sorted(c if len(c) <= 40 else c[:37] + '...' for c in cols if c)}"
+
+
 def detect_schema(columns: Iterable[str], path: str | Path = "<data>") -> str:
     """Name of the schema whose required columns are all present, or a DataError listing both.
 
@@ -271,7 +280,7 @@ def detect_schema(columns: Iterable[str], path: str | Path = "<data>") -> str:
     closest = min(REQUIRED, key=lambda n: len(missing_of[n]))
     raise DataError(
         f"{path}: missing required column(s) {missing_of[closest]} for the {closest} schema; "
-        f"found columns {sorted(c for c in cols if c)}. Expected either "
+        f"{_found_columns(cols)}. Expected either "
         + " or ".join(f"{n}: {list(r)}" for n, r in REQUIRED.items())
         + " (case and spacing of the names do not matter)"
     )

@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 
 from rlxf_utils.artifacts import ArtifactMissing, RunDir
-from rlxf_utils.report.wording import interval, num
+from rlxf_utils.report.wording import interval, literal, num
 from rlxf_utils.stats import level, rate_heterogeneity, rate_shift, rate_trend
 
 
@@ -115,7 +115,7 @@ def load_sentence(stage: Any, max_rows: int | None) -> str:
         f"conditions**.{sub} Of the rows used, **{len(lab):,} are assessed** and labelled: "
         f"{n_met:,} MET and {n_non:,} Non-MET, a MET share of **{n_met / len(lab):.1%}**; "
         f"{excluded:,} were not assessed yet and are excluded. "
-        f"Repairs: {'; '.join(rep.repairs) if rep.repairs else 'none needed'}."
+        f"Repairs: {literal('; '.join(rep.repairs)) if rep.repairs else 'none needed'}."
     )
 
 
@@ -126,8 +126,8 @@ def area_range_sentence(by_area: pd.DataFrame, min_n: int) -> str:
     )  # fmt: skip
     return (
         f"Among economic areas with at least {min_n} conditions, the MET rate ranges from "
-        f"{lo.met_rate:.1%} (*{lo.econ_descriptor}*, n={lo.n}) to {hi.met_rate:.1%} "
-        f"(*{hi.econ_descriptor}*, n={hi.n})."
+        f"{lo.met_rate:.1%} (*{literal(lo.econ_descriptor)}*, n={lo.n}) to {hi.met_rate:.1%} "
+        f"(*{literal(hi.econ_descriptor)}*, n={hi.n})."
     )
 
 

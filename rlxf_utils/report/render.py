@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from rlxf_utils.artifacts import RunDir, atomic_path
+from rlxf_utils.artifacts import NotARun, RunDir, atomic_path, read_manifest
 from rlxf_utils.config import PROJECT_ROOT
 from rlxf_utils.names import humanise, humanise_values, map_strings
 from rlxf_utils.report.data import data_section
@@ -156,7 +156,7 @@ TABLE_INCLUDES = {
 }
 
 
-def _for_reader(markdown: str) -> str:
+def for_reader(markdown: str) -> str:
     """Markdown as the reader sees it: display names (`names.humanise`), then minus signs
     (`wording.typeset_minus`)."""
     return typeset_minus(humanise(markdown))
@@ -196,16 +196,16 @@ def build_sources(run: RunDir, build: Path, src: Path = REPORT_SRC) -> dict[str,
     with atomic_path(build / "_variables.yml") as tmp:
         tmp.write_text(yaml.safe_dump(variables, sort_keys=True, allow_unicode=True))
     qmd = build / QMD
-    qmd.write_text(_for_reader(qmd.read_text(encoding="utf-8")), encoding="utf-8")
+    qmd.write_text(for_reader(qmd.read_text(encoding="utf-8")), encoding="utf-8")
     gen = build / "_generated"
     gen.mkdir(exist_ok=True)
     for name, text in includes.items():
-        (gen / name).write_text(_for_reader(text), encoding="utf-8")
+        (gen / name).write_text(for_reader(text), encoding="utf-8")
     for name, (table, stage) in TABLE_INCLUDES.items():
         md = run.require(f"tables/{table}.md", stage).read_text(encoding="utf-8")
-        (gen / name).write_text(_for_reader(md), encoding="utf-8")
+        (gen / name).write_text(for_reader(md), encoding="utf-8")
     for name, text in _manifest_tables(run).items():
-        (gen / name).write_text(_for_reader(text), encoding="utf-8")
+        (gen / name).write_text(for_reader(text), encoding="utf-8")
     copies = {Path(k).stem: t for k, (t, _) in TABLE_INCLUDES.items()}
     sources = sources_table(qmd.read_text(encoding="utf-8"), run, copies, gen)
     (gen / "sources.md").write_text(sources, encoding="utf-8")
@@ -297,16 +297,17 @@ def _run(cmd: list[str], cwd: Path) -> None:
         raise ReportError(f"unresolved cross-reference in the report:\n{res.stderr[-2000:]}")
 
 
-def _render_pandoc(build: Path, variables: dict[str, Any], out_dir: Path) -> RenderResult:
-    text = (build / QMD).read_text(encoding="utf-8")
-    expanded = expand_shortcodes(text, variables, build)
-    md = build / "rlxf_report.md"
-    md.write_text(expanded, encoding="utf-8")
-    pandoc = _pandoc()
-    common = [
-        pandoc,
+#: pandoc's markdown without raw HTML and raw blocks: the report places no HTML of its own, so
+#: nothing in the text can become an element, fetch a URL or embed a file (`--embed-resources`
+#: embeds only the figures the source names).
+READER = "markdown-raw_html-raw_attribute"
+
+
+def _pandoc_args(md: Path) -> list[str]:
+    return [
+        _pandoc(),
         md.name,
-        "--from=markdown",
+        f"--from={READER}",
         "--number-sections",
         "--toc",
         "--lua-filter=crossref.lua",  # before citeproc, which would take @fig-x for a citation
@@ -315,13 +316,15 @@ def _render_pandoc(build: Path, variables: dict[str, Any], out_dir: Path) -> Ren
         "--metadata=link-citations:true",
         "--resource-path=.",
     ]
-    seconds: dict[str, float] = {}
-    t0 = time.perf_counter()
-    html = out_dir / "rlxf_report.html"
+
+
+def pandoc_html(md: Path, html: Path) -> Path:
+    """`md` (in the report's build folder, beside crossref.lua, references.bib and report.css)
+    rendered to a self-contained `html`, written atomically."""
     with atomic_path(html, ".html") as tmp:
         _run(
             [
-                *common,
+                *_pandoc_args(md),
                 "--to=html5",
                 "--standalone",
                 "--embed-resources",
@@ -329,22 +332,38 @@ def _render_pandoc(build: Path, variables: dict[str, Any], out_dir: Path) -> Ren
                 "--css=report.css",  # side contents, tables that scroll in their box (reports/)
                 f"--output={tmp}",
             ],
-            build,
+            md.parent,
         )
-    seconds["html"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    typ = build / "rlxf_report.typ"
+    return html
+
+
+def pandoc_typst(md: Path) -> Path:
+    """`md` rendered to Typst source beside it (`rlxf_report.typ` for `rlxf_report.md`)."""
+    typ = md.with_suffix(".typ")
     _run(
         [
-            *common,
+            *_pandoc_args(md),
             "--to=typst",
             "--standalone",
             "--include-in-header=typst-header.typ",
             "--variable=papersize:a4",
             f"--output={typ.name}",
         ],
-        build,
+        md.parent,
     )
+    return typ
+
+
+def _render_pandoc(build: Path, variables: dict[str, Any], out_dir: Path) -> RenderResult:
+    text = (build / QMD).read_text(encoding="utf-8")
+    md = build / "rlxf_report.md"
+    md.write_text(expand_shortcodes(text, variables, build), encoding="utf-8")
+    seconds: dict[str, float] = {}
+    t0 = time.perf_counter()
+    html = pandoc_html(md, out_dir / "rlxf_report.html")
+    seconds["html"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    typ = pandoc_typst(md)
     import typst
 
     pdf = out_dir / "rlxf_report.pdf"
@@ -373,26 +392,19 @@ def render_report(
     which: Callable[[str], str | None] = shutil.which,
 ) -> RenderResult:
     """Render `<run_dir>/report/rlxf_report.{html,pdf}`; `engine` is auto, quarto or pandoc."""
-    root = Path(run_dir)
-    if not (root / "manifest.json").is_file():  # checked before anything is written there
-        what = (
-            "no such folder"
-            if not root.exists()
-            else "not a folder"
-            if not root.is_dir()
-            else "no manifest.json"
-        )
-        raise ReportError(
-            f"{root}: {what}; expected a run folder that `rlxf run` wrote (runs/<run.name>/ with "
-            "manifest.json)"
-        )  # fmt: skip
-    run = RunDir(root)
-    out_dir = run.path("report/x").parent
-    build = out_dir / "_build"
-    variables = build_sources(run, build, src)
+    _check_finished(run_dir)  # before anything is written there
     quarto = which("quarto") if engine in ("auto", "quarto") else None
     if engine == "quarto" and not quarto:
         raise ReportError("engine 'quarto' requested but quarto is not on PATH")
+    run = RunDir(run_dir)
+    out_dir = run.root / "report"
+    build = out_dir / "_build"
+    made = not out_dir.exists()
+    try:
+        variables = build_sources(run, build, src)
+    except Exception:  # a missing artifact: leave no half-built sources behind
+        shutil.rmtree(out_dir if made else build, ignore_errors=True)
+        raise
     if quarto:
         log.info("rendering with Quarto (%s)", quarto)
         result = _render_quarto(quarto, build, out_dir)
@@ -401,6 +413,20 @@ def render_report(
         result = _render_pandoc(build, variables, out_dir)
     run.write_json("report/render.json", {"engine": result.engine, "seconds": result.seconds})
     return result
+
+
+def _check_finished(run_dir: str | Path) -> None:
+    """`run_dir` is a run whose every recorded notebook finished, or a `NotARun` naming the
+    manifest and the notebook that did not."""
+    manifest = read_manifest(run_dir)
+    unfinished = [n for n in manifest["notebooks"] if n.get("status") != "ok"]
+    if unfinished or not manifest["notebooks"]:
+        what = (f"notebook {unfinished[0].get('name')} is {unfinished[0].get('status')!r}"
+                if unfinished else "no notebook has run")  # fmt: skip
+        raise NotARun(
+            f"{Path(run_dir) / 'manifest.json'}: {what}; expected a finished run: rerun "
+            "`rlxf run` with the same parameters and --run-dir to finish it"
+        )
 
 
 def load_variables(run_dir: str | Path) -> dict[str, Any]:

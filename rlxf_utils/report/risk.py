@@ -20,6 +20,7 @@ from rlxf_utils.report.wording import (
     ci_verdict,
     fmt_p,
     level_ci,
+    literal,
     markdown_table,
 )
 from rlxf_utils.report.wording import fmt_num as _num
@@ -329,7 +330,9 @@ def ngrams_text(
     if ng is None:
         return Finding("", note=note or missing_note("eval/samples.parquet"))
     items = [
-        f"{p}: " + (", ".join(f"“{b}”" for b in grams) if grams else f"none above {start}") + "."
+        f"{p}: "
+        + (", ".join(f"“{literal(b)}”" for b in grams) if grams else f"none above {start}")
+        + "."
         for p, grams in ng.items()
     ]
     return Finding(

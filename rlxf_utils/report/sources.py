@@ -94,4 +94,4 @@ def sources_table(
             (m.start(), f"@{m.group(2)}", f"`figures/{m.group(1)}.png`", writer(m.group(1)))
         )
     frame = pd.DataFrame(sorted(items), columns=["at", "item", "artifact", "written by"])
-    return markdown_table(frame.drop(columns="at"))
+    return markdown_table(frame.drop(columns="at"), markup=True)  # its own cross-references

@@ -139,8 +139,8 @@ class PPOTrainer(AcceleratedTrainer):
         seed_everything(rank_seed)
         self.stop_ids = sorted(eos_ids(model, tokenizer))  # the end tokens evaluation uses
         if cfg.gradient_checkpointing:  # recompute activations in the update: memory for time
-            model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False}
+            model.activation_checkpointing_enable(  # transformers 5's name for it
+                activation_checkpointing_kwargs={"use_reentrant": False}
             )
         self.gen = PolicyWithValue(model, self.extra_heads)
         policy_params = [p for p in self.gen.policy.parameters() if p.requires_grad]

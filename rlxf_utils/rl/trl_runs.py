@@ -317,7 +317,8 @@ def trainer_arguments(job: TrainJob, max_steps: int, save_steps: int) -> dict[st
         bf16=policy.dtype == "bfloat16" and torch.cuda.is_available(),  # autocast: see train()
         lr_scheduler_type="constant",
         warmup_steps=0,
-        gradient_checkpointing=rl.gradient_checkpointing,  # TRL defaults to True; PPO matches
+        # TRL defaults to True; PPO matches (transformers 5's name: `gradient_checkpointing` warns)
+        activation_checkpointing=rl.gradient_checkpointing,
     )
 
 
