@@ -9,6 +9,7 @@ and the evaluation's design (`power`). Imports nothing of the study's.
 from .correlation import corr, spearman, spearman_ci
 from .intervals import (
     basic_ci,
+    bm_df,
     bootstrap_ci,
     bootstrap_reps,
     bound_verdict,
@@ -35,6 +36,7 @@ from .paired import (
     summarise_policies,
 )
 from .power import (
+    COMPONENTS,
     allocate,
     choose_design,
     component_table,
@@ -54,8 +56,10 @@ from .weighted import (
 )
 
 __all__ = [
+    "COMPONENTS",
     "allocate",
     "basic_ci",
+    "bm_df",
     "bootstrap_ci",
     "bootstrap_reps",
     "bootstrap_weights",

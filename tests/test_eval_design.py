@@ -1,0 +1,111 @@
+"""The evaluation's families and size (notebook 04): which comparisons the vs-start family
+holds, one level for one number (the over-optimisation curve's final points are the tables'),
+and the variance components and design tables (`rlxf_utils.evaluation.design`)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from rlxf_utils.evaluation.design import design_table, sampling_costs, variance_table
+from rlxf_utils.evaluation.overopt import overoptimisation_points
+from rlxf_utils.evaluation.tables import summary_table, vs_start_family
+from rlxf_utils.stats import family_alpha
+
+POLICIES = ("base", "sft", "sft_met", "ppo", "grpo", "best_of_n", "history_met",
+            "history_nonmet", "random_policy")  # fmt: skip
+SIZES = [8, 6, 5, 4, 4, 3, 3, 3, 2, 2, 2, 1, 1, 1, 1, 1, 1]  # 48 prompts in 17 countries
+
+
+def _samples(gains: dict[str, float], k: int = 4, seed: int = 0) -> pd.DataFrame:
+    rng = np.random.default_rng(seed)
+    country = np.repeat(np.arange(len(SIZES)), SIZES)
+    prompt_level = rng.normal(0.6, 0.05, country.size)
+    rows = []
+    for pol in POLICIES:
+        shift = gains.get(pol, 0.0)
+        c_eff = rng.normal(0, 0.004, len(SIZES))
+        for p, c in enumerate(country):
+            b = rng.normal(0, 0.01)
+            for j in range(1 if pol == "best_of_n" else k):
+                r = prompt_level[p] + shift + c_eff[c] + b + rng.normal(0, 0.05)
+                rows.append({"policy": pol, "prompt_id": p, "sample_id": j, "country": f"C{c}",
+                             "reward": r, "audit_reward": r - shift / 2, "logp_policy": -5.0,
+                             "logp_ref": -5.0, "logp_base": -5.0, "n_tokens": 5, "finished": True,
+                             "response": f"w{p} w{j} {pol}", "grounded_met_rate": 0.6,
+                             "max_sim": 0.5})  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def test_the_vs_start_family_holds_only_the_methods_tuned_or_selected_from_the_start() -> None:
+    assert vs_start_family(POLICIES, "sft") == ["sft_met", "ppo", "grpo", "best_of_n"]
+    s, paired = summary_table(_samples({"ppo": 0.03}), ["base", "sft", "sft_met", "ppo", "grpo"],
+                              "sft", 4, 200, 0.05, 0, margin=0.01)  # fmt: skip
+    assert set(paired["policy"]) == {"sft_met", "ppo", "grpo", "best_of_n"}
+    assert paired["ci_level"].to_numpy() == pytest.approx(1 - 0.05 / 4)  # m = 4, not 8
+    s = s.set_index("policy")
+    # the zero-shot model and the history rows keep their Ave(R), not a gain in the family
+    assert s.loc[["base", "history_met", "random_policy"], "gain"].isna().all()
+    assert s.loc["base", "ave_r_low"] < s.loc["base", "ave_r"] < s.loc["base", "ave_r_high"]
+    assert s.loc["ppo", "gain_verdict"] == "above" and s.loc["ppo", "gain_low"] > 0
+    # a null stated as a bound, with the family's MDE
+    r = paired[(paired.measure == "reward") & (paired.policy == "grpo")].iloc[0]
+    assert r["bound"] == r["ci_high"] and r["verdict"] in ("equivalent", "not distinguishable")
+    assert r["verdict"] == ("equivalent" if r["ci_low"] >= -0.01 and r["ci_high"] <= 0.01
+                            else "not distinguishable")  # fmt: skip
+    assert 0 < r["mde"] < 0.05 and r["margin"] == 0.01
+
+
+def test_a_final_policys_point_on_the_curve_is_the_tables_number() -> None:
+    samples = _samples({"ppo": 0.03})
+    s, paired = summary_table(samples, ["base", "sft", "sft_met", "ppo", "grpo"], "sft", 4, 200,
+                              0.05, 0)  # fmt: skip
+    pool = samples[samples.policy == "sft"].assign(policy="pool")
+    countries = samples.groupby("prompt_id")["country"].first()
+    pts = overoptimisation_points(samples, pd.DataFrame(), pool, s, ["ppo"], "sft", [2], 16,
+                                  countries, 200, family_alpha(0.05, 4), 0)  # fmt: skip
+    fin = pts[(pts.method == "ppo") & (pts.source == "final")].iloc[0]
+    row = s.set_index("policy").loc["ppo"]
+    assert (fin["proxy"], fin["proxy_low"], fin["proxy_high"]) == pytest.approx(
+        (row["gain"], row["gain_low"], row["gain_high"])
+    )
+    assert (fin["gold_low"], fin["gold_high"]) == pytest.approx(
+        (row["audit_gain_low"], row["audit_gain_high"])
+    )
+    assert fin["ci_level"] == pytest.approx(1 - 0.05 / 4)
+
+
+def test_variance_components_and_the_design_they_call_for() -> None:
+    samples = _samples({"ppo": 0.03, "grpo": 0.01})
+    family = vs_start_family(POLICIES, "sft")
+    comp = variance_table(samples, family, "sft")
+    assert set(comp["judge"]) == {"reward model", "audit"}
+    assert len(comp) == 2 * len(family)
+    ppo = comp[(comp.policy == "ppo") & (comp.judge == "reward model")].iloc[0]
+    # simulated: sample noise 0.05 on each side (var 0.005 of the difference), prompts 0.01
+    # on each side (2e-4), countries 0.004 on each side (3.2e-5)
+    assert ppo["var_sample"] == pytest.approx(0.005, rel=0.15)
+    assert ppo["var_prompt"] == pytest.approx(2e-4, abs=2e-4)
+    assert ppo["mean"] == pytest.approx(0.03, abs=0.01)
+    bon = comp[(comp.policy == "best_of_n") & (comp.judge == "reward model")].iloc[0]
+    assert math.isnan(bon["var_sample"])  # one sample per prompt: no within-prompt component
+    used = samples[samples.policy == "sft"].groupby("country")["prompt_id"].nunique().to_dict()
+    available = {c: 3 * n for c, n in used.items()}  # 144 contexts in all
+    seconds = {"samples sft": 100.0, "samples ppo": 100.0, "rewards": 40.0,
+               "best-of-N pool": 96.0, "frontier snapshots": 48.0, "loading": 500.0}  # fmt: skip
+    assert sampling_costs(seconds, 48, 4) == pytest.approx((240 / 192, 144 / 48))
+    d = design_table(comp, available, used, 4, seconds, len(family), 0.05, 0.8, 0.004)
+    rm = d[d.judge == "reward model"].set_index("design")
+    now = rm.loc["this run"]
+    assert (now["prompts"], now["samples_per_prompt"], now["countries"]) == (48, 4, 17)
+    assert now["cost_s"] == pytest.approx(48 * (3 + 4 * 240 / 192))
+    best = rm.loc["best at this run's cost"]
+    assert best["cost_s"] <= now["cost_s"] + 1e-9 and best["mde"] <= now["mde"]
+    every = rm.loc["every held-out context"]
+    assert every["prompts"] == 144 and every["mde"] < now["mde"]
+    reach = [n for n in rm.index if n.startswith("cheapest reaching")]
+    assert all(rm.loc[n, "mde"] <= 0.004 for n in reach)
+    assert rm["reaches_target"].tolist() == (rm["mde"] <= 0.004).tolist()
