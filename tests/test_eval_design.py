@@ -109,3 +109,70 @@ def test_variance_components_and_the_design_they_call_for() -> None:
     reach = [n for n in rm.index if n.startswith("cheapest reaching")]
     assert all(rm.loc[n, "mde"] <= 0.004 for n in reach)
     assert rm["reaches_target"].tolist() == (rm["mde"] <= 0.004).tolist()
+
+
+# -- the report: families, MDEs, nulls as bounds ---------------------------------------------
+def _report_run(tmp_path, gains):
+    import re
+    from pathlib import Path
+
+    from rlxf_utils.artifacts import RunDir
+
+    samples = _samples(gains)
+    generated = ["base", "sft", "sft_met", "ppo", "grpo"]
+    s, paired = summary_table(samples, generated, "sft", 4, 200, 0.05, 0, margin=0.01)
+    family = vs_start_family(samples["policy"].unique(), "sft")
+    comp = variance_table(samples, family, "sft")
+    used = samples[samples.policy == "sft"].groupby("country")["prompt_id"].nunique().to_dict()
+    design = design_table(comp, {c: 6 * n for c, n in used.items()}, used, 4,
+                          {"samples sft": 300.0, "best-of-N pool": 60.0}, len(family), 0.05, 0.8,
+                          0.004)  # fmt: skip
+    run = RunDir(tmp_path / "run")
+    run.write_json("eval/summary.json", {
+        "algorithms": ["ppo", "grpo"], "start_policy": "sft", "alpha": 0.05, "n_prompts": 48,
+        "samples_per_prompt": 4, "best_of_n": 4, "power": 0.8, "equivalence_margin": 0.01,
+        "target_mde": 0.004, "summary": s.to_dict("records")})  # fmt: skip
+    run.write_table("eval_paired", paired)
+    run.write_table("eval_variance_components", comp)
+    run.write_table("eval_design", design)
+    run.write_table("eval_table3", pd.DataFrame(
+        {"prompt": ["p"], "policy": ["ppo"], "response": ["r"], "reward": [0.5]}))  # fmt: skip
+    qmd = (Path(__file__).resolve().parent.parent / "reports/rlxf_report.qmd").read_text()
+    return run, s, set(re.findall(r"\{\{< var eval\.(\w+) >\}\}", qmd))
+
+
+def test_the_report_states_the_family_its_mde_and_every_null_as_a_bound(tmp_path) -> None:
+    from rlxf_utils.report.evaluation import eval_section
+
+    run, s, used_vars = _report_run(tmp_path, {"ppo": 0.05, "grpo": 0.0})
+    variables, files = eval_section(run)
+    assert used_vars <= set(variables)  # every eval variable the report quotes exists
+    fam = variables["family_sentence"]
+    assert "holds m = 4 comparisons under each measure (`sft_met`, `ppo`, `grpo` and " in fam
+    assert "its minimum detectable effect" in fam and "under the reward model" in fam
+    assert "The families: each method against `sft` (m = 4" in variables["families"]
+    assert "predict an MDE of +0." in variables["design_sentence"]
+    g = s.set_index("policy").loc["grpo"]
+    words = variables["algo_sentences"]
+    assert f"a gain of at most {g['gain_high']:+.3f}" in words  # grpo's null, as its bound
+    ppo = words.split("; ")[0]
+    assert ppo.startswith("PPO raised Ave(R)") and "at most" not in ppo.split(" and ")[0]
+    assert variables["margin"] == "0.010" and variables["power"] == "80%"
+    assert (
+        "| verdict |" in files["eval_paired.md"].replace("  ", " ")
+        or "verdict" in files["eval_paired.md"]
+    )
+    assert "between countries ×10⁴" in files["eval_variance_components.md"]
+    assert (
+        "this run" in files["eval_design.md"]
+        and "every held-out context" in files["eval_design.md"]
+    )
+
+
+def test_equivalence_within_the_margin_is_said_as_such() -> None:
+    from rlxf_utils.report.evaluation import null_clause
+
+    assert null_clause(0.001, 0.02, 0.01) == ""  # excludes zero: a direction, no bound clause
+    assert null_clause(-0.004, 0.006, 0.01) == "equivalent within ±0.010: a gain of at most +0.006"
+    assert null_clause(-0.004, 0.016, 0.01) == "a gain of at most +0.016"
+    assert null_clause(-0.004, 0.006, None) == "a gain of at most +0.006"
