@@ -272,3 +272,22 @@ def test_the_family_intervals_hold_their_simultaneous_level_with_17_countries(s2
     reps = 3000
     hits = sum(_family_covers(rng, SIZES, s2, 10, 4, t_interval) for _ in range(reps))
     assert 0.935 <= hits / reps <= 0.995, hits / reps
+
+
+def test_contrast_bootstrap_is_the_cluster_bootstrap_of_a_difference_of_group_means() -> None:
+    from rlxf_utils.stats import cluster_bootstrap, contrast_bootstrap
+
+    rng = np.random.default_rng(6)
+    g = np.repeat(np.arange(12), 5)
+    x = rng.normal(size=60) + 0.5 * (np.arange(60) % 2)
+    a = np.arange(60) % 2 == 1
+
+    def stat(idx):
+        h = a[idx]
+        return math.nan if h.all() or not h.any() else float(x[idx][h].mean() - x[idx][~h].mean())
+
+    slow = cluster_bootstrap(stat, g, 2000, 0.05, 0)
+    fast = contrast_bootstrap(x, a, g, 2000, 0.05, 0)
+    assert fast[0] == pytest.approx(slow[0])
+    assert fast[1:] == pytest.approx(slow[1:], abs=0.03)  # same estimator, its own draws
+    assert math.isnan(contrast_bootstrap(x, np.ones(60, bool), g)[0])
