@@ -176,3 +176,15 @@ def test_equivalence_within_the_margin_is_said_as_such() -> None:
     assert null_clause(-0.004, 0.006, 0.01) == "equivalent within ±0.010: a gain of at most +0.006"
     assert null_clause(-0.004, 0.016, 0.01) == "a gain of at most +0.016"
     assert null_clause(-0.004, 0.006, None) == "a gain of at most +0.006"
+
+
+def test_a_design_table_with_one_country_still_has_this_runs_row() -> None:
+    """The smoke profile's few prompts may all fall in one country: no country component and no
+    t interval (its MDE falls back to z quantiles), and the stage does not stop there."""
+    samples = _samples({"ppo": 0.03}).assign(country="C0")
+    family = vs_start_family(POLICIES, "sft")
+    comp = variance_table(samples, family, "sft")
+    assert comp["var_country"].isna().all()
+    d = design_table(comp, {"C0": 96}, {"C0": 48}, 4, {"samples sft": 10.0}, 4, 0.05, 0.8, 0.004)
+    own = d[(d["design"] == "this run") & (d["judge"] == "reward model")].iloc[0]
+    assert own["countries"] == 1 and math.isnan(own["df"]) and own["mde"] > 0

@@ -91,8 +91,11 @@ def design_table(
                            max_samples, steps)  # fmt: skip
         own = _row(comp, list(used.values()), k, c_sample, c_prompt, family_size, alpha, power)
         picks = [("this run", pd.Series(own))]
-        picks.append(("best at this run's cost", choose_design(grid, budget=own["cost"])))
-        if target_mde is not None:
+        if (
+            grid["mde"].notna().any()
+        ):  # none with a single country (the smoke profile's few prompts)
+            picks.append(("best at this run's cost", choose_design(grid, budget=own["cost"])))
+        if target_mde is not None and grid["mde"].notna().any():
             pick = choose_design(grid, target_mde=target_mde)
             if pick["reason"] == "target":
                 picks.append((f"cheapest reaching MDE {target_mde:g}", pick))
