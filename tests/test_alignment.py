@@ -512,7 +512,7 @@ def test_guidance_without_ppo_or_without_a_guided_algorithm_says_so() -> None:
     s = guidance_sentences(g, ["ppo", "grpo"], 0.05)
     assert s["guidance"].startswith("No guided algorithm ran: this run trained PPO and GRPO")
     g = guidance_table(samples[samples.policy != "sft_met"], ["ppo", "grpo"], 200, 0.05, 0)
-    assert g.empty and list(g.columns)[-3:] == ["verdict", "p_family", "ci_level"]
+    assert g.empty and list(g.columns)[-5:] == ["verdict", "p_family", "ci_level", "bound", "mde"]
     assert "was not evaluated" in guidance_sentences(g, ["ppo", "grpo"], 0.05)["rl_vs_sft_met"]
 
 

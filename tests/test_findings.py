@@ -58,8 +58,18 @@ def test_rl_finding_names_only_the_methods_whose_interval_excludes_zero() -> Non
     assert "PPO" not in text and "KTO" not in text  # PPO's interval holds 0; KTO is offline
     assert "no method optimised, ILHF (history) (+0.009 [+0.005, +0.013]) raised it" in text
     assert text.endswith("(99.6% simultaneous CIs)")
+    # the nulls as bounds: the largest gain the other intervals allow
+    assert (
+        "raised the reward model's score on held-out prompts, and the intervals allow the "
+        "other one no gain larger than +0.006;" in text
+    )
+    assert "the intervals allow the other 2 no gain larger than +0.011 (99.6%" in text
     none = _methods().assign(gain_low=-1.0, audit_gain_low=-1.0)
-    assert "none raised the reward model's score" in rl_finding(none, "sft", "99%")
+    text = rl_finding(none, "sft", "99%")
+    assert (
+        "none raised the reward model's score on held-out prompts: the intervals allow none "
+        "a gain larger than +0.032" in text
+    )
 
 
 def test_best_of_n_finding_counts_the_verdicts() -> None:

@@ -57,9 +57,22 @@ class EvaluationConfig(Section):
     logprob_batch_size: int = Field(default=16, gt=0)
     """Responses per log-probability pass (policy and reference)."""
     n_boot: int = Field(default=2000, ge=100)
-    """Bootstrap resamples of every interval."""
+    """Bootstrap resamples of a bootstrap interval; a family's intervals at 1 - alpha / m take
+    at least 50 beyond each bound (`stats.tail_resamples`), and the paired gains over the start
+    policy use a cluster t interval, no resamples"""
     alpha: float = Field(default=0.05, gt=0.0, lt=0.5)
     """Significance level of every interval and test of the study (intervals at 1 - alpha)."""
+    power: float = Field(default=0.8, gt=0.0, lt=1.0)
+    """Power of the minimum detectable effect (MDE) stated for each family: the true gain its
+    interval excludes zero for with this probability"""
+    equivalence_margin: float = Field(default=0.01, gt=0.0, lt=1.0)
+    """Smallest gain in P(MET) a reader would care about: a comparison whose whole interval
+    lies within +/- this margin is 'equivalent', not merely 'not distinguishable' (why 0.01:
+    the report's methods)"""
+    target_mde: float | None = Field(default=0.004, gt=0.0)
+    """MDE the evaluation's design is sized for (the issue's target for a gain over the start
+    policy at the family's level): `eval_design` names the cheapest design that reaches it (null:
+    only the best design at the run's own sampling cost)"""
     grounding_k: int = Field(default=10, ge=1)
     """Nearest historical conditions per response."""
     frontier: bool = True

@@ -12,7 +12,7 @@ import pandas as pd
 
 from rlxf_utils.evaluation.sampling import sample_tuned
 from rlxf_utils.models.policies import PolicySet
-from rlxf_utils.stats import bootstrap_ci, family_alpha, interval_p
+from rlxf_utils.stats import bootstrap_ci, family_alpha, interval_p, mde, null_bound, tail_resamples
 
 T = TypeVar("T")
 
@@ -109,6 +109,18 @@ def _clusters_of(prompt_ids: pd.Index, clusters: pd.Series | None) -> np.ndarray
     return None if clusters is None else clusters.loc[prompt_ids].to_numpy()
 
 
+def _curve_rows(bon: np.ndarray, kls: np.ndarray, kl: float) -> np.ndarray:
+    """`_curve_at` on an array (prompts x N, columns in the order of `kls`): the per-prompt
+    best-of-N reward at `kl`, linear in KL between the two nearest N, the largest N beyond."""
+    j = int(np.searchsorted(kls, kl))
+    if j == 0:
+        return bon[:, 0]
+    if j >= kls.size:
+        return bon[:, -1]
+    w = (kl - kls[j - 1]) / (kls[j] - kls[j - 1])
+    return (1 - w) * bon[:, j - 1] + w * bon[:, j]
+
+
 def _curve_at(
     per_prompt_bon: pd.DataFrame, kls: np.ndarray, ns: list[int], kl: float
 ) -> tuple[pd.Series, bool]:
@@ -136,12 +148,16 @@ def versus_best_of_n(samples: pd.DataFrame, per_prompt_bon: pd.DataFrame, summar
     difference carries the KL's sampling error as well as the rewards'. Best-of-N's KL is its
     upper bound log N - (N - 1) / N: its true KL is at most that, so its curve is drawn too far
     right and the comparison favours the RL policy (`bound_favours`). The policies are one
-    family (`stats.family_alpha`): each interval at level 1 - alpha / m, `ci_level`.
+    family (`stats.family_alpha`): each interval at level 1 - alpha / m, `ci_level`, from at
+    least `stats.tail_resamples` resamples (50 beyond each bound of the family's interval)
+    whatever `n_boot` says; `bound` is the largest advantage of the policy the interval allows
+    and `mde` the family's minimum detectable difference at 80% power from the resamples' SD.
     """
     ns = sorted(per_prompt_bon.columns)
     kls = np.array([best_of_n_kl_bound(n) for n in ns])
     rng_seed = np.random.SeedSequence(seed)
     a_family = family_alpha(alpha, len(algos))  # one family: every policy against the curve
+    n_boot = max(n_boot, tail_resamples(a_family))
     rows = []
     for algo in algos:
         r = summary.set_index("policy").loc[algo]
@@ -165,13 +181,13 @@ def versus_best_of_n(samples: pd.DataFrame, per_prompt_bon: pd.DataFrame, summar
         rng = np.random.default_rng(rng_seed)
         own_v = own.loc[ids].to_numpy(float)
         kl_v = kl_pp.loc[ids].to_numpy(float) if kl_pp is not None else None
-        bon_v = per_prompt_bon.loc[ids]
+        bon_v = per_prompt_bon.loc[ids, ns].to_numpy(float)  # prompts x N
         reps, kl_reps = np.empty(n_boot), np.empty(n_boot)
         for b in range(n_boot):
             pick = np.concatenate([members[u] for u in rng.integers(0, len(units), len(units))])
             k_b = max(float(kl_v[pick].mean()), 0.0) if kl_v is not None else kl
-            c_b, _ = _curve_at(bon_v, kls, ns, k_b)
-            reps[b] = float((own_v[pick] - c_b.to_numpy(float)[pick]).mean())
+            c_b = _curve_rows(bon_v[pick], kls, k_b)
+            reps[b] = float((own_v[pick] - c_b).mean())
             kl_reps[b] = k_b
         lo, hi = np.quantile(reps, [a_family / 2, 1 - a_family / 2])
         k_lo, k_hi = np.quantile(kl_reps, [alpha / 2, 1 - alpha / 2])
@@ -183,5 +199,7 @@ def versus_best_of_n(samples: pd.DataFrame, per_prompt_bon: pd.DataFrame, summar
                      "diff_low": float(lo), "diff_high": float(hi), "beyond_curve": bool(beyond),
                      "bound_favours": "RL policy", "ci_level": 1 - a_family,
                      "p_family": min(1.0, len(algos) * interval_p(reps)),
+                     "bound": null_bound(float(lo), float(hi)),
+                     "mde": mde(float(reps.std(ddof=1)), len(algos), alpha),
                      "verdict": "above" if lo > 0 else ("below" if hi < 0 else "not distinguishable")})  # fmt: skip
     return pd.DataFrame(rows)

@@ -45,6 +45,7 @@ from rlxf_utils.stats import (
     paired_comparison,
     per_prompt_means,
     prompt_clusters,
+    tail_resamples,
 )
 
 #: The history references of the same contexts: real MET and Non-MET descriptions.
@@ -268,7 +269,10 @@ def inclusive_tests(samples: pd.DataFrame, ppl_rows: pd.DataFrame | None, sims: 
         if measure == "xent_met":
             if ppl_rows is None or not {a, b} <= set(ppl_rows["policy"]):
                 continue
-            d = xent_difference(ppl_rows, a, b, n_boot, a_family, seed)
+            # a family's level: 50 resamples beyond each bound (`stats.tail_resamples`)
+            d = xent_difference(
+                ppl_rows, a, b, max(n_boot, tail_resamples(a_family)), a_family, seed
+            )
         else:
             wide = reward if measure == "reward" else sim
             if a not in wide or b not in wide:

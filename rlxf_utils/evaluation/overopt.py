@@ -10,7 +10,10 @@ Every point is a gain over the start policy on the same held-out prompts, agains
     RL           every snapshot and final policy of every algorithm: its per-prompt mean proxy and
                  gold minus the start policy's, KL its Monte-Carlo estimate
 
-Intervals are cluster bootstraps over countries of the per-prompt gains. Gao et al.'s functional
+Intervals are cluster t intervals over countries of the per-prompt gains (`stats.cluster_t`, as
+every paired gain of the study) at the level the stage passes: the vs-start family's simultaneous
+level, so a final policy's point is the very number, interval and verdict of the tables, and the
+snapshots and best-of-n points beside it are drawn at that level too. Gao et al.'s functional
 forms are fitted by least squares where at least three points with d > 0 allow it:
 
     best-of-n    R(d) = d (alpha - beta d)
@@ -33,7 +36,7 @@ from rlxf_utils.algorithms import RL_ALGORITHMS, algorithm_label
 from rlxf_utils.evaluation.best_of_n import best_of_n_kl_bound, order_weights
 from rlxf_utils.models.logprobs import kl_estimate
 from rlxf_utils.plots import ci_err
-from rlxf_utils.stats import bootstrap_ci, level
+from rlxf_utils.stats import cluster_t, level
 
 #: The two rewards of the curve: column in the samples -> what it is.
 REWARDS = {
@@ -80,8 +83,11 @@ def distinct_share(pool: pd.DataFrame) -> dict[str, float]:
 def _gain_ci(
     gain: pd.Series, clusters: pd.Series, n_boot: int, alpha: float, seed: int
 ) -> tuple[float, float, float]:
+    """(mean, low, high) of per-prompt gains: the cluster t over countries (`n_boot` and `seed`
+    unused: kept so that the callers' signature stays)."""
     gain = gain.dropna()
-    return bootstrap_ci(gain, n_boot, alpha, seed, clusters=clusters.loc[gain.index].to_numpy())
+    res = cluster_t(gain.to_numpy(float), clusters.loc[gain.index].to_numpy(), alpha)
+    return res["mean"], res["low"], res["high"]
 
 
 def overoptimisation_points(
@@ -153,6 +159,7 @@ def overoptimisation_points(
             rows.append(rec)
     out = pd.DataFrame(rows)
     if len(out):
+        out["ci_level"] = 1 - alpha  # the vs-start family's simultaneous level (the stage's)
         out["sqrt_kl"] = np.sqrt(out["kl"].clip(lower=0.0))
         out["label"] = [
             algorithm_label(m) if m != "best_of_n" else "best-of-n" for m in out["method"]
@@ -242,7 +249,7 @@ def plot_overoptimisation(points: pd.DataFrame, fits: pd.DataFrame, start: str,
         ax.grid(alpha=0.3)
     axes[0].set_ylabel(f"gain over {start} (P(MET))")
     axes[1].legend(fontsize=7, loc="best")
-    fig.suptitle(f"Over-optimisation: proxy and gold reward against √KL (bars: {level(alpha)} CI over countries)",
+    fig.suptitle(f"Over-optimisation: proxy and gold reward against √KL (bars: {level(alpha)} simultaneous CI over countries)",
                  fontsize=10)  # fmt: skip
     fig.tight_layout()
     return fig

@@ -12,7 +12,7 @@ from rlxf_utils.stats import paired_comparison, per_prompt_means, prompt_cluster
 
 #: The columns of `question_comparisons`.
 QUESTION_COLUMNS = ["question", "measure", "policy", "versus", "n", "n_clusters", "diff", "low",
-                    "high", "verdict", "p_family", "ci_level"]  # fmt: skip
+                    "high", "verdict", "p_family", "ci_level", "bound", "mde"]  # fmt: skip
 
 
 def question_comparisons(
@@ -27,7 +27,10 @@ def question_comparisons(
     prompts both answered, difference with a cluster bootstrap CI over countries
     (`stats.paired.paired_comparison`), `verdict` read from that interval. Each question is a
     family under each measure (`stats.family_alpha`): its m intervals at level 1 - alpha / m
-    (`ci_level`), `p_family` below alpha exactly when the verdict is given."""
+    (`ci_level`), `p_family` below alpha exactly when the verdict is given; `bound`, the largest
+    advantage of the policy the interval allows, and `mde`, the family's minimum detectable
+    difference at 80% power (`stats.power.mde`), say how large a difference a 'not
+    distinguishable' leaves open."""
     if not pairs:
         return pd.DataFrame(columns=QUESTION_COLUMNS)
     cl = prompt_clusters(samples, cluster_col="country")
@@ -45,5 +48,6 @@ def question_comparisons(
                          "n": res["n"], "n_clusters": res.get("n_clusters", res["n"]),
                          "diff": res["mean_diff"], "low": res["ci_low"], "high": res["ci_high"],
                          "verdict": ci_verdict(res["ci_low"], res["ci_high"]),
-                         "p_family": res["p_family"], "ci_level": res["ci_level"]})  # fmt: skip
+                         "p_family": res["p_family"], "ci_level": res["ci_level"],
+                         "bound": res["bound"], "mde": res["mde"]})  # fmt: skip
     return pd.DataFrame(rows)[QUESTION_COLUMNS]

@@ -34,11 +34,12 @@ from rlxf_utils.prompts import CONTEXT_FIELDS
 from rlxf_utils.report.wording import ci_verdict
 from rlxf_utils.stats import (
     bootstrap_ci,
-    cluster_bootstrap,
+    contrast_bootstrap,
     family_alpha,
     level,
     paired_comparison,
     per_prompt_means,
+    tail_resamples,
 )
 
 SUPERVISED = ("sft", "sft_met")
@@ -248,21 +249,14 @@ def _hard_minus_easy(wide: pd.DataFrame, pol: str, start: str, half: pd.Series, 
     own = wide[pol].to_numpy()[ok]
     gain = own - wide[start].to_numpy()[ok]
 
-    def diff(x: np.ndarray) -> Any:
-        def stat(idx: np.ndarray) -> float:
-            h = hard[idx]
-            if h.all() or not h.any():
-                return math.nan
-            return float(x[idx][h].mean() - x[idx][~h].mean())
-
-        return stat
-
-    ave, lo, hi = cluster_bootstrap(diff(own), g, n_boot, alpha, seed)
+    ave, lo, hi = contrast_bootstrap(own, hard, g, n_boot, alpha, seed)  # hard minus easy
     rec = {"policy": pol, "label": policy_label(pol), "half": "hard_minus_easy",
            "n_prompts": int(ok.sum()), "n_countries": int(pd.Series(g).nunique()), "ave_r": ave,
            "ave_r_low": lo, "ave_r_high": hi}  # fmt: skip
     if pol != start:
-        dg, glo, ghi = cluster_bootstrap(diff(gain), g, n_boot, a_gain, seed)
+        # a family's level: 50 resamples beyond each bound (`stats.tail_resamples`)
+        dg, glo, ghi = contrast_bootstrap(gain, hard, g, max(n_boot, tail_resamples(a_gain)),
+                                          a_gain, seed)  # fmt: skip
         rec.update(gain=dg, gain_low=glo, gain_high=ghi, gain_ci_level=1 - a_gain)
     return rec
 

@@ -50,6 +50,7 @@ from rlxf_utils.evaluation.best_of_n import (
     best_of_n_pool,
     versus_best_of_n,
 )
+from rlxf_utils.evaluation.design import design_table, variance_table
 from rlxf_utils.evaluation.figures import (
     plot_distributions,
     plot_frontier,
@@ -76,6 +77,7 @@ from rlxf_utils.evaluation.tables import (
     summary_table,
     table3,
     trained_steps,
+    vs_start_family,
 )
 from rlxf_utils.models.generation import build_prompts, sampling_kwargs
 from rlxf_utils.models.logprobs import sequence_logprobs
@@ -84,6 +86,7 @@ from rlxf_utils.prompts import CONTEXT_FIELDS
 from rlxf_utils.reward.bundle import load_reward
 from rlxf_utils.reward.uncertainty import fit_or_load
 from rlxf_utils.runtime import warm_up_kernels
+from rlxf_utils.stats import family_alpha
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +197,8 @@ def run_evaluation_stage(cfg: Any, run: RunDir, progress: bool = True) -> EvalSt
 
     with timer("statistics"):
         summary, paired = summary_table(samples, pset.names, start, ec.best_of_n, ec.n_boot,
-                                        ec.alpha, cfg.run.seed)  # fmt: skip
+                                        ec.alpha, cfg.run.seed, ec.equivalence_margin, ec.power)  # fmt: skip
+        family = vs_start_family(samples["policy"].unique(), start)  # its size sets the level
         country = pd.Series([c["country"] for c in contexts])  # the bootstrap's cluster, per prompt
         per_prompt_bon, curve = best_of_n_curve(pool, sorted(set(ec.best_of_n_curve)), ec.n_boot,
                                                 ec.alpha, cfg.run.seed, country)  # fmt: skip
@@ -218,9 +222,10 @@ def run_evaluation_stage(cfg: Any, run: RunDir, progress: bool = True) -> EvalSt
         )
     frontier = pd.concat([pd.DataFrame(final), snaps, curve], ignore_index=True)
     with timer("over-optimisation curve"):
+        # at the vs-start family's level: a final policy's point is the number of the tables
         over = overoptimisation_points(samples, snap_samples, pool, summary, algos, start,
                                        sorted(set(ec.best_of_n_curve)), trained, country,
-                                       ec.n_boot, ec.alpha, cfg.run.seed)  # fmt: skip
+                                       ec.n_boot, family_alpha(ec.alpha, len(family)), cfg.run.seed)  # fmt: skip
         over_fits = overoptimisation_fits(over)
         over_meta = overoptimisation_meta(over, pool)
     with timer("held-out perplexity"):
@@ -252,6 +257,15 @@ def run_evaluation_stage(cfg: Any, run: RunDir, progress: bool = True) -> EvalSt
     with timer("offline methods against RL"):
         extra["eval_methods"] = methods_table(summary, vs_bon, algos, ec.best_of_n)
         extra["eval_rl_vs_offline"] = rl_vs_offline(samples, algos, ec.n_boot, ec.alpha, cfg.run.seed)  # fmt: skip
+    with timer("variance components and design"):
+        components = variance_table(samples, family, start)
+        available = load_contexts(run.root, "eval", None, cfg.run.seed)
+        extra["eval_variance_components"] = components
+        extra["eval_design"] = design_table(
+            components, pd.Series([c["country"] for c in available]).value_counts().to_dict(),
+            country.value_counts().to_dict(), k, timer.seconds, len(family), ec.alpha, ec.power,
+            ec.target_mde,
+        )  # fmt: skip
     with timer("writing"):
         stage = _write(run, samples, summary, paired, frontier, t3, algos, order, cfg, start,
                        extra, timer.seconds, over_meta)  # fmt: skip
@@ -270,6 +284,7 @@ def _write(run: RunDir, samples: pd.DataFrame, summary: pd.DataFrame, paired: pd
     run.write_jsonl("eval/samples.jsonl", samples[keep].to_dict("records"))
     run.write_parquet("eval/frontier.parquet", frontier)
     run.write_parquet("eval/heldout_perplexity.parquet", extra["eval_heldout_perplexity"])
+    run.write_parquet("eval/variance_components.parquet", extra["eval_variance_components"])
     run.write_parquet("eval/heldout_nll_rows.parquet", extra.pop("eval_heldout_nll_rows"))
     shown = (
         samples[samples["sample_id"] == 0]
@@ -296,8 +311,15 @@ def _write(run: RunDir, samples: pd.DataFrame, summary: pd.DataFrame, paired: pd
                 "ci_low",
                 "ci_high",
                 "ci_level",
-                "p_boot",
+                "method",
+                "se",
+                "df",
+                "p_value",
                 "p_family",
+                "mde",
+                "bound",
+                "verdict",
+                "margin",
                 "cohens_dz",
                 "rank_biserial",
                 "p_ttest",
@@ -314,9 +336,11 @@ def _write(run: RunDir, samples: pd.DataFrame, summary: pd.DataFrame, paired: pd
     }
     for name, df in tables.items():
         run.write_table(name, df)
+    # the gains' bars at their family's simultaneous level, as in the tables
+    a_family = family_alpha(cfg.evaluation.alpha, len(vs_start_family(samples["policy"].unique(), start)))  # fmt: skip
     for name, fig in (
         ("eval_reward_distributions", plot_distributions(samples, order)),
-        ("eval_gains", plot_gains(summary, start, cfg.evaluation.alpha)),
+        ("eval_gains", plot_gains(summary, start, a_family)),
         ("eval_reward_uncertainty", plot_reward_uncertainty(summary, start, cfg.evaluation.alpha)),
         ("eval_frontier", plot_frontier(frontier, start, cfg.evaluation.alpha)),
         (
@@ -325,7 +349,7 @@ def _write(run: RunDir, samples: pd.DataFrame, summary: pd.DataFrame, paired: pd
                 extra["eval_overoptimisation"],
                 extra["eval_overoptimisation_fit"],
                 start,
-                cfg.evaluation.alpha,
+                a_family,
             ),
         ),  # fmt: skip
         ("eval_heldout_perplexity", plot_heldout_perplexity(extra["eval_heldout_perplexity"])),
@@ -359,6 +383,12 @@ def _write(run: RunDir, samples: pd.DataFrame, summary: pd.DataFrame, paired: pd
             "samples_per_prompt": cfg.evaluation.samples_per_prompt,
             "best_of_n": cfg.evaluation.best_of_n,
             "alpha": cfg.evaluation.alpha,
+            "power": cfg.evaluation.power,
+            "equivalence_margin": cfg.evaluation.equivalence_margin,
+            "target_mde": cfg.evaluation.target_mde,
+            # each family's members and size (the report lists them once, in its methods)
+            "families": {"vs_start": vs_start_family(samples["policy"].unique(), start)},
+            "interval": "cluster t (CR2, Bell-McCaffrey df) over countries",
             "cluster": "country",
             "history_contrast": history_contrast(
                 samples, cfg.evaluation.n_boot, cfg.evaluation.alpha, cfg.run.seed

@@ -39,6 +39,19 @@ def kl_table(samples: pd.DataFrame, generated: Sequence[str], best_of_n: int) ->
     return pd.DataFrame(rows)
 
 
+#: Policies whose gain over the start policy no reader asks: the zero-shot model (not tuned from
+#: the start policy) and the three references from history (real descriptions: their own
+#: contrast, `history.history_contrast`). They keep their Ave(R) and its interval.
+NOT_ASKED_VS_START = ("base", "random_policy", "history_met", "history_nonmet")
+
+
+def vs_start_family(policies: Sequence[str], start: str) -> list[str]:
+    """The policies of the vs-start family, in order: every method tuned or selected from the
+    start policy (`sft_met`, each algorithm, best-of-N), the question the study asks of each;
+    not the start itself nor `NOT_ASKED_VS_START`. Its size m sets the family's level."""
+    return [p for p in dict.fromkeys(policies) if p != start and p not in NOT_ASKED_VS_START]
+
+
 def summary_table(
     samples: pd.DataFrame,
     generated: Sequence[str],
@@ -47,16 +60,24 @@ def summary_table(
     n_boot: int,
     alpha: float,
     seed: int,
+    margin: float | None = None,
+    power: float = 0.8,
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(policy x measures with CIs, paired tests vs the start policy for reward and audit reward).
 
-    Every CI and test treats the prompt's country as the unit (a cluster bootstrap): prompts of
-    one country share it in both the prompt and the reward model's input, so they are not
-    independent. `gap` is the gain under the reward minus the gain under the audit, per prompt.
-    `reward_sd` is the mean SD of the reward heads' P(MET) (`reward.uncertainty`) with its CI and
-    `sd_gain` its paired change against the start policy (NaN where no response has one).
+    Every CI and test treats the prompt's country as the unit (a cluster bootstrap of Ave(R), a
+    cluster t interval of the paired gains): prompts of one country share it in both the prompt
+    and the reward model's input, so they are not independent. The paired gains are one family
+    per measure, `vs_start_family` (each at its simultaneous level; the other policies' gain
+    columns are NaN), each with its verdict at the equivalence `margin` (`{prefix}_verdict`),
+    its bound and its MDE at `power` (`{prefix}_mde`). `gap` is the gain under the reward minus
+    the gain under the audit, per prompt. `reward_sd` is the mean SD of the reward heads' P(MET)
+    (`reward.uncertainty`) with its CI and `sd_gain` its paired change against the start policy
+    (NaN where no response has one).
     """
     kw = dict(n_boot=n_boot, alpha=alpha, seed=seed, cluster_col="country")
+    pkw = dict(kw, policies=vs_start_family(samples["policy"].unique(), start), margin=margin,
+               power=power)  # fmt: skip
     samples = samples.assign(reward_minus_audit=samples["reward"] - samples["audit_reward"])
     rew = summarise_policies(samples, "reward", **kw)
     aud = summarise_policies(samples, "audit_reward", **kw)
@@ -65,15 +86,15 @@ def summary_table(
     )
     with_sd = samples.dropna(subset=["reward_sd"]) if "reward_sd" in samples else samples.iloc[:0]
     sd_paired = (
-        [paired_table(with_sd, start, "reward_sd", **kw).assign(measure="reward_sd")]
+        [paired_table(with_sd, start, "reward_sd", **pkw).assign(measure="reward_sd")]
         if start in set(with_sd["policy"])
         else []
     )
     paired = pd.concat(
         [
-            paired_table(samples, start, "reward", **kw).assign(measure="reward"),
-            paired_table(samples, start, "audit_reward", **kw).assign(measure="audit_reward"),
-            paired_table(samples, start, "reward_minus_audit", **kw).assign(measure="gap"),
+            paired_table(samples, start, "reward", **pkw).assign(measure="reward"),
+            paired_table(samples, start, "audit_reward", **pkw).assign(measure="audit_reward"),
+            paired_table(samples, start, "reward_minus_audit", **pkw).assign(measure="gap"),
             *sd_paired,
         ],
         ignore_index=True,
@@ -100,6 +121,8 @@ def summary_table(
         out[f"{prefix}_low"] = out["policy"].map(p["ci_low"])
         out[f"{prefix}_high"] = out["policy"].map(p["ci_high"])
         out[f"{prefix}_p_family"] = out["policy"].map(p["p_family"])
+        out[f"{prefix}_verdict"] = out["policy"].map(p["verdict"]) if len(p) else None
+        out[f"{prefix}_mde"] = out["policy"].map(p["mde"]) if len(p) else math.nan
     out = out.merge(kl[["policy", "kl", "kl_se", "kl_kind"]], on="policy", how="left")
     out["perplexity"] = out["policy"].map(ppl)
     fin = samples.dropna(subset=["finished"]).groupby("policy")["finished"].mean()

@@ -18,14 +18,18 @@ from rlxf_utils.report.wording import (
     fmt_p,
     interval,
     is_present,
+    listing,
+    margin_verdict,
     markdown_table,
+    null_bound_clause,
+    num,
     pval,
     sd_verdict,
     short_text,
 )
 from rlxf_utils.reward.uncertainty import FOLDER as HEADS_FOLDER
 from rlxf_utils.reward.uncertainty import MARKER as HEADS_MARKER
-from rlxf_utils.stats import level
+from rlxf_utils.stats import bound_verdict, level
 
 
 def gain_verb(low: float, high: float) -> str:
@@ -33,6 +37,128 @@ def gain_verb(low: float, high: float) -> str:
     zero (the study's one multiplicity rule, `stats.family_alpha`), else 'did not significantly
     change'."""
     return ci_verdict(low, high, "raised", "lowered", "did not significantly change")
+
+
+def null_clause(low: float, high: float, margin: float | None = None) -> str:
+    """What a null leaves open, for the sentence of a gain: '' where the interval excludes zero;
+    'a gain of at most +0.004' where it holds zero; 'equivalent within ±0.010: a gain of at most
+    +0.004' where it also lies within ±`margin` (`stats.bound_verdict`)."""
+    bound = null_bound_clause(low, high)
+    if not bound:
+        return ""
+    if bound_verdict(low, high, margin) == "equivalent":
+        return f"equivalent within ±{num(margin)}: {bound}"
+    return bound
+
+
+def family_mde(paired: pd.DataFrame, measure: str) -> float:
+    """The family's minimum detectable effect under one measure: the median over its comparisons
+    of each one's MDE (`stats.power.mde` from its own standard error); NaN for runs from before."""
+    if "mde" not in paired or "measure" not in paired:
+        return math.nan
+    vals = paired.loc[paired["measure"] == measure, "mde"].dropna()
+    return float(vals.median()) if len(vals) else math.nan
+
+
+def family_sentence(paired: pd.DataFrame, start: str, fam: str, power: float) -> str:
+    """The vs-start family where its results are first given: its members and size, and its MDE
+    under each judge."""
+    rows = paired[paired["measure"] == "reward"] if "measure" in paired else paired
+    members = listing([f"`{p}`" for p in rows["policy"]])
+    mdes = [(family_mde(paired, m), who) for m, who in (("reward", "the reward model"),
+                                                      ("audit_reward", "the audit"))]  # fmt: skip
+    told = [f"{num(v, signed=True)} under {who}" for v, who in mdes if is_present(v)]
+    mde_text = (
+        f"; its minimum detectable effect, the true gain its {fam} intervals exclude zero for with "
+        f"{power:.0%} probability, is {listing(told)} (the median over its comparisons, from each "
+        "one's standard error): a smaller gain would usually go unseen, so a null here is a bound "
+        "on the gain, not its absence"
+        if told
+        else ""
+    )
+    return (
+        f"This family, each method against `{start}`, holds m = {len(rows)} comparisons under each "
+        f"measure ({members}: the methods tuned or selected from `{start}`; the zero-shot model and "
+        "the history references keep their own Ave(R) intervals and are no question asked of it)"
+        + mde_text
+    )
+
+
+def design_sentence(design: pd.DataFrame, target: float | None) -> str:
+    """What the variance components say of the evaluation's size (`eval_design`)."""
+    if design.empty:
+        return "This run did not estimate its variance components"
+    parts = []
+    for judge, g in design.groupby("judge", sort=False):
+        d = g.set_index("design")
+        own = d.loc["this run"]
+        text = (
+            f"under the {judge}, {int(own['prompts'])} prompts in {int(own['countries'])} countries "
+            f"with {int(own['samples_per_prompt'])} samples each predict an MDE of "
+            f"{num(own['mde'], signed=True)}"
+        )
+        reach = [n for n in d.index if n.startswith("cheapest reaching")]
+        if reach:
+            r = d.loc[reach[0]]
+            text += (
+                f"; the cheapest design reaching {num(target, signed=True)} takes {int(r['prompts'])} "
+                f"prompts with {int(r['samples_per_prompt'])} samples each (about "
+                f"{r['cost_s'] / 60:.0f} minutes of sampling against this run's "
+                f"{own['cost_s'] / 60:.0f})"
+            )
+        elif target is not None and "every held-out context" in d.index:
+            e = d.loc["every held-out context"]
+            text += (
+                f"; no design within the held-out contexts reaches {num(target, signed=True)}: all "
+                f"{int(e['prompts'])} of them reach {num(e['mde'], signed=True)}"
+            )
+        parts.append(text)
+    return "From the variance components (@tbl-variance), " + "; ".join(parts)
+
+
+def variance_md(components: pd.DataFrame) -> str:
+    """The appendix table of variance components: per policy and judge, the three components
+    (×10⁴), the predicted SE and the mean paired difference."""
+    if components.empty:
+        return table_note("No variance components were estimated")
+    t = components.assign(
+        **{
+            "between countries ×10⁴": components["var_country"] * 1e4,
+            "between prompts ×10⁴": components["var_prompt"] * 1e4,
+            "within a prompt ×10⁴": components["var_sample"] * 1e4,
+            "mean difference": [num(v, signed=True) for v in components["mean"]],
+            "SE": components["se"].map(lambda v: num(v, 4)),
+        }
+    )
+    cols = ["policy", "judge", "n_countries", "n_prompts", "samples_per_prompt",
+            "between countries ×10⁴", "between prompts ×10⁴", "within a prompt ×10⁴",
+            "mean difference", "SE"]  # fmt: skip
+    return markdown_table(
+        t[cols].rename(columns={"n_countries": "countries", "n_prompts": "prompts",
+                                "samples_per_prompt": "k"}),
+        floatfmt=".2f",
+    )  # fmt: skip
+
+
+def design_md(design: pd.DataFrame) -> str:
+    """The appendix table of designs: prompts, samples per prompt, countries, predicted SE,
+    degrees of freedom, MDE and sampling minutes, per judge."""
+    if design.empty:
+        return table_note("No design was computed")
+    t = design.assign(
+        se=design["se"].map(lambda v: num(v, 4)),
+        df=design["df"].map(lambda v: f"{v:.1f}"),
+        mde=design["mde"].map(lambda v: num(v, signed=True)),
+        minutes=(design["cost_s"] / 60).map(lambda v: f"{v:.0f}"),
+        reaches_target=design["reaches_target"].map(lambda v: "yes" if v else "no"),
+    )
+    return markdown_table(
+        t[["judge", "design", "prompts", "samples_per_prompt", "countries", "se", "df", "mde",
+           "minutes", "reaches_target"]].rename(
+            columns={"samples_per_prompt": "k", "se": "SE", "mde": "MDE",
+                     "minutes": "sampling (min)", "reaches_target": "reaches target"}
+        )
+    )  # fmt: skip
 
 
 def family_level(paired: pd.DataFrame, measure: str = "reward") -> str:
@@ -52,9 +178,9 @@ MULTIPLICITY_RULE = (
     "best-of-N; each algorithm's mean gain over training seeds) is Bonferroni-adjusted: its m "
     "intervals are at level 1 − α/m, so they hold together with probability at least 1 − α, and "
     "a verdict word is given only where an interval "
-    "excludes zero. The p-values beside them are dual to those intervals (m times the bootstrap "
-    "p-value, below α exactly when the verdict is given); the t and Wilcoxon tests on per-country "
-    "means are shown for reference only"
+    "excludes zero. The p-values beside them are dual to those intervals (m times the p-value of "
+    "the interval's own test, below α exactly when the verdict is given); the t and Wilcoxon "
+    "tests on per-country means are shown for reference only"
 )
 
 
@@ -91,8 +217,19 @@ def eval_section(run: RunDir, alpha: float = 0.05) -> tuple[dict[str, Any], dict
     start = meta.get("start_policy", "base")
     vs_bon = pd.DataFrame(meta.get("vs_best_of_n", []))
     alpha = meta.get("alpha", alpha)
+    margin = meta.get("equivalence_margin")
     lvl = level(alpha)
     fam = family_level(paired)  # the vs-start families' simultaneous level
+    components = (
+        run.read_table("eval_variance_components", stage)
+        if run.exists("tables/eval_variance_components.csv")
+        else pd.DataFrame()
+    )
+    design = (
+        run.read_table("eval_design", stage)
+        if run.exists("tables/eval_design.csv")
+        else pd.DataFrame()
+    )
     ppl = pd.DataFrame(meta.get("heldout_perplexity", []))
 
     def gain_cell(r: pd.Series, col: str) -> str:
@@ -129,11 +266,16 @@ def eval_section(run: RunDir, alpha: float = 0.05) -> tuple[dict[str, Any], dict
         **{
             f"difference [{fam} CI]": [ci(a, b, c, signed=True) for a, b, c in zip(paired.mean_diff, paired.ci_low, paired.ci_high, strict=True)],
             "family p": paired["p_family"].map(pval) if "p_family" in paired else "·",
+            "verdict": [
+                margin_verdict(lo, hi, margin, "above", "below", "not distinguishable", "equivalent")
+                for lo, hi in zip(paired.ci_low, paired.ci_high, strict=True)
+            ],
+            "MDE": paired["mde"].map(lambda v: num(v)) if "mde" in paired else "·",
             "d_z": paired["cohens_dz"].map(lambda x: f"{x:.2f}"),
             "p (t, Holm)": paired["p_ttest_holm"].map(pval),
             "p (Wilcoxon, Holm)": paired["p_wilcoxon_holm"].map(pval),
         }
-    )[["measure", "policy", "n", "n_clusters", f"difference [{fam} CI]", "family p", "d_z", "p (t, Holm)", "p (Wilcoxon, Holm)"]]  # fmt: skip
+    )[["measure", "policy", "n", "n_clusters", f"difference [{fam} CI]", "family p", "verdict", "MDE", "d_z", "p (t, Holm)", "p (Wilcoxon, Holm)"]]  # fmt: skip
     t3_md = markdown_table(
         t3.assign(
             prompt=t3["prompt"].map(lambda x: short_text(x, 70)),
@@ -146,12 +288,14 @@ def eval_section(run: RunDir, alpha: float = 0.05) -> tuple[dict[str, Any], dict
         r = s.loc[algo]
         verb = gain_verb(r["gain_low"], r["gain_high"])
         a_verb = gain_verb(r["audit_gain_low"], r["audit_gain_high"])
+        bound = null_clause(r["gain_low"], r["gain_high"], margin)
+        a_bound = null_clause(r["audit_gain_low"], r["audit_gain_high"], margin)
         sentences.append(
             f"{algorithm_label(algo)} {verb} Ave(R) on the held-out prompts (from {f3(s.loc[start, 'ave_r'])} for {start} to "
             f"{ci(r['ave_r'], r['ave_r_low'], r['ave_r_high'])}; paired gain "
             f"{ci(r['gain'], r['gain_low'], r['gain_high'], signed=True)} at the family's {fam}, "
-            f"{fmt_p(r.get('gain_p_family', math.nan))}) and {a_verb} the audit model's reward "
-            f"({ci(r['audit_gain'], r['audit_gain_low'], r['audit_gain_high'], signed=True)}), at a KL of "
+            f"{fmt_p(r.get('gain_p_family', math.nan))}{'; ' + bound if bound else ''}) and {a_verb} the audit model's reward "
+            f"({ci(r['audit_gain'], r['audit_gain_low'], r['audit_gain_high'], signed=True)}{'; ' + a_bound if a_bound else ''}), at a KL of "
             f"{r['kl']:.2f} nats to the starting policy"
         )
         gap_word = ci_verdict(r.get("gap_low", math.nan), r.get("gap_high", math.nan),
@@ -217,6 +361,11 @@ def eval_section(run: RunDir, alpha: float = 0.05) -> tuple[dict[str, Any], dict
         "start": start,
         "family_level": fam,
         "multiplicity_rule": MULTIPLICITY_RULE,
+        "family_sentence": family_sentence(paired, start, fam, meta.get("power", 0.8)),
+        "design_sentence": design_sentence(design, meta.get("target_mde")),
+        "margin": num(margin if margin is not None else math.nan),
+        "power": f"{meta.get('power', 0.8):.0%}",
+        "families": families_sentence(run, paired, vs_bon, start),
         "start_ave_r": f3(s.loc[start, "ave_r"]),
         "bon_sentences": "; ".join(bon_sentences)
         if bon_sentences
@@ -238,8 +387,42 @@ def eval_section(run: RunDir, alpha: float = 0.05) -> tuple[dict[str, Any], dict
         "eval_cost.md": cost_md,
         "eval_paired.md": markdown_table(pt),
         "eval_table3.md": t3_md,
+        "eval_variance_components.md": variance_md(components),
+        "eval_design.md": design_md(design),
         "eval_heldout_perplexity.md": ppl_md,
     }
+
+
+def families_sentence(run: RunDir, paired: pd.DataFrame, vs_bon: pd.DataFrame, start: str) -> str:
+    """Every family of comparisons with its members and size, once: each method against the
+    start policy (per measure), each RL policy against best-of-N, and each question of the
+    RLGF and offline-methods tables (per measure)."""
+    stage = "notebook 04_evaluation"
+    items = []
+    if len(paired):
+        rows = paired[paired["measure"] == "reward"] if "measure" in paired else paired
+        items.append(
+            f"each method against `{start}` (m = {len(rows)} under the reward model, the audit, "
+            f"their gap and the reward heads' SD each, at {family_level(paired)})"
+        )
+    if len(vs_bon):
+        items.append(
+            f"each trained algorithm against best-of-N at its KL (m = {len(vs_bon)}, at "
+            f"{level(1 - float(vs_bon['ci_level'].iloc[0])) if 'ci_level' in vs_bon else 'n/a'})"
+        )
+    for name, what in (("eval_guidance", "the RLGF questions"),
+                       ("eval_rl_vs_offline", "RL against the offline methods")):  # fmt: skip
+        if not run.exists(f"tables/{name}.csv"):
+            continue
+        t = run.read_table(name, stage)
+        if t.empty:
+            continue
+        sizes = t.groupby(["question", "measure"], sort=False).size()
+        qs = listing(sorted({f"{q} (m = {n})" for (q, _), n in sizes.items()}))
+        items.append(f"{what}, one family per question and measure: {qs}")
+    items.append("the ILHF tests, easy against hard prompts and the seeds' pooled gains are "
+                 "families of their own, sized in their tables")  # fmt: skip
+    return "The families: " + "; ".join(items)
 
 
 def uncertainty_sentence(

@@ -19,7 +19,7 @@ from rlxf_utils.artifacts import RunDir
 from rlxf_utils.report.evaluation import family_level
 from rlxf_utils.report.reward import reward_labels
 from rlxf_utils.report.seeds import seed_finding
-from rlxf_utils.report.wording import ci, is_present, listing
+from rlxf_utils.report.wording import ci, is_present, listing, num
 from rlxf_utils.stats import level
 
 #: The paper's reported accuracy, precision, recall and F1 ("surpassing 82% on each").
@@ -79,8 +79,23 @@ def _moved(rows: pd.DataFrame, key: str) -> tuple[list[str], list[str]]:
     return up, down
 
 
+def _no_gain_beyond(rows: pd.DataFrame, key: str, some_moved: bool) -> str:
+    """The nulls as a bound: ', and the intervals allow the other 2 no gain larger than +0.006'
+    (the largest upper end
+    among the intervals that hold zero), '' when every interval excludes zero."""
+    null = rows[(rows[f"{key}_low"] <= 0) & (rows[f"{key}_high"] >= 0)]
+    if null.empty:
+        return ""
+    top = num(float(null[f"{key}_high"].max()), signed=True)
+    if not some_moved:
+        return f": the intervals allow none a gain larger than {top}"
+    others = "other one" if len(null) == 1 else f"other {len(null)}"
+    return f", and the intervals allow the {others} no gain larger than {top}"
+
+
 def rl_finding(table: pd.DataFrame, start: str, ci_level: str) -> str:
-    """Which RL (and ILHF) algorithms moved the reward they were trained on, and the audit."""
+    """Which RL (and ILHF) algorithms moved the reward they were trained on, and the audit; the
+    others' nulls stated as the largest gain their intervals allow."""
     rows = table[table["group"].isin(["RL", "ILHF"])]
     if rows.empty:
         return "No RL algorithm was evaluated"
@@ -96,11 +111,13 @@ def rl_finding(table: pd.DataFrame, start: str, ci_level: str) -> str:
             else "none raised the reward model's score on held-out prompts"
         )  # fmt: skip
         + (f" and {listing(down)} lowered it" if down else "")
+        + _no_gain_beyond(rows, "gain", bool(up or down))
     )
     second = (
         "under an audit model that no method optimised, "
         + (f"{listing(aup)} raised it" if aup else "none raised it")
         + (f" and {listing(adown)} lowered it" if adown else "")
+        + _no_gain_beyond(rows, "audit_gain", bool(aup or adown))
     )
     return f"{first}; {second} ({ci_level} simultaneous CIs)"
 

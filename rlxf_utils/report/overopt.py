@@ -9,19 +9,24 @@ from typing import Any
 import pandas as pd
 
 from rlxf_utils.artifacts import RunDir
-from rlxf_utils.report.evaluation import table_note
+from rlxf_utils.report.evaluation import null_clause, table_note
 from rlxf_utils.report.wording import ci, ci_verdict, is_present, listing, markdown_table
 from rlxf_utils.stats import level
 
 _MOVE = ("raised", "lowered", "did not distinguishably move")
 
 
-def _pair(r: pd.Series) -> str:
-    """'<verb> the proxy (x [a, b]) and <verb> the gold (y [c, d])', each verb from its interval."""
+def _pair(r: pd.Series, margin: float | None = None) -> str:
+    """'<verb> the proxy (x [a, b]) and <verb> the gold (y [c, d])', each verb from its interval;
+    a null says how large a gain it leaves open (`null_clause`: 'a gain of at most +0.004',
+    equivalence within the margin)."""
     parts = []
     for key, who in (("proxy", "the proxy"), ("gold", "the gold")):
-        verb = ci_verdict(r[f"{key}_low"], r[f"{key}_high"], *_MOVE)
-        parts.append(f"{verb} {who} ({ci(r[key], r[f'{key}_low'], r[f'{key}_high'], signed=True)})")
+        low, high = r[f"{key}_low"], r[f"{key}_high"]
+        verb = ci_verdict(low, high, *_MOVE)
+        bound = null_clause(low, high, margin)
+        parts.append(f"{verb} {who} ({ci(r[key], low, high, signed=True)}"
+                     f"{'; ' + bound if bound else ''})")  # fmt: skip
     return " and ".join(parts)
 
 
@@ -34,6 +39,7 @@ def overopt_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
     stage = "notebook 04_evaluation"
     meta = run.read_json("eval/summary.json", stage=stage)
     lvl = level(meta.get("alpha", 0.05))
+    margin = meta.get("equivalence_margin")
     start = meta.get("start_policy", "sft")
     if not run.exists("tables/eval_overoptimisation.csv"):
         note = f"This run directory predates the over-optimisation curve; rerun {stage}"
@@ -43,24 +49,27 @@ def overopt_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
         )
     pts = run.read_table("eval_overoptimisation", stage)
     fits = run.read_table("eval_overoptimisation_fit", stage)
+    if "ci_level" in pts and pts["ci_level"].notna().any():  # the vs-start family's level
+        lvl = level(1 - float(pts["ci_level"].dropna().iloc[0]))
     info = meta.get("overoptimisation", {})
     bon = pts[pts["method"] == "best_of_n"].sort_values("point")
     clauses = []
     if len(bon) > 1:
         top = bon.iloc[-1]
         clauses.append(
-            f"best-of-{int(top['point'])} from `{start}` (√KL ≤ {top['sqrt_kl']:.2f}) {_pair(top)}"
+            f"best-of-{int(top['point'])} from `{start}` (√KL ≤ {top['sqrt_kl']:.2f}) {_pair(top, margin)}"
         )
     for _, g in pts[pts["method"] != "best_of_n"].groupby("method", sort=False):
         far = g.loc[g["sqrt_kl"].idxmax()]
         where = ("its final policy" if far.get("source") == "final"
                  else f"its step-{int(far['point'])} snapshot")  # fmt: skip
         clauses.append(
-            f"{far['label']} at its farthest point ({where}, √KL {far['sqrt_kl']:.2f}) {_pair(far)}"
+            f"{far['label']} at its farthest point ({where}, √KL {far['sqrt_kl']:.2f}) {_pair(far, margin)}"
         )
     sentence = (
-        f"Gains over `{start}` on the held-out prompts, {lvl} cluster-bootstrap intervals over "
-        f"countries: " + "; ".join(clauses)
+        f"Gains over `{start}` on the held-out prompts, {lvl} cluster t intervals over countries "
+        f"(the level of the family of each method against `{start}`, so a final policy's verdict "
+        "here is the one of @tbl-eval): " + "; ".join(clauses)
         if clauses
         else "No point beyond the start policy was measured"
     )

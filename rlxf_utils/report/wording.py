@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 
 from rlxf_utils.names import outside_fences
-from rlxf_utils.stats import ci_sign, level
+from rlxf_utils.stats import bound_verdict, ci_sign, level
 
 
 def is_present(x: Any) -> bool:
@@ -116,6 +116,31 @@ def ci_verdict(
     """The verdict word a confidence interval supports: `above` when it lies above zero, `below`
     when below, `neither` when it covers zero or is missing. Never the sign of a point estimate."""
     return {1: above, -1: below, 0: neither}[ci_sign(low, high)]
+
+
+def margin_verdict(
+    low: float,
+    high: float,
+    margin: float | None,
+    above: str = "higher",
+    below: str = "lower",
+    neither: str = "not distinguishable",
+    equivalent: str = "equivalent",
+) -> str:
+    """`ci_verdict` with equivalence (`stats.bound_verdict`): `equivalent` (followed by
+    ' within ±margin') where the whole interval lies within ±`margin`."""
+    v = bound_verdict(low, high, margin)
+    if v == "equivalent":
+        return f"{equivalent} within ±{num(margin)}"
+    return {"above": above, "below": below}.get(v, neither)
+
+
+def null_bound_clause(low: Any, high: Any, what: str = "gain") -> str:
+    """How large an effect a null leaves open, for a sentence: 'a gain of at most +0.004' where
+    the interval holds zero (its upper end, `stats.null_bound`), '' where it excludes zero."""
+    if ci_sign(low, high) or not is_present(high):
+        return ""
+    return f"a {what} of at most {num(high, signed=True)}"
 
 
 f3 = fmt_num  # three decimals, 'n/a' when missing

@@ -1,24 +1,32 @@
 """Every interval and test of the study in one place: bootstrap and cluster-bootstrap intervals
-(`intervals`), paired comparisons with Holm's adjustment (`paired`), bootstrap by weights for
+(`intervals`: with the cluster-robust t interval and the verdict with an equivalence margin),
+paired comparisons with Holm's adjustment (`paired`), bootstrap by weights for
 classification metrics (`weighted`), rates with Wilson intervals and clustered trend tests
-(`rates`), correlations with intervals (`correlation`). Imports nothing of the study's.
+(`rates`), correlations with intervals (`correlation`), variance components, minimum detectable effects
+and the evaluation's design (`power`). Imports nothing of the study's.
 """
 
 from .correlation import corr, spearman, spearman_ci
 from .intervals import (
     basic_ci,
+    bm_df,
     bootstrap_ci,
     bootstrap_reps,
+    bound_verdict,
     check_alpha,
     ci_sign,
     cluster_bootstrap,
+    cluster_t,
+    contrast_bootstrap,
     family_alpha,
     interval_p,
     level,
     mean_ci,
+    null_bound,
     percentile_ci,
     sign_of,
     stat_ci,
+    tail_resamples,
 )
 from .paired import (
     holm,
@@ -27,6 +35,17 @@ from .paired import (
     per_prompt_means,
     prompt_clusters,
     summarise_policies,
+)
+from .power import (
+    COMPONENTS,
+    allocate,
+    choose_design,
+    component_table,
+    design_grid,
+    design_se,
+    mde,
+    paired_differences,
+    variance_components,
 )
 from .rates import rate_by, rate_heterogeneity, rate_shift, rate_trend, wilson_z
 from .weighted import (
@@ -38,20 +57,33 @@ from .weighted import (
 )
 
 __all__ = [
+    "COMPONENTS",
+    "allocate",
     "basic_ci",
+    "bm_df",
     "bootstrap_ci",
     "bootstrap_reps",
     "bootstrap_weights",
+    "bound_verdict",
     "check_alpha",
+    "choose_design",
     "ci_sign",
     "cluster_bootstrap",
+    "cluster_t",
+    "contrast_bootstrap",
+    "component_table",
     "corr",
+    "design_grid",
+    "design_se",
     "family_alpha",
     "holm",
     "interval_p",
     "level",
+    "mde",
     "mean_ci",
+    "null_bound",
     "paired_comparison",
+    "paired_differences",
     "paired_table",
     "per_prompt_means",
     "percentile_ci",
@@ -65,6 +97,8 @@ __all__ = [
     "spearman_ci",
     "stat_ci",
     "summarise_policies",
+    "tail_resamples",
+    "variance_components",
     "weighted_auc",
     "weighted_ece",
     "weighted_rates",

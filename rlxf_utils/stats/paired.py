@@ -11,7 +11,17 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-from rlxf_utils.stats.intervals import bootstrap_ci, bootstrap_reps, family_alpha, interval_p
+from rlxf_utils.stats.intervals import (
+    bootstrap_ci,
+    bootstrap_reps,
+    bound_verdict,
+    cluster_t,
+    family_alpha,
+    interval_p,
+    null_bound,
+    tail_resamples,
+)
+from rlxf_utils.stats.power import mde
 
 
 def _rank_biserial(diff: np.ndarray) -> float:
@@ -33,22 +43,32 @@ def paired_comparison(
     alpha: float = 0.05,
     clusters: Sequence[Hashable] | np.ndarray | None = None,
     family_size: int = 1,
+    method: str = "t",
+    power: float = 0.8,
 ) -> dict[str, float]:
     """Compare two policies on the same prompts (aligned per-prompt mean rewards), a minus b.
 
     The verdict's quantities share one unit, the prompt (each weighs the same): the mean
-    difference; its percentile-bootstrap interval at the family's level 1 - alpha / family_size
-    (`stats.family_alpha`: the study's one multiplicity rule; with `clusters`, one label per
-    prompt such as its country, whole clusters are resampled); `p_boot`, the p-value dual to that
-    bootstrap (`interval_p`: below alpha / family_size exactly when the interval excludes 0) and
-    `p_family` = min(1, family_size x p_boot), below alpha exactly when the verdict is given; and
-    Cohen's d_z = mean difference / SD of the per-prompt differences, whose sign is the
-    estimate's. Beside them, for reference: the paired t-test and Wilcoxon signed-rank p-values
-    and the matched-pairs rank-biserial correlation, on per-cluster mean differences
-    (`n_clusters` units) when clustered. Pairs with a NaN on either side are dropped
-    (`n_dropped`). Degenerate cases are answered, not raised: all differences zero gives
-    p = 1 and d_z = 0; a constant non-zero difference gives p = 0 and d_z = +/-inf.
+    difference and its interval at the family's level 1 - alpha / family_size
+    (`stats.family_alpha`: the study's one multiplicity rule). `method` 't' (the default): the
+    cluster-robust t interval with G - 1 degrees of freedom over the `clusters` (one label per
+    prompt such as its country; without them every prompt is its own cluster), see
+    `intervals.cluster_t` for why; 'bootstrap': the percentile bootstrap resampling whole
+    clusters, with at least `tail_resamples` resamples (50 beyond each bound of the family's
+    interval) whatever `n_boot` says. `p_value` is dual to the interval (below alpha / m exactly
+    when it excludes 0) and `p_family` = min(1, m x p_value), below alpha exactly when the
+    verdict is given; `se` and `df` the standard error and degrees of freedom (t only), `mde`
+    the minimum detectable effect at `power` for the family (`power.mde`), and `bound` the
+    largest gain the interval allows (`null_bound`: its upper end). Cohen's d_z = mean
+    difference / SD of the per-prompt differences, whose sign is the estimate's. Beside them, for
+    reference: the paired t-test and Wilcoxon signed-rank p-values and the matched-pairs
+    rank-biserial correlation, on per-cluster mean differences (`n_clusters` units) when
+    clustered. Pairs with a NaN on either side are dropped (`n_dropped`). Degenerate cases are
+    answered, not raised: all differences zero gives p = 1 and d_z = 0; a constant non-zero
+    difference gives p = 0 and d_z = +/-inf.
     """
+    if method not in ("t", "bootstrap"):
+        raise ValueError(f"method must be 't' or 'bootstrap'; got {method!r}")
     a = np.asarray(per_prompt_a, dtype=float)
     b = np.asarray(per_prompt_b, dtype=float)
     if a.shape != b.shape or a.ndim != 1:
@@ -69,17 +89,28 @@ def paired_comparison(
     if g is not None:
         g = g[keep]
     a_family = family_alpha(alpha, family_size)
-    mean_diff, reps = bootstrap_reps(diff, n_boot=n_boot, seed=seed, clusters=g)
-    if reps.size:
-        low, high = (float(v) for v in np.quantile(reps, [a_family / 2, 1 - a_family / 2]))
+    if method == "t":
+        res = cluster_t(diff, g, a_family)
+        mean_diff, low, high, p_value = res["mean"], res["low"], res["high"], res["p"]
+        se, df = res["se"], res["df"]
+        if res["n_clusters"] < 2 and n:  # no spread to measure: the point, as before
+            low = high = mean_diff
     else:
-        low = high = mean_diff
-    p_boot = interval_p(reps)
+        mean_diff, reps = bootstrap_reps(diff, n_boot=max(n_boot, tail_resamples(a_family)),
+                                         seed=seed, clusters=g)  # fmt: skip
+        if reps.size:
+            low, high = (float(v) for v in np.quantile(reps, [a_family / 2, 1 - a_family / 2]))
+        else:
+            low = high = mean_diff
+        p_value = interval_p(reps)
+        se = float(reps.std(ddof=1)) if reps.size > 1 else math.nan
+        df = math.nan
     prompt_sd = float(diff.std(ddof=1)) if n > 1 else math.nan
     out.update(mean_diff=mean_diff, ci_low=low, ci_high=high, family_size=int(family_size),
-               ci_level=1 - a_family, p_boot=p_boot,
-               p_family=min(1.0, family_size * p_boot) if not math.isnan(p_boot) else math.nan,
-               cohens_dz=_dz(mean_diff, prompt_sd))  # fmt: skip
+               ci_level=1 - a_family, method=method, se=se, df=df, p_value=p_value,
+               p_family=min(1.0, family_size * p_value) if not math.isnan(p_value) else math.nan,
+               mde=mde(se, family_size, alpha, power, df) if not math.isnan(se) else math.nan,
+               bound=null_bound(low, high), cohens_dz=_dz(mean_diff, prompt_sd))  # fmt: skip
     if g is not None:
         # the tests' units are the clusters: mean difference per cluster
         frame = pd.DataFrame({"g": g, "a": a, "b": b}).groupby("g", sort=True).mean()
@@ -181,34 +212,41 @@ def paired_table(
     seed: int = 0,
     alpha: float = 0.05,
     cluster_col: str | None = None,
+    policies: Sequence[str] | None = None,
+    margin: float | None = None,
+    power: float = 0.8,
 ) -> pd.DataFrame:
-    """Every policy vs `base` on their shared prompts, with Holm adjustment across policies.
+    """Every policy (or the named `policies`: the family's members) vs `base` on their shared
+    prompts, with Holm adjustment across policies.
 
     Rewards are averaged within each (policy, prompt) first; each comparison uses only the
     prompts both policies were scored on. The table is one family: each interval is at level
     1 - alpha / m for its m comparisons and `p_family` decides the verdict
-    (`paired_comparison`). Holm is applied, for reference, to the t-test and the Wilcoxon
-    p-values (columns `p_ttest_holm`, `p_wilcoxon_holm`). With `cluster_col` (a column constant
-    within a prompt, e.g. country) intervals resample that cluster.
+    (`paired_comparison`); `verdict` is `bound_verdict` at the equivalence `margin` and `bound`
+    the largest gain the interval allows. Holm is applied, for reference, to the t-test and the
+    Wilcoxon p-values (columns `p_ttest_holm`, `p_wilcoxon_holm`). With `cluster_col` (a column
+    constant within a prompt, e.g. country) the intervals are over that cluster.
     """
     wide = per_prompt_means(df, reward_col, policy_col, prompt_col)
     if base not in wide.columns:
         raise KeyError(f"base policy {base!r} not in {list(wide.columns)}")
     cl = prompt_clusters(df, prompt_col, cluster_col)
+    members = [p for p in wide.columns if p != base and (policies is None or p in set(policies))]
     rows = []
-    m = sum(1 for pol in wide.columns if pol != base)
-    for pol in wide.columns:
-        if pol == base:
-            continue
+    m = len(members)
+    for pol in members:
         pair = wide[[pol, base]].dropna()
         res = paired_comparison(
             pair[pol].to_numpy(), pair[base].to_numpy(), n_boot=n_boot, seed=seed, alpha=alpha,
             clusters=None if cl is None else cl.loc[pair.index].to_numpy(), family_size=m,
+            power=power,
         )  # fmt: skip
-        rows.append({"policy": pol, "vs": base, **res})
+        rows.append({"policy": pol, "vs": base, **res,
+                     "verdict": bound_verdict(res["ci_low"], res["ci_high"], margin)})  # fmt: skip
     table = pd.DataFrame(rows)
     if table.empty:
         return table
+    table["margin"] = margin if margin is not None else math.nan
     table["p_ttest_holm"] = holm(table["p_ttest"].to_numpy())
     table["p_wilcoxon_holm"] = holm(table["p_wilcoxon"].to_numpy())
     return table
