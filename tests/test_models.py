@@ -112,6 +112,27 @@ def test_embedded_cache_gives_identical_logits():
     assert tok.padding_side == "left" and tok.chat_template
 
 
+@pytest.mark.slow
+def test_an_embedded_policys_adapter_names_no_checkout_path(tmp_path):
+    """peft writes the base model's `name_or_path` into each adapter it saves: the embedded
+    policy's is its name, not the cache folder's absolute path, so adapters (and the hashes
+    taken over them) are the same in every checkout (issue 47)."""
+    import json
+
+    from rlxf_utils.config import PROJECT_ROOT, portable_path
+
+    model, _ = loading.load_policy(PolicyConfig())
+    assert model.name_or_path == loading.EMBEDDED_BASE_NAME
+    peft_model = loading.apply_lora(model, LoraSettings(rank=2, target_modules=["q_proj"]))
+    peft_model.save_pretrained(tmp_path / "a")
+    saved = json.loads((tmp_path / "a/adapter_config.json").read_text())
+    assert saved["base_model_name_or_path"] == loading.EMBEDDED_BASE_NAME
+    assert str(PROJECT_ROOT) not in (tmp_path / "a/README.md").read_text()
+    # a path inside the checkout is recorded relative to it; one outside as given
+    assert portable_path(PROJECT_ROOT / "data/raw/x.csv") == "data/raw/x.csv"
+    assert portable_path(tmp_path / "x.csv") == str(tmp_path / "x.csv")
+
+
 @pytest.mark.usefixtures("one_thread")
 def test_load_start_policy_merges_the_sft_adapter(tmp_path):
     """RL's start (and KL reference) is the base with the `sft` adapter folded in."""

@@ -7,7 +7,7 @@ labels, splits), `policy` (policy, LoRA, SFT, RL, RLGF, ILHF), `reward` (reward 
 arm), `study` (evaluation, risk, compute and the whole study), `load` (reading files).
 """
 
-from .base import PROJECT_ROOT, ConfigError, Section
+from .base import PROJECT_ROOT, ConfigError, Section, portable_path
 from .data import DataChecks, DataConfig, LabelConfig, RunConfig, SplitConfig, SplitProtocol
 from .load import PATH_KEYS, load_config
 from .policy import (
@@ -68,6 +68,7 @@ __all__ = [
     "Section",
     "SplitConfig",
     "SplitProtocol",
+    "portable_path",
     "StudyConfig",
     "Table3Scenario",
     "load_config",

