@@ -163,17 +163,20 @@ def test_compact_merged_samples_have_the_old_paths_logprobs(precision, seed):
 def test_merged_lora_is_the_unmerged_policy_and_leaves_it_as_it_was(precision):
     model, tok = _random_lora_policy()
     enc = encode_prompts(tok, toy_contexts(8)[0], return_tensors="pt", padding=True)
-    params = {n: (p, p.detach().clone(), p.requires_grad) for n, p in model.named_parameters()}
-    dtype = None if precision == "float32" else precision
     with torch.no_grad():
         exact = model(**enc).logits  # fp32, unmerged
         with model.disable_adapter():
             base = model(**enc).logits
-        with autocast(dtype, "cpu"):
-            unmerged = model(**enc).logits.float()
-            with merged_lora(model):
-                merged = model(**enc).logits.float()
-            again = model(**enc).logits.float()
+    for n, p in model.named_parameters():  # evaluation's adapters are frozen, PPO's are not
+        if "lora_A" in n:
+            p.requires_grad_(False)
+    params = {n: (p, p.detach().clone(), p.requires_grad) for n, p in model.named_parameters()}
+    dtype = None if precision == "float32" else precision
+    with torch.no_grad(), autocast(dtype, "cpu"):
+        unmerged = model(**enc).logits.float()
+        with merged_lora(model):
+            merged = model(**enc).logits.float()
+        again = model(**enc).logits.float()
     assert (exact - base).abs().max() > 1.0  # the adapter matters: the test has teeth
     if dtype is None:
         assert (merged - unmerged).abs().max() < 1e-4
@@ -235,3 +238,29 @@ def test_a_forced_prefix_is_continued_token_for_token():
                          temperature=1.0, top_p=1.0, stop_ids=[0], pad_id=0, seed=2,
                          prefix=prefix).ids  # fmt: skip
     assert out[0, :3].tolist() == [5, 6, 7] and out[1, 0].item() == 8
+
+
+@pytest.mark.parametrize("merge", [True, False])
+def test_transformers_generate_through_peft_samples_from_merged_weights(merge):
+    """TRL's and ILHF's rollouts call `generate` through peft: with `policy.merge_lora` the
+    model's own generate merges the LoRA (adapters off, W + BA in the base layer), except in
+    peft's mixed-adapter batches; afterwards every weight and flag is as before."""
+    from peft.tuners.lora import LoraLayer
+
+    from rlxf_utils.config import LoraSettings
+    from rlxf_utils.models.generation import cache_in_autocast_dtype
+    from rlxf_utils.models.loading import apply_lora
+
+    tok = word_tokenizer(WORDS)
+    tok.padding_side = "left"
+    base = cache_in_autocast_dtype(tiny_llama(tok, init=0.3), merge_lora=merge)
+    model = apply_lora(base, LoraSettings(rank=4, alpha=8, target_modules=["q_proj", "v_proj"]))
+    layer = next(m for m in model.modules() if isinstance(m, LoraLayer))
+    seen = []
+    layer.register_forward_hook(lambda m, a, o: seen.append(m.disable_adapters))
+    enc = encode_prompts(tok, ["w1 w2", "w3"], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        model.generate(**enc, do_sample=True, max_new_tokens=3, pad_token_id=tok.pad_token_id)
+    assert seen and all(s == merge for s in seen)
+    assert not layer.disable_adapters
+    assert all(p.requires_grad for n, p in model.named_parameters() if "lora_" in n)

@@ -225,7 +225,8 @@ def merged_lora(model: Any) -> Iterator[None]:
     the autocast dtype when autocast is on, else in W's), and the adapter layers are off. On
     leaving, the original weights and adapters are back, bit for bit (nothing is merged in
     place, so bf16 weights do not drift through merge / unmerge round trips). A model without
-    LoRA, or with adapters already off, is left as it is.
+    LoRA, or with adapters already off, is left as it is. `model` may be the peft model or the
+    model inside it (transformers' `generate`, reached through peft or TRL).
 
     Sampling then costs what the plain model costs: no per-layer adapter matmuls (issue 44: the
     unmerged adapter cost 1.8x on an H100). The logits differ from the unmerged model's only by
@@ -239,7 +240,7 @@ def merged_lora(model: Any) -> Iterator[None]:
         and not m.disable_adapters
         and any(a in m.lora_A for a in m.active_adapters)
     ]
-    if not layers or not hasattr(model, "disable_adapter"):
+    if not layers:
         yield
         return
     kind = next(model.parameters()).device.type
@@ -254,11 +255,15 @@ def merged_lora(model: Any) -> Iterator[None]:
                 if a in layer.lora_A
             )
             dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else w.dtype
-            saved.append((base, w))
+            grads = [(p, p.requires_grad) for p in layer.parameters() if p is not w]
+            saved.append((layer, base, w, grads))
             base.weight = torch.nn.Parameter(merged.to(dtype), requires_grad=False)
+            layer.enable_adapters(False)
     try:
-        with model.disable_adapter():
-            yield
+        yield
     finally:
-        for base, w in saved:
+        for layer, base, w, grads in saved:
             base.weight = w
+            layer.enable_adapters(True)  # peft sets the adapters' requires_grad: put it back
+            for p, flag in grads:
+                p.requires_grad_(flag)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import re
 import types
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import pandas as pd
@@ -28,16 +28,22 @@ def _generate_with_autocast_cache(self: Any, *args: Any, **kwargs: Any) -> Any:
         cache = autocast_kv_cache(self)
         if cache is not None:
             kwargs["past_key_values"] = cache
-    with frozen_weights_in_autocast_dtype(self):
+    merge = self.rlxf_merge_lora and not kwargs.get("adapter_names")
+    merged = decode.merged_lora(self) if merge else contextlib.nullcontext()
+    with merged, frozen_weights_in_autocast_dtype(self):
         return type(self).generate(self, *args, **kwargs)
 
 
-def cache_in_autocast_dtype(model: PreTrainedModel) -> PreTrainedModel:
+def cache_in_autocast_dtype(model: PreTrainedModel, merge_lora: bool = False) -> PreTrainedModel:
     """Make `model.generate` (also when called through peft or TRL, which reach this model's
     method), whenever it runs under autocast, use `autocast_kv_cache` and
     `frozen_weights_in_autocast_dtype`: the same samples, faster. Outside autocast generation is
-    unchanged; a cache the caller passes is kept."""
+    unchanged; a cache the caller passes is kept. With `merge_lora` (`policy.merge_lora`;
+    `model.rlxf_merge_lora` switches it), a LoRA added later samples from merged weights
+    (`decode.merged_lora`; not in peft's mixed-adapter batches): TRL's GRPO and RLOO rollouts,
+    ILHF's single-adapter ones and PPO's with `sampler: transformers`."""
     model.generate = types.MethodType(_generate_with_autocast_cache, model)
+    model.rlxf_merge_lora = merge_lora
     return model
 
 
@@ -187,7 +193,7 @@ def generate(
     items = [(i, j) for i in range(len(prompts)) for j in range(k)]
     rows: list[dict[str, Any]] = []
     starts = range(0, len(items), batch_size)
-    merged = decode.merged_lora(model) if merge and not adapter_names else contextlib.nullcontext()
+    merged = decode.merged_lora(model) if merge and not adapter_names else _unmerged(model)
     step = decode.compiled_forward(model) if compile_step and sampler == "compact" else None
     with merged:
         for start in tqdm(starts, desc=desc, disable=not progress, leave=False):
@@ -212,6 +218,20 @@ def generate(
                 )[:, enc["input_ids"].shape[1] :]  # fmt: skip
             rows += _response_rows(enc, out, batch, stop, tokenizer, postprocess)
     return pd.DataFrame(rows)
+
+
+@contextlib.contextmanager
+def _unmerged(model: Any) -> Iterator[None]:
+    """`generate(merge=False)`: the LoRA unmerged in transformers' `generate` too."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    flag = getattr(inner, "rlxf_merge_lora", None)
+    if flag is not None:
+        inner.rlxf_merge_lora = False
+    try:
+        yield
+    finally:
+        if flag is not None:
+            inner.rlxf_merge_lora = flag
 
 
 def _response_rows(enc: Any, out: torch.Tensor, batch: Sequence[tuple[int, int]], stop: set[int],

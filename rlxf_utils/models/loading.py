@@ -121,7 +121,7 @@ def load_policy(
     model.generation_config.pad_token_id = tok.pad_token_id
     if device is not None:
         model.to(device)
-    cache_in_autocast_dtype(model)
+    cache_in_autocast_dtype(model, merge_lora=cfg.merge_lora)
     return model, tok
 
 
