@@ -53,8 +53,8 @@ class PolicyConfig(Section):
     (`models.decode.merged_lora`): the same distribution up to rounding, without the adapters'
     per-layer cost."""
     compile_decode: bool = False
-    """Evaluation's compact decode step through `torch.compile` (bench/generation.py: slower on
-    two cores, so off)."""
+    """Evaluation's compact decode step through `torch.compile` (inductor): the same tokens, but
+    minutes of compiling per process on two cores, not shown to pay: off (README)."""
 
 
 class SFTConfig(Section):
