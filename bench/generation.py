@@ -54,7 +54,12 @@ from rlxf_utils.models.generation import (  # noqa: E402
     generate,
     sampling_kwargs,
 )
-from rlxf_utils.models.loading import apply_lora, load_policy, load_policy_with_adapter  # noqa: E402
+from rlxf_utils.models.loading import (  # noqa: E402
+    apply_lora,
+    load_policy,
+    load_policy_with_adapter,
+    load_start_policy,
+)
 from rlxf_utils.rl.ppo import PPOTrainer  # noqa: E402
 
 EVAL_VARIANTS = {
@@ -129,11 +134,13 @@ def bench_evaluation(model, tok, prompts, cfg, args, variants) -> dict:
     return summarise(seconds, tokens, lengths)
 
 
-def bench_rollout(cfg, contexts, args) -> dict:
-    """PPO's rollout sampling (old and new path) against plain generation on the same weights."""
+def bench_rollout(cfg, contexts, args, run: RunDir) -> dict:
+    """PPO's rollout sampling (old and new path) against plain generation on the same weights:
+    the start policy (`sft` merged into the base when the run has it, as RL holds it)."""
     rl = cfg.rl
-    base, tok = load_policy(cfg.policy)
-    plain, _ = load_policy(cfg.policy)
+    start = rl.start_policy if run.path(f"policy/{rl.start_policy}/adapter").is_dir() else "base"
+    base, tok = load_start_policy(cfg.policy, start, run.root)
+    plain, _ = load_start_policy(cfg.policy, start, run.root)
     plain.requires_grad_(False).eval()
     prompts = build_prompts(contexts, tok, rl.prompt_template, cfg.policy)
     idx = [i for i in range(len(prompts)) for _ in range(rl.num_generations)]
@@ -194,6 +201,7 @@ def bench_rollout(cfg, contexts, args) -> dict:
     res["rollout_vs_plain_generate"] = med[ROLLOUT_VARIANTS[2]] / med[ROLLOUT_VARIANTS[1]]
     res["rollout_vs_plain_generate_before"] = med[ROLLOUT_VARIANTS[2]] / med[ROLLOUT_VARIANTS[0]]
     res["responses_per_rollout"], res["rollouts"] = rl.batch_size, len(batches)
+    res["start_policy"] = start
     res["stop_ids"] = stop
     return res
 
@@ -246,7 +254,7 @@ def main() -> None:
     variants = {**EVAL_VARIANTS, **(COMPILED if args.compile else {})}
     t0 = time.perf_counter()
     evaluation = bench_evaluation(model, tok, prompts, cfg, args, variants)
-    rollout = bench_rollout(cfg, contexts, args)
+    rollout = bench_rollout(cfg, contexts, args, run)
     load_end = os.getloadavg()
     result = {
         "policy": policy, "params": args.params,
