@@ -1,31 +1,28 @@
-"""Benchmark the policy's sampling under bf16 autocast: what `load_policy` installs against
-transformers' defaults, at the batch sizes RL and evaluation use.
+"""Benchmark sampling before and after issue 44 on the same machine, interleaved: evaluation's
+sampling and an RL rollout, in useful tokens per second (tokens up to and including the end token).
 
-Under bf16 autocast transformers' defaults cost two avoidable casts at every decoding step:
-  - Llama-style keys leave the rotary embedding in float32, so the dynamic KV cache grows in
-    fp32 and attention casts the whole cache to bf16 again
-    (`models.generation.autocast_kv_cache` stores it in bf16 as it enters);
-  - autocast casts every frozen float32 weight again at every call (its cast cache holds only
-    trainable weights), 135M weights per token for SmolLM2
-    (`models.generation.frozen_weights_in_autocast_dtype` casts them once per `generate` call).
-Both give the matmuls the very same bf16 operands. This script times the three variants
-(defaults; bf16 cache; bf16 cache and weights cast once = what the study runs) on the real
-policy, interleaved (A, B, C, A, B, C...) so drifting cores hit all alike, with the same seed,
-and checks that every variant samples the very same tokens.
+Before: transformers' `generate` on the LoRA policy with its adapter unmerged (every row kept
+until the batch's longest answer ends; what the study ran until issue 44, with the bf16 KV cache
+and frozen weights cast once). After (`policy.sampler: compact`, `policy.merge_lora: true`):
+`models.decode.sample_compact`, finished rows leave the batch, from the LoRA merged into a copy
+of the weights. In between: compact with the adapter unmerged, so each change is seen alone.
+`--compile` adds the compact loop with its forward through `torch.compile` (inductor).
 
-Policy: the embedded SmolLM2-135M with the run's `sft` LoRA adapter on the frozen base, as
-evaluation and RL hold it, when `--run-dir` has one, else the base model. Prompts: the profile's
-RL prompt on held-out contexts (`--prompts` of them, `--k` samples each), sampled as notebook 04
-does (`rl.max_new_tokens`, temperature, top-p) at each of `--batch-sizes` (16: an RL rollout's
-batch; 64: evaluation.batch_size).
+Evaluation: notebook 04's call (`generate` with `sampling_kwargs`: `evaluation.batch_size`,
+`rl.max_new_tokens`, temperature, top-p) on `--prompts` held-out contexts x `--k` samples.
+RL rollout: `PPOTrainer.sample` on `rl.batch_size` responses per batch (`rl.num_generations`
+per prompt), `--rollouts` batches, against plain generation on the same weights (the base model
+without LoRA or trainer: transformers' `generate` and the compact loop).
+
+Policy: the run's `sft` LoRA on the frozen base when `--run-dir` has one, else the base with a
+fresh LoRA of `policy.lora` (B = 0: the base model's answers, the adapter's cost). Variants run
+interleaved (A, B, C, A, B, C...) so drifting cores hit all alike; the load average before and
+after is in the JSON (other engineers may share these cores).
 
     .venv/bin/python bench/generation.py [--params params/default.yaml] [--run-dir runs/default]
-        [--prompts 16] [--k 4] [--reps 2] [--batch-sizes 16 64] [--out bench/results/generation.json]
+        [--prompts 32] [--k 4] [--rollouts 4] [--reps 2] [--compile]
+        [--out bench/results/generation.json]
     .venv/bin/python bench/generation.py --plot-only     # redraw generation.png from the JSON
-
-Writes the JSON (seconds and responses/s per batch size, variant and repetition; the speed-ups
-of the medians against the defaults; whether every repetition sampled identical tokens) and
-`generation.png` beside it.
 """
 
 from __future__ import annotations
@@ -52,18 +49,28 @@ from rlxf_utils.data.contexts import load_contexts  # noqa: E402
 from rlxf_utils.data.stage import run_data_stage  # noqa: E402
 from rlxf_utils.models.generation import (  # noqa: E402
     autocast,
-    autocast_kv_cache,
     build_prompts,
+    encode_prompts,
     generate,
     sampling_kwargs,
 )
-from rlxf_utils.models.loading import load_policy, load_policy_with_adapter  # noqa: E402
-
-VARIANTS = (
-    "transformers' defaults",
-    "bf16 KV cache",
-    "bf16 KV cache + frozen weights cast once (the study)",
+from rlxf_utils.models.loading import (  # noqa: E402
+    apply_lora,
+    load_policy,
+    load_policy_with_adapter,
+    load_start_policy,
 )
+from rlxf_utils.rl.ppo import PPOTrainer  # noqa: E402
+
+EVAL_VARIANTS = {
+    "before: generate, LoRA unmerged": {"sampler": "transformers", "merge": False},
+    "compact, LoRA unmerged": {"sampler": "compact", "merge": False},
+    "compact + merged LoRA (the study)": {"sampler": "compact", "merge": True},
+}
+COMPILED = {"compact + merged + torch.compile": {"sampler": "compact", "merge": True,
+                                                 "compile_step": True}}  # fmt: skip
+ROLLOUT_VARIANTS = ("rollout before (generate, unmerged)", "rollout now (compact, merged)",
+                    "plain generate, same weights", "plain compact, same weights")  # fmt: skip
 
 
 def plot(result: dict, path: Path) -> None:
@@ -72,39 +79,148 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sizes = list(result["responses_per_s"])
-    fig, axes = plt.subplots(1, len(sizes), figsize=(4.2 * len(sizes), 3.8), squeeze=False)
-    for ax, size in zip(axes[0], sizes, strict=True):
-        for i, name in enumerate(VARIANTS):
-            rates = result["responses_per_s"][size][name]
+    parts = (("evaluation sampling", result["evaluation"]), ("RL rollout", result["rollout"]))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, (title, part) in zip(axes, parts, strict=True):
+        names = list(part["useful_tokens_per_s"])
+        for i, name in enumerate(names):
+            rates = part["useful_tokens_per_s"][name]
             ax.scatter(np.full(len(rates), i), rates, color=f"C{i}", zorder=3)
             ax.hlines(np.median(rates), i - 0.25, i + 0.25, color=f"C{i}", lw=2)
-        ax.set_xticks(range(len(VARIANTS)), ["defaults", "bf16 cache", "+ weights\ncast once"])
-        ax.set_xlim(-0.6, len(VARIANTS) - 0.4)
+        ax.set_xticks(range(len(names)), [n.replace(", ", ",\n").replace(" (", "\n(") for n in names],
+                      fontsize=7)  # fmt: skip
         ax.set_ylim(bottom=0)
-        ax.set_ylabel("responses / s (whole generate call)")
-        ax.set_title(
-            f"batch {size}: x{result['speedup_median'][size]:.2f} against the defaults", fontsize=9
-        )
+        ax.set_ylabel("useful tokens / s (up to the end token)")
+        ax.set_title(f"{title}: x{part['speedup_median']:.2f} against before", fontsize=9)
         ax.grid(alpha=0.3, axis="y")
-    same = "identical tokens" if result["identical_tokens"] else "TOKENS DIFFER"
     fig.suptitle(
-        f"{result['policy']}, bf16 autocast, {result['n_responses']} responses x up to "
-        f"{result['max_new_tokens']} tokens, {result['torch_threads']} threads: {same}",
+        f"{result['policy']}, {result['autocast']} autocast, up to {result['max_new_tokens']} "
+        f"tokens, {result['torch_threads']} threads, load average "
+        f"{result['load_average_start']:.1f} -> {result['load_average_end']:.1f}",
         fontsize=9,
     )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
+def summarise(seconds: dict, tokens: dict, lengths: dict) -> dict:
+    """Useful tokens/s per variant and repetition, medians, and the speed-up against the first."""
+    rates = {n: [t / s for t, s in zip(tokens[n], seconds[n], strict=True)] for n in seconds}
+    med = {n: float(np.median(r)) for n, r in rates.items()}
+    first, last = list(seconds)[0], list(seconds)[-1]
+    return {
+        "seconds": seconds, "useful_tokens": tokens, "useful_tokens_per_s": rates,
+        "median_useful_tokens_per_s": med, "mean_response_tokens": lengths,
+        "speedup_median": med[last] / med[first] if "plain" not in last else None,
+    }  # fmt: skip
+
+
+def bench_evaluation(model, tok, prompts, cfg, args, variants) -> dict:
+    seconds = {n: [] for n in variants}
+    tokens = {n: [] for n in variants}
+    lengths: dict[str, float] = {}
+    kw = sampling_kwargs(cfg, progress=False)
+    with torch.inference_mode(), autocast(cfg.policy.autocast, model.device):
+        for v in variants.values():  # warm-up (and the compiled step's compilation)
+            generate(model, tok, prompts[:2], 1, **{**kw, **v})
+        for _ in range(args.reps):
+            for name, v in variants.items():
+                t0 = time.perf_counter()
+                df = generate(model, tok, prompts, args.k, **{**kw, **v})
+                seconds[name].append(time.perf_counter() - t0)
+                print(f"evaluation {name}: {seconds[name][-1]:.1f} s", flush=True)
+                tokens[name].append(int(df["n_tokens"].sum()))
+                lengths[name] = float(df["n_tokens"].mean())
+    return summarise(seconds, tokens, lengths)
+
+
+def bench_rollout(cfg, contexts, args, run: RunDir) -> dict:
+    """PPO's rollout sampling (old and new path) against plain generation on the same weights:
+    the start policy (`sft` merged into the base when the run has it, as RL holds it)."""
+    rl = cfg.rl
+    start = rl.start_policy if run.path(f"policy/{rl.start_policy}/adapter").is_dir() else "base"
+    base, tok = load_start_policy(cfg.policy, start, run.root)
+    plain, _ = load_start_policy(cfg.policy, start, run.root)
+    plain.requires_grad_(False).eval()
+    prompts = build_prompts(contexts, tok, rl.prompt_template, cfg.policy)
+    idx = [i for i in range(len(prompts)) for _ in range(rl.num_generations)]
+    batches = [idx[i : i + rl.batch_size] for i in range(0, len(idx), rl.batch_size)]
+    batches = batches[: args.rollouts]
+    zero = lambda c, t: np.zeros(len(t), dtype=np.float32)  # noqa: E731 (a stand-in reward)
+    with tempfile.TemporaryDirectory() as out:
+        tr = PPOTrainer(apply_lora(base, cfg.policy.lora), tok, prompts, contexts, zero, rl, out,
+                        autocast_dtype=cfg.policy.autocast)  # fmt: skip
+        policy = tr.unwrapped.policy.eval()
+        stop = tr.stop_ids
+
+        def rollout(sampler):
+            def run(enc):
+                tr.sampler = sampler  # before: generate with the LoRA unmerged, as until issue 44
+                policy.get_base_model().rlxf_merge_lora = sampler == "compact"
+                return tr.sample(policy, enc, rl.temperature, rl.top_p)[1]
+
+            return run
+
+        def plain_run(sampler):
+            def run(enc):
+                df_kw = dict(max_new_tokens=rl.max_new_tokens, temperature=rl.temperature,
+                             top_p=rl.top_p, postprocess="none", seed=0, progress=False,
+                             batch_size=len(enc["input_ids"]), sampler=sampler)  # fmt: skip
+                texts = [prompts[i] for i in enc["idx"]]
+                with autocast(cfg.policy.autocast, plain.device):
+                    df = generate(plain, tok, texts, 1, **df_kw)
+                return torch.tensor(df["n_tokens"].sum())
+
+            return run
+
+        runs = dict(zip(ROLLOUT_VARIANTS, (rollout("transformers"), rollout("compact"),
+                                           plain_run("transformers"), plain_run("compact")), strict=True))  # fmt: skip
+        encs = []
+        for b in batches:
+            enc = encode_prompts(tok, [prompts[i] for i in b], return_tensors="pt", padding=True)
+            encs.append({**enc, "idx": b})
+        seconds = {n: [] for n in runs}
+        tokens = {n: [] for n in runs}
+        with torch.inference_mode():
+            for run in runs.values():
+                run(encs[0])  # warm-up
+            for rep in range(args.reps):
+                for name, run in runs.items():
+                    tr.step = rep  # another stream per repetition
+                    t0, n = time.perf_counter(), 0
+                    for enc in encs:
+                        n += int(run(enc).sum())
+                    seconds[name].append(time.perf_counter() - t0)
+                    tokens[name].append(n)
+                    print(f"rollout {name}: {seconds[name][-1]:.1f} s", flush=True)
+    n_resp = sum(len(b) for b in batches)
+    lengths = {n: float(np.mean(t)) / n_resp for n, t in tokens.items()}
+    res = summarise(seconds, tokens, lengths)
+    med = res["median_useful_tokens_per_s"]
+    res["speedup_median"] = med[ROLLOUT_VARIANTS[1]] / med[ROLLOUT_VARIANTS[0]]
+    res["rollout_vs_plain_generate"] = med[ROLLOUT_VARIANTS[2]] / med[ROLLOUT_VARIANTS[1]]
+    res["rollout_vs_plain_generate_before"] = med[ROLLOUT_VARIANTS[2]] / med[ROLLOUT_VARIANTS[0]]
+    res["responses_per_rollout"], res["rollouts"] = rl.batch_size, len(batches)
+    res["start_policy"] = start
+    res["stop_ids"] = stop
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--params", default="params/default.yaml")
     ap.add_argument("--run-dir", default=None, help="a run dir: its data/ and sft adapter")
-    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--k", type=int, default=4, help="samples per prompt")
+    ap.add_argument("--rollouts", type=int, default=4, help="RL rollout batches per repetition")
     ap.add_argument("--reps", type=int, default=2, help="timed repetitions of each variant")
-    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[16, 64])
+    ap.add_argument("--compile", action="store_true", help="also the torch.compile'd step")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads (default torch's; 1 when other jobs oversubscribe the cores)",
+    )
     ap.add_argument("--out", default="bench/results/generation.json")
     ap.add_argument("--plot-only", action="store_true", help="redraw the figure from --out")
     args = ap.parse_args()
@@ -113,12 +229,10 @@ def main() -> None:
         plot(json.loads(out.read_text(encoding="utf-8")), out.with_suffix(".png"))
         return
 
-    load_at_start = os.getloadavg()[0]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    load_start = os.getloadavg()
     cfg = load_config(args.params)
-    if cfg.policy.autocast is None:
-        raise SystemExit(
-            f"{args.params}: policy.autocast is null; this bench compares casts under autocast"
-        )
     tmp = None
     if args.run_dir and (Path(args.run_dir) / "data").is_dir():
         run = RunDir(args.run_dir)
@@ -133,65 +247,36 @@ def main() -> None:
         policy = "sft (LoRA on the frozen base)"
     else:
         model, tok = load_policy(cfg.policy)
-        model.requires_grad_(False)  # frozen, as under LoRA
-        policy = "base"
+        model = apply_lora(model, cfg.policy.lora).requires_grad_(False)
+        policy = "base + a fresh LoRA (B = 0)"
     model.eval()
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
     prompts = build_prompts(contexts, tok, cfg.rl.prompt_template, cfg.policy)
-
-    def defaults(*a, **k):  # transformers' own cache and autocast's per-call weight casts
-        from transformers.cache_utils import DynamicCache
-
-        return type(base).generate(base, *a, past_key_values=DynamicCache(config=base.config), **k)
-
-    def cache_only(*a, **k):
-        return type(base).generate(base, *a, past_key_values=autocast_kv_cache(base), **k)
-
-    study = base.generate
-    seconds = {b: {name: [] for name in VARIANTS} for b in args.batch_sizes}
-    tokens: dict[int, list[list[tuple[int, ...]]]] = {b: [] for b in args.batch_sizes}
-    with torch.inference_mode(), autocast(cfg.policy.autocast, base.device):
-        generate(model, tok, prompts[:2], 1, **sampling_kwargs(cfg, progress=False))  # warm-up
-        for _ in range(args.reps):
-            for size in args.batch_sizes:
-                kw = {**sampling_kwargs(cfg, progress=False), "batch_size": size}
-                for name, gen in zip(VARIANTS, (defaults, cache_only, study), strict=True):
-                    base.generate = gen
-                    t0 = time.perf_counter()
-                    df = generate(model, tok, prompts, args.k, **kw)
-                    seconds[size][name].append(time.perf_counter() - t0)
-                    tokens[size].append(df["response_ids"].map(tuple).tolist())
-        base.generate = study
-    n = len(prompts) * args.k
-    # the same seed at the same batch size: the same draws (another batch size draws otherwise)
-    identical = all(ids == runs[0] for runs in tokens.values() for ids in runs)
-    med = {b: {name: float(np.median(s)) for name, s in v.items()} for b, v in seconds.items()}
+    variants = {**EVAL_VARIANTS, **(COMPILED if args.compile else {})}
+    t0 = time.perf_counter()
+    evaluation = bench_evaluation(model, tok, prompts, cfg, args, variants)
+    rollout = bench_rollout(cfg, contexts, args, run)
+    load_end = os.getloadavg()
     result = {
-        "policy": policy,
-        "params": args.params,
-        "n_responses": n,
-        "max_new_tokens": cfg.rl.max_new_tokens,
-        "batch_sizes": args.batch_sizes,
-        "autocast": cfg.policy.autocast,
-        "torch_threads": torch.get_num_threads(),
-        "cpu": platform.processor() or platform.machine(),
-        "load_average_at_start": load_at_start,
-        "seconds": seconds,
-        "responses_per_s": {
-            b: {name: [n / s for s in v] for name, v in per.items()} for b, per in seconds.items()
-        },
-        "median_seconds": med,
-        "speedup_median": {b: m[VARIANTS[0]] / m[VARIANTS[-1]] for b, m in med.items()},
-        "speedup_weights_cast_once": {b: m[VARIANTS[1]] / m[VARIANTS[2]] for b, m in med.items()},
-        "identical_tokens": identical,
-        "mean_response_tokens": float(np.mean([len(r) for r in tokens[args.batch_sizes[0]][0]])),
-    }
-    result = json.loads(json.dumps(to_jsonable(result)))  # batch sizes as keys: strings
+        "policy": policy, "params": args.params,
+        "n_responses": len(prompts) * args.k, "max_new_tokens": cfg.rl.max_new_tokens,
+        "batch_size": cfg.evaluation.batch_size, "temperature": cfg.rl.temperature,
+        "top_p": cfg.rl.top_p, "autocast": cfg.policy.autocast,
+        "torch_threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "load_average_start": load_start[0], "load_average_end": load_end[0],
+        "load_average_note": "1-min load average before and after (5- and 15-min in "
+        "load_averages); other engineers' jobs may share these cores: above the core count, "
+        "every variant ran slower, alike (they are interleaved)",
+        "load_averages": {"start": load_start, "end": load_end},
+        "wall_s": time.perf_counter() - t0,
+        "evaluation": evaluation, "rollout": rollout,
+    }  # fmt: skip
+    result = json.loads(json.dumps(to_jsonable(result)))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     plot(result, out.with_suffix(".png"))
-    keys = ("median_seconds", "speedup_median", "speedup_weights_cast_once", "identical_tokens")
-    print(json.dumps({k: result[k] for k in keys}, indent=2))
+    brief = {k: result[k]["median_useful_tokens_per_s"] for k in ("evaluation", "rollout")}
+    print(json.dumps({**brief, "load": [load_start[0], load_end[0]]}, indent=2))
     print(f"wrote {out} and {out.with_suffix('.png')}")
     if tmp is not None:
         tmp.cleanup()

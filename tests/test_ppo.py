@@ -442,8 +442,10 @@ def test_trainer_batch_follows_the_schedule(tmp_path):
     assert seen == [[i for i in s for _ in range(2)] for s in sched]
 
 
-def test_rollout_stops_at_the_end_tokens_generate_uses(tmp_path):
-    """A generation config with an extra end id: PPO's mask and `models.generation.generate` both stop there."""
+@pytest.mark.parametrize("sampler", ["compact", "transformers"])
+def test_rollout_stops_at_the_end_tokens_generate_uses(tmp_path, sampler):
+    """A generation config with an extra end id: PPO's mask and `models.generation.generate` both
+    stop there (with transformers' sampler, one torch seed: the very same samples)."""
     model, tok = tiny_policy(seed=0)
     extra = tok.convert_tokens_to_ids("w3")
     model.generation_config.eos_token_id = [tok.eos_token_id, extra]
@@ -457,13 +459,15 @@ def test_rollout_stops_at_the_end_tokens_generate_uses(tmp_path):
     model.base_model.model.lm_head.register_forward_hook(favour_extra)
     prompts, contexts = toy_contexts(8)
     cfg = small_cfg(max_new_tokens=10, batch_size=8)
-    tr = PPOTrainer(model, tok, prompts, contexts, toy_reward, cfg, tmp_path, seed=0)
+    tr = PPOTrainer(
+        model, tok, prompts, contexts, toy_reward, cfg, tmp_path, seed=0, sampler=sampler
+    )
     assert set(tr.stop_ids) == eos_ids(model, tok) == stop
     torch.manual_seed(11)
     ro = tr.rollout(list(range(8)))
     df = generate(
         tr.unwrapped.policy, tok, prompts, 1, max_new_tokens=10, temperature=cfg.temperature,
-        top_p=cfg.top_p, postprocess="none", seed=11, batch_size=8, progress=False,
+        top_p=cfg.top_p, postprocess="none", seed=11, batch_size=8, progress=False, sampler=sampler,
     )  # fmt: skip
     R = ro.response_ids.shape[1]
     stopped_at_extra = 0
@@ -474,6 +478,9 @@ def test_rollout_stops_at_the_end_tokens_generate_uses(tmp_path):
         if len(kept) < cfg.max_new_tokens:
             assert kept[-1] in stop
         stopped_at_extra += kept[-1] == extra
-        assert kept == df.response_ids[row]  # the same samples, trimmed the same way
-        assert df.finished[row] == (kept[-1] in stop)
+        resp = df.response_ids[row]
+        assert df.finished[row] == (resp[-1] in stop) and not stop & set(resp[:-1])
+        if sampler == "transformers":
+            assert kept == resp  # the same samples, trimmed the same way
     assert stopped_at_extra >= 2  # the extra id did end responses (the test has teeth)
+    assert sum(r[-1] == extra for r in df.response_ids) >= 2

@@ -73,19 +73,19 @@ def test_templated_prompts_one_bos_everywhere(tmp_path):
     examples, _ = build_examples(rows, tok, model, TEMPLATE, PolicyConfig(), 8)
     assert [e.prompt_ids for e in examples] == ppo
 
-    # ... and so are the ids PPO's rollout feeds to generate (padding stripped)
+    # ... and so are the ids PPO's rollout samples from (padding stripped)
     seen = []
     policy = apply_lora(model, LoraSettings(rank=2, alpha=4, target_modules=["q_proj"]))
-    generate = policy.generate
-
-    def spy(**kw):
-        for ids, mask in zip(kw["input_ids"], kw["attention_mask"], strict=True):
-            seen.append(ids[mask.bool()].tolist())
-        return generate(**kw)
-
-    policy.generate = spy
     cfg = small_cfg(batch_size=4, num_generations=1, minibatch_size=4, max_new_tokens=2)
     tr = PPOTrainer(policy, tok, prompts, CONTEXTS, toy_reward, cfg, tmp_path, seed=0)
+    sample = tr.sample
+
+    def spy(model, enc, *args, **kw):
+        for ids, mask in zip(enc["input_ids"], enc["attention_mask"], strict=True):
+            seen.append(ids[mask.bool()].tolist())
+        return sample(model, enc, *args, **kw)
+
+    tr.sample = spy
     with torch.no_grad():
         tr.rollout([0, 1, 2, 3])
     assert seen == ppo[:4]

@@ -43,6 +43,18 @@ class PolicyConfig(Section):
     (CPUs with avx512_bf16 and GPUs); null keeps everything in `dtype`"""
     lora: LoraSettings = Field(default_factory=LoraSettings)
     """The LoRA adapters every trained policy uses (SFT, RL, ILHF's particles)."""
+    sampler: Literal["compact", "transformers"] = "compact"
+    """How evaluation and PPO-family rollouts sample: 'compact' (`models.decode.sample_compact`:
+    finished responses leave the batch, each response draws from its own seeded stream, so its
+    tokens do not depend on the batch) or 'transformers' (`generate`, the path before issue 44;
+    the same distribution, other draws)."""
+    merge_lora: bool = True
+    """Sample a LoRA policy from its adapter merged into a copy of the weights
+    (`models.decode.merged_lora`): the same distribution up to rounding, without the adapters'
+    per-layer cost."""
+    compile_decode: bool = False
+    """Evaluation's compact decode step through `torch.compile` (inductor): the same tokens, but
+    minutes of compiling per process on two cores, not shown to pay: off (README)."""
 
 
 class SFTConfig(Section):

@@ -1,5 +1,6 @@
-"""Prompting and sampling: chat formatting, left-padded encoding, autocast, a KV cache and frozen
-weights kept in the autocast dtype, end tokens, response post-processing and batched generation."""
+"""Prompting and sampling: chat formatting, left-padded encoding, autocast, end tokens, response
+post-processing and batched generation (the decode loop itself, the KV cache and weights in the
+autocast dtype and merged LoRA weights: `models.decode`)."""
 
 from __future__ import annotations
 
@@ -15,84 +16,11 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
-from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from rlxf_utils.config import PolicyConfig, RLConfig
+from rlxf_utils.models import decode
+from rlxf_utils.models.decode import autocast_kv_cache, frozen_weights_in_autocast_dtype
 from rlxf_utils.prompts import build_policy_prompt
-
-
-class _AutocastKVLayer(DynamicLayer):
-    """A KV-cache layer that stores keys and values in the autocast dtype while autocast is on.
-
-    Under bf16 autocast, Llama-style keys leave the rotary embedding in float32 (an fp32 cos/sin
-    times a bf16 projection), so the default cache grows in fp32 and attention (an autocast op)
-    casts the whole cache to bf16 again at every decoding step. Casting each new key and value
-    once, as they enter, gives attention the very same bf16 tensors (bit-identical samples) with
-    half the bytes to concatenate and no per-step cast (bench/generation.py: x1.09 at 16
-    responses per batch, x1.16 at 64, identical tokens)."""
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
-    ):
-        kind = key_states.device.type
-        if torch.is_autocast_enabled(kind):
-            dtype = torch.get_autocast_dtype(kind)
-            key_states, value_states = key_states.to(dtype), value_states.to(dtype)
-        return super().update(key_states, value_states, *args, **kwargs)
-
-
-def autocast_kv_cache(model: Any) -> Any | None:
-    """A fresh dynamic KV cache for `model` whose layers keep the autocast dtype, or None when the
-    model's cache has other layer types (sliding windows...): those keep transformers' default."""
-    cache = DynamicCache(config=model.config)
-    if not cache.layers or any(type(layer) is not DynamicLayer for layer in cache.layers):
-        return None
-    cache.layers = [_AutocastKVLayer() for _ in cache.layers]
-    return cache
-
-
-@contextlib.contextmanager
-def frozen_weights_in_autocast_dtype(model: Any) -> Iterator[None]:
-    """Inside this context, under autocast, every frozen float32 `nn.Linear` weight of `model`
-    (the base model's projections and LM head under LoRA; inactive adapters) is a copy already
-    in the autocast dtype; on leaving, the original parameters are back (a tied LM head is tied
-    again). Outside autocast, or with nothing to cast, it does nothing.
-
-    Autocast re-casts a weight at every call unless it requires grad (its cast cache is for
-    trainable leaves, and `autocast()` turns even that off), so each decoding step of a LoRA
-    policy cast all 135M frozen base weights again: at 16 responses per batch, longer than the
-    step's matmuls. Casting once gives every matmul the very same bf16 operands (the same
-    rounding of the same weights): identical tokens and log-probs (tests/test_models.py;
-    bench/generation.py: x1.6 at 16 responses per batch, x1.25 at 64). Trainable weights are
-    untouched; the copy costs the frozen weights' size in the autocast dtype while the context is
-    open. Embeddings keep float32 (their lookup is no autocast op). For no-grad work only
-    (generation, scoring): a backward pass inside would reach the copies, not the weights."""
-    kind = _device_type(model)
-    if not torch.is_autocast_enabled(kind):
-        yield
-        return
-    dtype = torch.get_autocast_dtype(kind)
-    saved = [
-        (mod, mod.weight)
-        for mod in model.modules()
-        if isinstance(mod, torch.nn.Linear)
-        and isinstance(mod.weight, torch.nn.Parameter)
-        and not mod.weight.requires_grad
-        and mod.weight.dtype == torch.float32
-    ]
-    try:
-        with torch.no_grad():
-            for mod, weight in saved:
-                mod.weight = torch.nn.Parameter(weight.to(dtype), requires_grad=False)
-        yield
-    finally:
-        for mod, weight in saved:
-            mod.weight = weight
-
-
-def _device_type(model: Any) -> str:
-    param = next(model.parameters(), None)
-    return param.device.type if param is not None else "cpu"
 
 
 def _generate_with_autocast_cache(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -100,16 +28,22 @@ def _generate_with_autocast_cache(self: Any, *args: Any, **kwargs: Any) -> Any:
         cache = autocast_kv_cache(self)
         if cache is not None:
             kwargs["past_key_values"] = cache
-    with frozen_weights_in_autocast_dtype(self):
+    merge = self.rlxf_merge_lora and not kwargs.get("adapter_names")
+    merged = decode.merged_lora(self) if merge else contextlib.nullcontext()
+    with merged, frozen_weights_in_autocast_dtype(self):
         return type(self).generate(self, *args, **kwargs)
 
 
-def cache_in_autocast_dtype(model: PreTrainedModel) -> PreTrainedModel:
+def cache_in_autocast_dtype(model: PreTrainedModel, merge_lora: bool = False) -> PreTrainedModel:
     """Make `model.generate` (also when called through peft or TRL, which reach this model's
     method), whenever it runs under autocast, use `autocast_kv_cache` and
     `frozen_weights_in_autocast_dtype`: the same samples, faster. Outside autocast generation is
-    unchanged; a cache the caller passes is kept."""
+    unchanged; a cache the caller passes is kept. With `merge_lora` (`policy.merge_lora`;
+    `model.rlxf_merge_lora` switches it), a LoRA added later samples from merged weights
+    (`decode.merged_lora`; not in peft's mixed-adapter batches): TRL's GRPO and RLOO rollouts,
+    ILHF's single-adapter ones and PPO's with `sampler: transformers`."""
     model.generate = types.MethodType(_generate_with_autocast_cache, model)
+    model.rlxf_merge_lora = merge_lora
     return model
 
 
@@ -227,11 +161,22 @@ def generate(
     desc: str = "generate",
     progress: bool = True,
     adapter_names: Sequence[str] | None = None,
+    sampler: str = "compact",
+    merge: bool = True,
+    compile_step: bool = False,
 ) -> pd.DataFrame:
     """k sampled responses per prompt, batched with left padding and the KV cache.
 
     `adapter_names` (one per prompt): the LoRA adapter that answers each prompt, in one batch
     (peft's mixed-adapter batches; an ILHF ensemble's Thompson draw).
+
+    `sampler` (`policy.sampler`): 'compact' (`models.decode.sample_compact`: finished rows leave
+    the batch; response (i, j) draws from its own stream seeded by (seed, i x k + j), so it is
+    the same whatever the batch size) or 'transformers' (`model.generate`, one torch seed per
+    call: the path before issue 44, kept for the bench). `merge` (`policy.merge_lora`): a LoRA
+    policy samples from its adapter merged into a copy of the weights (`decode.merged_lora`; not
+    with `adapter_names`). `compile_step` (`policy.compile_decode`): the compact loop's forward
+    through `torch.compile`.
 
     Rows: prompt_id, sample_id, prompt_ids, response_ids (trimmed after the first end token),
     raw (decoded), response (post-processed, what the reward model scores), n_tokens, finished
@@ -239,6 +184,8 @@ def generate(
     """
     from tqdm.auto import tqdm
 
+    if sampler not in ("compact", "transformers"):
+        raise ValueError(f"sampler={sampler!r}; expected 'compact' or 'transformers'")
     torch.manual_seed(seed)
     model.eval()
     stop = eos_ids(model, tokenizer)
@@ -246,40 +193,67 @@ def generate(
     items = [(i, j) for i in range(len(prompts)) for j in range(k)]
     rows: list[dict[str, Any]] = []
     starts = range(0, len(items), batch_size)
-    for start in tqdm(starts, desc=desc, disable=not progress, leave=False):
-        batch = items[start : start + batch_size]
-        enc = encode_prompts(
-            tokenizer, [prompts[i] for i, _ in batch], return_tensors="pt", padding=True
-        ).to(device)
-        out = model.generate(
-            **enc,
-            do_sample=True,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=0,
-            max_new_tokens=max_new_tokens,
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=sorted(stop) or None,
-            **({"adapter_names": [adapter_names[i] for i, _ in batch]} if adapter_names else {}),
-        )
-        width = enc["input_ids"].shape[1]
-        for row, (i, j) in enumerate(batch):
-            prompt = enc["input_ids"][row][enc["attention_mask"][row].bool()].tolist()
-            resp = trim_response(out[row, width:].tolist(), stop)
-            raw = tokenizer.decode(resp, skip_special_tokens=True)
-            rows.append(
-                {
-                    "prompt_id": i,
-                    "sample_id": j,
-                    "prompt_ids": prompt,
-                    "response_ids": resp,
-                    "raw": raw,
-                    "response": postprocess_response(raw, postprocess),
-                    "n_tokens": len(resp),
-                    "finished": bool(resp) and resp[-1] in stop,
-                }
-            )
+    merged = decode.merged_lora(model) if merge and not adapter_names else _unmerged(model)
+    step = decode.compiled_forward(model) if compile_step and sampler == "compact" else None
+    with merged:
+        for start in tqdm(starts, desc=desc, disable=not progress, leave=False):
+            batch = items[start : start + batch_size]
+            enc = encode_prompts(
+                tokenizer, [prompts[i] for i, _ in batch], return_tensors="pt", padding=True
+            ).to(device)
+            names = [adapter_names[i] for i, _ in batch] if adapter_names else None
+            if sampler == "compact":
+                out = decode.sample_compact(
+                    model, enc["input_ids"], enc["attention_mask"],
+                    max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                    stop_ids=sorted(stop), pad_id=tokenizer.pad_token_id, seed=seed,
+                    rows=[i * k + j for i, j in batch], adapter_names=names, step=step,
+                ).ids  # fmt: skip
+            else:
+                out = model.generate(
+                    **enc, do_sample=True, temperature=temperature, top_p=top_p, top_k=0,
+                    max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                    eos_token_id=sorted(stop) or None,
+                    **({"adapter_names": names} if names else {}),
+                )[:, enc["input_ids"].shape[1] :]  # fmt: skip
+            rows += _response_rows(enc, out, batch, stop, tokenizer, postprocess)
     return pd.DataFrame(rows)
+
+
+@contextlib.contextmanager
+def _unmerged(model: Any) -> Iterator[None]:
+    """`generate(merge=False)`: the LoRA unmerged in transformers' `generate` too."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    flag = getattr(inner, "rlxf_merge_lora", None)
+    if flag is not None:
+        inner.rlxf_merge_lora = False
+    try:
+        yield
+    finally:
+        if flag is not None:
+            inner.rlxf_merge_lora = flag
+
+
+def _response_rows(enc: Any, out: torch.Tensor, batch: Sequence[tuple[int, int]], stop: set[int],
+                   tokenizer: Any, postprocess: str) -> list[dict[str, Any]]:  # fmt: skip
+    rows = []
+    for row, (i, j) in enumerate(batch):
+        prompt = enc["input_ids"][row][enc["attention_mask"][row].bool()].tolist()
+        resp = trim_response(out[row].tolist(), stop)
+        raw = tokenizer.decode(resp, skip_special_tokens=True)
+        rows.append(
+            {
+                "prompt_id": i,
+                "sample_id": j,
+                "prompt_ids": prompt,
+                "response_ids": resp,
+                "raw": raw,
+                "response": postprocess_response(raw, postprocess),
+                "n_tokens": len(resp),
+                "finished": bool(resp) and resp[-1] in stop,
+            }
+        )
+    return rows
 
 
 def sample_responses(
@@ -314,7 +288,9 @@ def sampling_kwargs(cfg: Any, progress: bool = True) -> dict[str, Any]:
     rl = cfg.rl
     return dict(max_new_tokens=rl.max_new_tokens, temperature=rl.temperature, top_p=rl.top_p,
                 postprocess=rl.response_postprocess, seed=cfg.run.seed,
-                batch_size=cfg.evaluation.batch_size, progress=progress)  # fmt: skip
+                batch_size=cfg.evaluation.batch_size, progress=progress,
+                sampler=cfg.policy.sampler, merge=cfg.policy.merge_lora,
+                compile_step=cfg.policy.compile_decode)  # fmt: skip
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -130,7 +130,7 @@ def load_policy(
         model.name_or_path = model.config._name_or_path = EMBEDDED_BASE_NAME
     if device is not None:
         model.to(device)
-    cache_in_autocast_dtype(model)
+    cache_in_autocast_dtype(model, merge_lora=cfg.merge_lora)
     return model, tok
 
 

@@ -183,7 +183,8 @@ def _sample_pool(job: TrainJob, batch_size: int) -> pd.DataFrame:
         pool = generate(job.model, job.tokenizer, prompts, k, max_new_tokens=rl.max_new_tokens,
                         temperature=rl.temperature, top_p=rl.top_p,
                         postprocess=rl.response_postprocess, seed=job.seed, batch_size=batch_size,
-                        desc="rft candidates", progress=job.progress)  # fmt: skip
+                        desc="rft candidates", progress=job.progress, sampler=job.policy.sampler,
+                        merge=job.policy.merge_lora)  # fmt: skip
     pool["context_id"] = order[pool["prompt_id"].to_numpy()]
     contexts = [dict(job.contexts[i]) for i in pool["context_id"]]
     pool["reward"] = np.asarray(job.reward_fn(contexts, pool["response"].tolist()), dtype=float)

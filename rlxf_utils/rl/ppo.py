@@ -42,6 +42,7 @@ from torch import nn
 
 from rlxf_utils.artifacts import atomic_path
 from rlxf_utils.config import CRITIC_INIT, RLConfig
+from rlxf_utils.models.decode import merged_lora, sample_compact
 from rlxf_utils.models.generation import (
     autocast,
     encode_prompts,
@@ -107,6 +108,7 @@ class PPOTrainer(AcceleratedTrainer):
         autocast_dtype: str | None = None,
         references: Sequence[Sequence[Sequence[int]]] | None = None,
         mle_coef: float = 0.0,
+        sampler: str = "compact",
     ):
         if len(prompts) != len(contexts) or not prompts:
             raise ValueError(
@@ -122,6 +124,7 @@ class PPOTrainer(AcceleratedTrainer):
         self.seed, self.n_samples = seed, n_samples
         self.generation_kwargs = dict(generation_kwargs or {})  # extra generate() args (benchmarks)
         self.autocast_dtype = autocast_dtype  # 'bfloat16': matmuls in bf16 (rollout and update)
+        self.sampler = sampler  # `policy.sampler`: 'compact' or 'transformers' (see `sample`)
         # the RLGF paper's MLE term: eta x NLL of a historical MET description per context
         self.mle_coef = float(mle_coef)
         self.references = [list(map(list, r)) for r in (references or [[] for _ in prompts])]
@@ -193,13 +196,52 @@ class PPOTrainer(AcceleratedTrainer):
         temperature: float,
         top_p: float,
         prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
+        rows: Sequence[int] | None = None,
+        stream: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Sample a response per prompt of `enc` from `model`; returns (response ids padded after
         the first end token, response mask up to and including it).
 
         `prefix` = (ids (B, H), lengths (B,)): the first `lengths[i]` tokens of response i are
         forced to `ids[i]` (RLGF's roll-in, continued exactly by the roll-out policy).
+
+        With `sampler: compact` (and no `generation_kwargs`), `models.decode.sample_compact`
+        samples from the LoRA merged into a copy of the weights, dropping finished rows; row i
+        draws from the stream of (seed, process, step, `stream`; `rows[i]`, default i), so a
+        resumed run samples what the uninterrupted one did. The update's old log-probs are
+        recomputed by `prepare` on the unmerged policy: the ratio is to the policy that sampled,
+        up to rounding. Otherwise transformers' `generate` (benchmarks pass its arguments).
         """
+        tok = self.tokenizer
+        if self.sampler == "compact" and not self.generation_kwargs:
+            seed = np.random.SeedSequence([self.seed, self.rank, self.step, stream])
+            with self._autocast(), merged_lora(model):
+                response = sample_compact(
+                    model, enc["input_ids"], enc["attention_mask"],
+                    max_new_tokens=self.cfg.max_new_tokens, temperature=temperature, top_p=top_p,
+                    stop_ids=self.stop_ids, pad_id=tok.pad_token_id,
+                    seed=int(seed.generate_state(1)[0]), rows=rows, prefix=prefix,
+                ).ids  # fmt: skip
+        else:
+            response = self._generate(model, enc, temperature, top_p, prefix)
+        # Response mask: tokens up to and including the first end token (pad may equal EOS).
+        is_eos = torch.isin(response, torch.tensor(self.stop_ids, device=response.device))
+        after_eos = (is_eos.cumsum(-1) - is_eos.long()) > 0
+        response_mask = (~after_eos).long()
+        response = torch.where(
+            response_mask.bool(), response, torch.full_like(response, tok.pad_token_id)
+        )
+        return response, response_mask
+
+    def _generate(
+        self,
+        model: nn.Module,
+        enc: Mapping[str, torch.Tensor],
+        temperature: float,
+        top_p: float,
+        prefix: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> torch.Tensor:
+        """Response ids from transformers' `generate` (the path before issue 44)."""
         from transformers import LogitsProcessorList
 
         tok = self.tokenizer
@@ -224,15 +266,7 @@ class PPOTrainer(AcceleratedTrainer):
             out = model.generate(
                 input_ids=enc["input_ids"], attention_mask=enc["attention_mask"], **kwargs
             )
-        response = out[:, enc["input_ids"].shape[1] :]
-        # Response mask: tokens up to and including the first end token (pad may equal EOS).
-        is_eos = torch.isin(response, torch.tensor(self.stop_ids, device=response.device))
-        after_eos = (is_eos.cumsum(-1) - is_eos.long()) > 0
-        response_mask = (~after_eos).long()
-        response = torch.where(
-            response_mask.bool(), response, torch.full_like(response, tok.pad_token_id)
-        )
-        return response, response_mask
+        return out[:, enc["input_ids"].shape[1] :]
 
     def encode(self, idx: Sequence[int]) -> dict[str, torch.Tensor]:
         """Left-padded prompt ids of contexts `idx` on the trainer's device."""
@@ -597,7 +631,7 @@ def run_ppo(job: TrainJob) -> pd.DataFrame:
     trainer = PPOTrainer(
         model, job.tokenizer, job.prompts, job.contexts, job.reward_fn, job.rl, job.output_dir,
         seed=job.seed, generation_kwargs=job.generation_kwargs, autocast_dtype=job.policy.autocast,
-        **mle,
+        sampler=job.policy.sampler, **mle,
     )  # fmt: skip
     trainer.algo = job.algo  # its log rows and messages name it (ppo or ppo_mle)
     refs = mle["references"]

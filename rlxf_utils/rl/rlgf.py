@@ -163,7 +163,9 @@ class GuidedPPOTrainer(PPOTrainer):
         if sub.size:  # roll-ins only for the samples drawn to switch
             sub_t = torch.as_tensor(sub, device=self.device)
             sub_enc = self._subset(enc, sub_t)
-            ids, ids_mask = self.sample(settings[rollin][0], sub_enc, *settings[rollin][1:])
+            ids, ids_mask = self.sample(
+                settings[rollin][0], sub_enc, *settings[rollin][1:], rows=sub.tolist(), stream=1
+            )
             # L = tokens before the end token (the whole response when it hit the cap)
             is_end = (
                 torch.isin(ids, torch.tensor(self.stop_ids, device=ids.device)) & ids_mask.bool()
@@ -210,6 +212,7 @@ def run_rlgf(job: TrainJob) -> pd.DataFrame:
     trainer = GuidedPPOTrainer(
         algo, model, guide, job.tokenizer, job.prompts, job.contexts, job.reward_fn, job.rl, rg,
         job.output_dir, references=references, seed=job.seed, autocast_dtype=job.policy.autocast,
+        sampler=job.policy.sampler,
     )  # fmt: skip
     n = job.n_steps
     schemes = [scheme_at(algo, s, n, rg, job.seed) for s in range(n)]
