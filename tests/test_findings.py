@@ -60,15 +60,14 @@ def test_rl_finding_names_only_the_methods_whose_interval_excludes_zero() -> Non
     assert text.endswith("(99.6% simultaneous CIs)")
     # the nulls as bounds: the largest gain the other intervals allow
     assert (
-        "raised the reward model's score on held-out prompts, and the intervals allow the "
-        "other one no gain larger than +0.006;" in text
+        "raised the reward model's score on held-out prompts (the other one: gains of at most "
+        "+0.006);" in text
     )
-    assert "the intervals allow the other 2 no gain larger than +0.011 (99.6%" in text
+    assert "raised it (the other 2: gains of at most +0.011) (99.6%" in text
     none = _methods().assign(gain_low=-1.0, audit_gain_low=-1.0)
     text = rl_finding(none, "sft", "99%")
     assert (
-        "none raised the reward model's score on held-out prompts: the intervals allow none "
-        "a gain larger than +0.032" in text
+        "none raised the reward model's score on held-out prompts (gains of at most +0.032)" in text
     )
 
 

@@ -80,17 +80,17 @@ def _moved(rows: pd.DataFrame, key: str) -> tuple[list[str], list[str]]:
 
 
 def _no_gain_beyond(rows: pd.DataFrame, key: str, some_moved: bool) -> str:
-    """The nulls as a bound: ', and the intervals allow the other 2 no gain larger than +0.006'
-    (the largest upper end
-    among the intervals that hold zero), '' when every interval excludes zero."""
+    """The nulls as a bound, the largest upper end among the intervals that hold zero:
+    ' (gains of at most +0.032)', or ' (the other 2: gains of at most +0.011)' beside methods that
+    moved; '' when every interval excludes zero."""
     null = rows[(rows[f"{key}_low"] <= 0) & (rows[f"{key}_high"] >= 0)]
     if null.empty:
         return ""
     top = num(float(null[f"{key}_high"].max()), signed=True)
     if not some_moved:
-        return f": the intervals allow none a gain larger than {top}"
-    others = "other one" if len(null) == 1 else f"other {len(null)}"
-    return f", and the intervals allow the {others} no gain larger than {top}"
+        return f" (gains of at most {top})"
+    others = "the other one" if len(null) == 1 else f"the other {len(null)}"
+    return f" ({others}: gains of at most {top})"
 
 
 def rl_finding(table: pd.DataFrame, start: str, ci_level: str) -> str:
