@@ -201,7 +201,7 @@ def test_ppos_ratio_is_to_the_policy_that_sampled(tmp_path, monkeypatch, precisi
     """PPO samples from merged weights and recomputes its old log-probs on the unmerged policy:
     they agree with the sampler's own log-probs within rounding, so the ratio is to the policy
     that sampled."""
-    import rlxf_utils.rl.ppo as ppo
+    import rlxf_utils.rl.rollout as rollout
 
     seen = []
 
@@ -210,7 +210,7 @@ def test_ppos_ratio_is_to_the_policy_that_sampled(tmp_path, monkeypatch, precisi
         seen.append(out)
         return out
 
-    monkeypatch.setattr(ppo, "sample_compact", spy)
+    monkeypatch.setattr(rollout, "sample_compact", spy)  # where PPO samples
     model, tok = _random_lora_policy()
     model.train()
     for n, p in model.named_parameters():

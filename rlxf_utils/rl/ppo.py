@@ -42,7 +42,6 @@ from torch import nn
 
 from rlxf_utils.artifacts import atomic_path
 from rlxf_utils.config import CRITIC_INIT, RLConfig
-from rlxf_utils.models.decode import merged_lora, sample_compact
 from rlxf_utils.models.generation import (
     autocast,
     encode_prompts,
@@ -72,7 +71,7 @@ from rlxf_utils.rl.core import (
     whiten,
 )
 from rlxf_utils.rl.mle import context_prompt, mle_loss, mle_settings
-from rlxf_utils.rl.rollout import ForcedPrefix, Prepared, Rollout
+from rlxf_utils.rl.rollout import Prepared, Rollout, sample_rollout
 from rlxf_utils.rl.trainer import TrainJob, write_settings
 from rlxf_utils.runtime import seed_everything
 
@@ -212,61 +211,14 @@ class PPOTrainer(AcceleratedTrainer):
         recomputed by `prepare` on the unmerged policy: the ratio is to the policy that sampled,
         up to rounding. Otherwise transformers' `generate` (benchmarks pass its arguments).
         """
-        tok = self.tokenizer
-        if self.sampler == "compact" and not self.generation_kwargs:
-            seed = np.random.SeedSequence([self.seed, self.rank, self.step, stream])
-            with self._autocast(), merged_lora(model):
-                response = sample_compact(
-                    model, enc["input_ids"], enc["attention_mask"],
-                    max_new_tokens=self.cfg.max_new_tokens, temperature=temperature, top_p=top_p,
-                    stop_ids=self.stop_ids, pad_id=tok.pad_token_id,
-                    seed=int(seed.generate_state(1)[0]), rows=rows, prefix=prefix,
-                ).ids  # fmt: skip
-        else:
-            response = self._generate(model, enc, temperature, top_p, prefix)
-        # Response mask: tokens up to and including the first end token (pad may equal EOS).
-        is_eos = torch.isin(response, torch.tensor(self.stop_ids, device=response.device))
-        after_eos = (is_eos.cumsum(-1) - is_eos.long()) > 0
-        response_mask = (~after_eos).long()
-        response = torch.where(
-            response_mask.bool(), response, torch.full_like(response, tok.pad_token_id)
-        )
-        return response, response_mask
-
-    def _generate(
-        self,
-        model: nn.Module,
-        enc: Mapping[str, torch.Tensor],
-        temperature: float,
-        top_p: float,
-        prefix: tuple[torch.Tensor, torch.Tensor] | None,
-    ) -> torch.Tensor:
-        """Response ids from transformers' `generate` (the path before issue 44)."""
-        from transformers import LogitsProcessorList
-
-        tok = self.tokenizer
-        processors = None
-        if prefix is not None and int(prefix[1].max()) > 0:
-            processors = LogitsProcessorList(
-                [ForcedPrefix(prefix[0], prefix[1], enc["input_ids"].shape[1])]
-            )
-        kwargs = dict(
-            do_sample=True,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=0,
-            max_new_tokens=self.cfg.max_new_tokens,
-            pad_token_id=tok.pad_token_id,
-            eos_token_id=self.stop_ids,
-            use_cache=True,  # KV cache: each new token attends to cached keys/values
-            logits_processor=processors,
-        )
-        kwargs.update(self.generation_kwargs)  # benchmarks and tests may override the defaults
-        with self._autocast():
-            out = model.generate(
-                input_ids=enc["input_ids"], attention_mask=enc["attention_mask"], **kwargs
-            )
-        return out[:, enc["input_ids"].shape[1] :]
+        seed = np.random.SeedSequence([self.seed, self.rank, self.step, stream])
+        return sample_rollout(
+            model, enc, compact=self.sampler == "compact" and not self.generation_kwargs,
+            max_new_tokens=self.cfg.max_new_tokens, temperature=temperature, top_p=top_p,
+            stop_ids=self.stop_ids, pad_id=self.tokenizer.pad_token_id,
+            seed=int(seed.generate_state(1)[0]), rows=rows, prefix=prefix,
+            autocast=self._autocast, generation_kwargs=self.generation_kwargs,
+        )  # fmt: skip
 
     def encode(self, idx: Sequence[int]) -> dict[str, torch.Tensor]:
         """Left-padded prompt ids of contexts `idx` on the trainer's device."""
