@@ -28,7 +28,7 @@ $(STAMP): pyproject.toml requirements-models.txt
 ## The main job: every notebook with params/default.yaml, then the report; outputs in runs/default/.
 study: $(STAMP)
 	$(BIN)/rlxf run --params $(PARAMS) $(if $(RUN_DIR),--run-dir $(RUN_DIR))
-	$(BIN)/rlxf report --run-dir $(or $(RUN_DIR),runs/$(shell $(BIN)/python -c "import yaml,sys; print(yaml.safe_load(open('$(PARAMS)'))['run']['name'])"))
+	$(BIN)/rlxf report --run-dir $(or $(RUN_DIR),runs/$(shell $(BIN)/python -c "from rlxf_utils.config import load_config; print(load_config('$(PARAMS)').run.name)"))
 
 ## The same study in minutes on a MONA subsample (params/smoke.yaml).
 smoke: PARAMS = params/smoke.yaml

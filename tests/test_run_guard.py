@@ -4,6 +4,7 @@ kernel, one run per folder (a lock), parameters frozen at the start, and a corru
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -169,10 +170,19 @@ def test_a_relative_run_dir_reaches_the_kernels_as_absolute_paths(
 ) -> None:
     """`rlxf run --run-dir runs/x` (the CLI's own example) and `make study RUN_DIR=runs/x`: the
     kernels run in notebooks/, so every path they are given is absolute."""
-    make = subprocess.run(["make", "-n", "study", "RUN_DIR=runs/x"], cwd=ROOT, text=True,
-                          capture_output=True, check=True).stdout.splitlines()  # fmt: skip
+    # under `make test` this runs inside a make: no inherited MAKEFLAGS, no "Entering directory"
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    make = subprocess.run(["make", "--no-print-directory", "-n", "study", "RUN_DIR=runs/x"],
+                          cwd=ROOT, text=True, capture_output=True, check=True,
+                          env=env).stdout.splitlines()  # fmt: skip
     run_line = next(line for line in make if " run --params " in line)
-    assert run_line.endswith("--run-dir runs/x") and make[-1].endswith("report --run-dir runs/x")
+    report_line = next(line for line in make if " report --run-dir " in line)
+    assert run_line.endswith("--run-dir runs/x") and report_line.endswith("report --run-dir runs/x")
+    # without RUN_DIR the report's folder is the profile's resolved run.name (smoke extends default)
+    make = subprocess.run(["make", "--no-print-directory", "-n", "study", "PARAMS=params/smoke.yaml"],
+                          cwd=ROOT, text=True, capture_output=True, check=True,
+                          env=env).stdout.splitlines()  # fmt: skip
+    assert any(line.endswith("report --run-dir runs/smoke") for line in make), make
     monkeypatch.chdir(tmp_path)
     (tmp_path / "p.yaml").write_text(f"extends: {SMOKE}\n", encoding="utf-8")
     assert main(["run", "--params", "p.yaml", "--run-dir", "runs/x"]) == 130
