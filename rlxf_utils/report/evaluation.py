@@ -13,7 +13,6 @@ from rlxf_utils.artifacts import RunDir
 from rlxf_utils.evaluation.best_of_n import best_of_n_kl_bound
 from rlxf_utils.report.wording import (
     ci,
-    ci_verdict,
     f3,
     fmt_p,
     interval,
@@ -23,7 +22,9 @@ from rlxf_utils.report.wording import (
     markdown_table,
     null_bound_clause,
     num,
+    phrase,
     pval,
+    say,
     sd_verdict,
     short_text,
 )
@@ -36,7 +37,7 @@ def gain_verb(low: float, high: float) -> str:
     """'raised' / 'lowered' when the family's simultaneous interval of the gain lies above / below
     zero (the study's one multiplicity rule, `stats.family_alpha`), else 'did not significantly
     change'."""
-    return ci_verdict(low, high, "raised", "lowered", "did not significantly change")
+    return say("gain", low, high)
 
 
 def null_clause(low: float, high: float, margin: float | None = None) -> str:
@@ -194,9 +195,7 @@ def history_sentence(hist: dict[str, float], contrast: dict[str, Any]) -> str:
         h = contrast.get(col)
         if not h:
             continue
-        word = ci_verdict(
-            h["ci_low"], h["ci_high"], "above", "below", "not distinguishably apart from"
-        )
+        word = say("apart_from", h["ci_low"], h["ci_high"])
         parts.append(f"{who} places what was met {word} what was not "
                      f"(difference {ci(h['mean_diff'], h['ci_low'], h['ci_high'], signed=True)})")  # fmt: skip
     return (
@@ -267,7 +266,7 @@ def eval_section(run: RunDir, alpha: float = 0.05) -> tuple[dict[str, Any], dict
             f"difference [{fam} CI]": [ci(a, b, c, signed=True) for a, b, c in zip(paired.mean_diff, paired.ci_low, paired.ci_high, strict=True)],
             "family p": paired["p_family"].map(pval) if "p_family" in paired else "·",
             "verdict": [
-                margin_verdict(lo, hi, margin, "above", "below", "not distinguishable", "equivalent")
+                margin_verdict(lo, hi, margin)
                 for lo, hi in zip(paired.ci_low, paired.ci_high, strict=True)
             ],
             "MDE": paired["mde"].map(lambda v: num(v)) if "mde" in paired else "·",
@@ -298,8 +297,7 @@ def eval_section(run: RunDir, alpha: float = 0.05) -> tuple[dict[str, Any], dict
             f"({ci(r['audit_gain'], r['audit_gain_low'], r['audit_gain_high'], signed=True)}{'; ' + a_bound if a_bound else ''}), at a KL of "
             f"{r['kl']:.2f} nats to the starting policy"
         )
-        gap_word = ci_verdict(r.get("gap_low", math.nan), r.get("gap_high", math.nan),
-                              "larger than", "smaller than", "not distinguishable from")  # fmt: skip
+        gap_word = say("gap", r.get("gap_low", math.nan), r.get("gap_high", math.nan))
         concl.append(
             f"{algorithm_label(algo)} {verb} the reward it was trained on and {a_verb} the disjoint-rows audit "
             f"reward (its reward gain {gap_word} its audit gain)"
@@ -321,11 +319,7 @@ def eval_section(run: RunDir, alpha: float = 0.05) -> tuple[dict[str, Any], dict
         return r["best_of_n_kl"] if pd.notna(r.get("best_of_n_kl")) else min(r["kl"], curve_end)
 
     for _, r in vs_bon.iterrows():
-        where = {
-            "above": "lies above",
-            "below": "lies below",
-            "not distinguishable": "cannot be told apart from",
-        }[r["verdict"]]
+        where = phrase("curve", r["verdict"])
         bon_sentences.append(
             f"{algorithm_label(r['policy'])} ({f3(r['ave_r'])} at {r['kl']:.2f} nats) {where} the best-of-N curve "
             f"({f3(r['best_of_n_at_kl'])} at {bon_kl(r):.2f} nats"
@@ -493,12 +487,9 @@ def policy_lines(
     s = summary.loc[start]
     for algo in algos:
         r = summary.loc[algo]
-        word = ci_verdict(r.gain_low, r.gain_high, "significantly higher than",
-                          "significantly lower than", "not distinguishable from")  # fmt: skip
+        word = say("versus_start", r.gain_low, r.gain_high)
         verdict = f"{word} the start policy (family p = {r.gain_p_family:.3g})"
-        audit = ci_verdict(
-            r.audit_gain_low, r.audit_gain_high, "rose", "fell", "did not clearly change"
-        )
+        audit = say("audit_move", r.audit_gain_low, r.audit_gain_high)
         lines.append(
             f"- **{algorithm_label(algo)}**: Ave(R) {ci(r.ave_r, r.ave_r_low, r.ave_r_high)} "
             f"vs {start} {s['ave_r']:.3f}; a gain of {ci(r.gain, r.gain_low, r.gain_high, signed=True)}, "
@@ -520,7 +511,7 @@ def policy_lines(
     ]
     hc = meta["history_contrast"].get("reward")
     if hc:
-        word = ci_verdict(hc["ci_low"], hc["ci_high"], "above", "below", "not distinguishable from")
+        word = say("position_from", hc["ci_low"], hc["ci_high"])
         parts.append(
             f"on the {hc['n']} prompts ({hc['n_clusters']} countries) with both, the reward model "
             f"places what was met **{word}** what was not (difference {hc['mean_diff']:+.3f} "
@@ -537,7 +528,7 @@ def gap_lines(gap: pd.DataFrame) -> str:
     return "\n".join(
         f"- **{p}**: reward-model gain {r.gain:+.3f}, audit gain {r.audit_gain:+.3f}, gap {r.gap:+.3f} "
         f"{interval(r.gap_low, r.gap_high)}: the reward model's gain is **"
-        f"{ci_verdict(r.gap_low, r.gap_high, 'larger than', 'smaller than', 'not distinguishable from')}"
+        f"{say('gap', r.gap_low, r.gap_high)}"
         "** the audit's."
         for p, r in gap.iterrows()
     )

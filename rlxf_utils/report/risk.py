@@ -16,14 +16,14 @@ from typing import Any
 import pandas as pd
 
 from rlxf_utils.artifacts import RunDir
+from rlxf_utils.report.wording import fmt_num as _num
 from rlxf_utils.report.wording import (
-    ci_verdict,
     fmt_p,
     level_ci,
     literal,
     markdown_table,
+    say,
 )
-from rlxf_utils.report.wording import fmt_num as _num
 from rlxf_utils.report.wording import fmt_pct as _pct
 from rlxf_utils.report.wording import is_present as _ok
 from rlxf_utils.risk.common import RiskError, missing_note
@@ -51,9 +51,6 @@ class Finding:
         return " ".join(x for x in (self.lead, *self.items) if x)
 
 
-word = ci_verdict  # (low, high, up, down, unclear): the verdict word an interval supports
-
-
 def _pts(x: float) -> str:
     return f"{100 * x:+.1f}"
 
@@ -67,9 +64,7 @@ def drift_text(
     t = d.get("tests") or {}
     bs = t.get("base_rate_shift") or {}
     shift = d["met_rate_test_years"] - d["met_rate_train_years"]
-    moved = word(
-        bs.get("low"), bs.get("high"), "rose", "fell", "shows no change distinguishable from zero"
-    )
+    moved = say("base_rate", bs.get("low"), bs.get("high"))
     lead = (
         f"Conditions tested up to {d['cutoff']} were MET {_pct(d['met_rate_train_years'])} of the "
         f"time and those tested later {_pct(d['met_rate_test_years'])}: the base rate {moved} "
@@ -78,13 +73,7 @@ def drift_text(
     )
     cil = t.get("calibration_in_the_large") or {}
     bias = d["mean_p_test"] - d["observed_met_test"]
-    verdict = word(
-        cil.get("low"),
-        cil.get("high"),
-        "it overstates the later MET rate",
-        "it understates the later MET rate",
-        "the difference is not distinguishable from zero",
-    )
+    verdict = say("overstates", cil.get("low"), cil.get("high"))
     lead += (
         f" Over the {d['n_test']} later conditions the model trained up to {d['cutoff']} predicts "
         f"P(MET) = {_pct(d['mean_p_test'])} on average against an observed "
@@ -92,13 +81,7 @@ def drift_text(
         f"{level_ci(cil.get('low'), cil.get('high'), alpha, 1, 100)} points): {verdict}."
     )
     tr = t.get("accuracy_trend") or {}
-    trend = word(
-        tr.get("low"),
-        tr.get("high"),
-        "accuracy rises over the test years",
-        "accuracy falls over the test years",
-        "no trend distinguishable from zero",
-    )
+    trend = say("accuracy_trend", tr.get("low"), tr.get("high"))
     items = [
         f"Its accuracy is {_pct(d['accuracy_first_year'])} in {d['first_year']} and "
         f"{_pct(d['accuracy_last_year'])} in {d['last_year']}; a line through the later "
@@ -148,13 +131,7 @@ def group_text(
             items.append(f"By {label}: one group only{size}, nothing to compare.")
             continue
         lo, hi = s.get("max_abs_gap_low"), s.get("max_abs_gap_high")
-        gap = word(
-            lo,
-            hi,
-            "the model overstates the MET rate",
-            "the model understates the MET rate",
-            "the gap is not distinguishable from zero",
-        )
+        gap = say("group_gap", lo, hi)
         count = ""
         if "n_groups_over" in s:
             count = (
@@ -186,13 +163,7 @@ def swap_text(cs: Mapping[str, Any], alpha: float = 0.05) -> Finding:
         scale = ""
         if _ok(r.get("ratio")):
             lo, hi = r.get("ratio_low"), r.get("ratio_high")
-            how = word(
-                None if not _ok(lo) else lo - 1,
-                None if not _ok(hi) else hi - 1,
-                "more than",
-                "less than",
-                "neither clearly more nor clearly less than",
-            )
+            how = say("ratio", None if not _ok(lo) else lo - 1, None if not _ok(hi) else hi - 1)
             scale = (
                 f", {_num(r['ratio'], 2)} times the standard deviation of these texts' own rewards "
                 f"({_num(sd, 4)}; {level(alpha)} CI [{_num(lo, 2)}, {_num(hi, 2)}]): swapping the "
@@ -250,13 +221,7 @@ def length_text(
             )
             continue
         lo, hi = r.get("spearman_low"), r.get("spearman_high")
-        verdict = word(
-            lo,
-            hi,
-            "reward rises with length",
-            "reward falls with length",
-            f"no association distinguishable from none at the {level(alpha)} level",
-        )
+        verdict = say("length", lo, hi, level=level(alpha))
         items.append(
             f"{r['policy']} (n = {r['n']}, mean {_num(r['mean_length'], 1)} words): {verdict} "
             f"(Spearman ρ = {_num(r['spearman'], 2)}, {level_ci(lo, hi, alpha, 2)}; Pearson r = "
@@ -376,9 +341,7 @@ def diversity_text(
         parts = []
         for r in g.to_dict("records"):
             label, digits, unit = _MEASURES[r["measure"]]
-            verb = word(
-                r["ci_low"], r["ci_high"], "rises", "falls", "does not change distinguishably"
-            )
+            verb = say("change", r["ci_low"], r["ci_high"])
             parts.append(
                 f"{label} {verb} ({_num(r['start'], digits)} → {_num(r['value'], digits)}{unit}, "
                 f"{level_ci(r['ci_low'], r['ci_high'], alpha, digits)})"
@@ -456,13 +419,7 @@ def base_rate_sentence(d: Mapping[str, Any] | None, alpha: float) -> str:
     if not d:
         return "the base rate across a cut-off is not measured (the temporal protocol was not run)"
     bs = (d.get("tests") or {}).get("base_rate_shift") or {}
-    verdict = word(
-        bs.get("low"),
-        bs.get("high"),
-        "a rise distinguishable from zero",
-        "a fall distinguishable from zero",
-        "a difference not distinguishable from zero",
-    )
+    verdict = say("base_rate_short", bs.get("low"), bs.get("high"))
     return (
         f"the MET base rate was {_pct(d['met_rate_train_years'])} up to the {d['cutoff']} cut-off "
         f"and {_pct(d['met_rate_test_years'])} after it ({verdict} at the {level(alpha)} level)"

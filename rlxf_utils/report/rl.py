@@ -11,7 +11,6 @@ from rlxf_utils.artifacts import RunDir
 from rlxf_utils.config import CRITIC_INIT
 from rlxf_utils.report.wording import (
     ci,
-    ci_verdict,
     display_country,
     f3,
     fmt_num,
@@ -19,6 +18,7 @@ from rlxf_utils.report.wording import (
     is_present,
     listing,
     markdown_table,
+    say,
     short_text,
     spaced,
 )
@@ -129,9 +129,8 @@ def rl_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], dic
     ppo_sentence = ""
     if "PPO" in rows.index:
         r = rows.loc["PPO"]
-        ev_word = ci_verdict(r.get("explained_variance_low", math.nan),
-                             r.get("explained_variance_high", math.nan),
-                             "positive", "negative", "no clearly positive")  # fmt: skip
+        ev_word = say("explained_variance", r.get("explained_variance_low", math.nan),
+                      r.get("explained_variance_high", math.nan))  # fmt: skip
         if rl["adaptive_kl"]:
             beta = (f"β, adapted towards {rl['target_kl']:g} nats with K_β = {rl['kl_adapt_rate']:g}, moved from "
                     f"{r['beta_first']:.4f} to {r['beta_last']:.4f}")  # fmt: skip

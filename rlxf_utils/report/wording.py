@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 
 from rlxf_utils.names import outside_fences
-from rlxf_utils.stats import bound_verdict, ci_sign, level
+from rlxf_utils.stats import VERDICTS, bound_verdict, ci_sign, level
 
 
 def is_present(x: Any) -> bool:
@@ -106,33 +106,127 @@ def markdown_table(
     return "\n".join([header, align, *rows]) + "\n"
 
 
-def ci_verdict(
-    low: float,
-    high: float,
-    above: str = "higher",
-    below: str = "lower",
-    neither: str = "not distinguishable",
-) -> str:
-    """The verdict word a confidence interval supports: `above` when it lies above zero, `below`
-    when below, `neither` when it covers zero or is missing. Never the sign of a point estimate."""
-    return {1: above, -1: below, 0: neither}[ci_sign(low, high)]
+#: The verdict codes a stage stores (`stats.bound_verdict`, decided from an interval, never
+#: from the sign of a point estimate): the vocabulary below is keyed by them.
+ABOVE, BELOW, EQUIVALENT, UNCLEAR = VERDICTS
+
+#: Verdict values written by runs from before the codes ('higher' / 'lower'): read as codes.
+_LEGACY_CODES = {"higher": ABOVE, "lower": BELOW}
+
+#: The one spelling of the phrase every null of a comparison between two things ends in.
+TOLD_APART = "cannot be told apart"
+
+#: The study's one verdict vocabulary: for each kind of comparison, the phrase a sentence uses for
+#: each verdict code (`ABOVE`, `BELOW`, `UNCLEAR`; `EQUIVALENT` where a margin applies). A phrase
+#: may hold `{fields}` the caller fills (`phrase`). Every verdict word the report and the
+#: notebooks write comes from here; the golden file `tests/golden/wording/vocabulary.json` shows
+#: them all (`python tests/test_wording.py` rewrites it after a deliberate change).
+VOCABULARY: dict[str, dict[str, str]] = {
+    # a table's verdict column, and a measure's direction in a list of measures
+    "direction": {ABOVE: "higher", BELOW: "lower", UNCLEAR: "not distinguishable"},
+    # a difference against zero, in a table with an equivalence margin
+    "position": {ABOVE: "above", BELOW: "below", UNCLEAR: "not distinguishable",
+                 EQUIVALENT: "equivalent"},
+    # 'X places A {..} B', 'AUC {..} chance', 'above the start policy on hard prompts'
+    "position_from": {ABOVE: "above", BELOW: "below", UNCLEAR: "not distinguishable from"},
+    "apart_from": {ABOVE: "above", BELOW: "below", UNCLEAR: "not distinguishably apart from"},
+    # a policy's gain over the start policy, and calibration's change of the ECE
+    "gain": {ABOVE: "raised", BELOW: "lowered", UNCLEAR: "did not significantly change"},
+    "versus_start": {ABOVE: "significantly higher than", BELOW: "significantly lower than",
+                     UNCLEAR: "not distinguishable from"},
+    "audit_move": {ABOVE: "rose", BELOW: "fell", UNCLEAR: "did not clearly change"},
+    "move": {ABOVE: "raised", BELOW: "lowered", UNCLEAR: "did not distinguishably move"},
+    # the reward model's gain against the audit's
+    "gap": {ABOVE: "larger than", BELOW: "smaller than", UNCLEAR: "not distinguishable from"},
+    # a policy against the best-of-N curve at equal KL
+    "curve": {ABOVE: "lies above", BELOW: "lies below", UNCLEAR: f"{TOLD_APART} from"},
+    # the paired change of the reward heads' SD against the start policy
+    "uncertainty": {
+        ABOVE: "moved into text the reward model is more unsure about",
+        BELOW: "moved into text the reward model is less unsure about",
+        UNCLEAR: "did not clearly change the reward model's uncertainty",
+    },
+    "explained_variance": {ABOVE: "positive", BELOW: "negative", UNCLEAR: "no clearly positive"},
+    # one algorithm against another (RLGF's questions), and a variant against the paper's claim
+    "beat": {ABOVE: "beats", BELOW: "falls short of", UNCLEAR: f"{TOLD_APART} from"},
+    "claim": {ABOVE: "above", BELOW: "below", UNCLEAR: "indistinguishable"},
+    "hard_minus_easy": {ABOVE: "is larger on hard prompts", BELOW: "is larger on easy prompts",
+                        UNCLEAR: "is not shown to differ between them"},
+    # ILHF: a policy against a comparator, per measure; PPO against the start policy on variety
+    "ilhf_pairwise_sim": {ABOVE: "writes samples of one prompt more alike than",
+                          BELOW: "writes more varied samples of one prompt than",
+                          UNCLEAR: f"{TOLD_APART} in variety from"},
+    "ilhf_reward": {ABOVE: "reaches a higher Ave(R) than", BELOW: "reaches a lower Ave(R) than",
+                    UNCLEAR: f"{TOLD_APART} in Ave(R) from"},
+    "ilhf_xent_met": {ABOVE: "finds held-out MET descriptions less likely than",
+                      BELOW: "finds held-out MET descriptions likelier than",
+                      UNCLEAR: f"{TOLD_APART} on held-out MET descriptions from"},
+    "collapse": {ABOVE: "more alike than", BELOW: "more varied than",
+                 UNCLEAR: "not distinguishable in variety from"},
+    # the reward model: encoder against TF-IDF, a protocol against the first, the probes
+    "encoder_accuracy": {ABOVE: "more accurate", BELOW: "less accurate",
+                         UNCLEAR: "not distinguishable in accuracy"},
+    "encoder_vs_tfidf": {ABOVE: "the encoder is more accurate", BELOW: "TF-IDF LR is more accurate",
+                         UNCLEAR: f"the two {TOLD_APART}"},
+    "protocol_accuracy": {ABOVE: "rises", BELOW: "falls", UNCLEAR: "does not change significantly"},
+    "probes": {
+        ABOVE: "the text alone ranks conditions better than the context fields alone",
+        BELOW: "the context fields alone rank conditions better than the text alone",
+        UNCLEAR: f"the text alone and the context fields alone {TOLD_APART}",
+    },
+    # the risks
+    "base_rate": {ABOVE: "rose", BELOW: "fell", UNCLEAR: "shows no change distinguishable from zero"},
+    "overstates": {ABOVE: "it overstates the later MET rate",
+                   BELOW: "it understates the later MET rate",
+                   UNCLEAR: "the difference is not distinguishable from zero"},
+    "accuracy_trend": {ABOVE: "accuracy rises over the test years",
+                       BELOW: "accuracy falls over the test years",
+                       UNCLEAR: "no trend distinguishable from zero"},
+    "group_gap": {ABOVE: "the model overstates the MET rate",
+                  BELOW: "the model understates the MET rate",
+                  UNCLEAR: "the gap is not distinguishable from zero"},
+    "ratio": {ABOVE: "more than", BELOW: "less than",
+              UNCLEAR: "neither clearly more nor clearly less than"},
+    "length": {ABOVE: "reward rises with length", BELOW: "reward falls with length",
+               UNCLEAR: "no association distinguishable from none at the {level} level"},
+    "change": {ABOVE: "rises", BELOW: "falls", UNCLEAR: "does not change distinguishably"},
+    "base_rate_short": {ABOVE: "a rise distinguishable from zero",
+                        BELOW: "a fall distinguishable from zero",
+                        UNCLEAR: "a difference not distinguishable from zero"},
+}  # fmt: skip
 
 
-def margin_verdict(
-    low: float,
-    high: float,
-    margin: float | None,
-    above: str = "higher",
-    below: str = "lower",
-    neither: str = "not distinguishable",
-    equivalent: str = "equivalent",
-) -> str:
-    """`ci_verdict` with equivalence (`stats.bound_verdict`): `equivalent` (followed by
-    ' within ±margin') where the whole interval lies within ±`margin`."""
+def verdict_code(value: Any) -> str:
+    """A stored verdict as its code: one of `stats.VERDICTS`; 'higher' / 'lower' of older runs
+    read as `ABOVE` / `BELOW`; anything else (missing, 'not tested') as `UNCLEAR`."""
+    v = _LEGACY_CODES.get(value, value) if isinstance(value, str) else UNCLEAR
+    return v if v in VERDICTS else UNCLEAR
+
+
+def phrase(key: str, code: Any, **fields: Any) -> str:
+    """The vocabulary's phrase of `key` for a verdict `code` (a stored verdict value,
+    `verdict_code`), its `{fields}` filled; `EQUIVALENT` reads as `UNCLEAR` where `key` has no
+    phrase for it. A key the vocabulary lacks: a KeyError naming the keys it has."""
+    if key not in VOCABULARY:
+        raise KeyError(f"wording.VOCABULARY has no {key!r}; it has {sorted(VOCABULARY)}")
+    words = VOCABULARY[key]
+    c = verdict_code(code)
+    return words.get(c, words[UNCLEAR]).format(**fields)
+
+
+def say(key: str, low: Any, high: Any, margin: float | None = None, **fields: Any) -> str:
+    """The phrase of `key` for the verdict an interval [low, high] of a difference earns
+    (`stats.bound_verdict`, with equivalence within ±`margin` where given)."""
+    return phrase(key, bound_verdict(low, high, margin), **fields)
+
+
+def margin_verdict(low: float, high: float, margin: float | None, key: str = "position") -> str:
+    """`say` with equivalence (`stats.bound_verdict`): the `EQUIVALENT` phrase followed by
+    ' within ±margin' where the whole interval lies within ±`margin`."""
     v = bound_verdict(low, high, margin)
-    if v == "equivalent":
-        return f"{equivalent} within ±{num(margin)}"
-    return {"above": above, "below": below}.get(v, neither)
+    if v == EQUIVALENT:
+        return f"{phrase(key, v)} within ±{num(margin)}"
+    return phrase(key, v)
 
 
 def null_bound_clause(low: Any, high: Any, what: str = "gain") -> str:
@@ -231,13 +325,7 @@ def short_text(text: Any, n: int = 160) -> str:
 def sd_verdict(low: float, high: float) -> str:
     """What a policy did to the reward model's uncertainty, read from the CI of its `sd_gain`
     (the paired change of mean `reward_sd` against the start policy), never from its sign."""
-    return ci_verdict(
-        low,
-        high,
-        "moved into text the reward model is more unsure about",
-        "moved into text the reward model is less unsure about",
-        "did not clearly change the reward model's uncertainty",
-    )
+    return say("uncertainty", low, high)
 
 
 def display_country(name: str) -> str:

@@ -8,6 +8,7 @@ and the evaluation's design (`power`). Imports nothing of the study's.
 
 from .correlation import corr, spearman, spearman_ci
 from .intervals import (
+    VERDICTS,
     basic_ci,
     bm_df,
     bootstrap_ci,
@@ -58,6 +59,7 @@ from .weighted import (
 
 __all__ = [
     "COMPONENTS",
+    "VERDICTS",
     "allocate",
     "basic_ci",
     "bm_df",
