@@ -44,8 +44,8 @@ def test_an_interval_earns_one_verdict_code(low, high, margin, code) -> None:
 def test_say_reads_the_code_of_the_interval_and_legacy_values_read_as_codes() -> None:
     for low, high, code in ((0.1, 0.2, ABOVE), (-0.2, -0.1, BELOW), (-0.1, 0.1, UNCLEAR)):
         for key in VOCABULARY:
-            said = wording.say(key, low, high, level="95%")
-            assert said == wording.phrase(key, code, level="95%")
+            said = wording.say(key, low, high, level="95%", alpha="5%")
+            assert said == wording.phrase(key, code, level="95%", alpha="5%")
     # runs from before the codes stored 'higher' / 'lower'; 'not tested' and NaN read as unclear
     assert wording.verdict_code("higher") == ABOVE and wording.verdict_code("lower") == BELOW
     assert wording.verdict_code("not tested") == UNCLEAR and wording.verdict_code(NAN) == UNCLEAR
@@ -61,7 +61,7 @@ def test_every_phrase_set_has_the_three_codes_and_fills_its_fields() -> None:
         assert {ABOVE, BELOW, UNCLEAR} <= set(words) <= set(VERDICTS), key
         for text in words.values():
             assert text == text.strip() and text, key
-            assert set(re.findall(r"{(\w+)}", text)) <= {"level"}, key
+            assert set(re.findall(r"{(\w+)}", text)) <= {"level", "alpha"}, key
 
 
 def test_the_null_phrase_of_a_comparison_is_spelled_once_in_the_package() -> None:

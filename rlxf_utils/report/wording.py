@@ -190,6 +190,14 @@ VOCABULARY: dict[str, dict[str, str]] = {
     "length": {ABOVE: "reward rises with length", BELOW: "reward falls with length",
                UNCLEAR: "no association distinguishable from none at the {level} level"},
     "change": {ABOVE: "rises", BELOW: "falls", UNCLEAR: "does not change distinguishably"},
+    # the data: the MET rate's trend, its shift at the cut-off, its spread across groups
+    "met_trend": {ABOVE: "The MET rate rises over the test years",
+                  BELOW: "The MET rate falls over the test years",
+                  UNCLEAR: "The MET rate has no linear trend over the test years significant at "
+                           "the {alpha} level"},
+    "met_shift": {ABOVE: "significantly higher", BELOW: "significantly lower",
+                  UNCLEAR: "not significantly different"},
+    "met_groups": {ABOVE: "differ", BELOW: "differ", UNCLEAR: "do not differ significantly"},
     "base_rate_short": {ABOVE: "a rise distinguishable from zero",
                         BELOW: "a fall distinguishable from zero",
                         UNCLEAR: "a difference not distinguishable from zero"},

@@ -48,7 +48,7 @@ from .power import (
     paired_differences,
     variance_components,
 )
-from .rates import rate_by, rate_heterogeneity, rate_shift, rate_trend, wilson_z
+from .rates import p_verdict, rate_by, rate_heterogeneity, rate_shift, rate_trend, wilson_z
 from .weighted import (
     bootstrap_weights,
     weighted_auc,
@@ -85,6 +85,7 @@ __all__ = [
     "mean_ci",
     "null_bound",
     "paired_comparison",
+    "p_verdict",
     "paired_differences",
     "paired_table",
     "per_prompt_means",
