@@ -74,6 +74,20 @@ def test_the_null_phrase_of_a_comparison_is_spelled_once_in_the_package() -> Non
     assert hits == ["rlxf_utils/report/wording.py"], hits
 
 
+def test_one_formatter_each_for_numbers_percentages_and_p_values() -> None:
+    assert wording.num(0.12345) == "0.123" and wording.num(None) == "n/a"
+    assert wording.num(0.0004, 1, signed=True, scale=100) == "+0.04"  # shows its sign's digit
+    assert wording.num(-0.0123, 1, signed=True, scale=100) == "-1.2"
+    assert wording.pct(0.8234) == "82.3%" and wording.pct(NAN) == "n/a"
+    assert wording.pct_ci(0.82, 0.791, 0.846) == "82.0% [79.1%, 84.6%]"
+    assert [wording.pval(p) for p in (0.0132, 0.0004, NAN)] == ["0.013", "<0.001", "n/a"]
+    assert [wording.pval(p, prose=True) for p in (0.0132, 0.0004, None)] == [
+        "p = 0.013",
+        "p < 0.001",
+        "p n/a",
+    ]
+
+
 def _vocabulary_text() -> str:
     return json.dumps(VOCABULARY, indent=1, ensure_ascii=False, sort_keys=True) + "\n"
 

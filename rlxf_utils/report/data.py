@@ -6,15 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import pandas as pd
 
 from rlxf_utils.artifacts import ArtifactMissing, RunDir
-from rlxf_utils.report.wording import interval, literal, num, phrase
-
-
-def _p(p: float) -> str:
-    return "n/a" if not np.isfinite(p) else ("< 0.001" if p < 0.001 else f"= {p:.3f}")
+from rlxf_utils.report.wording import interval, literal, num, phrase, pval
 
 
 def findings_sentences(f: dict[str, Any]) -> dict[str, str]:
@@ -25,13 +20,13 @@ def findings_sentences(f: dict[str, Any]) -> dict[str, str]:
     trend, shift = f["trend"], f["shift"]
     trend_s = phrase("met_trend", trend["verdict"], alpha=f"{f['alpha']:.0%}") + (
         f" (odds ratio per year {trend['odds_ratio_per_year']:.3f}, {lvl} CI "
-        f"{interval(trend['or_low'], trend['or_high'], signed=False)}, p {_p(trend['p_value'])})"
+        f"{interval(trend['or_low'], trend['or_high'], signed=False)}, {pval(trend['p_value'], prose=True)})"
     )
     shift_s = (
         f"conditions due after {cutoff} are met {shift['rate_after']:.1%} of the time against "
         f"{shift['rate_before']:.1%} up to {cutoff}, {phrase('met_shift', shift['verdict'])} "
         f"(difference {num(shift['diff'], 1, True, 100)} points, {lvl} CI "
-        f"{interval(shift['diff_low'], shift['diff_high'], 1, scale=100)}, p {_p(shift['p_value'])})"
+        f"{interval(shift['diff_low'], shift['diff_high'], 1, scale=100)}, {pval(shift['p_value'], prose=True)})"
     )
 
     def het(r: dict[str, Any], what: str) -> str:
@@ -40,7 +35,7 @@ def findings_sentences(f: dict[str, Any]) -> dict[str, str]:
         return (
             f"MET rates {phrase('met_groups', r['verdict'])} across {what} ({r['groups']} with at "
             f"least {min_n} conditions; cluster-robust Wald χ²({r['df']}) = {r['wald']:.1f}, "
-            f"p {_p(r['p_value'])})"
+            f"{pval(r['p_value'], prose=True)})"
         )
 
     return {

@@ -13,8 +13,6 @@ from rlxf_utils.artifacts import RunDir
 from rlxf_utils.evaluation.best_of_n import best_of_n_kl_bound
 from rlxf_utils.report.wording import (
     ci,
-    f3,
-    fmt_p,
     interval,
     is_present,
     listing,
@@ -200,7 +198,7 @@ def history_sentence(hist: dict[str, float], contrast: dict[str, Any]) -> str:
                      f"(difference {ci(h['mean_diff'], h['ci_low'], h['ci_high'], signed=True)})")  # fmt: skip
     return (
         f"Real MET descriptions for the same contexts, from rows neither model trained on, score "
-        f"{f3(hist['history_met'])} and real Non-MET ones {f3(hist['history_nonmet'])}; on the "
+        f"{num(hist['history_met'])} and real Non-MET ones {num(hist['history_nonmet'])}; on the "
         f"{contrast['reward']['n']} prompts ({contrast['reward']['n_clusters']} countries) that have "
         "both, " + " and ".join(parts)
     )
@@ -235,7 +233,7 @@ def eval_section(run: RunDir, alpha: float = 0.05) -> tuple[dict[str, Any], dict
         if pd.isna(r.get(col)):
             return "·"
         low, high = r[col + "_low"], r[col + "_high"]
-        return f"{ci(r[col], low, high, signed=True)} ({fmt_p(r.get(col + '_p_family', math.nan))})"
+        return f"{ci(r[col], low, high, signed=True)} ({pval(r.get(col + '_p_family', math.nan), prose=True)})"
 
     rows, cost = [], []
     for pol, r in s.iterrows():
@@ -254,10 +252,10 @@ def eval_section(run: RunDir, alpha: float = 0.05) -> tuple[dict[str, Any], dict
             "perplexity": f"{r['perplexity']:.1f}",
             "finished": "·" if pd.isna(r.get("finished")) else f"{r['finished']:.0%}",
             "words": f"{r['mean_words']:.1f}",
-            "distinct-2": f3(r["distinct_2"]),
-            "rep-3": f3(r["rep_3"]),
+            "distinct-2": num(r["distinct_2"]),
+            "rep-3": num(r["rep_3"]),
             f"grounded MET [{lvl} CI]": ci(r["grounded_met"], r["grounded_low"], r["grounded_high"]),
-            "max similarity": f3(r["max_sim"]),
+            "max similarity": num(r["max_sim"]),
         })  # fmt: skip
     summary_md = markdown_table(pd.DataFrame(rows))
     cost_md = markdown_table(pd.DataFrame(cost))
@@ -290,10 +288,10 @@ def eval_section(run: RunDir, alpha: float = 0.05) -> tuple[dict[str, Any], dict
         bound = null_clause(r["gain_low"], r["gain_high"], margin)
         a_bound = null_clause(r["audit_gain_low"], r["audit_gain_high"], margin)
         sentences.append(
-            f"{algorithm_label(algo)} {verb} Ave(R) on the held-out prompts (from {f3(s.loc[start, 'ave_r'])} for {start} to "
+            f"{algorithm_label(algo)} {verb} Ave(R) on the held-out prompts (from {num(s.loc[start, 'ave_r'])} for {start} to "
             f"{ci(r['ave_r'], r['ave_r_low'], r['ave_r_high'])}; paired gain "
             f"{ci(r['gain'], r['gain_low'], r['gain_high'], signed=True)} at the family's {fam}, "
-            f"{fmt_p(r.get('gain_p_family', math.nan))}{'; ' + bound if bound else ''}) and {a_verb} the audit model's reward "
+            f"{pval(r.get('gain_p_family', math.nan), prose=True)}{'; ' + bound if bound else ''}) and {a_verb} the audit model's reward "
             f"({ci(r['audit_gain'], r['audit_gain_low'], r['audit_gain_high'], signed=True)}{'; ' + a_bound if a_bound else ''}), at a KL of "
             f"{r['kl']:.2f} nats to the starting policy"
         )
@@ -321,8 +319,8 @@ def eval_section(run: RunDir, alpha: float = 0.05) -> tuple[dict[str, Any], dict
     for _, r in vs_bon.iterrows():
         where = phrase("curve", r["verdict"])
         bon_sentences.append(
-            f"{algorithm_label(r['policy'])} ({f3(r['ave_r'])} at {r['kl']:.2f} nats) {where} the best-of-N curve "
-            f"({f3(r['best_of_n_at_kl'])} at {bon_kl(r):.2f} nats"
+            f"{algorithm_label(r['policy'])} ({num(r['ave_r'])} at {r['kl']:.2f} nats) {where} the best-of-N curve "
+            f"({num(r['best_of_n_at_kl'])} at {bon_kl(r):.2f} nats"
             f"{': its KL is beyond the curve, compared with the largest N' if r['beyond_curve'] else ', the same KL'}; "
             f"difference {ci(r['diff'], r['diff_low'], r['diff_high'], signed=True)})"
         )  # fmt: skip
@@ -350,8 +348,8 @@ def eval_section(run: RunDir, alpha: float = 0.05) -> tuple[dict[str, Any], dict
         "algo_sentences": "; ".join(sentences) if sentences else "No RL algorithm was evaluated",
         "conclusion": "; ".join(concl) if concl else "no tuned policy was evaluated",
         "history_sentence": hist_sentence,
-        "random_policy": f3(hist.get("random_policy", float("nan"))),
-        "base_ave_r": f3(s.loc["base", "ave_r"]),
+        "random_policy": num(hist.get("random_policy", float("nan"))),
+        "base_ave_r": num(s.loc["base", "ave_r"]),
         "start": start,
         "family_level": fam,
         "multiplicity_rule": MULTIPLICITY_RULE,
@@ -360,19 +358,19 @@ def eval_section(run: RunDir, alpha: float = 0.05) -> tuple[dict[str, Any], dict
         "margin": num(margin if margin is not None else math.nan),
         "power": f"{meta.get('power', 0.8):.0%}",
         "families": families_sentence(run, paired, vs_bon, start),
-        "start_ave_r": f3(s.loc[start, "ave_r"]),
+        "start_ave_r": num(s.loc[start, "ave_r"]),
         "bon_sentences": "; ".join(bon_sentences)
         if bon_sentences
         else "No RL algorithm was compared with best-of-N",
         "bon_curve": ", ".join(str(n) for n in meta.get("best_of_n_curve", [])),
         "ppl_sentence": ppl_sentence,
         "finished_sentence": "; ".join(f"{algorithm_label(p)} {v:.0%}" for p, v in fin.items()),
-        "best_ave_r": f3(b["ave_r"]),
+        "best_ave_r": num(b["ave_r"]),
         "best_gain": f"{b['gain']:+.3f}",
         "best_audit_gain": f"{b['audit_gain']:+.3f}",
         "best_kl": f"{b['kl']:.2f}",
         "grounding_sentence": "; ".join(
-            f"{algorithm_label(p)} {f3(r['grounded_met'])}" for p, r in g.iterrows()
+            f"{algorithm_label(p)} {num(r['grounded_met'])}" for p, r in g.iterrows()
         ),
         "uncertainty_sentence": uncertainty_sentence(s, algos, start, lvl, heads),
     }

@@ -15,7 +15,6 @@ from rlxf_utils.evaluation.ilhf import HISTORY, MEASURES, TEST_COLUMNS
 from rlxf_utils.report.evaluation import eval_meta, table_note
 from rlxf_utils.report.wording import (
     ci,
-    fmt_num,
     is_present,
     listing,
     markdown_table,
@@ -111,8 +110,8 @@ def _history_sentence(table: pd.DataFrame | None, start: str) -> str:
     names = {"history_met": "real MET descriptions of the same contexts",
              "history_nonmet": "real Non-MET ones", start: f"the start policy {start}"}  # fmt: skip
     parts = [
-        f"{names[p]} {fmt_num(t.loc[p, 'pairwise_sim'])} [{fmt_num(t.loc[p, 'pairwise_sim_low'])}, "
-        f"{fmt_num(t.loc[p, 'pairwise_sim_high'])}], {fmt_num(t.loc[p, 'area_entropy'])} nats"
+        f"{names[p]} {num(t.loc[p, 'pairwise_sim'])} [{num(t.loc[p, 'pairwise_sim_low'])}, "
+        f"{num(t.loc[p, 'pairwise_sim_high'])}], {num(t.loc[p, 'area_entropy'])} nats"
         for p in (*HISTORY, start)
         if p in t.index
     ]

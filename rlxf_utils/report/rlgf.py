@@ -14,10 +14,10 @@ from rlxf_utils.prompts import CONTEXT_FIELDS
 from rlxf_utils.report.evaluation import eval_meta, table_note
 from rlxf_utils.report.wording import (
     ci,
-    f3,
     is_present,
     listing,
     markdown_table,
+    num,
     phrase,
     pval,
     say,
@@ -251,7 +251,7 @@ def rlgf_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], d
     variables["context_key"] = (
         key_words(str(diff["context_key"].iloc[0]).split(" × ")) if len(diff) else key
     )
-    variables["median"] = f3(easy_hard["median_met_rate"].iloc[0]) if len(easy_hard) else "n/a"
+    variables["median"] = num(easy_hard["median_met_rate"].iloc[0]) if len(easy_hard) else "n/a"
 
     def kl_cell(r: pd.Series) -> str:
         if not is_present(r["kl"]):
@@ -263,7 +263,7 @@ def rlgf_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], d
          f"audit [{lvl} CI]": ci(r["audit"], r["audit_low"], r["audit_high"]), "KL (nats)": kl_cell(r),
          "output perplexity": f"{r['output_ppl']:.1f}" if is_present(r["output_ppl"]) else "·",
          "MET perplexity": f"{r['met_ppl']:.1f}" if is_present(r["met_ppl"]) else "·",
-         "distinct-2": f3(r["distinct_2"]),
+         "distinct-2": num(r["distinct_2"]),
          "finished": f"{r['finished']:.0%}" if is_present(r["finished"]) else "·"}
         for _, r in table.iterrows()
     ]  # fmt: skip

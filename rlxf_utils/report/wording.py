@@ -1,6 +1,7 @@
-"""Every number, interval and verdict word a reader sees is formatted here: numbers,
-percentages and p-values, confidence intervals, lists, markdown tables, and the vocabulary that
-turns an interval into a verdict word. Imports nothing of the study's but `stats`."""
+"""Every number, interval and verdict word a reader sees is formatted here, each by one function:
+numbers (`num`), percentages (`pct`, `pct_ci`), p-values (`pval`), confidence intervals (`ci`,
+`interval`, `level_ci`), lists, markdown tables, and the one vocabulary that turns a verdict code
+into words (`VOCABULARY`, `phrase`, `say`). Imports nothing of the study's but `stats`."""
 
 from __future__ import annotations
 
@@ -19,23 +20,6 @@ from rlxf_utils.stats import VERDICTS, bound_verdict, ci_sign, level
 def is_present(x: Any) -> bool:
     """Not None and not a float NaN (a value a sentence can quote)."""
     return x is not None and not (isinstance(x, float) and math.isnan(x))
-
-
-def fmt_num(x: Any, digits: int = 3) -> str:
-    """A number for prose: fixed `digits`, or 'n/a' when missing."""
-    return f"{x:.{digits}f}" if is_present(x) else "n/a"
-
-
-def fmt_pct(x: Any, digits: int = 1) -> str:
-    """A share as a percentage for prose, or 'n/a' when missing."""
-    return f"{100 * x:.{digits}f}%" if is_present(x) else "n/a"
-
-
-def fmt_p(p: Any) -> str:
-    """A p-value for prose: 'p = 0.013', 'p < 0.001', or 'p n/a' when missing."""
-    if not is_present(p):
-        return "p n/a"
-    return "p < 0.001" if p < 0.001 else f"p = {p:.3f}"
 
 
 def listing(items: Sequence[str]) -> str:
@@ -245,12 +229,6 @@ def null_bound_clause(low: Any, high: Any, what: str = "gain") -> str:
     return f"a {what} of at most {num(high, signed=True)}"
 
 
-f3 = fmt_num  # three decimals, 'n/a' when missing
-
-
-pct = fmt_pct
-
-
 def spaced(name: Any) -> str:
     """A name with spaces for underscores, so a long one wraps in a narrow PDF column."""
     return str(name).replace("_", " ")
@@ -283,6 +261,26 @@ def num(x: Any, digits: int = 3, signed: bool = False, scale: float = 1.0) -> st
     return f"{v:.{digits}f}"
 
 
+def pct(x: Any, digits: int = 1) -> str:
+    """A share as a percentage for prose and tables ('12.3%'), or 'n/a' when missing."""
+    return f"{100 * x:.{digits}f}%" if is_present(x) else "n/a"
+
+
+def pct_ci(mid: Any, low: Any, high: Any, digits: int = 1) -> str:
+    """A share with its interval as percentages: '82.0% [79.1%, 84.6%]'."""
+    return f"{pct(mid, digits)} [{pct(low, digits)}, {pct(high, digits)}]"
+
+
+def pval(p: Any, prose: bool = False) -> str:
+    """A p-value: for a table cell '0.013', '<0.001' or 'n/a'; with `prose`, for a sentence,
+    'p = 0.013', 'p < 0.001' or 'p n/a'."""
+    if not is_present(p):
+        return "p n/a" if prose else "n/a"
+    if p < 0.001:
+        return "p < 0.001" if prose else "<0.001"
+    return f"p = {p:.3f}" if prose else f"{p:.3f}"
+
+
 def interval(low: Any, high: Any, digits: int = 3, signed: bool = True, scale: float = 1.0) -> str:
     """A confidence interval as '[low, high]' (signed by default: intervals of differences)."""
     return f"[{num(low, digits, signed, scale)}, {num(high, digits, signed, scale)}]"
@@ -300,12 +298,6 @@ def level_ci(low: Any, high: Any, alpha: float, digits: int = 3, scale: float = 
     if not (is_present(low) and is_present(high)):
         return f"{level(alpha)} CI n/a"
     return f"{level(alpha)} CI {interval(low, high, digits, True, scale)}"
-
-
-def pval(p: float) -> str:
-    if not is_present(p):
-        return "n/a"
-    return "<0.001" if p < 0.001 else f"{p:.3f}"
 
 
 _CODE_OR_MATH = re.compile(r"(`[^`\n]*`|\$[^$\n]*\$)")
