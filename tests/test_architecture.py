@@ -24,7 +24,7 @@ ROOMS: dict[str, set[str]] = {
     "stats": set(),
     "config": {"algorithms"},
     "runtime": {"config"},
-    "report.wording": {"stats", "names"},
+    "report.wording": {"config", "stats", "names"},
     "artifacts": {"report.wording", "names"},
     "plots": {"stats"},
     "compare": {"artifacts"},

@@ -9,41 +9,18 @@ from typing import Any
 import pandas as pd
 
 from rlxf_utils.artifacts import ArtifactMissing, RunDir
-from rlxf_utils.report.wording import interval, literal, num, phrase, pval
+from rlxf_utils.report.wording import literal, sentence
+
+#: The data section's sentences, each a macro of `reports/templates/data.jinja`.
+SENTENCES = ("trend_sentence", "shift_sentence", "area_sentence", "arrangement_type_sentence")
 
 
 def findings_sentences(f: dict[str, Any]) -> dict[str, str]:
     """The data section's four tested findings (`data.findings.data_findings`, stored in
     `data/summary.json`) as sentences: `trend_sentence`, `shift_sentence`, `area_sentence` and
-    `arrangement_type_sentence`, each verb the vocabulary's phrase of the test's verdict code."""
-    lvl, cutoff, min_n = f["level"], f["cutoff"], f["min_group_size"]
-    trend, shift = f["trend"], f["shift"]
-    trend_s = phrase("met_trend", trend["verdict"], alpha=f"{f['alpha']:.0%}") + (
-        f" (odds ratio per year {trend['odds_ratio_per_year']:.3f}, {lvl} CI "
-        f"{interval(trend['or_low'], trend['or_high'], signed=False)}, {pval(trend['p_value'], prose=True)})"
-    )
-    shift_s = (
-        f"conditions due after {cutoff} are met {shift['rate_after']:.1%} of the time against "
-        f"{shift['rate_before']:.1%} up to {cutoff}, {phrase('met_shift', shift['verdict'])} "
-        f"(difference {num(shift['diff'], 1, True, 100)} points, {lvl} CI "
-        f"{interval(shift['diff_low'], shift['diff_high'], 1, scale=100)}, {pval(shift['p_value'], prose=True)})"
-    )
-
-    def het(r: dict[str, Any], what: str) -> str:
-        if r["groups"] < 2:
-            return f"too few {what} hold {min_n} conditions to test whether MET rates differ across them"
-        return (
-            f"MET rates {phrase('met_groups', r['verdict'])} across {what} ({r['groups']} with at "
-            f"least {min_n} conditions; cluster-robust Wald χ²({r['df']}) = {r['wald']:.1f}, "
-            f"{pval(r['p_value'], prose=True)})"
-        )
-
-    return {
-        "trend_sentence": trend_s,
-        "shift_sentence": shift_s,
-        "area_sentence": het(f["areas"], "economic areas"),
-        "arrangement_type_sentence": het(f["arrangement_types"], "arrangement types"),
-    }
+    `arrangement_type_sentence`, written by the author in `reports/templates/data.jinja`, each
+    verb the vocabulary's phrase of its test's verdict code."""
+    return {name: sentence("data", name, f) for name in SENTENCES}
 
 
 #: The tests of `data.findings.data_findings`, and every field the sentences read.

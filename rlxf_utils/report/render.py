@@ -163,7 +163,9 @@ def build_sources(run: RunDir, build: Path, src: Path = REPORT_SRC) -> dict[str,
     if build.exists():
         shutil.rmtree(build)
     shutil.copytree(
-        src, build, ignore=shutil.ignore_patterns("_build", ".quarto", "*.html", "*.pdf")
+        src,
+        build,
+        ignore=shutil.ignore_patterns("_build", ".quarto", "*.html", "*.pdf", "templates"),
     )
 
     variables = {

@@ -8,11 +8,15 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Sequence
+from functools import cache
+from pathlib import Path
 from typing import Any
 
+import jinja2
 import numpy as np
 import pandas as pd
 
+from rlxf_utils.config import PROJECT_ROOT
 from rlxf_utils.names import outside_fences
 from rlxf_utils.stats import VERDICTS, bound_verdict, ci_sign, level
 
@@ -334,3 +338,40 @@ def display_country(name: str) -> str:
     for a, b in ((" Of", " of"), (" And ", " and "), (" The", " the"), ("(Fyr)", "(FYR)")):
         out = out.replace(a, b)
     return out
+
+
+#: The report's prose that an author edits: one Jinja2 file per section, each sentence a macro.
+TEMPLATES = PROJECT_ROOT / "reports" / "templates"
+
+
+@cache
+def templates(folder: Path = TEMPLATES) -> jinja2.Environment:
+    """The section templates' environment: the filters that format numbers (`num`, `pct`,
+    `pval`) and the functions that phrase verdicts and intervals (`phrase`, `say`, `interval`,
+    `ci`, `listing`); a name a template uses that its context lacks is an error, not a blank."""
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(folder),
+        undefined=jinja2.StrictUndefined,
+        autoescape=False,  # markdown, not HTML
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+    env.filters.update(num=num, pct=pct, pval=pval)
+    env.globals.update(phrase=phrase, say=say, interval=interval, ci=ci, listing=listing)
+    return env
+
+
+def sentence(section: str, name: str, *args: Any, folder: Path = TEMPLATES) -> str:
+    """The sentence macro `name` of `reports/templates/<section>.jinja` called with `args`, its
+    line breaks and indentation collapsed to single spaces. A missing file or macro, or a field the
+    arguments lack, raises a ValueError naming the template and what it wanted."""
+    where = folder / f"{section}.jinja"
+    try:
+        macro = getattr(templates(folder).get_template(f"{section}.jinja").module, name, None)
+        if macro is None:
+            raise ValueError(f"{where}: no macro {name!r}")
+        return " ".join(str(macro(*args)).split())
+    except jinja2.TemplateNotFound as e:
+        raise ValueError(f"{where}: no such template") from e
+    except jinja2.UndefinedError as e:
+        raise ValueError(f"{where}: macro {name!r}: {e.message}") from e
