@@ -12,6 +12,7 @@ from rlxf_utils.algorithms import algorithm_label
 from rlxf_utils.artifacts import RunDir
 from rlxf_utils.evaluation.best_of_n import best_of_n_kl_bound
 from rlxf_utils.report.wording import (
+    EQUIVALENT,
     ci,
     interval,
     is_present,
@@ -45,8 +46,8 @@ def null_clause(low: float, high: float, margin: float | None = None) -> str:
     bound = null_bound_clause(low, high)
     if not bound:
         return ""
-    if bound_verdict(low, high, margin) == "equivalent":
-        return f"equivalent within ±{num(margin)}: {bound}"
+    if bound_verdict(low, high, margin) == EQUIVALENT:
+        return f"{margin_verdict(low, high, margin)}: {bound}"
     return bound
 
 

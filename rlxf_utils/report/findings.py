@@ -19,7 +19,7 @@ from rlxf_utils.artifacts import RunDir
 from rlxf_utils.report.evaluation import family_level
 from rlxf_utils.report.reward import reward_labels
 from rlxf_utils.report.seeds import seed_finding
-from rlxf_utils.report.wording import ci, is_present, listing, num, pct_ci
+from rlxf_utils.report.wording import ci, is_present, listing, num, pct_ci, say
 from rlxf_utils.stats import level
 
 #: The paper's reported accuracy, precision, recall and F1 ("surpassing 82% on each").
@@ -53,11 +53,7 @@ def reward_finding(meta: dict[str, Any]) -> str:
     if len(main):
         r = main.iloc[0]
         lo, hi = r["roc_auc_low"], r["roc_auc_high"]
-        chance = (
-            "not distinguishable from chance"
-            if lo <= 0.5 <= hi
-            else ("above chance" if lo > 0.5 else "below chance")
-        )
+        chance = f"{say('position_from', lo - 0.5, hi - 0.5)} chance"  # AUC against 0.5
         out += (
             f"; on arrangements it never saw ({meta['reward_protocol']} split), the reward model "
             f"RL optimises has an AUC of {ci(r['roc_auc'], lo, hi)}, {chance}"
