@@ -432,7 +432,7 @@ def test_easy_hard_table_finds_a_gain_only_on_hard_prompts() -> None:
     g = t[t.policy == "grpo"].set_index("half")
     assert (
         g.loc["hard", "gain"] == pytest.approx(0.1, abs=0.005)
-        and g.loc["hard", "gain_verdict"] == "higher"
+        and g.loc["hard", "gain_verdict"] == "above"
     )
     assert (
         abs(g.loc["easy", "gain"]) < 0.005
@@ -465,13 +465,13 @@ def test_guidance_verdicts_follow_the_intervals() -> None:
     assert list(vs_ppo.index) == ["ppo_pp", "d2lols"] and (vs_ppo["versus"] == "ppo").all()
     # PPO++ is 0.10 above PPO everywhere: an interval clear of zero
     assert vs_ppo.loc["ppo_pp", "diff"] == pytest.approx(0.10, abs=0.005)
-    assert vs_ppo.loc["ppo_pp", "low"] > 0 and vs_ppo.loc["ppo_pp", "verdict"] == "higher"
+    assert vs_ppo.loc["ppo_pp", "low"] > 0 and vs_ppo.loc["ppo_pp", "verdict"] == "above"
     # D²LOLS: per-country differences from -0.045 to +0.045, mean 0: the interval crosses zero
     assert vs_ppo.loc["d2lols", "low"] < 0 < vs_ppo.loc["d2lols", "high"]
     assert vs_ppo.loc["d2lols", "verdict"] == "not distinguishable"
     vs_sft = rew[rew.question == "rl_vs_sft_met"].set_index("policy")
     assert list(vs_sft.index) == ALGOS and (vs_sft["versus"] == "sft_met").all()
-    assert vs_sft.loc["grpo", "verdict"] == "lower" and vs_sft.loc["ppo", "verdict"] == "higher"
+    assert vs_sft.loc["grpo", "verdict"] == "below" and vs_sft.loc["ppo", "verdict"] == "above"
     assert (g["n_clusters"] == 10).all() and g["p_family"].between(0, 1).all()
     assert set(g["measure"]) == {"reward", "audit_reward"}
     s = guidance_sentences(g, ALGOS, 0.1)

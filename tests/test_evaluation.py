@@ -401,15 +401,6 @@ def test_paired_comparison_tests_over_clusters() -> None:
     assert clus["ci_high"] - clus["ci_low"] > flat["ci_high"] - flat["ci_low"]
 
 
-def test_ci_verdict_reads_the_interval_not_the_estimate() -> None:
-    from rlxf_utils.report.wording import ci_verdict
-
-    assert ci_verdict(0.01, 0.2) == "higher"
-    assert ci_verdict(-0.3, -0.01) == "lower"
-    assert ci_verdict(-0.01, 0.5) == "not distinguishable"
-    assert ci_verdict(float("nan"), 0.5, neither="n/a") == "n/a"
-
-
 def test_grounding_all_dissimilar_is_nan() -> None:
     index = HistoricalIndex(np.array([[1.0, 0.0], [0.0, 1.0]]), [1, 0], ["a", "b"])
     out = index.ground_embeddings(np.array([[-1.0, -1.0]]), k=2)

@@ -338,7 +338,7 @@ def test_claim_position_reads_the_intervals_not_the_points() -> None:
     above = pd.Series(_row("a", False, 0.83, 0.9))
     assert rs.claim_position(above, 0.82) == "above"
     straddle = pd.Series({**_row("b", False, 0.83, 0.9), "accuracy_low": 0.81, "accuracy": 0.86})
-    assert rs.claim_position(straddle, 0.82) == "indistinguishable"
+    assert rs.claim_position(straddle, 0.82) == "not distinguishable"  # a `stats.VERDICTS` code
     one_below = pd.Series({**_row("c", False, 0.83, 0.9), "recall_low": 0.75, "recall_high": 0.80})
     assert rs.claim_position(one_below, 0.82) == "below"
 

@@ -200,14 +200,14 @@ def test_verdicts_follow_the_intervals() -> None:
     assert pairs == {("ilhf_history", v) for v in ("ppo", "sft_met", "sft")} | {("ppo", "sft")}
     # a clear positive: ILHF is 0.10 above sft on every prompt
     r = g.loc[("reward", "ilhf_history", "sft")]
-    assert r["diff"] == pytest.approx(0.1) and r["low"] > 0 and r["verdict"] == "higher"
+    assert r["diff"] == pytest.approx(0.1) and r["low"] > 0 and r["verdict"] == "above"
     # a null: PPO differs from ILHF by per-country amounts averaging zero
     r = g.loc[("reward", "ilhf_history", "ppo")]
     assert r["low"] < 0 < r["high"] and r["verdict"] == "not distinguishable"
     assert r["n"] == 20 and r["n_clusters"] == 10
-    assert g.loc[("pairwise_sim", "ilhf_history", "ppo"), "verdict"] == "lower"  # more varied
-    assert g.loc[("pairwise_sim", "ppo", "sft"), "verdict"] == "higher"  # PPO collapses
-    assert g.loc[("xent_met", "ilhf_history", "sft"), "verdict"] == "lower"
+    assert g.loc[("pairwise_sim", "ilhf_history", "ppo"), "verdict"] == "below"  # more varied
+    assert g.loc[("pairwise_sim", "ppo", "sft"), "verdict"] == "above"  # PPO collapses
+    assert g.loc[("xent_met", "ilhf_history", "sft"), "verdict"] == "below"
     assert g.loc[("xent_met", "ilhf_history", "ppo"), "verdict"] == "not distinguishable"
     assert g.loc[("xent_met", "ilhf_history", "sft"), "n"] == 20  # the MET rows, paired
     md = ilhf_markdown(_tables(), ALGOS, "sft", 0.05)

@@ -6,8 +6,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from rlxf_utils.report.data import data_findings
-from rlxf_utils.stats import rate_heterogeneity, rate_shift, wilson_z
+from rlxf_utils.data.findings import data_findings
+from rlxf_utils.report.data import findings_sentences
+from rlxf_utils.stats import p_verdict, rate_heterogeneity, rate_shift, wilson_z
 
 
 def _labelled(n_arr: int = 120, per: int = 8, slope: float = 0.0, seed: int = 0) -> pd.DataFrame:
@@ -30,14 +31,26 @@ def _labelled(n_arr: int = 120, per: int = 8, slope: float = 0.0, seed: int = 0)
 
 def test_trend_is_called_only_when_there_is_one():
     up = data_findings(_labelled(slope=0.4), cutoff=2010, alpha=0.05, min_n=20)
-    assert up["trend"]["or_low"] > 1 and up["trend_sentence"].startswith("The MET rate rises")
+    assert up["trend"]["or_low"] > 1 and up["trend"]["verdict"] == "above"
     down = data_findings(_labelled(slope=-0.4), cutoff=2010, alpha=0.05, min_n=20)
-    assert down["trend_sentence"].startswith("The MET rate falls")
-    assert "significantly lower" in down["shift_sentence"]
+    assert down["trend"]["or_high"] < 1 and down["trend"]["verdict"] == "below"
+    assert down["shift"]["diff_high"] < 0 and down["shift"]["verdict"] == "below"
     flat = data_findings(_labelled(slope=0.0, seed=3), cutoff=2010, alpha=0.05, min_n=20)
     assert flat["trend"]["or_low"] < 1 < flat["trend"]["or_high"]
-    assert "no linear trend" in flat["trend_sentence"] and "95% CI" in flat["trend_sentence"]
-    assert "90% CI" in data_findings(_labelled(), 2010, alpha=0.1, min_n=20)["trend_sentence"]
+    assert flat["trend"]["p_value"] >= 0.05 and flat["trend"]["verdict"] == "not distinguishable"
+    assert data_findings(_labelled(), 2010, alpha=0.1, min_n=20)["level"] == "90%"
+    # the stage stores numbers only; the report phrases them at the stored level
+    assert not any(k.endswith("sentence") for k in up)
+    assert (
+        "90% CI" in findings_sentences(data_findings(_labelled(), 2010, 0.1, 20))["trend_sentence"]
+    )
+
+
+def test_p_verdict_calls_a_test_only_below_alpha():
+    assert p_verdict(0.01, 0.05) == "above" and p_verdict(0.01, 0.05, up=False) == "below"
+    assert p_verdict(0.05, 0.05) == p_verdict(float("nan"), 0.05) == "not distinguishable"
+    with pytest.raises(ValueError):
+        p_verdict(0.01, 1.5)
 
 
 def test_clustered_rows_widen_the_interval():
@@ -87,3 +100,22 @@ def test_rate_figures_label_their_level():
     by_year = rate_by(df, "test_year", z=wilson_z(0.01))
     fig = plots.rate_by_year(by_year, "t", cutoff=2010, alpha=0.01)
     assert fig.axes[0].get_ylabel() == "MET rate (99% Wilson interval)"
+
+
+def test_the_report_phrases_the_findings_notebook_01_stored_as_numbers(tmp_path):
+    from rlxf_utils.artifacts import ArtifactMissing, RunDir
+    from rlxf_utils.report.data import data_section
+
+    run = RunDir(tmp_path / "run")
+    f = data_findings(_labelled(slope=-0.4), cutoff=2010, alpha=0.05, min_n=20)
+    run.write_json("data/summary.json", {"findings": f})
+    got = data_section(run)
+    assert got == {
+        "level": "95%",
+        **findings_sentences(run.read_json("data/summary.json")["findings"]),
+    }
+    # a summary from before the verdict codes: the file, the missing fields and what to rerun
+    stale = {**f, "trend": {k: v for k, v in f["trend"].items() if k != "verdict"}}
+    run.write_json("data/summary.json", {"findings": stale})
+    with pytest.raises(ArtifactMissing, match=r"summary\.json.*trend\.verdict.*rerun notebook 01"):
+        data_section(run)

@@ -318,7 +318,7 @@ def test_run_protocol_and_bundle(tmp_path: Path):
         assert scorer.offset == pytest.approx(off, abs=1e-5)
     cal_row = res.calibration.set_index("model").loc["encoder"]
     assert cal_row["n_calibration"] == len(cal) and cal_row["method"] == "platt"
-    assert cal_row["ece_verdict"] in {"higher", "lower", "not distinguishable"}
+    assert cal_row["ece_verdict"] in {"above", "below", "not distinguishable"}  # verdict codes
     assert cal_row["ece_diff_low"] <= cal_row["ece_diff_high"]
     # every metric carries an interval; comparisons are paired on the same test rows
     m = res.metrics.set_index("model")
@@ -411,8 +411,8 @@ def test_report_reward_section_words_follow_the_intervals(tmp_path: Path):
         "protocol_differences": diffs.to_dict("records"),
     }  # fmt: skip
     words = {
-        "lower": "lowered",
-        "higher": "raised",
+        "below": "lowered",
+        "above": "raised",
         "not distinguishable": "did not significantly change",
     }
     for verdict, word in words.items():
@@ -423,8 +423,8 @@ def test_report_reward_section_words_follow_the_intervals(tmp_path: Path):
     assert variables["level"] == "90%" and "90% CI" in tables["reward_tests.md"]
     assert "no encoder was trained" in variables["encoder_vs_tfidf"]
     moves = {
-        "lower": "falls",
-        "higher": "rises",
+        "below": "falls",
+        "above": "rises",
         "not distinguishable": "does not change significantly",
     }
     for verdict, move in moves.items():

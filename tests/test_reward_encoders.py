@@ -14,6 +14,7 @@ from test_reward import _cfg, _synthetic_conditions, _tiny_factory
 from rlxf_utils.artifacts import RunDir
 from rlxf_utils.config import CompareEncoder, RewardConfig
 from rlxf_utils.prompts import serialize_frame
+from rlxf_utils.report import wording
 from rlxf_utils.reward.bundle import load_reward, save_reward_bundle, train_disjoint_audit
 from rlxf_utils.reward.encoders import embedded_mpnet_dir, encoder_label, resolve_encoder
 from rlxf_utils.reward.figures import plot_encoders
@@ -97,7 +98,7 @@ def test_compared_encoder_is_scored_and_tested_beside_the_main_one(compared_resu
     assert {"deep vs encoder", "deep vs TF-IDF", "deep calibrated vs raw"} <= comps
     c = res.comparisons.set_index(["comparison", "measure"]).loc[("deep vs encoder", "roc_auc")]
     assert c["diff_low"] <= c["diff"] <= c["diff_high"]
-    assert c["verdict"] in {"higher", "lower", "not distinguishable"}
+    assert c["verdict"] in {"above", "below", "not distinguishable"}  # verdict codes
     assert "deep" in set(res.calibration["model"])
     assert {"deep_train_s", "deep_score_texts_per_s", "encoder_train_s"} <= set(res.timing)
     acc = accuracy_table([res])
@@ -148,11 +149,11 @@ def test_encoder_sentences_follow_the_paired_intervals(compared_result, tmp_path
                         "texts_per_s": 300.0, "fp32_texts_per_s": 100.0},
     }  # fmt: skip
     expected = {
-        ("higher", "higher"): "favours the fine-tuned all-mpnet-base-v2 over",
-        ("higher", "not distinguishable"): "favours the fine-tuned all-mpnet-base-v2 over",
-        ("lower", "not distinguishable"): "favours the fine-tuned all-MiniLM-L6-v2 over",
+        ("above", "above"): "favours the fine-tuned all-mpnet-base-v2 over",
+        ("above", "not distinguishable"): "favours the fine-tuned all-mpnet-base-v2 over",
+        ("below", "not distinguishable"): "favours the fine-tuned all-MiniLM-L6-v2 over",
         ("not distinguishable", "not distinguishable"): "favours neither",
-        ("higher", "lower"): "each win on one measure",
+        ("above", "below"): "each win on one measure",
     }
     for (va, vb), phrase in expected.items():
         comp = res.comparisons.copy()
@@ -164,7 +165,7 @@ def test_encoder_sentences_follow_the_paired_intervals(compared_result, tmp_path
         )
         assert phrase in variables["evidence_sentence"], (va, vb, variables["evidence_sentence"])
         assert "RL optimises the fine-tuned all-MiniLM-L6-v2" in variables["evidence_sentence"]
-        assert f"accuracy {va}" in variables["encoders_sentence"]
+        assert f"accuracy {wording.phrase('direction', va)}" in variables["encoders_sentence"]
     assert "above the tolerance, so this run scored in fp32" in variables["score_sentence"]
     assert "all-mpnet-base-v2" in md and "TF-IDF + LR" in md
     stale, _ = encoders_section(RunDir(tmp_path / "old"), "95%", meta)

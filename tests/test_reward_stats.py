@@ -100,9 +100,9 @@ def test_protocol_statistics_calls_clear_differences_and_not_ties():
         pred, ["encoder", "tfidf", "encoder_raw", "tfidf_raw"], n_boot=400, alpha=0.05, seed=1
     )
     c = comp.set_index(["comparison", "measure"])
-    assert c.loc[("encoder vs TF-IDF", "accuracy"), "verdict"] == "higher"
-    assert c.loc[("encoder vs TF-IDF", "roc_auc"), "verdict"] == "higher"
-    assert c.loc[("encoder calibrated vs raw", "ece"), "verdict"] == "lower"
+    assert c.loc[("encoder vs TF-IDF", "accuracy"), "verdict"] == "above"
+    assert c.loc[("encoder vs TF-IDF", "roc_auc"), "verdict"] == "above"
+    assert c.loc[("encoder calibrated vs raw", "ece"), "verdict"] == "below"
     tie = c.loc[("TF-IDF calibrated vs raw", "ece")]  # the same scores: a difference of exactly 0
     assert (tie["diff"], tie["diff_low"], tie["diff_high"]) == (0.0, 0.0, 0.0)
     assert tie["verdict"] == "not distinguishable"
@@ -129,7 +129,7 @@ def test_protocol_differences_compare_against_the_first_protocol():
         }
     d = protocol_differences(reps, points, alpha=0.05).set_index("model")
     assert (d["reference"] == "random").all() and (d["protocol"] == "grouped").all()
-    assert d.loc["encoder", "verdict"] == "lower"
+    assert d.loc["encoder", "verdict"] == "below"
     assert d.loc["tfidf", "verdict"] == "not distinguishable"  # the same kind of model both times
 
 

@@ -13,6 +13,7 @@ from rlxf_utils import plots
 from rlxf_utils.config import portable_path
 from rlxf_utils.data.checks import load_data
 from rlxf_utils.data.contexts import build_contexts
+from rlxf_utils.data.findings import data_findings
 from rlxf_utils.data.mona import subsample_arrangements
 from rlxf_utils.data.read import MonaTable
 from rlxf_utils.data.splits import (
@@ -21,7 +22,6 @@ from rlxf_utils.data.splits import (
     nest_evaluation_holdout,
     split_summary,
 )
-from rlxf_utils.report.data import data_findings
 from rlxf_utils.stats import rate_by, wilson_z
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,15 @@ import pandas as pd
 
 from rlxf_utils.evaluation.sampling import sample_tuned
 from rlxf_utils.models.policies import PolicySet
-from rlxf_utils.stats import bootstrap_ci, family_alpha, interval_p, mde, null_bound, tail_resamples
+from rlxf_utils.stats import (
+    bootstrap_ci,
+    bound_verdict,
+    family_alpha,
+    interval_p,
+    mde,
+    null_bound,
+    tail_resamples,
+)
 
 T = TypeVar("T")
 
@@ -201,5 +209,5 @@ def versus_best_of_n(samples: pd.DataFrame, per_prompt_bon: pd.DataFrame, summar
                      "p_family": min(1.0, len(algos) * interval_p(reps)),
                      "bound": null_bound(float(lo), float(hi)),
                      "mde": mde(float(reps.std(ddof=1)), len(algos), alpha),
-                     "verdict": "above" if lo > 0 else ("below" if hi < 0 else "not distinguishable")})  # fmt: skip
+                     "verdict": bound_verdict(float(lo), float(hi))})  # fmt: skip
     return pd.DataFrame(rows)

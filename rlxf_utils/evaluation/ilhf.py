@@ -18,8 +18,8 @@ scored again; only the responses are embedded):
   cosine similarity (MiniLM) between the samples of one prompt (1: every sample the same).
 
 `inclusive_table` has one row per policy; `inclusive_tests` compares each ILHF algorithm with PPO,
-`sft_met` and the start policy (paired by prompt or by held-out row). Every verdict word is read
-from an interval (`report.wording.ci_verdict`), never from the sign of a point estimate; every
+`sft_met` and the start policy (paired by prompt or by held-out row). Every verdict (a code of
+`stats.bound_verdict`) is read from an interval, never from the sign of a point estimate; every
 interval resamples countries, the unit that prompts and held-out rows of one country share.
 """
 
@@ -36,9 +36,10 @@ import pandas as pd
 from rlxf_utils.algorithms import ILHF_ALGORITHMS, algorithm_label
 from rlxf_utils.evaluation.measures import area_distribution, entropy, kl_divergence
 from rlxf_utils.plots import ci_err
-from rlxf_utils.report.wording import ci_verdict, is_present
+from rlxf_utils.report.wording import is_present
 from rlxf_utils.stats import (
     bootstrap_ci,
+    bound_verdict,
     cluster_bootstrap,
     family_alpha,
     level,
@@ -283,7 +284,7 @@ def inclusive_tests(samples: pd.DataFrame, ppl_rows: pd.DataFrame | None, sims: 
             d = {"diff": res["mean_diff"], "low": res["ci_low"], "high": res["ci_high"],
                  "n": res["n"], "n_clusters": res.get("n_clusters", res["n"])}  # fmt: skip
         rows.append({"measure": measure, "policy": a, "versus": b, **d,
-                     "verdict": ci_verdict(d["low"], d["high"]), "ci_level": 1 - a_family})  # fmt: skip
+                     "verdict": bound_verdict(d["low"], d["high"]), "ci_level": 1 - a_family})  # fmt: skip
     return pd.DataFrame(rows, columns=TEST_COLUMNS)
 
 

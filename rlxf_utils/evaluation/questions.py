@@ -7,8 +7,7 @@ from collections.abc import Sequence
 
 import pandas as pd
 
-from rlxf_utils.report.wording import ci_verdict
-from rlxf_utils.stats import paired_comparison, per_prompt_means, prompt_clusters
+from rlxf_utils.stats import bound_verdict, paired_comparison, per_prompt_means, prompt_clusters
 
 #: The columns of `question_comparisons`.
 QUESTION_COLUMNS = ["question", "measure", "policy", "versus", "n", "n_clusters", "diff", "low",
@@ -47,7 +46,7 @@ def question_comparisons(
             rows.append({"question": question, "measure": measure, "policy": a, "versus": b,
                          "n": res["n"], "n_clusters": res.get("n_clusters", res["n"]),
                          "diff": res["mean_diff"], "low": res["ci_low"], "high": res["ci_high"],
-                         "verdict": ci_verdict(res["ci_low"], res["ci_high"]),
+                         "verdict": bound_verdict(res["ci_low"], res["ci_high"]),
                          "p_family": res["p_family"], "ci_level": res["ci_level"],
                          "bound": res["bound"], "mde": res["mde"]})  # fmt: skip
     return pd.DataFrame(rows)[QUESTION_COLUMNS]

@@ -14,7 +14,7 @@ Two questions are then answered from paired cluster-bootstrap intervals (`guidan
 guidance beat PPO, and does RL beat supervised learning on what was met (`sft_met`)? Everything
 here assembles what the evaluation stage already measured (`evaluation.tables.summary_table`,
 `evaluation.tables.heldout_perplexity`, the per-response samples): nothing is generated or scored again.
-Every verdict word is read from an interval (`report.wording.ci_verdict`), never from the sign of a
+Every verdict (a code of `stats.bound_verdict`) is read from an interval, never from the sign of a
 point estimate; every interval resamples countries, the unit prompts of one country share.
 """
 
@@ -31,9 +31,9 @@ from rlxf_utils.algorithms import RLGF_ALGORITHMS, algorithm_label
 from rlxf_utils.evaluation.questions import question_comparisons
 from rlxf_utils.plots import ci_err
 from rlxf_utils.prompts import CONTEXT_FIELDS
-from rlxf_utils.report.wording import ci_verdict
 from rlxf_utils.stats import (
     bootstrap_ci,
+    bound_verdict,
     contrast_bootstrap,
     family_alpha,
     level,
@@ -234,7 +234,7 @@ def easy_hard_table(
         rows.append(_hard_minus_easy(wide, pol, start, half, country, n_boot, alpha, seed, a_gain))
     out = pd.DataFrame(rows).reindex(columns=EASY_HARD_COLUMNS)
     out["gain_verdict"] = [
-        ci_verdict(lo, hi) if pd.notna(g) else ""
+        bound_verdict(lo, hi) if pd.notna(g) else ""
         for g, lo, hi in zip(out["gain"], out["gain_low"], out["gain_high"], strict=True)
     ]
     out["median_met_rate"] = float(d["median_met_rate"].iloc[0])

@@ -1,101 +1,47 @@
 """The data section's words: the MET-rate findings of notebook 01 (trend, shift, areas, arrangement
-types; stored in `data/summary.json`) and the report's data variables."""
+types; stored as numbers and verdict codes in `data/summary.json`, `data.findings`) and the
+report's data variables."""
 
 from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import pandas as pd
 
 from rlxf_utils.artifacts import ArtifactMissing, RunDir
-from rlxf_utils.report.wording import interval, literal, num
-from rlxf_utils.stats import level, rate_heterogeneity, rate_shift, rate_trend
+from rlxf_utils.report.wording import literal, sentence
+
+#: The data section's sentences, each a macro of `reports/templates/data.jinja`.
+SENTENCES = ("trend_sentence", "shift_sentence", "area_sentence", "arrangement_type_sentence")
 
 
-def _p(p: float) -> str:
-    return "n/a" if not np.isfinite(p) else ("< 0.001" if p < 0.001 else f"= {p:.3f}")
+def findings_sentences(f: dict[str, Any]) -> dict[str, str]:
+    """The data section's four tested findings (`data.findings.data_findings`, stored in
+    `data/summary.json`) as sentences: `trend_sentence`, `shift_sentence`, `area_sentence` and
+    `arrangement_type_sentence`, written by the author in `reports/templates/data.jinja`, each
+    verb the vocabulary's phrase of its test's verdict code."""
+    return {name: sentence("data", name, f) for name in SENTENCES}
 
 
-def data_findings(labelled: pd.DataFrame, cutoff: int, alpha: float, min_n: int) -> dict[str, Any]:
-    """The data section's tested statements: trend over years, shift at the cut-off, differences
-    across economic areas and arrangement types, as numbers and as sentences chosen at `alpha`."""
-    lvl = level(alpha)
-    dated = labelled.dropna(subset=["test_year"])
-    y, cl = dated["y"].astype(float), dated["arrangement_id"].astype(str)
-    trend = rate_trend(y, dated["test_year"].astype(float), cl, alpha)
-    shift = rate_shift(y, dated["test_year"].astype(float) > cutoff, cl, alpha)
-    areas = rate_heterogeneity(
-        labelled["y"].astype(float),
-        labelled["econ_descriptor"].astype(str),
-        labelled["arrangement_id"].astype(str),
-        min_n,
-    )
-    types = rate_heterogeneity(
-        labelled["y"].astype(float),
-        labelled["arrangement_type"].astype(str),
-        labelled["arrangement_id"].astype(str),
-        min_n,
-    )
-    if trend["p_value"] < alpha:
-        word = "rises" if trend["or_low"] > 1 else "falls"
-        trend_s = f"The MET rate {word} over the test years"
-    else:
-        trend_s = f"The MET rate has no linear trend over the test years significant at the {alpha:.0%} level"
-    trend_s += (
-        f" (odds ratio per year {trend['odds_ratio_per_year']:.3f}, {lvl} CI "
-        f"{interval(trend['or_low'], trend['or_high'], signed=False)}, p {_p(trend['p_value'])})"
-    )
-    shift_word = (
-        ("significantly higher" if shift["diff_low"] > 0 else "significantly lower")
-        if shift["p_value"] < alpha
-        else "not significantly different"
-    )
-    shift_s = (
-        f"conditions due after {cutoff} are met {shift['rate_after']:.1%} of the time against "
-        f"{shift['rate_before']:.1%} up to {cutoff}, {shift_word} "
-        f"(difference {num(shift['diff'], 1, True, 100)} points, {lvl} CI "
-        f"{interval(shift['diff_low'], shift['diff_high'], 1, scale=100)}, p {_p(shift['p_value'])})"
-    )
-
-    def het(r: dict[str, float], what: str) -> str:
-        if r["groups"] < 2:
-            return f"too few {what} hold {min_n} conditions to test whether MET rates differ across them"
-        verdict = "differ" if r["p_value"] < alpha else "do not differ significantly"
-        return (
-            f"MET rates {verdict} across {what} ({r['groups']} with at least {min_n} conditions; "
-            f"cluster-robust Wald χ²({r['df']}) = {r['wald']:.1f}, p {_p(r['p_value'])})"
-        )
-
-    return {
-        "alpha": alpha,
-        "level": lvl,
-        "trend": trend,
-        "shift": shift,
-        "areas": areas,
-        "arrangement_types": types,
-        "trend_sentence": trend_s,
-        "shift_sentence": shift_s,
-        "area_sentence": het(areas, "economic areas"),
-        "arrangement_type_sentence": het(types, "arrangement types"),
-    }
+#: The tests of `data.findings.data_findings`, and every field the sentences read.
+_TESTS = ("trend", "shift", "areas", "arrangement_types")
+_FINDINGS = ("alpha", "level", "cutoff", "min_group_size", *_TESTS)
 
 
 def data_section(run: RunDir) -> dict[str, Any]:
-    """The data section's tested sentences (notebook 01's `report.data.data_findings`) and its level."""
+    """The data section's tested sentences (`findings_sentences` of the numbers notebook 01 stored
+    in `data/summary.json`) and its level."""
     s = run.read_json("data/summary.json", stage="notebook 01_data_exploration")
-    f = s.get("findings")
-    if not f:
+    f = s.get("findings") or {}
+    missing = [k for k in _FINDINGS if k not in f] + [
+        f"{k}.verdict" for k in _TESTS if k in f and "verdict" not in f[k]
+    ]
+    if missing:
         raise ArtifactMissing(
-            f"{run.path('data/summary.json')}: field 'findings' missing; rerun notebook 01_data_exploration"
+            f"{run.path('data/summary.json')}: findings fields {missing} missing (a run from "
+            "before the findings were stored as numbers); rerun notebook 01_data_exploration"
         )
-    return {
-        "level": f["level"],
-        "trend_sentence": f["trend_sentence"],
-        "shift_sentence": f["shift_sentence"],
-        "area_sentence": f["area_sentence"],
-        "arrangement_type_sentence": f["arrangement_type_sentence"],
-    }
+    return {"level": f["level"], **findings_sentences(f)}
 
 
 # -- notebook 01's narrative --------------------------------------------------------------------
@@ -133,9 +79,10 @@ def area_range_sentence(by_area: pd.DataFrame, min_n: int) -> str:
 
 def findings_paragraph(findings: dict[str, Any]) -> str:
     """The tested findings (trend, shift, areas, arrangement types) as one paragraph."""
+    w = findings_sentences(findings)
     return (
-        f"{findings['trend_sentence']}; {findings['shift_sentence']}. {findings['area_sentence']}; "
-        f"{findings['arrangement_type_sentence']}."
+        f"{w['trend_sentence']}; {w['shift_sentence']}. {w['area_sentence']}; "
+        f"{w['arrangement_type_sentence']}."
     )
 
 

@@ -12,10 +12,8 @@ from rlxf_utils.algorithms import algorithm_label
 from rlxf_utils.artifacts import RunDir
 from rlxf_utils.evaluation.best_of_n import best_of_n_kl_bound
 from rlxf_utils.report.wording import (
+    EQUIVALENT,
     ci,
-    ci_verdict,
-    f3,
-    fmt_p,
     interval,
     is_present,
     listing,
@@ -23,7 +21,9 @@ from rlxf_utils.report.wording import (
     markdown_table,
     null_bound_clause,
     num,
+    phrase,
     pval,
+    say,
     sd_verdict,
     short_text,
 )
@@ -36,7 +36,7 @@ def gain_verb(low: float, high: float) -> str:
     """'raised' / 'lowered' when the family's simultaneous interval of the gain lies above / below
     zero (the study's one multiplicity rule, `stats.family_alpha`), else 'did not significantly
     change'."""
-    return ci_verdict(low, high, "raised", "lowered", "did not significantly change")
+    return say("gain", low, high)
 
 
 def null_clause(low: float, high: float, margin: float | None = None) -> str:
@@ -46,8 +46,8 @@ def null_clause(low: float, high: float, margin: float | None = None) -> str:
     bound = null_bound_clause(low, high)
     if not bound:
         return ""
-    if bound_verdict(low, high, margin) == "equivalent":
-        return f"equivalent within ±{num(margin)}: {bound}"
+    if bound_verdict(low, high, margin) == EQUIVALENT:
+        return f"{margin_verdict(low, high, margin)}: {bound}"
     return bound
 
 
@@ -194,14 +194,12 @@ def history_sentence(hist: dict[str, float], contrast: dict[str, Any]) -> str:
         h = contrast.get(col)
         if not h:
             continue
-        word = ci_verdict(
-            h["ci_low"], h["ci_high"], "above", "below", "not distinguishably apart from"
-        )
+        word = say("apart_from", h["ci_low"], h["ci_high"])
         parts.append(f"{who} places what was met {word} what was not "
                      f"(difference {ci(h['mean_diff'], h['ci_low'], h['ci_high'], signed=True)})")  # fmt: skip
     return (
         f"Real MET descriptions for the same contexts, from rows neither model trained on, score "
-        f"{f3(hist['history_met'])} and real Non-MET ones {f3(hist['history_nonmet'])}; on the "
+        f"{num(hist['history_met'])} and real Non-MET ones {num(hist['history_nonmet'])}; on the "
         f"{contrast['reward']['n']} prompts ({contrast['reward']['n_clusters']} countries) that have "
         "both, " + " and ".join(parts)
     )
@@ -236,7 +234,7 @@ def eval_section(run: RunDir, alpha: float = 0.05) -> tuple[dict[str, Any], dict
         if pd.isna(r.get(col)):
             return "·"
         low, high = r[col + "_low"], r[col + "_high"]
-        return f"{ci(r[col], low, high, signed=True)} ({fmt_p(r.get(col + '_p_family', math.nan))})"
+        return f"{ci(r[col], low, high, signed=True)} ({pval(r.get(col + '_p_family', math.nan), prose=True)})"
 
     rows, cost = [], []
     for pol, r in s.iterrows():
@@ -255,10 +253,10 @@ def eval_section(run: RunDir, alpha: float = 0.05) -> tuple[dict[str, Any], dict
             "perplexity": f"{r['perplexity']:.1f}",
             "finished": "·" if pd.isna(r.get("finished")) else f"{r['finished']:.0%}",
             "words": f"{r['mean_words']:.1f}",
-            "distinct-2": f3(r["distinct_2"]),
-            "rep-3": f3(r["rep_3"]),
+            "distinct-2": num(r["distinct_2"]),
+            "rep-3": num(r["rep_3"]),
             f"grounded MET [{lvl} CI]": ci(r["grounded_met"], r["grounded_low"], r["grounded_high"]),
-            "max similarity": f3(r["max_sim"]),
+            "max similarity": num(r["max_sim"]),
         })  # fmt: skip
     summary_md = markdown_table(pd.DataFrame(rows))
     cost_md = markdown_table(pd.DataFrame(cost))
@@ -267,7 +265,7 @@ def eval_section(run: RunDir, alpha: float = 0.05) -> tuple[dict[str, Any], dict
             f"difference [{fam} CI]": [ci(a, b, c, signed=True) for a, b, c in zip(paired.mean_diff, paired.ci_low, paired.ci_high, strict=True)],
             "family p": paired["p_family"].map(pval) if "p_family" in paired else "·",
             "verdict": [
-                margin_verdict(lo, hi, margin, "above", "below", "not distinguishable", "equivalent")
+                margin_verdict(lo, hi, margin)
                 for lo, hi in zip(paired.ci_low, paired.ci_high, strict=True)
             ],
             "MDE": paired["mde"].map(lambda v: num(v)) if "mde" in paired else "·",
@@ -291,15 +289,14 @@ def eval_section(run: RunDir, alpha: float = 0.05) -> tuple[dict[str, Any], dict
         bound = null_clause(r["gain_low"], r["gain_high"], margin)
         a_bound = null_clause(r["audit_gain_low"], r["audit_gain_high"], margin)
         sentences.append(
-            f"{algorithm_label(algo)} {verb} Ave(R) on the held-out prompts (from {f3(s.loc[start, 'ave_r'])} for {start} to "
+            f"{algorithm_label(algo)} {verb} Ave(R) on the held-out prompts (from {num(s.loc[start, 'ave_r'])} for {start} to "
             f"{ci(r['ave_r'], r['ave_r_low'], r['ave_r_high'])}; paired gain "
             f"{ci(r['gain'], r['gain_low'], r['gain_high'], signed=True)} at the family's {fam}, "
-            f"{fmt_p(r.get('gain_p_family', math.nan))}{'; ' + bound if bound else ''}) and {a_verb} the audit model's reward "
+            f"{pval(r.get('gain_p_family', math.nan), prose=True)}{'; ' + bound if bound else ''}) and {a_verb} the audit model's reward "
             f"({ci(r['audit_gain'], r['audit_gain_low'], r['audit_gain_high'], signed=True)}{'; ' + a_bound if a_bound else ''}), at a KL of "
             f"{r['kl']:.2f} nats to the starting policy"
         )
-        gap_word = ci_verdict(r.get("gap_low", math.nan), r.get("gap_high", math.nan),
-                              "larger than", "smaller than", "not distinguishable from")  # fmt: skip
+        gap_word = say("gap", r.get("gap_low", math.nan), r.get("gap_high", math.nan))
         concl.append(
             f"{algorithm_label(algo)} {verb} the reward it was trained on and {a_verb} the disjoint-rows audit "
             f"reward (its reward gain {gap_word} its audit gain)"
@@ -321,14 +318,10 @@ def eval_section(run: RunDir, alpha: float = 0.05) -> tuple[dict[str, Any], dict
         return r["best_of_n_kl"] if pd.notna(r.get("best_of_n_kl")) else min(r["kl"], curve_end)
 
     for _, r in vs_bon.iterrows():
-        where = {
-            "above": "lies above",
-            "below": "lies below",
-            "not distinguishable": "cannot be told apart from",
-        }[r["verdict"]]
+        where = phrase("curve", r["verdict"])
         bon_sentences.append(
-            f"{algorithm_label(r['policy'])} ({f3(r['ave_r'])} at {r['kl']:.2f} nats) {where} the best-of-N curve "
-            f"({f3(r['best_of_n_at_kl'])} at {bon_kl(r):.2f} nats"
+            f"{algorithm_label(r['policy'])} ({num(r['ave_r'])} at {r['kl']:.2f} nats) {where} the best-of-N curve "
+            f"({num(r['best_of_n_at_kl'])} at {bon_kl(r):.2f} nats"
             f"{': its KL is beyond the curve, compared with the largest N' if r['beyond_curve'] else ', the same KL'}; "
             f"difference {ci(r['diff'], r['diff_low'], r['diff_high'], signed=True)})"
         )  # fmt: skip
@@ -356,8 +349,8 @@ def eval_section(run: RunDir, alpha: float = 0.05) -> tuple[dict[str, Any], dict
         "algo_sentences": "; ".join(sentences) if sentences else "No RL algorithm was evaluated",
         "conclusion": "; ".join(concl) if concl else "no tuned policy was evaluated",
         "history_sentence": hist_sentence,
-        "random_policy": f3(hist.get("random_policy", float("nan"))),
-        "base_ave_r": f3(s.loc["base", "ave_r"]),
+        "random_policy": num(hist.get("random_policy", float("nan"))),
+        "base_ave_r": num(s.loc["base", "ave_r"]),
         "start": start,
         "family_level": fam,
         "multiplicity_rule": MULTIPLICITY_RULE,
@@ -366,19 +359,19 @@ def eval_section(run: RunDir, alpha: float = 0.05) -> tuple[dict[str, Any], dict
         "margin": num(margin if margin is not None else math.nan),
         "power": f"{meta.get('power', 0.8):.0%}",
         "families": families_sentence(run, paired, vs_bon, start),
-        "start_ave_r": f3(s.loc[start, "ave_r"]),
+        "start_ave_r": num(s.loc[start, "ave_r"]),
         "bon_sentences": "; ".join(bon_sentences)
         if bon_sentences
         else "No RL algorithm was compared with best-of-N",
         "bon_curve": ", ".join(str(n) for n in meta.get("best_of_n_curve", [])),
         "ppl_sentence": ppl_sentence,
         "finished_sentence": "; ".join(f"{algorithm_label(p)} {v:.0%}" for p, v in fin.items()),
-        "best_ave_r": f3(b["ave_r"]),
+        "best_ave_r": num(b["ave_r"]),
         "best_gain": f"{b['gain']:+.3f}",
         "best_audit_gain": f"{b['audit_gain']:+.3f}",
         "best_kl": f"{b['kl']:.2f}",
         "grounding_sentence": "; ".join(
-            f"{algorithm_label(p)} {f3(r['grounded_met'])}" for p, r in g.iterrows()
+            f"{algorithm_label(p)} {num(r['grounded_met'])}" for p, r in g.iterrows()
         ),
         "uncertainty_sentence": uncertainty_sentence(s, algos, start, lvl, heads),
     }
@@ -493,12 +486,9 @@ def policy_lines(
     s = summary.loc[start]
     for algo in algos:
         r = summary.loc[algo]
-        word = ci_verdict(r.gain_low, r.gain_high, "significantly higher than",
-                          "significantly lower than", "not distinguishable from")  # fmt: skip
+        word = say("versus_start", r.gain_low, r.gain_high)
         verdict = f"{word} the start policy (family p = {r.gain_p_family:.3g})"
-        audit = ci_verdict(
-            r.audit_gain_low, r.audit_gain_high, "rose", "fell", "did not clearly change"
-        )
+        audit = say("audit_move", r.audit_gain_low, r.audit_gain_high)
         lines.append(
             f"- **{algorithm_label(algo)}**: Ave(R) {ci(r.ave_r, r.ave_r_low, r.ave_r_high)} "
             f"vs {start} {s['ave_r']:.3f}; a gain of {ci(r.gain, r.gain_low, r.gain_high, signed=True)}, "
@@ -520,7 +510,7 @@ def policy_lines(
     ]
     hc = meta["history_contrast"].get("reward")
     if hc:
-        word = ci_verdict(hc["ci_low"], hc["ci_high"], "above", "below", "not distinguishable from")
+        word = say("position_from", hc["ci_low"], hc["ci_high"])
         parts.append(
             f"on the {hc['n']} prompts ({hc['n_clusters']} countries) with both, the reward model "
             f"places what was met **{word}** what was not (difference {hc['mean_diff']:+.3f} "
@@ -537,7 +527,7 @@ def gap_lines(gap: pd.DataFrame) -> str:
     return "\n".join(
         f"- **{p}**: reward-model gain {r.gain:+.3f}, audit gain {r.audit_gain:+.3f}, gap {r.gap:+.3f} "
         f"{interval(r.gap_low, r.gap_high)}: the reward model's gain is **"
-        f"{ci_verdict(r.gap_low, r.gap_high, 'larger than', 'smaller than', 'not distinguishable from')}"
+        f"{say('gap', r.gap_low, r.gap_high)}"
         "** the audit's."
         for p, r in gap.iterrows()
     )

@@ -19,7 +19,7 @@ from rlxf_utils.artifacts import RunDir
 from rlxf_utils.report.evaluation import family_level
 from rlxf_utils.report.reward import reward_labels
 from rlxf_utils.report.seeds import seed_finding
-from rlxf_utils.report.wording import ci, is_present, listing, num
+from rlxf_utils.report.wording import ci, is_present, listing, num, pct_ci, say
 from rlxf_utils.stats import level
 
 #: The paper's reported accuracy, precision, recall and F1 ("surpassing 82% on each").
@@ -27,10 +27,6 @@ PAPER_CLAIM = 0.82
 
 #: The findings, in the order the abstract and the key-findings list state them.
 FINDINGS = ("reward", "rl", "best_of_n", "offline")
-
-
-def _pct_ci(mid: float, low: float, high: float) -> str:
-    return f"{100 * mid:.1f}% [{100 * low:.1f}%, {100 * high:.1f}%]"
 
 
 def reward_finding(meta: dict[str, Any]) -> str:
@@ -42,7 +38,7 @@ def reward_finding(meta: dict[str, Any]) -> str:
     below = bool((scorers["accuracy_high"] < PAPER_CLAIM).all())  # every interval below the claim
     # the best model; where some interval reaches the claim, the one reaching highest
     best = scorers.loc[scorers["accuracy" if below else "accuracy_high"].idxmax()]
-    acc = _pct_ci(best["accuracy"], best["accuracy_low"], best["accuracy_high"])
+    acc = pct_ci(best["accuracy"], best["accuracy_low"], best["accuracy_high"])
     which = f"{labels.get(best['model'], best['model'])}, {best['protocol']} split, {lvl} CI"
     if below:
         out = (
@@ -57,11 +53,7 @@ def reward_finding(meta: dict[str, Any]) -> str:
     if len(main):
         r = main.iloc[0]
         lo, hi = r["roc_auc_low"], r["roc_auc_high"]
-        chance = (
-            "not distinguishable from chance"
-            if lo <= 0.5 <= hi
-            else ("above chance" if lo > 0.5 else "below chance")
-        )
+        chance = f"{say('position_from', lo - 0.5, hi - 0.5)} chance"  # AUC against 0.5
         out += (
             f"; on arrangements it never saw ({meta['reward_protocol']} split), the reward model "
             f"RL optimises has an AUC of {ci(r['roc_auc'], lo, hi)}, {chance}"

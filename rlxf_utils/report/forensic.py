@@ -8,13 +8,16 @@ import pandas as pd
 
 from rlxf_utils.artifacts import RunDir
 from rlxf_utils.report.wording import (
+    ABOVE,
+    BELOW,
+    UNCLEAR,
     ci,
-    ci_verdict,
     listing,
     markdown_table,
     pct,
+    phrase,
 )
-from rlxf_utils.stats import level
+from rlxf_utils.stats import bound_verdict, level
 
 FORENSIC_MEASURES = (("accuracy", "accuracy"), ("precision", "precision"), ("recall", "recall"), ("f1", "F1"))  # fmt: skip
 
@@ -28,12 +31,13 @@ MODEL_NAMES = {
 
 def claim_position(row: pd.Series, claim: float) -> str:
     """'above' if every measure's CI lies above the claim, 'below' if any lies below it, else
-    'indistinguishable': read from the intervals, never from the point estimates."""
-    words = [ci_verdict(row[f"{m}_low"] - claim, row[f"{m}_high"] - claim, "above", "below", "neither")
+    'not distinguishable' (verdict codes of `stats.bound_verdict`): read from the intervals, never
+    from the point estimates."""
+    codes = [bound_verdict(row[f"{m}_low"] - claim, row[f"{m}_high"] - claim)
              for m, _ in FORENSIC_MEASURES]  # fmt: skip
-    if "below" in words:
-        return "below"
-    return "above" if all(w == "above" for w in words) else "indistinguishable"
+    if BELOW in codes:
+        return BELOW
+    return ABOVE if all(c == ABOVE for c in codes) else UNCLEAR
 
 
 def forensic_verdict(table: pd.DataFrame, claim: float, alpha: float) -> str:
@@ -62,9 +66,9 @@ def forensic_verdict(table: pd.DataFrame, claim: float, alpha: float) -> str:
     ):
         if g.empty:
             continue
-        up = g[g["position"] == "above"]
-        short = g[g["position"] == "below"]
-        mid = g[g["position"] == "indistinguishable"]
+        up = g[g["position"] == ABOVE]
+        short = g[g["position"] == BELOW]
+        mid = g[g["position"] == UNCLEAR]
         bits = []
         if len(up):
             bits.append(f"{listing([f'{name(r)}, {acc(r)}' for _, r in up.iterrows()])} "
@@ -75,15 +79,15 @@ def forensic_verdict(table: pd.DataFrame, claim: float, alpha: float) -> str:
                         f"{'falls' if len(short) == 1 else 'fall'} short of it on at least one measure "
                         f"(best: {name(best)}, {acc(best)})")  # fmt: skip
         if len(mid):
-            bits.append(f"{listing([name(r) for _, r in mid.iterrows()])} cannot be told apart from it "
+            bits.append(f"{listing([name(r) for _, r in mid.iterrows()])} {phrase('beat', UNCLEAR)} it "
                         f"on at least one measure and {'lies' if len(mid) == 1 else 'lie'} below it on none")  # fmt: skip
         parts.append(f"with {label}, {'; '.join(bits)}")
-    up_allowed = allowed["position"].eq("above").any()
-    up_forbidden = forbidden[forbidden["position"] == "above"]
+    up_allowed = allowed["position"].eq(ABOVE).any()
+    up_forbidden = forbidden[forbidden["position"] == ABOVE]
     if up_allowed:
         concl = (f"a figure above {claim:.0%} is reachable here with the paper's own inputs, so this "
                  "arm does not show that it needs forbidden ones")  # fmt: skip
-    elif len(up_forbidden) and not allowed.empty and allowed["position"].eq("below").all():
+    elif len(up_forbidden) and not allowed.empty and allowed["position"].eq(BELOW).all():
         concl = (f"in this run a figure above {claim:.0%} arises only when the model sees "
                  f"{listing(sorted(set(up_forbidden['variant'])))} inputs, which the paper's protocol "
                  "forbids (staff Comments are written after the assessment and often state its outcome), "
@@ -118,7 +122,9 @@ def forensic_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any
                "paper allows": "yes" if r["allowed_by_protocol"] else "no"}  # fmt: skip
         for m, label in (*FORENSIC_MEASURES, ("roc_auc", "AUC")):
             row[f"{label} [{lvl} CI]"] = ci(r[m], r[f"{m}_low"], r[f"{m}_high"])
-        row[f"vs {claim:.0%}"] = "·" if r["model"] == "majority" else claim_position(r, claim)
+        row[f"vs {claim:.0%}"] = (
+            "·" if r["model"] == "majority" else phrase("claim", claim_position(r, claim))
+        )
         rows.append(row)
     fields = meta["fields_read"]
     vintage = fields.get("mona_2002_vintage", {})

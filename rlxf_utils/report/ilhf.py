@@ -15,27 +15,15 @@ from rlxf_utils.evaluation.ilhf import HISTORY, MEASURES, TEST_COLUMNS
 from rlxf_utils.report.evaluation import eval_meta, table_note
 from rlxf_utils.report.wording import (
     ci,
-    ci_verdict,
-    fmt_num,
     is_present,
     listing,
     markdown_table,
     num,
+    phrase,
+    say,
+    verdict_code,
 )
 from rlxf_utils.stats import level
-
-#: measure -> verdict word of `ci_verdict` -> what the ILHF policy does against the comparator.
-_WORDS = {
-    "pairwise_sim": {"higher": "writes samples of one prompt more alike than",
-                     "lower": "writes more varied samples of one prompt than",
-                     "not distinguishable": "cannot be told apart in variety from"},
-    "reward": {"higher": "reaches a higher Ave(R) than", "lower": "reaches a lower Ave(R) than",
-               "not distinguishable": "cannot be told apart in Ave(R) from"},
-    "xent_met": {"higher": "finds held-out MET descriptions less likely than",
-                 "lower": "finds held-out MET descriptions likelier than",
-                 "not distinguishable": "cannot be told apart on held-out MET descriptions from"},
-}  # fmt: skip
-
 
 _QUESTION = {
     "pairwise_sim": "pairwise similarity",
@@ -55,7 +43,7 @@ def inclusive_sentences(tables: Mapping[str, pd.DataFrame], algos: Sequence[str]
     similarity, Ave(R) and held-out MET cross-entropy), `verdicts` (the three in one paragraph,
     or the one sentence saying no ILHF algorithm ran), `collapse` (PPO against the start policy
     on pairwise similarity) and `history` (the history references' and the start policy's
-    numbers, the yardstick). Every verb is chosen from an interval (`ci_verdict`); a run without
+    numbers, the yardstick). Every verb is the vocabulary's phrase (`wording.phrase`) of a verdict read from an interval; a run without
     an ILHF algorithm or without PPO says so."""
     lvl = level(alpha)
     tests = tables.get("eval_inclusive_tests")
@@ -81,11 +69,11 @@ def inclusive_sentences(tables: Mapping[str, pd.DataFrame], algos: Sequence[str]
                     continue
                 groups: dict[str, list[str]] = {}  # comparators with one verdict share its verb
                 for _, r in t.iterrows():
-                    groups.setdefault(r["verdict"], []).append(
+                    groups.setdefault(verdict_code(r["verdict"]), []).append(
                         f"{algorithm_label(r['versus'])} ({ci(r['diff'], r['low'], r['high'], signed=True)})"
                     )
                 parts.append(f"{algorithm_label(a)} " + "; it ".join(
-                    f"{_WORDS[measure][v]} {listing(who)}" for v, who in groups.items()))  # fmt: skip
+                    f"{phrase('ilhf_' + measure, v)} {listing(who)}" for v, who in groups.items()))  # fmt: skip
             out[key] = (
                 f"{'; '.join(parts)} (difference in {_QUESTION[measure]}, {lvl} cluster-bootstrap "
                 "CI over countries)"
@@ -97,8 +85,7 @@ def inclusive_sentences(tables: Mapping[str, pd.DataFrame], algos: Sequence[str]
         out["collapse"] = "PPO's samples were not compared with the start policy's"
     else:
         r = c.iloc[0]
-        word = ci_verdict(r["low"], r["high"], "more alike than", "more varied than",
-                             "not distinguishable in variety from")  # fmt: skip
+        word = say("collapse", r["low"], r["high"])
         out["collapse"] = (
             f"PPO's samples of one prompt are {word} those of {algorithm_label(r['versus'])} "
             f"(difference in pairwise similarity {ci(r['diff'], r['low'], r['high'], signed=True)}, {lvl} "
@@ -123,8 +110,8 @@ def _history_sentence(table: pd.DataFrame | None, start: str) -> str:
     names = {"history_met": "real MET descriptions of the same contexts",
              "history_nonmet": "real Non-MET ones", start: f"the start policy {start}"}  # fmt: skip
     parts = [
-        f"{names[p]} {fmt_num(t.loc[p, 'pairwise_sim'])} [{fmt_num(t.loc[p, 'pairwise_sim_low'])}, "
-        f"{fmt_num(t.loc[p, 'pairwise_sim_high'])}], {fmt_num(t.loc[p, 'area_entropy'])} nats"
+        f"{names[p]} {num(t.loc[p, 'pairwise_sim'])} [{num(t.loc[p, 'pairwise_sim_low'])}, "
+        f"{num(t.loc[p, 'pairwise_sim_high'])}], {num(t.loc[p, 'area_entropy'])} nats"
         for p in (*HISTORY, start)
         if p in t.index
     ]
@@ -264,7 +251,8 @@ def ilhf_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], d
         )  # fmt: skip
         tests_md = markdown_table(
             tt[["measure", "policy", "versus", "n", "n_clusters", f"difference [{lvl} CI]",
-                "verdict"]].rename(columns={"n": "units", "n_clusters": "countries"})
+                "verdict"]].assign(verdict=tt["verdict"].map(lambda v: phrase("direction", v)))
+            .rename(columns={"n": "units", "n_clusters": "countries"})
         )  # fmt: skip
     return variables, {
         "ilhf_table.md": markdown_table(pd.DataFrame(rows)),

@@ -10,10 +10,8 @@ import pandas as pd
 
 from rlxf_utils.artifacts import RunDir
 from rlxf_utils.report.evaluation import null_clause, table_note
-from rlxf_utils.report.wording import ci, ci_verdict, is_present, listing, markdown_table
+from rlxf_utils.report.wording import ci, is_present, listing, markdown_table, say
 from rlxf_utils.stats import level
-
-_MOVE = ("raised", "lowered", "did not distinguishably move")
 
 
 def _pair(r: pd.Series, margin: float | None = None) -> str:
@@ -23,7 +21,7 @@ def _pair(r: pd.Series, margin: float | None = None) -> str:
     parts = []
     for key, who in (("proxy", "the proxy"), ("gold", "the gold")):
         low, high = r[f"{key}_low"], r[f"{key}_high"]
-        verb = ci_verdict(low, high, *_MOVE)
+        verb = say("move", low, high)
         bound = null_clause(low, high, margin)
         parts.append(f"{verb} {who} ({ci(r[key], low, high, signed=True)}"
                      f"{'; ' + bound if bound else ''})")  # fmt: skip

@@ -39,7 +39,7 @@ from rlxf_utils.report.rl import rl_section
 from rlxf_utils.report.rlgf import rlgf_section
 from rlxf_utils.report.seeds import seeds_section
 from rlxf_utils.report.sources import sources_table
-from rlxf_utils.report.wording import markdown_table, typeset_minus
+from rlxf_utils.report.wording import markdown_table, pct, typeset_minus
 
 log = logging.getLogger(__name__)
 
@@ -71,10 +71,6 @@ class RenderResult:
     seconds: dict[str, float] = field(default_factory=dict)
 
 
-def _pct(x: float) -> str:
-    return f"{100 * x:.1f}%"
-
-
 def _data_variables(run: RunDir) -> dict[str, Any]:
     s = run.read_json("data/summary.json", stage="notebook 01_data_exploration")
     dups = {d["protocol"]: d for d in s["duplicates"]}
@@ -86,19 +82,19 @@ def _data_variables(run: RunDir) -> dict[str, Any]:
         "labelled": f"{s['labelled']:,}",
         "met": f"{s['met']:,}",
         "non_met": f"{s['non_met']:,}",
-        "met_share": _pct(s["met_share"]),
+        "met_share": pct(s["met_share"]),
         "excluded": f"{s['excluded']:,}",
         "countries": str(s["countries"]),
         "programmes": str(s["programmes"]),
         "first_approval_year": str(s["approval_years"][0]),
         "last_approval_year": str(s["approval_years"][1]),
-        "dup_random_exact": _pct(dups["random"]["exact_share"]),
-        "dup_random_near": _pct(dups["random"]["near_share"]),
-        "dup_grouped_near": _pct(dups["grouped"]["near_share"]),
-        "dup_temporal_near": _pct(dups["temporal"]["near_share"]),
+        "dup_random_exact": pct(dups["random"]["exact_share"]),
+        "dup_random_near": pct(dups["random"]["near_share"]),
+        "dup_grouped_near": pct(dups["grouped"]["near_share"]),
+        "dup_temporal_near": pct(dups["temporal"]["near_share"]),
         "random_test_rows": f"{sizes[('random', 'test')]['rows']:,}",
-        "temporal_test_met_share": _pct(sizes[("temporal", "test")]["met_share"]),
-        "temporal_train_met_share": _pct(sizes[("temporal", "train")]["met_share"]),
+        "temporal_test_met_share": pct(sizes[("temporal", "test")]["met_share"]),
+        "temporal_train_met_share": pct(sizes[("temporal", "train")]["met_share"]),
         "contexts_train": f"{ctx['train']['contexts']:,}",
         "contexts_eval": f"{ctx['eval']['contexts']:,}",
         "countries_eval": str(ctx["eval"]["countries"]),
@@ -167,7 +163,9 @@ def build_sources(run: RunDir, build: Path, src: Path = REPORT_SRC) -> dict[str,
     if build.exists():
         shutil.rmtree(build)
     shutil.copytree(
-        src, build, ignore=shutil.ignore_patterns("_build", ".quarto", "*.html", "*.pdf")
+        src,
+        build,
+        ignore=shutil.ignore_patterns("_build", ".quarto", "*.html", "*.pdf", "templates"),
     )
 
     variables = {

@@ -10,14 +10,18 @@ import pandas as pd
 
 from rlxf_utils.artifacts import ArtifactMissing, RunDir
 from rlxf_utils.report.wording import (
+    ABOVE,
+    BELOW,
+    UNCLEAR,
     ci,
-    ci_verdict,
-    f3,
     interval,
     listing,
     markdown_table,
     num,
     pct,
+    phrase,
+    say,
+    verdict_code,
 )
 from rlxf_utils.reward.encoders import ENCODER_NAMES
 from rlxf_utils.reward.model import PAPER_ACCURACY
@@ -58,13 +62,18 @@ def _paper_verdict(m: pd.DataFrame, lvl: str, labels: dict[str, str] = REWARD_LA
     )
 
 
-def _by_verdict(rows: pd.DataFrame, phrases: dict[str, str], what: str) -> str:
-    """'<phrase> under the a and b protocols and <phrase> under c' from per-protocol verdicts."""
+def _by_verdict(rows: pd.DataFrame, key: str, what: str,
+                order: tuple[str, ...] = (ABOVE, BELOW, UNCLEAR)) -> str:  # fmt: skip
+    """'<phrase> under the a and b protocols and <phrase> under c' from per-protocol verdicts, each
+    phrase the vocabulary's `key` (`wording.phrase`) for a verdict code, in `order`."""
     parts = []
-    for verdict, phrase in phrases.items():
-        ps = rows.loc[rows["verdict"] == verdict, "protocol"].tolist()
+    codes = rows["verdict"].map(verdict_code)
+    for code in order:
+        ps = rows.loc[codes == code, "protocol"].tolist()
         if ps:
-            parts.append(f"{phrase} under the {listing(ps)} protocol{'s' if len(ps) > 1 else ''}")
+            parts.append(
+                f"{phrase(key, code)} under the {listing(ps)} protocol{'s' if len(ps) > 1 else ''}"
+            )
     return f"{what} {listing(parts)}" if parts else f"{what}: no comparison was made"
 
 
@@ -103,7 +112,7 @@ def reward_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
     if has_enc:
         enc_vs = _by_verdict(
             acc,
-            {"higher": "more accurate", "lower": "less accurate", "not distinguishable": "not distinguishable in accuracy"},
+            "encoder_accuracy",
             f"against TF-IDF + LR, the {labels['encoder']} is",
         )  # fmt: skip
         enc_vs += f" (paired {lvl} bootstrap intervals of the accuracy difference)"
@@ -113,8 +122,9 @@ def reward_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
     if len(pm):
         protocol_sentence = _by_verdict(
             pm,
-            {"lower": "falls", "higher": "rises", "not distinguishable": "does not change significantly"},
+            "protocol_accuracy",
             f"Against the {pm['reference'].iloc[0]} split, the {labels[main]}'s test accuracy",
+            order=(BELOW, ABOVE, UNCLEAR),
         ) + " (" + "; ".join(f"{r.protocol} {100 * r.diff:+.1f} points {interval(100 * r.diff_low, 100 * r.diff_high, digits=1)}"
                              for r in pm.itertuples()) + ")"  # fmt: skip
     else:
@@ -123,9 +133,7 @@ def reward_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
         )
 
     cal_main = cal[(cal["protocol"] == proto) & (cal["model"] == main)].iloc[0]
-    cal_word = {"lower": "lowered", "higher": "raised"}.get(
-        cal_main["ece_verdict"], "did not significantly change"
-    )
+    cal_word = phrase("gain", cal_main["ece_verdict"])
     cal_md = markdown_table(
         pd.DataFrame(
             {
@@ -137,8 +145,8 @@ def reward_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
                 f"ECE before [{lvl} CI]": [ci(a, b, c) for a, b, c in zip(cal.test_ece_before, cal.test_ece_before_low, cal.test_ece_before_high, strict=True)],
                 f"ECE after [{lvl} CI]": [ci(a, b, c) for a, b, c in zip(cal.test_ece_after, cal.test_ece_after_low, cal.test_ece_after_high, strict=True)],
                 f"after − before [{lvl} CI]": [ci(a - b, lo, hi, signed=True) for a, b, lo, hi in zip(cal.test_ece_after, cal.test_ece_before, cal.ece_diff_low, cal.ece_diff_high, strict=True)],
-                "Brier before": cal["test_brier_before"].map(f3),
-                "Brier after": cal["test_brier_after"].map(f3),
+                "Brier before": cal["test_brier_before"].map(num),
+                "Brier after": cal["test_brier_after"].map(num),
             }
         )
     )  # fmt: skip
@@ -165,10 +173,10 @@ def reward_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
                 "protocol": comp["protocol"],
                 "comparison": comp["comparison"],
                 "measure": comp["measure"].map({"accuracy": "accuracy", "roc_auc": "AUC", "ece": "ECE"}),
-                "a": comp["value_a"].map(f3),
-                "b": comp["value_b"].map(f3),
+                "a": comp["value_a"].map(num),
+                "b": comp["value_b"].map(num),
                 f"a − b [{lvl} CI]": [diff_ci(r) for _, r in comp.iterrows()],
-                "verdict": comp["verdict"],
+                "verdict": comp["verdict"].map(lambda v: phrase("direction", v)),
             }
         )
     )  # fmt: skip
@@ -178,10 +186,9 @@ def reward_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
     t_vs_c = comp[(comp["protocol"] == proto) & (comp["comparison"] == "text only vs context only")]
     if len(t_vs_c):
         r = t_vs_c.iloc[0]
-        reads_text = {
-            "higher": "the text alone ranks conditions better than the context fields alone",
-            "lower": "the context fields alone rank conditions better than the text alone, so much of the reward is a prior over contexts",
-        }.get(r["verdict"], "the text alone and the context fields alone cannot be told apart")  # fmt: skip
+        reads_text = phrase("probes", r["verdict"])
+        if verdict_code(r["verdict"]) == BELOW:
+            reads_text += ", so much of the reward is a prior over contexts"
         reads_text += f" (AUC difference {diff_ci(r)}, {lvl} CI)"
     else:
         reads_text = "the probes were not compared"
@@ -203,19 +210,19 @@ def reward_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
         "protocol_sentence": protocol_sentence,
         "main_accuracy": pct(mm["accuracy"]),
         "main_accuracy_ci": f"[{pct(mm['accuracy_low'])}, {pct(mm['accuracy_high'])}]",
-        "main_auc": f3(mm["roc_auc"]),
-        "main_f1": f3(mm["f1"]),
+        "main_auc": num(mm["roc_auc"]),
+        "main_f1": num(mm["f1"]),
         "majority_accuracy": pct(wc.loc["majority", "accuracy"]),
         "temperature": f"{cal_main['temperature']:.2f}",
         "offset": f"{cal_main['offset']:+.2f}",
-        "ece_before": f3(cal_main["test_ece_before"]),
-        "ece_after": f3(cal_main["test_ece_after"]),
+        "ece_before": num(cal_main["test_ece_before"]),
+        "ece_after": num(cal_main["test_ece_after"]),
         "ece_diff_ci": f"{interval(cal_main['ece_diff_low'], cal_main['ece_diff_high'])}",
-        "brier_before": f3(cal_main["test_brier_before"]),
-        "brier_after": f3(cal_main["test_brier_after"]),
+        "brier_before": num(cal_main["test_brier_before"]),
+        "brier_after": num(cal_main["test_brier_after"]),
         "calibration_verdict": cal_word,
-        "context_only_auc": f3(wc.loc["context_only", "roc_auc"]),
-        "text_only_auc": f3(wc.loc["text_only", "roc_auc"]),
+        "context_only_auc": num(wc.loc["context_only", "roc_auc"]),
+        "text_only_auc": num(wc.loc["text_only", "roc_auc"]),
         "within_country_auc": auc_ci("country"),
         "within_area_auc": auc_ci("area"),
         "within_context_auc": auc_ci("context"),
@@ -280,7 +287,6 @@ def encoders_section(
         )
     )  # fmt: skip
     compared = [k for k in encoders if k != "encoder"]
-    words = {"higher": "higher", "lower": "lower", "not distinguishable": "not distinguishable"}
     parts = []
     evidence = _encoder_evidence(comp, compared, meta, labels)
     for name in compared:
@@ -295,7 +301,7 @@ def encoders_section(
                     r = r.iloc[0]
                     scale, unit = (100, " points") if measure == "accuracy" else (1, "")
                     bits.append(
-                        f"{word} {words.get(r['verdict'], r['verdict'])} "
+                        f"{word} {phrase('direction', r['verdict'])} "
                         f"({num(r['diff'], 1 if scale == 100 else 3, True, scale)}{unit} "
                         f"{interval(r['diff_low'], r['diff_high'], 1 if scale == 100 else 3, scale=scale)})"
                     )  # fmt: skip
@@ -416,12 +422,12 @@ def _encoder_evidence(
         c = c[c["measure"].isin(["accuracy", "roc_auc"])] if len(c) else c
         if not len(c):
             continue
-        v = set(c["verdict"])
-        if "higher" in v and "lower" not in v:
+        v = set(c["verdict"].map(verdict_code))
+        if ABOVE in v and BELOW not in v:
             found.append(f"the evidence favours the {labels[name]} over the {labels['encoder']}")
-        elif "lower" in v and "higher" not in v:
+        elif BELOW in v and ABOVE not in v:
             found.append(f"the evidence favours the {labels['encoder']} over the {labels[name]}")
-        elif v == {"not distinguishable"}:
+        elif v == {UNCLEAR}:
             found.append(
                 f"the paired intervals do not separate the {labels[name]} from the "
                 f"{labels['encoder']} in accuracy or AUC, so the evidence favours neither and the "
@@ -452,9 +458,7 @@ def reference_check(run: RunDir, lvl: str) -> tuple[str, str]:
     )
     parts = [
         f"{r.model} {ci(r.auc, r.auc_low, r.auc_high)}, "
-        + ci_verdict(
-            r.auc_low - 0.5, r.auc_high - 0.5, "above", "below", "not distinguishable from"
-        )
+        + say("position_from", r.auc_low - 0.5, r.auc_high - 0.5)
         + " chance"
         for r in t.itertuples()
     ]
@@ -483,17 +487,14 @@ def accuracy_lines(tables: dict[str, pd.DataFrame], lvl: str) -> str:
         c = c[c["measure"] == "accuracy"]
         if len(c):
             r = c.iloc[0]
-            verdict = {
-                "higher": "the encoder is more accurate",
-                "lower": "TF-IDF LR is more accurate",
-            }.get(r["verdict"], "the two cannot be told apart")
+            verdict = phrase("encoder_vs_tfidf", r["verdict"])
             line += (
                 f"; encoder − TF-IDF {100 * r['diff']:+.1f} points, paired {lvl} CI "
                 f"{interval(100 * r['diff_low'], 100 * r['diff_high'], digits=1)}: {verdict}"
             )
         lines.append(line + ".")
     for r in tables["reward_protocol_differences"].itertuples():
-        move = {"lower": "falls", "higher": "rises"}.get(r.verdict, "does not change significantly")
+        move = phrase("protocol_accuracy", r.verdict)
         lines.append(
             f"- {r.model} accuracy under **{r.protocol}** against **{r.reference}**: {r.accuracy:.1%} "
             f"vs {r.accuracy_reference:.1%}, {100 * r.diff:+.1f} points ({lvl} CI "
@@ -504,12 +505,11 @@ def accuracy_lines(tables: dict[str, pd.DataFrame], lvl: str) -> str:
 
 def calibration_lines(cal: pd.DataFrame, model: str, lvl: str) -> str:
     """Per protocol: the fitted temperature and offset and what calibration did to the test ECE."""
-    word = {"lower": "lowered", "higher": "raised"}
     return "\n".join(
         f"- **{r.protocol}** ({r.model}): T {r.temperature:.2f}, offset {r.offset:+.2f} from "
         f"{r.n_calibration} calibration rows; test ECE {r.test_ece_before:.3f} → {r.test_ece_after:.3f} "
         f"(change {r.test_ece_after - r.test_ece_before:+.3f}, paired {lvl} CI "
-        f"{interval(r.ece_diff_low, r.ece_diff_high)}: calibration {word.get(r.ece_verdict, 'did not significantly change')} "
+        f"{interval(r.ece_diff_low, r.ece_diff_high)}: calibration {phrase('gain', r.ece_verdict)} "
         f"the ECE), Brier {r.test_brier_before:.3f} → {r.test_brier_after:.3f}."
         for r in cal[cal["model"] == model].itertuples()
     )
@@ -531,10 +531,7 @@ def within_context_sentence(
 
     tc = comp[(comp["protocol"] == protocol) & (comp["comparison"] == "text only vs context only")]
     tc = tc.iloc[0]
-    reads = {
-        "higher": "the text alone ranks conditions better than the context fields alone",
-        "lower": "the context fields alone rank conditions better than the text alone",
-    }.get(tc["verdict"], "the text alone and the context fields alone cannot be told apart")
+    reads = phrase("probes", tc["verdict"])
     return (
         f"On the **{protocol}** protocol the context fields alone reach AUC "
         f"{g.loc[(protocol, 'context_only'), 'roc_auc']:.3f} and the text alone "

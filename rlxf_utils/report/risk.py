@@ -16,16 +16,16 @@ from typing import Any
 import pandas as pd
 
 from rlxf_utils.artifacts import RunDir
+from rlxf_utils.report.wording import is_present as _ok
 from rlxf_utils.report.wording import (
-    ci_verdict,
-    fmt_p,
     level_ci,
     literal,
     markdown_table,
+    num,
+    pct,
+    pval,
+    say,
 )
-from rlxf_utils.report.wording import fmt_num as _num
-from rlxf_utils.report.wording import fmt_pct as _pct
-from rlxf_utils.report.wording import is_present as _ok
 from rlxf_utils.risk.common import RiskError, missing_note
 from rlxf_utils.stats import level, sign_of
 
@@ -51,13 +51,6 @@ class Finding:
         return " ".join(x for x in (self.lead, *self.items) if x)
 
 
-word = ci_verdict  # (low, high, up, down, unclear): the verdict word an interval supports
-
-
-def _pts(x: float) -> str:
-    return f"{100 * x:+.1f}"
-
-
 def drift_text(
     d: Mapping[str, Any] | None, alpha: float = 0.05, note: str | None = None
 ) -> Finding:
@@ -67,42 +60,28 @@ def drift_text(
     t = d.get("tests") or {}
     bs = t.get("base_rate_shift") or {}
     shift = d["met_rate_test_years"] - d["met_rate_train_years"]
-    moved = word(
-        bs.get("low"), bs.get("high"), "rose", "fell", "shows no change distinguishable from zero"
-    )
+    moved = say("base_rate", bs.get("low"), bs.get("high"))
     lead = (
-        f"Conditions tested up to {d['cutoff']} were MET {_pct(d['met_rate_train_years'])} of the "
-        f"time and those tested later {_pct(d['met_rate_test_years'])}: the base rate {moved} "
-        f"after the cut-off ({_pts(shift)} percentage points, "
+        f"Conditions tested up to {d['cutoff']} were MET {pct(d['met_rate_train_years'])} of the "
+        f"time and those tested later {pct(d['met_rate_test_years'])}: the base rate {moved} "
+        f"after the cut-off ({num(shift, 1, True, 100)} percentage points, "
         f"{level_ci(bs.get('low'), bs.get('high'), alpha, 1, 100)} points, arrangements resampled)."
     )
     cil = t.get("calibration_in_the_large") or {}
     bias = d["mean_p_test"] - d["observed_met_test"]
-    verdict = word(
-        cil.get("low"),
-        cil.get("high"),
-        "it overstates the later MET rate",
-        "it understates the later MET rate",
-        "the difference is not distinguishable from zero",
-    )
+    verdict = say("overstates", cil.get("low"), cil.get("high"))
     lead += (
         f" Over the {d['n_test']} later conditions the model trained up to {d['cutoff']} predicts "
-        f"P(MET) = {_pct(d['mean_p_test'])} on average against an observed "
-        f"{_pct(d['observed_met_test'])} ({_pts(bias)} points, "
+        f"P(MET) = {pct(d['mean_p_test'])} on average against an observed "
+        f"{pct(d['observed_met_test'])} ({num(bias, 1, True, 100)} points, "
         f"{level_ci(cil.get('low'), cil.get('high'), alpha, 1, 100)} points): {verdict}."
     )
     tr = t.get("accuracy_trend") or {}
-    trend = word(
-        tr.get("low"),
-        tr.get("high"),
-        "accuracy rises over the test years",
-        "accuracy falls over the test years",
-        "no trend distinguishable from zero",
-    )
+    trend = say("accuracy_trend", tr.get("low"), tr.get("high"))
     items = [
-        f"Its accuracy is {_pct(d['accuracy_first_year'])} in {d['first_year']} and "
-        f"{_pct(d['accuracy_last_year'])} in {d['last_year']}; a line through the later "
-        f"conditions' correctness gives {_num(100 * tr.get('estimate', float('nan')), 1)} points a "
+        f"Its accuracy is {pct(d['accuracy_first_year'])} in {d['first_year']} and "
+        f"{pct(d['accuracy_last_year'])} in {d['last_year']}; a line through the later "
+        f"conditions' correctness gives {num(100 * tr.get('estimate', float('nan')), 1)} points a "
         f"year ({level_ci(tr.get('low'), tr.get('high'), alpha, 1, 100)}): {trend}."
     ]
     vs = t.get("vs_majority")
@@ -134,9 +113,9 @@ def group_text(
     """Spread of accuracy and the largest calibration gap per grouping, its sign from its interval."""
     o = g["overall"]
     lead = (
-        f"Overall, on {o['n']} test conditions, the reward model's accuracy is {_pct(o['accuracy'])}, "
-        f"its AUC {_num(o['auc'])} and its mean P(MET) {_pct(o['mean_p'])} against an observed "
-        f"{_pct(o['met_rate'])}."
+        f"Overall, on {o['n']} test conditions, the reward model's accuracy is {pct(o['accuracy'])}, "
+        f"its AUC {num(o['auc'])} and its mean P(MET) {pct(o['mean_p'])} against an observed "
+        f"{pct(o['met_rate'])}."
     )
     items = []
     for dim, label in _DIM_LABELS.items():
@@ -148,13 +127,7 @@ def group_text(
             items.append(f"By {label}: one group only{size}, nothing to compare.")
             continue
         lo, hi = s.get("max_abs_gap_low"), s.get("max_abs_gap_high")
-        gap = word(
-            lo,
-            hi,
-            "the model overstates the MET rate",
-            "the model understates the MET rate",
-            "the gap is not distinguishable from zero",
-        )
+        gap = say("group_gap", lo, hi)
         count = ""
         if "n_groups_over" in s:
             count = (
@@ -162,11 +135,11 @@ def group_text(
                 f"{s['n_groups_over']} and below for {s['n_groups_under']}."
             )
         items.append(
-            f"By {label} ({s['n_groups']} groups), accuracy ranges from {_pct(s['accuracy_min'])} "
-            f"({s['accuracy_min_group']}, n = {s['accuracy_min_n']}) to {_pct(s['accuracy_max'])} "
+            f"By {label} ({s['n_groups']} groups), accuracy ranges from {pct(s['accuracy_min'])} "
+            f"({s['accuracy_min_group']}, n = {s['accuracy_min_n']}) to {pct(s['accuracy_max'])} "
             f"({s['accuracy_max_group']}, n = {s['accuracy_max_n']}); the largest calibration gap "
             f"is for {s['max_abs_gap_group']} (n = {s['max_abs_gap_n']}): "
-            f"{_pts(s['max_abs_gap_signed'])} points, "
+            f"{num(s['max_abs_gap_signed'], 1, True, 100)} points, "
             + (
                 f"{level_ci(lo, hi, alpha, 1, 100)} points: {gap}."
                 if _ok(lo) and _ok(hi)
@@ -186,22 +159,16 @@ def swap_text(cs: Mapping[str, Any], alpha: float = 0.05) -> Finding:
         scale = ""
         if _ok(r.get("ratio")):
             lo, hi = r.get("ratio_low"), r.get("ratio_high")
-            how = word(
-                None if not _ok(lo) else lo - 1,
-                None if not _ok(hi) else hi - 1,
-                "more than",
-                "less than",
-                "neither clearly more nor clearly less than",
-            )
+            how = say("ratio", None if not _ok(lo) else lo - 1, None if not _ok(hi) else hi - 1)
             scale = (
-                f", {_num(r['ratio'], 2)} times the standard deviation of these texts' own rewards "
-                f"({_num(sd, 4)}; {level(alpha)} CI [{_num(lo, 2)}, {_num(hi, 2)}]): swapping the "
+                f", {num(r['ratio'], 2)} times the standard deviation of these texts' own rewards "
+                f"({num(sd, 4)}; {level(alpha)} CI [{num(lo, 2)}, {num(hi, 2)}]): swapping the "
                 f"country moves the reward {how} the typical difference between two texts"
             )
         items.append(
             f"For {r['source']} texts ({r['n_texts']} texts, {r['n_pairs']} swaps) the reward "
-            f"changes by {_num(r['mean_abs_delta'], 4)} on average (at most "
-            f"{_num(r['max_abs_delta'], 4)}){scale}."
+            f"changes by {num(r['mean_abs_delta'], 4)} on average (at most "
+            f"{num(r['max_abs_delta'], 4)}){scale}."
         )
     rho, k = cs.get("spearman_delta_vs_hist_met_rate"), len(cs["countries"])
     p = cs.get("spearman_delta_vs_hist_met_rate_p")
@@ -210,13 +177,13 @@ def swap_text(cs: Mapping[str, Any], alpha: float = 0.05) -> Finding:
     elif p < alpha:
         fav = (
             f"The reward favours countries with {'higher' if rho > 0 else 'lower'} historical MET "
-            f"rates (Spearman ρ = {_num(rho, 2)}, {fmt_p(p)} < α = {alpha:g}, over {k} "
+            f"rates (Spearman ρ = {num(rho, 2)}, {pval(p, prose=True)} < α = {alpha:g}, over {k} "
             "countries)."
         )
     else:
         fav = (
             "The favour is not distinguishably related to the countries' historical MET rates "
-            f"(Spearman ρ = {_num(rho, 2)}, {fmt_p(p)} ≥ α = {alpha:g}, over {k} "
+            f"(Spearman ρ = {num(rho, 2)}, {pval(p, prose=True)} ≥ α = {alpha:g}, over {k} "
             "countries)."
         )
     counts = ""
@@ -250,17 +217,11 @@ def length_text(
             )
             continue
         lo, hi = r.get("spearman_low"), r.get("spearman_high")
-        verdict = word(
-            lo,
-            hi,
-            "reward rises with length",
-            "reward falls with length",
-            f"no association distinguishable from none at the {level(alpha)} level",
-        )
+        verdict = say("length", lo, hi, level=level(alpha))
         items.append(
-            f"{r['policy']} (n = {r['n']}, mean {_num(r['mean_length'], 1)} words): {verdict} "
-            f"(Spearman ρ = {_num(r['spearman'], 2)}, {level_ci(lo, hi, alpha, 2)}; Pearson r = "
-            f"{_num(r['pearson'], 2)})."
+            f"{r['policy']} (n = {r['n']}, mean {num(r['mean_length'], 1)} words): {verdict} "
+            f"(Spearman ρ = {num(r['spearman'], 2)}, {level_ci(lo, hi, alpha, 2)}; Pearson r = "
+            f"{num(r['pearson'], 2)})."
         )
     return Finding(
         "Reward against response length, in words (intervals resample whole prompts):", items
@@ -360,13 +321,13 @@ def diversity_text(
     w = "within_prompt_distinct_2"
     lead = (
         f"The reference ({dv['reference']}, {ref['n']} conditions) spans {ref['n_areas']} areas "
-        f"(entropy {_num(ref['entropy'], 2)} nats)."
+        f"(entropy {num(ref['entropy'], 2)} nats)."
     )
     items = [
-        f"{p} ({r['n']} responses): {r['n_areas']} areas, entropy {_num(r['entropy'], 2)} nats, KL "
-        f"to the reference {_num(r['kl_to_reference'], 2)} nats, {_pct(r['coverage'], 0)} of its "
-        f"areas covered, {_pct(r['on_topic'], 0)} on the requested area; within-prompt distinct-2 "
-        f"{_num(r.get(w), 3)}."
+        f"{p} ({r['n']} responses): {r['n_areas']} areas, entropy {num(r['entropy'], 2)} nats, KL "
+        f"to the reference {num(r['kl_to_reference'], 2)} nats, {pct(r['coverage'], 0)} of its "
+        f"areas covered, {pct(r['on_topic'], 0)} on the requested area; within-prompt distinct-2 "
+        f"{num(r.get(w), 3)}."
         for p, r in rows.items()
         if r.get("kind") == "generated"
     ]
@@ -376,11 +337,9 @@ def diversity_text(
         parts = []
         for r in g.to_dict("records"):
             label, digits, unit = _MEASURES[r["measure"]]
-            verb = word(
-                r["ci_low"], r["ci_high"], "rises", "falls", "does not change distinguishably"
-            )
+            verb = say("change", r["ci_low"], r["ci_high"])
             parts.append(
-                f"{label} {verb} ({_num(r['start'], digits)} → {_num(r['value'], digits)}{unit}, "
+                f"{label} {verb} ({num(r['start'], digits)} → {num(r['value'], digits)}{unit}, "
                 f"{level_ci(r['ci_low'], r['ci_high'], alpha, digits)})"
             )
         items.append(f"From {start} to {pol}: " + "; ".join(parts) + ".")
@@ -405,12 +364,12 @@ def labels_text(records: Sequence[Mapping[str, Any]], alpha: float = 0.05) -> Fi
             f"Under the mapping “`{variant}`” (MET = {r['met_statuses']}; dropped: {dropped}): "
             f"{r['train_labels_changed']} training and {r['test_labels_changed']} test labels change "
             f"and {r['train_rows_dropped']} training and {r['test_rows_dropped']} test rows are "
-            f"dropped; test MET share {_pct(r['met_share_test'])} ({ref_name}: "
-            f"{_pct(r0['met_share_test'])}), accuracy {_pct(r['accuracy'])} ({ref_name}: "
-            f"{_pct(r0['accuracy'])}; majority rule {_pct(r['majority_accuracy'])}), AUC "
-            f"{_num(r['auc'])} ({ref_name}: {_num(r0['auc'])}); Spearman ρ with the {ref_name} "
-            f"mapping's scores {_num(r['spearman_vs_reference'], 2)} ({level(alpha)} CI "
-            f"[{_num(lo, 2)}, {_num(hi, 2)}], arrangements resampled) on {r['n_common']} common "
+            f"dropped; test MET share {pct(r['met_share_test'])} ({ref_name}: "
+            f"{pct(r0['met_share_test'])}), accuracy {pct(r['accuracy'])} ({ref_name}: "
+            f"{pct(r0['accuracy'])}; majority rule {pct(r['majority_accuracy'])}), AUC "
+            f"{num(r['auc'])} ({ref_name}: {num(r0['auc'])}); Spearman ρ with the {ref_name} "
+            f"mapping's scores {num(r['spearman_vs_reference'], 2)} ({level(alpha)} CI "
+            f"[{num(lo, 2)}, {num(hi, 2)}], arrangements resampled) on {r['n_common']} common "
             "test texts."
         )
     return Finding(
@@ -456,16 +415,10 @@ def base_rate_sentence(d: Mapping[str, Any] | None, alpha: float) -> str:
     if not d:
         return "the base rate across a cut-off is not measured (the temporal protocol was not run)"
     bs = (d.get("tests") or {}).get("base_rate_shift") or {}
-    verdict = word(
-        bs.get("low"),
-        bs.get("high"),
-        "a rise distinguishable from zero",
-        "a fall distinguishable from zero",
-        "a difference not distinguishable from zero",
-    )
+    verdict = say("base_rate_short", bs.get("low"), bs.get("high"))
     return (
-        f"the MET base rate was {_pct(d['met_rate_train_years'])} up to the {d['cutoff']} cut-off "
-        f"and {_pct(d['met_rate_test_years'])} after it ({verdict} at the {level(alpha)} level)"
+        f"the MET base rate was {pct(d['met_rate_train_years'])} up to the {d['cutoff']} cut-off "
+        f"and {pct(d['met_rate_test_years'])} after it ({verdict} at the {level(alpha)} level)"
     )
 
 
@@ -538,13 +491,13 @@ def report_content(run: Any) -> tuple[dict[str, Any], dict[str, str]]:
     variables["reward_protocol"] = summary["reward_protocol"]
     d = summary.get("drift") or {}
     variables["cutoff"] = str(d.get("cutoff", "n/a"))
-    variables["met_rate_train_years"] = _pct(d.get("met_rate_train_years"))
-    variables["met_rate_test_years"] = _pct(d.get("met_rate_test_years"))
+    variables["met_rate_train_years"] = pct(d.get("met_rate_train_years"))
+    variables["met_rate_test_years"] = pct(d.get("met_rate_test_years"))
     variables["base_rate_shift"] = base_rate_sentence(summary.get("drift"), alpha)
     hist = next(
         (r for r in summary["country_swap"]["by_source"] if r["source"] == "historical"), {}
     )
-    variables["swap_mean_abs_delta"] = _num(hist.get("mean_abs_delta"), 4)
+    variables["swap_mean_abs_delta"] = num(hist.get("mean_abs_delta"), 4)
     includes = {}
     for fname, (table, cols) in REPORT_TABLES.items():
         df = run.read_table(table, stage)

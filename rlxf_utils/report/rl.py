@@ -11,14 +11,13 @@ from rlxf_utils.artifacts import RunDir
 from rlxf_utils.config import CRITIC_INIT
 from rlxf_utils.report.wording import (
     ci,
-    ci_verdict,
     display_country,
-    f3,
-    fmt_num,
     interval,
     is_present,
     listing,
     markdown_table,
+    num,
+    say,
     short_text,
     spaced,
 )
@@ -47,7 +46,7 @@ def move_sentence(algo: str, r: pd.Series) -> str:
     logs a training reward)."""
     d = r["reward_last"] - r["reward_first"]
     return (
-        f"{algo}'s mean training reward went from {f3(r['reward_first'])} to {f3(r['reward_last'])} "
+        f"{algo}'s mean training reward went from {num(r['reward_first'])} to {num(r['reward_last'])} "
         f"({'+' if d >= 0 else '−'}{abs(d):.3f}) at a final KL of {r['kl_last']:.2f} nats, "
         f"{r['step_time_s']:.0f} s per step"
     )
@@ -74,7 +73,7 @@ def _rl_summary_display(summ: pd.DataFrame) -> pd.DataFrame:
     """notebook 03's `rl_summary` with short headers a page can hold: one cell per quantity."""
 
     def num(x: Any, digits: int) -> str:
-        return fmt_num(x, digits) if is_present(x) else "·"
+        return num(x, digits) if is_present(x) else "·"
 
     def arrow(a: Any, b: Any, digits: int) -> str:
         return f"{num(a, digits)} → {num(b, digits)}" if is_present(a) else "·"
@@ -129,9 +128,8 @@ def rl_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], dic
     ppo_sentence = ""
     if "PPO" in rows.index:
         r = rows.loc["PPO"]
-        ev_word = ci_verdict(r.get("explained_variance_low", math.nan),
-                             r.get("explained_variance_high", math.nan),
-                             "positive", "negative", "no clearly positive")  # fmt: skip
+        ev_word = say("explained_variance", r.get("explained_variance_low", math.nan),
+                      r.get("explained_variance_high", math.nan))  # fmt: skip
         if rl["adaptive_kl"]:
             beta = (f"β, adapted towards {rl['target_kl']:g} nats with K_β = {rl['kl_adapt_rate']:g}, moved from "
                     f"{r['beta_first']:.4f} to {r['beta_last']:.4f}")  # fmt: skip

@@ -14,12 +14,13 @@ from rlxf_utils.prompts import CONTEXT_FIELDS
 from rlxf_utils.report.evaluation import eval_meta, table_note
 from rlxf_utils.report.wording import (
     ci,
-    ci_verdict,
-    f3,
     is_present,
     listing,
     markdown_table,
+    num,
+    phrase,
     pval,
+    say,
 )
 from rlxf_utils.stats import level
 
@@ -44,8 +45,6 @@ GUIDANCE_TERM = {
     ),
 }
 
-_BEAT = {"higher": "beats", "lower": "falls short of", "not distinguishable": "cannot be told apart from"}  # fmt: skip
-
 
 def diff_ci(r: Any) -> str:
     """A comparison row's difference and interval (`diff`, `low`, `high`)."""
@@ -58,7 +57,7 @@ def _comparison_sentence(g: pd.DataFrame, a: str, b: str, lvl: str, b_name: str)
     the sentence states."""
     rows = g[(g["policy"] == a) & (g["versus"] == b)].set_index("measure")
     have = [(m, who) for m, who in MEASURES.items() if m in rows.index]
-    words = [_BEAT[rows.loc[m, "verdict"]] for m, _ in have]
+    words = [phrase("beat", rows.loc[m, "verdict"]) for m, _ in have]
     if len(have) > 1 and len(set(words)) == 1:  # one verdict under both models
         verbs = [f"{words[0]} {b_name} under both the reward and the audit model"]
     else:
@@ -100,7 +99,7 @@ def guidance_sentences(
 ) -> dict[str, str]:
     """The two verdicts as prose: `guidance` (guided algorithms vs PPO) and `rl_vs_sft_met`.
 
-    The verb of each comparison is chosen from its interval (`_BEAT` of `ci_verdict`); a run
+    The verb of each comparison is chosen from its interval (the vocabulary's 'beat', `wording.phrase`); a run
     without a guided algorithm, without PPO or without `sft_met` says so instead.
     """
     lvl = level(alpha)
@@ -142,12 +141,6 @@ def easy_hard_sentences(
     if easy_hard is None or easy_hard.empty:
         return "No prompt could be placed in an easy or a hard half"
     lvl = level(alpha)
-    first = {"higher": "above", "lower": "below", "not distinguishable": "not distinguishable from"}
-    gap_word = (
-        "is larger on hard prompts",
-        "is larger on easy prompts",
-        "is not shown to differ between them",
-    )
     parts = []
     for pol, g in easy_hard.groupby("policy", sort=False):
         if pol == start:
@@ -158,14 +151,14 @@ def easy_hard_sentences(
             if half in h.index and pd.notna(h.loc[half, "gain"]):
                 r = h.loc[half]
                 it = policy_label(start) if not bits else "it"
-                bits.append(f"{first[r['gain_verdict']]} {it} on {half} prompts "
+                bits.append(f"{phrase('position_from', r['gain_verdict'])} {it} on {half} prompts "
                             f"({ci(r['gain'], r['gain_low'], r['gain_high'], signed=True)})")  # fmt: skip
         if not bits:
             continue
         clause = f"{policy_label(pol)} is " + " and ".join(bits)
         if "hard_minus_easy" in h.index and pd.notna(h.loc["hard_minus_easy", "gain"]):
             r = h.loc["hard_minus_easy"]
-            clause += (f", its gain {ci_verdict(r['gain_low'], r['gain_high'], *gap_word)} "
+            clause += (f", its gain {say('hard_minus_easy', r['gain_low'], r['gain_high'])} "
                        f"(hard − easy {ci(r['gain'], r['gain_low'], r['gain_high'], signed=True)})")  # fmt: skip
         parts.append(clause)
     if not parts:
@@ -258,7 +251,7 @@ def rlgf_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], d
     variables["context_key"] = (
         key_words(str(diff["context_key"].iloc[0]).split(" × ")) if len(diff) else key
     )
-    variables["median"] = f3(easy_hard["median_met_rate"].iloc[0]) if len(easy_hard) else "n/a"
+    variables["median"] = num(easy_hard["median_met_rate"].iloc[0]) if len(easy_hard) else "n/a"
 
     def kl_cell(r: pd.Series) -> str:
         if not is_present(r["kl"]):
@@ -270,7 +263,7 @@ def rlgf_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], d
          f"audit [{lvl} CI]": ci(r["audit"], r["audit_low"], r["audit_high"]), "KL (nats)": kl_cell(r),
          "output perplexity": f"{r['output_ppl']:.1f}" if is_present(r["output_ppl"]) else "·",
          "MET perplexity": f"{r['met_ppl']:.1f}" if is_present(r["met_ppl"]) else "·",
-         "distinct-2": f3(r["distinct_2"]),
+         "distinct-2": num(r["distinct_2"]),
          "finished": f"{r['finished']:.0%}" if is_present(r["finished"]) else "·"}
         for _, r in table.iterrows()
     ]  # fmt: skip
@@ -287,7 +280,7 @@ def rlgf_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], d
             **{
                 f"Ave(R) [{lvl} CI]": [ci(a, b, c) for a, b, c in zip(easy_hard.ave_r, easy_hard.ave_r_low, easy_hard.ave_r_high, strict=True)],
                 f"gain over {start} [{eh_lvl} CI]": [ci(a, b, c) if is_present(a) else "·" for a, b, c in zip(easy_hard.gain, easy_hard.gain_low, easy_hard.gain_high, strict=True)],
-                "verdict": easy_hard["gain_verdict"].fillna(""),
+                "verdict": easy_hard["gain_verdict"].fillna("").map(lambda v: phrase("direction", v) if v else ""),
             },
         )  # fmt: skip
         eh_md = markdown_table(
@@ -305,7 +298,8 @@ def rlgf_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], d
             versus=guidance["versus"].map(algorithm_label),
             **{"difference [family CI]": [ci(a, b, c) for a, b, c in zip(guidance["diff"], guidance["low"], guidance["high"], strict=True)],
                "level": guidance.get("ci_level", pd.Series(1 - alpha, index=guidance.index)).map(lambda v: level(1 - v)),
-               "family p": guidance["p_family"].map(pval) if "p_family" in guidance else "·"},
+               "family p": guidance["p_family"].map(pval) if "p_family" in guidance else "·",
+               "verdict": guidance["verdict"].map(lambda v: phrase("direction", v))},
         )  # fmt: skip
         g_md = markdown_table(
             g[["question", "measure", "policy", "versus", "n", "n_clusters",

@@ -9,10 +9,17 @@ import pandas as pd
 
 from rlxf_utils.artifacts import RunDir
 from rlxf_utils.report.evaluation import family_level, table_note
-from rlxf_utils.report.wording import ci, ci_verdict, is_present, listing, markdown_table
-from rlxf_utils.stats import ci_sign, level
-
-_MOVE = ("raised", "lowered", "did not distinguishably move")
+from rlxf_utils.report.wording import (
+    ABOVE,
+    BELOW,
+    UNCLEAR,
+    ci,
+    is_present,
+    listing,
+    markdown_table,
+    phrase,
+)
+from rlxf_utils.stats import bound_verdict, ci_sign, level
 
 
 def seeds_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
@@ -89,19 +96,21 @@ def seeds_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
 def _by_verdict(pooled: pd.DataFrame, col: str) -> str:
     """The algorithms grouped by what their pooled interval over seeds supports: those that moved
     the measure with their mean and interval, the rest named together."""
-    moved: dict[str, list[str]] = {_MOVE[0]: [], _MOVE[1]: []}
+    moved: dict[str, list[str]] = {ABOVE: [], BELOW: []}
     still = []
     for _, r in pooled.iterrows():
-        verb = ci_verdict(r[f"{col}_low"], r[f"{col}_high"], *_MOVE)
-        if verb in moved:
+        code = bound_verdict(r[f"{col}_low"], r[f"{col}_high"])
+        if code in moved:
             est = ci(r[col], r[f"{col}_low"], r[f"{col}_high"], signed=True)
-            moved[verb].append(f"{r['label']} (mean gain {est})")
+            moved[code].append(f"{r['label']} (mean gain {est})")
         else:
             still.append(str(r["label"]))
-    parts = [f"{listing(names)} {verb} it" for verb, names in moved.items() if names]
+    parts = [
+        f"{listing(names)} {phrase('move', code)} it" for code, names in moved.items() if names
+    ]
     if still:
         parts.append(
-            f"{listing(still)} did not distinguishably move it"
+            f"{listing(still)} {phrase('move', UNCLEAR)} it"
             if parts or len(still) == 1
             else f"none of the {len(still)} algorithms distinguishably moved it"
         )

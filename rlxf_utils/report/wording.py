@@ -1,41 +1,29 @@
-"""Every number, interval and verdict word a reader sees is formatted here: numbers,
-percentages and p-values, confidence intervals, lists, markdown tables, and the vocabulary that
-turns an interval into a verdict word. Imports nothing of the study's but `stats`."""
+"""Every number, interval and verdict word a reader sees is formatted here, each by one function:
+numbers (`num`), percentages (`pct`, `pct_ci`), p-values (`pval`), confidence intervals (`ci`,
+`interval`, `level_ci`), lists, markdown tables, and the one vocabulary that turns a verdict code
+into words (`VOCABULARY`, `phrase`, `say`). Imports nothing of the study's but `stats`."""
 
 from __future__ import annotations
 
 import math
 import re
 from collections.abc import Sequence
+from functools import cache
+from pathlib import Path
 from typing import Any
 
+import jinja2
 import numpy as np
 import pandas as pd
 
+from rlxf_utils.config import PROJECT_ROOT
 from rlxf_utils.names import outside_fences
-from rlxf_utils.stats import bound_verdict, ci_sign, level
+from rlxf_utils.stats import VERDICTS, bound_verdict, ci_sign, level
 
 
 def is_present(x: Any) -> bool:
     """Not None and not a float NaN (a value a sentence can quote)."""
     return x is not None and not (isinstance(x, float) and math.isnan(x))
-
-
-def fmt_num(x: Any, digits: int = 3) -> str:
-    """A number for prose: fixed `digits`, or 'n/a' when missing."""
-    return f"{x:.{digits}f}" if is_present(x) else "n/a"
-
-
-def fmt_pct(x: Any, digits: int = 1) -> str:
-    """A share as a percentage for prose, or 'n/a' when missing."""
-    return f"{100 * x:.{digits}f}%" if is_present(x) else "n/a"
-
-
-def fmt_p(p: Any) -> str:
-    """A p-value for prose: 'p = 0.013', 'p < 0.001', or 'p n/a' when missing."""
-    if not is_present(p):
-        return "p n/a"
-    return "p < 0.001" if p < 0.001 else f"p = {p:.3f}"
 
 
 def listing(items: Sequence[str]) -> str:
@@ -106,33 +94,135 @@ def markdown_table(
     return "\n".join([header, align, *rows]) + "\n"
 
 
-def ci_verdict(
-    low: float,
-    high: float,
-    above: str = "higher",
-    below: str = "lower",
-    neither: str = "not distinguishable",
-) -> str:
-    """The verdict word a confidence interval supports: `above` when it lies above zero, `below`
-    when below, `neither` when it covers zero or is missing. Never the sign of a point estimate."""
-    return {1: above, -1: below, 0: neither}[ci_sign(low, high)]
+#: The verdict codes a stage stores (`stats.bound_verdict`, decided from an interval, never
+#: from the sign of a point estimate): the vocabulary below is keyed by them.
+ABOVE, BELOW, EQUIVALENT, UNCLEAR = VERDICTS
+
+#: Verdict values written by runs from before the codes ('higher' / 'lower'): read as codes.
+_LEGACY_CODES = {"higher": ABOVE, "lower": BELOW}
+
+#: The one spelling of the phrase every null of a comparison between two things ends in.
+TOLD_APART = "cannot be told apart"
+
+#: The study's one verdict vocabulary: for each kind of comparison, the phrase a sentence uses for
+#: each verdict code (`ABOVE`, `BELOW`, `UNCLEAR`; `EQUIVALENT` where a margin applies). A phrase
+#: may hold `{fields}` the caller fills (`phrase`). Every verdict word the report and the
+#: notebooks write comes from here; the golden file `tests/golden/wording/vocabulary.json` shows
+#: them all (`python tests/test_wording.py` rewrites it after a deliberate change).
+VOCABULARY: dict[str, dict[str, str]] = {
+    # a table's verdict column, and a measure's direction in a list of measures
+    "direction": {ABOVE: "higher", BELOW: "lower", UNCLEAR: "not distinguishable"},
+    # a difference against zero, in a table with an equivalence margin
+    "position": {ABOVE: "above", BELOW: "below", UNCLEAR: "not distinguishable",
+                 EQUIVALENT: "equivalent"},
+    # 'X places A {..} B', 'AUC {..} chance', 'above the start policy on hard prompts'
+    "position_from": {ABOVE: "above", BELOW: "below", UNCLEAR: "not distinguishable from"},
+    "apart_from": {ABOVE: "above", BELOW: "below", UNCLEAR: "not distinguishably apart from"},
+    # a policy's gain over the start policy, and calibration's change of the ECE
+    "gain": {ABOVE: "raised", BELOW: "lowered", UNCLEAR: "did not significantly change"},
+    "versus_start": {ABOVE: "significantly higher than", BELOW: "significantly lower than",
+                     UNCLEAR: "not distinguishable from"},
+    "audit_move": {ABOVE: "rose", BELOW: "fell", UNCLEAR: "did not clearly change"},
+    "move": {ABOVE: "raised", BELOW: "lowered", UNCLEAR: "did not distinguishably move"},
+    # the reward model's gain against the audit's
+    "gap": {ABOVE: "larger than", BELOW: "smaller than", UNCLEAR: "not distinguishable from"},
+    # a policy against the best-of-N curve at equal KL
+    "curve": {ABOVE: "lies above", BELOW: "lies below", UNCLEAR: f"{TOLD_APART} from"},
+    # the paired change of the reward heads' SD against the start policy
+    "uncertainty": {
+        ABOVE: "moved into text the reward model is more unsure about",
+        BELOW: "moved into text the reward model is less unsure about",
+        UNCLEAR: "did not clearly change the reward model's uncertainty",
+    },
+    "explained_variance": {ABOVE: "positive", BELOW: "negative", UNCLEAR: "no clearly positive"},
+    # one algorithm against another (RLGF's questions), and a variant against the paper's claim
+    "beat": {ABOVE: "beats", BELOW: "falls short of", UNCLEAR: f"{TOLD_APART} from"},
+    "claim": {ABOVE: "above", BELOW: "below", UNCLEAR: "indistinguishable"},
+    "hard_minus_easy": {ABOVE: "is larger on hard prompts", BELOW: "is larger on easy prompts",
+                        UNCLEAR: "is not shown to differ between them"},
+    # ILHF: a policy against a comparator, per measure; PPO against the start policy on variety
+    "ilhf_pairwise_sim": {ABOVE: "writes samples of one prompt more alike than",
+                          BELOW: "writes more varied samples of one prompt than",
+                          UNCLEAR: f"{TOLD_APART} in variety from"},
+    "ilhf_reward": {ABOVE: "reaches a higher Ave(R) than", BELOW: "reaches a lower Ave(R) than",
+                    UNCLEAR: f"{TOLD_APART} in Ave(R) from"},
+    "ilhf_xent_met": {ABOVE: "finds held-out MET descriptions less likely than",
+                      BELOW: "finds held-out MET descriptions likelier than",
+                      UNCLEAR: f"{TOLD_APART} on held-out MET descriptions from"},
+    "collapse": {ABOVE: "more alike than", BELOW: "more varied than",
+                 UNCLEAR: "not distinguishable in variety from"},
+    # the reward model: encoder against TF-IDF, a protocol against the first, the probes
+    "encoder_accuracy": {ABOVE: "more accurate", BELOW: "less accurate",
+                         UNCLEAR: "not distinguishable in accuracy"},
+    "encoder_vs_tfidf": {ABOVE: "the encoder is more accurate", BELOW: "TF-IDF LR is more accurate",
+                         UNCLEAR: f"the two {TOLD_APART}"},
+    "protocol_accuracy": {ABOVE: "rises", BELOW: "falls", UNCLEAR: "does not change significantly"},
+    "probes": {
+        ABOVE: "the text alone ranks conditions better than the context fields alone",
+        BELOW: "the context fields alone rank conditions better than the text alone",
+        UNCLEAR: f"the text alone and the context fields alone {TOLD_APART}",
+    },
+    # the risks
+    "base_rate": {ABOVE: "rose", BELOW: "fell", UNCLEAR: "shows no change distinguishable from zero"},
+    "overstates": {ABOVE: "it overstates the later MET rate",
+                   BELOW: "it understates the later MET rate",
+                   UNCLEAR: "the difference is not distinguishable from zero"},
+    "accuracy_trend": {ABOVE: "accuracy rises over the test years",
+                       BELOW: "accuracy falls over the test years",
+                       UNCLEAR: "no trend distinguishable from zero"},
+    "group_gap": {ABOVE: "the model overstates the MET rate",
+                  BELOW: "the model understates the MET rate",
+                  UNCLEAR: "the gap is not distinguishable from zero"},
+    "ratio": {ABOVE: "more than", BELOW: "less than",
+              UNCLEAR: "neither clearly more nor clearly less than"},
+    "length": {ABOVE: "reward rises with length", BELOW: "reward falls with length",
+               UNCLEAR: "no association distinguishable from none at the {level} level"},
+    "change": {ABOVE: "rises", BELOW: "falls", UNCLEAR: "does not change distinguishably"},
+    # the data: the MET rate's trend, its shift at the cut-off, its spread across groups
+    "met_trend": {ABOVE: "The MET rate rises over the test years",
+                  BELOW: "The MET rate falls over the test years",
+                  UNCLEAR: "The MET rate has no linear trend over the test years significant at "
+                           "the {alpha} level"},
+    "met_shift": {ABOVE: "significantly higher", BELOW: "significantly lower",
+                  UNCLEAR: "not significantly different"},
+    "met_groups": {ABOVE: "differ", BELOW: "differ", UNCLEAR: "do not differ significantly"},
+    "base_rate_short": {ABOVE: "a rise distinguishable from zero",
+                        BELOW: "a fall distinguishable from zero",
+                        UNCLEAR: "a difference not distinguishable from zero"},
+}  # fmt: skip
 
 
-def margin_verdict(
-    low: float,
-    high: float,
-    margin: float | None,
-    above: str = "higher",
-    below: str = "lower",
-    neither: str = "not distinguishable",
-    equivalent: str = "equivalent",
-) -> str:
-    """`ci_verdict` with equivalence (`stats.bound_verdict`): `equivalent` (followed by
-    ' within ±margin') where the whole interval lies within ±`margin`."""
+def verdict_code(value: Any) -> str:
+    """A stored verdict as its code: one of `stats.VERDICTS`; 'higher' / 'lower' of older runs
+    read as `ABOVE` / `BELOW`; anything else (missing, 'not tested') as `UNCLEAR`."""
+    v = _LEGACY_CODES.get(value, value) if isinstance(value, str) else UNCLEAR
+    return v if v in VERDICTS else UNCLEAR
+
+
+def phrase(key: str, code: Any, **fields: Any) -> str:
+    """The vocabulary's phrase of `key` for a verdict `code` (a stored verdict value,
+    `verdict_code`), its `{fields}` filled; `EQUIVALENT` reads as `UNCLEAR` where `key` has no
+    phrase for it. A key the vocabulary lacks: a KeyError naming the keys it has."""
+    if key not in VOCABULARY:
+        raise KeyError(f"wording.VOCABULARY has no {key!r}; it has {sorted(VOCABULARY)}")
+    words = VOCABULARY[key]
+    c = verdict_code(code)
+    return words.get(c, words[UNCLEAR]).format(**fields)
+
+
+def say(key: str, low: Any, high: Any, margin: float | None = None, **fields: Any) -> str:
+    """The phrase of `key` for the verdict an interval [low, high] of a difference earns
+    (`stats.bound_verdict`, with equivalence within ±`margin` where given)."""
+    return phrase(key, bound_verdict(low, high, margin), **fields)
+
+
+def margin_verdict(low: float, high: float, margin: float | None, key: str = "position") -> str:
+    """`say` with equivalence (`stats.bound_verdict`): the `EQUIVALENT` phrase followed by
+    ' within ±margin' where the whole interval lies within ±`margin`."""
     v = bound_verdict(low, high, margin)
-    if v == "equivalent":
-        return f"{equivalent} within ±{num(margin)}"
-    return {"above": above, "below": below}.get(v, neither)
+    if v == EQUIVALENT:
+        return f"{phrase(key, v)} within ±{num(margin)}"
+    return phrase(key, v)
 
 
 def null_bound_clause(low: Any, high: Any, what: str = "gain") -> str:
@@ -141,12 +231,6 @@ def null_bound_clause(low: Any, high: Any, what: str = "gain") -> str:
     if ci_sign(low, high) or not is_present(high):
         return ""
     return f"a {what} of at most {num(high, signed=True)}"
-
-
-f3 = fmt_num  # three decimals, 'n/a' when missing
-
-
-pct = fmt_pct
 
 
 def spaced(name: Any) -> str:
@@ -181,6 +265,26 @@ def num(x: Any, digits: int = 3, signed: bool = False, scale: float = 1.0) -> st
     return f"{v:.{digits}f}"
 
 
+def pct(x: Any, digits: int = 1) -> str:
+    """A share as a percentage for prose and tables ('12.3%'), or 'n/a' when missing."""
+    return f"{100 * x:.{digits}f}%" if is_present(x) else "n/a"
+
+
+def pct_ci(mid: Any, low: Any, high: Any, digits: int = 1) -> str:
+    """A share with its interval as percentages: '82.0% [79.1%, 84.6%]'."""
+    return f"{pct(mid, digits)} [{pct(low, digits)}, {pct(high, digits)}]"
+
+
+def pval(p: Any, prose: bool = False) -> str:
+    """A p-value: for a table cell '0.013', '<0.001' or 'n/a'; with `prose`, for a sentence,
+    'p = 0.013', 'p < 0.001' or 'p n/a'."""
+    if not is_present(p):
+        return "p n/a" if prose else "n/a"
+    if p < 0.001:
+        return "p < 0.001" if prose else "<0.001"
+    return f"p = {p:.3f}" if prose else f"{p:.3f}"
+
+
 def interval(low: Any, high: Any, digits: int = 3, signed: bool = True, scale: float = 1.0) -> str:
     """A confidence interval as '[low, high]' (signed by default: intervals of differences)."""
     return f"[{num(low, digits, signed, scale)}, {num(high, digits, signed, scale)}]"
@@ -198,12 +302,6 @@ def level_ci(low: Any, high: Any, alpha: float, digits: int = 3, scale: float = 
     if not (is_present(low) and is_present(high)):
         return f"{level(alpha)} CI n/a"
     return f"{level(alpha)} CI {interval(low, high, digits, True, scale)}"
-
-
-def pval(p: float) -> str:
-    if not is_present(p):
-        return "n/a"
-    return "<0.001" if p < 0.001 else f"{p:.3f}"
 
 
 _CODE_OR_MATH = re.compile(r"(`[^`\n]*`|\$[^$\n]*\$)")
@@ -231,13 +329,7 @@ def short_text(text: Any, n: int = 160) -> str:
 def sd_verdict(low: float, high: float) -> str:
     """What a policy did to the reward model's uncertainty, read from the CI of its `sd_gain`
     (the paired change of mean `reward_sd` against the start policy), never from its sign."""
-    return ci_verdict(
-        low,
-        high,
-        "moved into text the reward model is more unsure about",
-        "moved into text the reward model is less unsure about",
-        "did not clearly change the reward model's uncertainty",
-    )
+    return say("uncertainty", low, high)
 
 
 def display_country(name: str) -> str:
@@ -246,3 +338,40 @@ def display_country(name: str) -> str:
     for a, b in ((" Of", " of"), (" And ", " and "), (" The", " the"), ("(Fyr)", "(FYR)")):
         out = out.replace(a, b)
     return out
+
+
+#: The report's prose that an author edits: one Jinja2 file per section, each sentence a macro.
+TEMPLATES = PROJECT_ROOT / "reports" / "templates"
+
+
+@cache
+def templates(folder: Path = TEMPLATES) -> jinja2.Environment:
+    """The section templates' environment: the filters that format numbers (`num`, `pct`,
+    `pval`) and the functions that phrase verdicts and intervals (`phrase`, `say`, `interval`,
+    `ci`, `listing`); a name a template uses that its context lacks is an error, not a blank."""
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(folder),
+        undefined=jinja2.StrictUndefined,
+        autoescape=False,  # markdown, not HTML
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+    env.filters.update(num=num, pct=pct, pval=pval)
+    env.globals.update(phrase=phrase, say=say, interval=interval, ci=ci, listing=listing)
+    return env
+
+
+def sentence(section: str, name: str, *args: Any, folder: Path = TEMPLATES) -> str:
+    """The sentence macro `name` of `reports/templates/<section>.jinja` called with `args`, its
+    line breaks and indentation collapsed to single spaces. A missing file or macro, or a field the
+    arguments lack, raises a ValueError naming the template and what it wanted."""
+    where = folder / f"{section}.jinja"
+    try:
+        macro = getattr(templates(folder).get_template(f"{section}.jinja").module, name, None)
+        if macro is None:
+            raise ValueError(f"{where}: no macro {name!r}")
+        return " ".join(str(macro(*args)).split())
+    except jinja2.TemplateNotFound as e:
+        raise ValueError(f"{where}: no such template") from e
+    except jinja2.UndefinedError as e:
+        raise ValueError(f"{where}: macro {name!r}: {e.message}") from e

@@ -26,10 +26,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from rlxf_utils.report.wording import ci_verdict
 from rlxf_utils.stats import (
     basic_ci,
     bootstrap_weights,
+    bound_verdict,
     check_alpha,
     percentile_ci,
     weighted_auc,
@@ -150,7 +150,7 @@ def protocol_statistics(
                 "diff": va - vb,
                 "diff_low": low,
                 "diff_high": high,
-                "verdict": ci_verdict(low, high),
+                "verdict": bound_verdict(low, high),
             }
         )
     accuracy = {m: reps(m, "accuracy") for m in models}
@@ -189,7 +189,7 @@ def protocol_differences(
                     "diff": points[other][m] - points[ref][m],
                     "diff_low": low,
                     "diff_high": high,
-                    "verdict": ci_verdict(low, high),
+                    "verdict": bound_verdict(low, high),
                 }
             )
     return pd.DataFrame(rows)

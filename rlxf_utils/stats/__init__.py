@@ -8,6 +8,7 @@ and the evaluation's design (`power`). Imports nothing of the study's.
 
 from .correlation import corr, spearman, spearman_ci
 from .intervals import (
+    VERDICTS,
     basic_ci,
     bm_df,
     bootstrap_ci,
@@ -47,7 +48,7 @@ from .power import (
     paired_differences,
     variance_components,
 )
-from .rates import rate_by, rate_heterogeneity, rate_shift, rate_trend, wilson_z
+from .rates import p_verdict, rate_by, rate_heterogeneity, rate_shift, rate_trend, wilson_z
 from .weighted import (
     bootstrap_weights,
     weighted_auc,
@@ -58,6 +59,7 @@ from .weighted import (
 
 __all__ = [
     "COMPONENTS",
+    "VERDICTS",
     "allocate",
     "basic_ci",
     "bm_df",
@@ -83,6 +85,7 @@ __all__ = [
     "mean_ci",
     "null_bound",
     "paired_comparison",
+    "p_verdict",
     "paired_differences",
     "paired_table",
     "per_prompt_means",

@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-from rlxf_utils.stats.intervals import check_alpha
+from rlxf_utils.stats.intervals import VERDICTS, check_alpha
 
 
 def wilson_z(alpha: float) -> float:
@@ -139,6 +139,16 @@ def rate_heterogeneity(
         "rate_min": float(beta.min()),
         "rate_max": float(beta.max()),
     }
+
+
+def p_verdict(p_value: float, alpha: float, up: bool = True) -> str:
+    """The verdict code (`intervals.VERDICTS`) a test earns at `alpha`: where p < alpha, 'above'
+    when `up` (the effect's direction: a trend's odds ratio above 1, a shift's interval above 0, a
+    spread across groups) else 'below'; otherwise, or with a missing p, 'not distinguishable'."""
+    check_alpha(alpha)
+    if p_value is None or not p_value < alpha:  # NaN compares False
+        return VERDICTS[3]
+    return VERDICTS[0] if up else VERDICTS[1]
 
 
 def rate_by(labelled: pd.DataFrame, column: str, *, z: float) -> pd.DataFrame:

@@ -1,0 +1,81 @@
+"""The data section's words, once: its sentences rendered from the author's template
+(`reports/templates/data.jinja`) on a constructed run must reproduce the golden file.
+
+The fixture (`tests/golden/report/data_findings.json`) holds the `findings` of data/summary.json
+for a few runs that take each branch (a rising and a falling trend, a flat one, groups too few to
+test), computed by `data.findings.data_findings` from synthetic MONA-like rows. After a deliberate
+change of the template or the vocabulary, rewrite the golden text (and review its diff):
+`PYTHONPATH=. python tests/test_report_data.py`; `--fixture` also recomputes the fixture."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlxf_utils.artifacts import RunDir
+from rlxf_utils.report.data import SENTENCES, data_section
+from rlxf_utils.report.wording import sentence
+
+GOLDEN = Path(__file__).resolve().parent / "golden" / "report"
+FIXTURE = GOLDEN / "data_findings.json"
+TEXT = GOLDEN / "data.md"
+
+
+def _rendered(tmp: Path) -> str:
+    """Each fixture case written as a run's data/summary.json and rendered by the report."""
+    parts = []
+    for case, findings in json.loads(FIXTURE.read_text(encoding="utf-8")).items():
+        run = RunDir(tmp / case.replace(" ", "_"))
+        run.write_json("data/summary.json", {"findings": findings})
+        variables = data_section(run)
+        parts.append(
+            f"## {case}\n\n" + "\n\n".join(f"{k}: {variables[k]}" for k in ("level", *SENTENCES))
+        )
+    return "\n\n".join(parts) + "\n"
+
+
+def test_the_data_section_renders_its_golden_text(tmp_path: Path) -> None:
+    assert _rendered(tmp_path) == TEXT.read_text(encoding="utf-8")
+
+
+def test_a_template_asking_for_a_field_the_run_lacks_names_it(tmp_path: Path) -> None:
+    findings = next(iter(json.loads(FIXTURE.read_text(encoding="utf-8")).values()))
+    del findings["shift"]["rate_after"]
+    with pytest.raises(ValueError, match=r"data\.jinja: macro 'shift_sentence'.*rate_after"):
+        sentence("data", "shift_sentence", findings)
+    with pytest.raises(ValueError, match=r"data\.jinja: no macro 'nope'"):
+        sentence("data", "nope", findings)
+
+
+def _fixture() -> dict:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import numpy as np
+    from test_rates import _labelled
+
+    from rlxf_utils.data.findings import data_findings
+
+    differ = _labelled(seed=5)  # arrangement types whose MET rates differ
+    ecf = differ["arrangement_type"] == "ECF"
+    differ.loc[ecf, "y"] = (np.random.default_rng(5).random(int(ecf.sum())) < 0.9).astype(int)
+    cases = {
+        "rising trend, groups tested": (_labelled(slope=0.4), 0.05, 20),
+        "arrangement types differ": (differ, 0.05, 20),
+        "falling trend at alpha 0.1": (_labelled(slope=-0.4), 0.1, 20),
+        "flat, too few groups": (_labelled(slope=0.0, seed=3), 0.05, 10_000),
+    }
+    return {k: data_findings(df, 2010, a, n) for k, (df, a, n) in cases.items()}
+
+
+if __name__ == "__main__":  # rewrite the golden text (and with --fixture, the fixture first)
+    import tempfile
+
+    if "--fixture" in sys.argv:
+        FIXTURE.write_text(
+            json.dumps(_fixture(), indent=1, sort_keys=True) + "\n", encoding="utf-8"
+        )
+    with tempfile.TemporaryDirectory() as tmp:
+        TEXT.write_text(_rendered(Path(tmp)), encoding="utf-8")
+    print(f"wrote {TEXT}")

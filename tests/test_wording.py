@@ -1,0 +1,103 @@
+"""The verdict vocabulary: which code an interval earns (numbers), and the words once (golden).
+
+Run as a script to rewrite the golden vocabulary after a deliberate change of a phrase:
+`PYTHONPATH=. python tests/test_wording.py`."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+from rlxf_utils.report import wording
+from rlxf_utils.report.wording import ABOVE, BELOW, EQUIVALENT, UNCLEAR, VOCABULARY
+from rlxf_utils.stats import VERDICTS, bound_verdict
+
+ROOT = Path(__file__).resolve().parents[1]
+GOLDEN = ROOT / "tests" / "golden" / "wording" / "vocabulary.json"
+NAN = math.nan
+
+
+@pytest.mark.parametrize(
+    ("low", "high", "margin", "code"),
+    [
+        (0.01, 0.2, None, ABOVE),  # the interval, never the estimate, decides
+        (-0.3, -0.01, None, BELOW),
+        (-0.01, 0.5, None, UNCLEAR),
+        (0.0, 0.5, None, UNCLEAR),  # a bound on zero holds zero
+        (NAN, 0.5, None, UNCLEAR),  # a missing bound: no verdict
+        (None, None, None, UNCLEAR),
+        (-0.004, 0.006, 0.01, EQUIVALENT),  # wholly within ±margin
+        (-0.004, 0.016, 0.01, UNCLEAR),  # reaches past the margin
+        (0.001, 0.006, 0.01, ABOVE),  # the direction first, however small
+        (-0.004, 0.006, NAN, UNCLEAR),
+    ],
+)
+def test_an_interval_earns_one_verdict_code(low, high, margin, code) -> None:
+    assert bound_verdict(low, high, margin) == code
+    assert code in VERDICTS
+
+
+def test_say_reads_the_code_of_the_interval_and_legacy_values_read_as_codes() -> None:
+    for low, high, code in ((0.1, 0.2, ABOVE), (-0.2, -0.1, BELOW), (-0.1, 0.1, UNCLEAR)):
+        for key in VOCABULARY:
+            said = wording.say(key, low, high, level="95%", alpha="5%")
+            assert said == wording.phrase(key, code, level="95%", alpha="5%")
+    # runs from before the codes stored 'higher' / 'lower'; 'not tested' and NaN read as unclear
+    assert wording.verdict_code("higher") == ABOVE and wording.verdict_code("lower") == BELOW
+    assert wording.verdict_code("not tested") == UNCLEAR and wording.verdict_code(NAN) == UNCLEAR
+    # a key without an equivalence phrase reads equivalence as a null
+    assert wording.phrase("gain", EQUIVALENT) == wording.phrase("gain", UNCLEAR)
+    assert wording.margin_verdict(-0.004, 0.006, 0.01).endswith("within ±0.010")
+    with pytest.raises(KeyError, match="no 'nope'.*'gain'"):
+        wording.phrase("nope", ABOVE)
+
+
+def test_every_phrase_set_has_the_three_codes_and_fills_its_fields() -> None:
+    for key, words in VOCABULARY.items():
+        assert {ABOVE, BELOW, UNCLEAR} <= set(words) <= set(VERDICTS), key
+        for text in words.values():
+            assert text == text.strip() and text, key
+            assert set(re.findall(r"{(\w+)}", text)) <= {"level", "alpha"}, key
+
+
+def test_the_null_phrase_of_a_comparison_is_spelled_once_in_the_package() -> None:
+    hits = [
+        str(p.relative_to(ROOT))
+        for p in sorted((ROOT / "rlxf_utils").rglob("*.py"))
+        for line in p.read_text(encoding="utf-8").splitlines()
+        if "told apart" in line and not line.lstrip().startswith("#")
+    ]
+    assert hits == ["rlxf_utils/report/wording.py"], hits
+
+
+def test_one_formatter_each_for_numbers_percentages_and_p_values() -> None:
+    assert wording.num(0.12345) == "0.123" and wording.num(None) == "n/a"
+    assert wording.num(0.0004, 1, signed=True, scale=100) == "+0.04"  # shows its sign's digit
+    assert wording.num(-0.0123, 1, signed=True, scale=100) == "-1.2"
+    assert wording.pct(0.8234) == "82.3%" and wording.pct(NAN) == "n/a"
+    assert wording.pct_ci(0.82, 0.791, 0.846) == "82.0% [79.1%, 84.6%]"
+    assert [wording.pval(p) for p in (0.0132, 0.0004, NAN)] == ["0.013", "<0.001", "n/a"]
+    assert [wording.pval(p, prose=True) for p in (0.0132, 0.0004, None)] == [
+        "p = 0.013",
+        "p < 0.001",
+        "p n/a",
+    ]
+
+
+def _vocabulary_text() -> str:
+    return json.dumps(VOCABULARY, indent=1, ensure_ascii=False, sort_keys=True) + "\n"
+
+
+def test_the_vocabulary_matches_its_golden_file() -> None:
+    """The words, once: a phrase changed on purpose is a changed golden file in the diff (rewrite
+    it with `PYTHONPATH=. python tests/test_wording.py`)."""
+    assert _vocabulary_text() == GOLDEN.read_text(encoding="utf-8")
+
+
+if __name__ == "__main__":  # rewrite the golden vocabulary (after a deliberate change of a phrase)
+    GOLDEN.write_text(_vocabulary_text(), encoding="utf-8")
+    print(f"wrote {GOLDEN}")
