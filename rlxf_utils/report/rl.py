@@ -95,6 +95,29 @@ def _rl_summary_display(summ: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def optimiser_rows(rl: dict[str, Any]) -> list[tuple[str, str]]:
+    """The settings table's rows for the one optimiser every algorithm shares and the
+    approximate-KL early stop (none for runs from before `rl.optimizer`)."""
+    o = rl.get("optimizer")
+    if o is None:
+        return []
+    stop = rl.get("approx_kl_stop")
+    return [
+        (
+            "optimiser, every algorithm (ours and TRL's)",
+            f"AdamW, eps {o['eps']:g}, weight decay {o['weight_decay']:g}, betas "
+            f"({o['beta1']:g}, {o['beta2']:g}), {o['lr_schedule']} learning rate, "
+            f"gradients clipped at norm {o['max_grad_norm']:g}",
+        ),
+        (
+            "approximate-KL early stop of a batch's epochs",
+            "none (TRL's GRPO and RLOO have none)"
+            if stop is None
+            else f"at {stop:g}, every RL algorithm",
+        ),
+    ]
+
+
 def rl_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
     stage = "notebook 03_ppo_finetuning"
     summ = run.read_table("rl_summary", stage)
@@ -111,6 +134,7 @@ def rl_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], dic
             ("steps x prompts x responses per prompt", f"{rl['steps']} x {rl['batch_size'] // rl['num_generations']} x {rl['num_generations']}"),
             ("max new tokens, temperature, top-p", f"{rl['max_new_tokens']}, {rl['temperature']}, {rl['top_p']}"),
             ("learning rate", f"{rl['learning_rate']:g}"),
+            *optimiser_rows(rl),
             ("KL coefficient (initial), PPO adaptive, target, K_beta", f"{rl['kl_coef']:g}, {rl['adaptive_kl']}, {rl['target_kl']:g}, {rl['kl_adapt_rate']:g}"),
             ("update epochs x minibatches (optimiser steps per batch, every algorithm)", f"{rl['update_epochs']} x {rl['batch_size'] // rl['minibatch_size']}"),
             ("PPO clip (policy / value), value coefficient", f"{rl['clip_range']} / {rl['clip_range_value'] if rl['clip_range_value'] is not None else 'none'}, {rl['vf_coef']:g}"),

@@ -32,6 +32,7 @@ from rlxf_utils.rl.core import (
     adapter_state,
     prompt_schedule,
 )
+from rlxf_utils.rl.optim import trainer_optimizer_arguments
 from rlxf_utils.rl.trainer import TrainJob, write_settings
 from rlxf_utils.runtime import seed_everything, world_size
 
@@ -289,8 +290,8 @@ def score_labelled_positions_only() -> bool:
 
 
 def trainer_arguments(job: TrainJob, max_steps: int, save_steps: int) -> dict[str, Any]:
-    """The TrainingArguments every TRL run of the study shares: LoRA's learning rate, clipping,
-    a constant schedule, `max_steps` optimiser steps, checkpoints every `save_steps` (the last
+    """The TrainingArguments every TRL run of the study shares: LoRA's learning rate, the study's
+    optimiser (`rl.optimizer`: AdamW's settings, schedule, clipping), `max_steps` optimiser steps, checkpoints every `save_steps` (the last
     kept; an interrupted run resumes there), the run's seed, CPU or CUDA, and the autocast and
     gradient checkpointing of PPO."""
     rl, policy = job.rl, job.policy
@@ -298,7 +299,6 @@ def trainer_arguments(job: TrainJob, max_steps: int, save_steps: int) -> dict[st
         output_dir=str(job.output_dir / "trl"),
         gradient_accumulation_steps=1,
         learning_rate=rl.learning_rate,
-        max_grad_norm=rl.max_grad_norm,
         max_steps=max_steps,  # TRL counts optimiser steps
         logging_steps=1,
         # Trainer checkpoints (adapter, optimiser, RNG, data position) every `save_steps`, the
@@ -315,8 +315,7 @@ def trainer_arguments(job: TrainJob, max_steps: int, save_steps: int) -> dict[st
         dataloader_num_workers=0,
         use_cpu=not torch.cuda.is_available(),
         bf16=policy.dtype == "bfloat16" and torch.cuda.is_available(),  # autocast: see train()
-        lr_scheduler_type="constant",
-        warmup_steps=0,
+        **trainer_optimizer_arguments(rl.optimizer),  # the study's one optimiser, ours too
         # TRL defaults to True; PPO matches (transformers 5's name: `gradient_checkpointing` warns)
         activation_checkpointing=rl.gradient_checkpointing,
     )
