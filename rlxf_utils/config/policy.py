@@ -169,11 +169,14 @@ class RLConfig(Section):
     learning_rate: float = Field(default=1e-4, gt=0.0)
     """AdamW learning rate of the policy's LoRA weights, every algorithm."""
     kl_coef: float = Field(default=0.05, ge=0.0)
-    """The KL coefficient beta: PPO's initial one, GRPO's and RLOO's fixed one."""
+    """The KL coefficient beta every RL algorithm starts from (PPO, the RLGF algorithms, GRPO,
+    RLOO)."""
     adaptive_kl: bool = True
-    """PPO: Ziegler et al.'s proportional controller towards target_kl"""
+    """Every RL algorithm: Ziegler et al.'s proportional controller of beta towards target_kl,
+    once per step on the step's KL per response (false: beta stays at kl_coef for all)."""
     target_kl: float = Field(default=6.0, gt=0.0)
-    """PPO's KL target per response, in nats (the adaptive controller's set point)."""
+    """The KL target per response, in nats, of every RL algorithm (the adaptive controller's set
+    point)."""
     kl_adapt_rate: float = Field(default=0.1, gt=0.0, le=1.0)
     """K_beta of the adaptive controller: beta *= 1 + K_beta * clip(KL / target - 1, +-0.2) per step."""
     gamma: float = Field(default=1.0, ge=0.0, le=1.0)

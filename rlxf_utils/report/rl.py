@@ -118,6 +118,15 @@ def optimiser_rows(rl: dict[str, Any]) -> list[tuple[str, str]]:
     ]
 
 
+def kl_regime_sentence(rl: dict[str, Any]) -> str:
+    """How every RL algorithm's KL coefficient β is controlled, from the run's parameters."""
+    if rl["adaptive_kl"]:
+        return (f"every RL algorithm starts at β = {rl['kl_coef']:g} and adapts it once per step "
+                f"towards {rl['target_kl']:g} nats per response by the same rule (K_β = "
+                f"{rl['kl_adapt_rate']:g}), from its own KL on the step's responses")  # fmt: skip
+    return f"every RL algorithm keeps β = {rl['kl_coef']:g} fixed"
+
+
 def rl_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
     stage = "notebook 03_ppo_finetuning"
     summ = run.read_table("rl_summary", stage)
@@ -135,7 +144,7 @@ def rl_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], dic
             ("max new tokens, temperature, top-p", f"{rl['max_new_tokens']}, {rl['temperature']}, {rl['top_p']}"),
             ("learning rate", f"{rl['learning_rate']:g}"),
             *optimiser_rows(rl),
-            ("KL coefficient (initial), PPO adaptive, target, K_beta", f"{rl['kl_coef']:g}, {rl['adaptive_kl']}, {rl['target_kl']:g}, {rl['kl_adapt_rate']:g}"),
+            ("KL coefficient (initial), adaptive (every RL algorithm), target, K_beta", f"{rl['kl_coef']:g}, {rl['adaptive_kl']}, {rl['target_kl']:g}, {rl['kl_adapt_rate']:g}"),
             ("update epochs x minibatches (optimiser steps per batch, every algorithm)", f"{rl['update_epochs']} x {rl['batch_size'] // rl['minibatch_size']}"),
             ("PPO clip (policy / value), value coefficient", f"{rl['clip_range']} / {rl['clip_range_value'] if rl['clip_range_value'] is not None else 'none'}, {rl['vf_coef']:g}"),
             ("mixed precision", pol.get("autocast") or "none (fp32)"),
@@ -182,6 +191,7 @@ def rl_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], dic
         "start_policy": rl["start_policy"],
         "sft_sentence": _sft_sentence(sft),
         "critic": CRITIC_SENTENCE[critic_init],
+        "kl_regime": kl_regime_sentence(rl),
     }
     includes = {
         # spaces, not underscores: long names wrap in the PDF's narrow columns

@@ -224,13 +224,23 @@ class AdaptiveKLController:
         self.value = float(state["value"])
 
 
+def kl_controller(
+    adaptive: bool, init: float, target: float, rate: float
+) -> AdaptiveKLController | FixedKLController:
+    """The KL coefficient's controller every RL algorithm uses (`rl.adaptive_kl`, `rl.kl_coef`,
+    `rl.target_kl`, `rl.kl_adapt_rate`): updated once per step with the step's mean KL per
+    response, in nats (PPO and the RLGF algorithms: `PPOTrainer.train_step`; GRPO and RLOO:
+    `trl_runs.beta_control`)."""
+    return AdaptiveKLController(init, target, rate) if adaptive else FixedKLController(init)
+
+
 class FixedKLController:
     """A constant KL coefficient."""
 
     def __init__(self, value: float):
         self.value = float(value)
 
-    def update(self, current_kl: float, n_steps: int) -> None:
+    def update(self, current_kl: float, n_steps: int = 1) -> None:
         """No-op: the coefficient stays fixed."""
 
     def state_dict(self) -> dict[str, float]:

@@ -53,8 +53,6 @@ from rlxf_utils.prompts import CONTEXT_FIELDS
 from rlxf_utils.rl.accelerated import AcceleratedTrainer
 from rlxf_utils.rl.core import (
     KL_ESTIMATORS,
-    AdaptiveKLController,
-    FixedKLController,
     PolicyWithValue,
     RewardFn,
     adapter_state,
@@ -63,6 +61,7 @@ from rlxf_utils.rl.core import (
     entropy_from_logits,
     explained_variance,
     k3_tokens,
+    kl_controller,
     logprobs_from_logits,
     masked_mean,
     policy_loss,
@@ -160,11 +159,7 @@ class PPOTrainer(AcceleratedTrainer):
             cfg.learning_rate,
         )
         self.module, self.optimizer = self.accelerator.prepare(self.gen, self.optimizer)
-        self.kl_ctl: AdaptiveKLController | FixedKLController = (
-            AdaptiveKLController(cfg.kl_coef, cfg.target_kl, cfg.kl_adapt_rate)
-            if cfg.adaptive_kl
-            else FixedKLController(cfg.kl_coef)
-        )
+        self.kl_ctl = kl_controller(cfg.adaptive_kl, cfg.kl_coef, cfg.target_kl, cfg.kl_adapt_rate)
         self.value_initialised: set[str] = set()  # critics whose bias is set (first batch's mean)
         self.schedule: list[list[int]] | None = None  # set by train(): prompts per step
 
