@@ -37,7 +37,8 @@ def reward_finding(meta: dict[str, Any]) -> str:
     lvl = level(meta["alpha"])
     labels = reward_labels(meta)
     scorers = m[~m["model"].isin(["majority", "context_only", "text_only"])]
-    below = bool((scorers["accuracy_high"] < PAPER_ACCURACY).all())  # every interval below the claim
+    # every interval below the claim
+    below = bool((scorers["accuracy_high"] < PAPER_ACCURACY).all())
     # the best model; where some interval reaches the claim, the one reaching highest
     best = scorers.loc[scorers["accuracy" if below else "accuracy_high"].idxmax()]
     acc = _pct_ci(best["accuracy"], best["accuracy_low"], best["accuracy_high"])
@@ -48,9 +49,7 @@ def reward_finding(meta: dict[str, Any]) -> str:
             f"accuracy (best: {acc}, {which})"
         )
     else:
-        out = (
-            f"The paper's {PAPER_ACCURACY:.0%} accuracy is within a model's interval ({acc}, {which})"
-        )
+        out = f"The paper's {PAPER_ACCURACY:.0%} accuracy is within a model's interval ({acc}, {which})"
     main = m[(m["model"] == meta["reward_source"]) & (m["protocol"] == meta["reward_protocol"])]
     if len(main):
         r = main.iloc[0]
