@@ -13,6 +13,7 @@ from test_ppo import small_cfg, tiny_tokenizer, toy_contexts, toy_reward
 from tiny import tiny_llama
 
 from rlxf_utils.config import LoraSettings, PolicyConfig
+from rlxf_utils.report.rl import kl_short
 from rlxf_utils.rl.core import AdaptiveKLController, kl_controller
 from rlxf_utils.rl.trainer import TrainJob
 from rlxf_utils.rl.trl_runs import TrainerHolder, beta_control, kl_per_response, run_trl
@@ -90,6 +91,9 @@ def test_a_trl_run_adapts_beta_from_its_logged_kl(tmp_path, monkeypatch, algo):
         ctl.update(kl)
         want.append(ctl.value)
     assert np.isfinite(log.kl).all()
+    # GRPO logs TRL's k3 (in its loss), RLOO its k1 (in its reward): the table says which
+    k = {"grpo": "k3", "rloo": "k1"}[algo]
+    assert kl_short(log.kl_estimator.iloc[0]) == f"TRL's {k}"
     assert list(log.kl_coef) == pytest.approx(want)
     assert want[-1] != pytest.approx(rl.kl_coef)  # β moved
     per_batch = rl.optimizer_steps_per_batch

@@ -66,8 +66,13 @@ CRITIC_SENTENCE = {
 }
 
 
-#: The training log's KL estimators (`rl.core.KL_ESTIMATORS`) in a table cell, by first letters.
-KL_SHORT = {"k1": "k1, learner's tokens", "TR": "TRL's k3", "no": "·"}
+#: The training log's KL estimators (`rl.core.KL_ESTIMATORS`) in a table cell, by how they start.
+KL_SHORT = {"k1": "k1, learner's tokens", "TRL's k3": "TRL's k3", "TRL's k1": "TRL's k1", "no": "·"}
+
+
+def kl_short(estimator: Any) -> str:
+    """A log's `kl_estimator` in a table cell (`KL_SHORT`; '·' when unknown)."""
+    return next((v for k, v in KL_SHORT.items() if str(estimator).startswith(k)), "·")
 
 
 def _rl_summary_display(summ: pd.DataFrame) -> pd.DataFrame:
@@ -86,7 +91,7 @@ def _rl_summary_display(summ: pd.DataFrame) -> pd.DataFrame:
             "algorithm": r["algorithm"], "steps": int(r["steps"]),
             "reward (first → last 3 steps)": arrow(r.get("reward_first"), r.get("reward_last"), 3),
             "final KL": num(r.get("kl_last"), 2),
-            "KL measured as": KL_SHORT.get(str(r.get("kl_estimator"))[:2], "·"),
+            "KL measured as": kl_short(r.get("kl_estimator")),
             "entropy": num(r.get("entropy_last"), 2),
             "critic EV, last third [CI]": ci(ev, r.get("explained_variance_low"), r.get("explained_variance_high")) if is_present(ev) else "·",
             "β (first → last)": arrow(r.get("beta_first"), r.get("beta_last"), 4),

@@ -55,7 +55,8 @@ LOG_COLUMNS: tuple[str, ...] = (
 #: What each family's logged `kl` is (the `kl_estimator` column of its rows).
 KL_ESTIMATORS = {
     "ppo": "k1, sum of log pi - log pi_ref over the learner's tokens of each response (k3 beside)",
-    "trl": "TRL's k3 per token x mean response length (k1 not available from TRL's logs)",
+    "grpo": "TRL's k3 per token x mean response length (the step's first minibatch)",
+    "rloo": "TRL's k1 per token x mean response length (the batch's mean summed k1)",
     "ilhf_online": "k1 of the ensemble's mixture density on its own samples",
     "ilhf_history": "none (history mode samples nothing)",
     "offline": "none (no samples of the policy in training; evaluation measures KL to the start policy)",

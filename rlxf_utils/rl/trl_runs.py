@@ -219,7 +219,7 @@ def run_trl(job: TrainJob) -> pd.DataFrame:
                     "kl": kl,
                     "kl_k3": kl,
                     "kl_all_tokens": kl,
-                    "kl_estimator": KL_ESTIMATORS["trl"],
+                    "kl_estimator": KL_ESTIMATORS[algo],
                     "kl_per_token": kl_tok,
                     "kl_coef": kl_ctl.value,  # after this step's update, as PPO logs it
                     "entropy": logs.get("entropy", np.nan),
