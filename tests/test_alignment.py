@@ -765,7 +765,8 @@ def test_move_sentence_says_when_an_algorithm_logs_no_training_reward() -> None:
     none = {"reward_first": nan, "reward_last": nan, "kl_last": nan, "step_time_s": 6}
     rows = pd.DataFrame([rose, none, {**none, "step_time_s": 31.6}], index=["PPO", "ILHF", "KTO"])
     assert moves_sentence(rows) == (
-        "PPO's mean training reward went from 0.600 to 0.650 (+0.050) at a final KL of 1.50 nats, "
+        "PPO's mean training reward on the responses it wrote alone went from 0.600 to 0.650 "
+        "(+0.050) at a final KL of 1.50 nats, "
         "12 s per step; ILHF and KTO sample nothing while they train, so they log no training "
         "reward (6 and 32 s per step)"
     )

@@ -46,8 +46,12 @@ def move_sentence(algo: str, r: pd.Series) -> str:
     """How one algorithm's training reward moved (a row of `rl.summary_table` whose algorithm
     logs a training reward)."""
     d = r["reward_last"] - r["reward_first"]
+    first = r.get("reward_first_step", 1)
+    since = (f" (from step {first:.0f}: before it, the guide wrote or finished every response)"
+             if is_present(first) and first > 1 else "")  # fmt: skip
     return (
-        f"{algo}'s mean training reward went from {f3(r['reward_first'])} to {f3(r['reward_last'])} "
+        f"{algo}'s mean training reward on the responses it wrote alone went from "
+        f"{f3(r['reward_first'])}{since} to {f3(r['reward_last'])} "
         f"({'+' if d >= 0 else '−'}{abs(d):.3f}) at a final KL of {r['kl_last']:.2f} nats, "
         f"{r['step_time_s']:.0f} s per step"
     )
