@@ -295,8 +295,17 @@ class RLGFConfig(Section):
     """P(a sample's prefix is the guide's) in PPO++ (IMDB 0.6)"""
     beta_aggrevated: float = Field(default=0.8, ge=0.0, le=1.0)
     """P(the policy writes a prefix, the guide the rest) in AggreVaTeD, else the guide writes the
-    whole response (IMDB 0.8). This is the authors' TRIL code; the paper's Algorithm 2 instead
-    puts weight beta on the guide's state distribution (the report states which one runs)."""
+    whole response (IMDB 0.8; the authors' TRIL code). The paper's Algorithm 2 is the same
+    algorithm with its beta = 1 - this (`beta_aggrevated_paper`): its roll-in draws from
+    beta d^{pi_g} + (1 - beta) d^{pi_theta} and the guide rolls out, so a guide-state sample is a
+    whole guide response with no policy token to train (TRIL's h = 0; tests/test_rlgf.py)."""
+
+    @property
+    def beta_aggrevated_paper(self) -> float:
+        """AggreVaTeD's beta as the paper's Algorithm 2 writes it: the weight of the guide's state
+        distribution in the roll-in, 1 - `beta_aggrevated` (IMDB: 0.2)."""
+        return 1.0 - self.beta_aggrevated
+
     beta_lols: float = Field(default=0.8, ge=0.0, le=1.0)
     """Both schemes' beta inside LOLS (authors: 0.8)."""
     tau: float = Field(default=0.8, ge=0.0, le=1.0)
