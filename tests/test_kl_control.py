@@ -110,5 +110,5 @@ def test_the_report_states_the_one_kl_regime_of_the_run():
     said = kl_regime_sentence(rl)
     assert said.startswith("every RL algorithm") and f"towards {rl['target_kl']:g} nats" in said
     assert kl_regime_sentence({**rl, "adaptive_kl": False}) == (
-        f"every RL algorithm keeps β = {rl['kl_coef']:g} fixed"
+        f"every RL algorithm with a KL penalty (ILHF has none) keeps β = {rl['kl_coef']:g} fixed"
     )

@@ -130,10 +130,10 @@ def optimiser_rows(rl: dict[str, Any]) -> list[tuple[str, str]]:
 def kl_regime_sentence(rl: dict[str, Any]) -> str:
     """How every RL algorithm's KL coefficient β is controlled, from the run's parameters."""
     if rl["adaptive_kl"]:
-        return (f"every RL algorithm starts at β = {rl['kl_coef']:g} and adapts it once per step "
+        return (f"every RL algorithm with a KL penalty (ILHF has none) starts at β = {rl['kl_coef']:g} and adapts it once per step "
                 f"towards {rl['target_kl']:g} nats per response by the same rule (K_β = "
                 f"{rl['kl_adapt_rate']:g}), from its own KL on the step's responses")  # fmt: skip
-    return f"every RL algorithm keeps β = {rl['kl_coef']:g} fixed"
+    return f"every RL algorithm with a KL penalty (ILHF has none) keeps β = {rl['kl_coef']:g} fixed"
 
 
 def rl_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
