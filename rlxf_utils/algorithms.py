@@ -23,7 +23,7 @@ Family = Literal["ppo", "trl", "rlgf", "ilhf", "offline"]
 
 #: What each family is, in words (the report's methods section and `settings.json`).
 FAMILIES: dict[str, str] = {
-    "ppo": "PPO, ours (classic RLHF form, learned critic, adaptive KL penalty)",
+    "ppo": "PPO, ours (classic RLHF form, learned critic, KL penalty in the reward)",
     "trl": "group-baseline policy gradient through TRL (no critic)",
     "rlgf": "RL with guided feedback on our PPO (Chang et al., 2023)",
     "ilhf": "inclusive learning: the policy is its own reward (Xu et al., 2023)",

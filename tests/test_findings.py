@@ -141,3 +141,20 @@ def test_the_abstract_says_a_method_lowered_the_reward_with_true_minus_signs(
     assert f"raised it and PPO ({m}0.002 [{m}0.006, {m}0.0004]) lowered it" in abstract
     assert "GRPO (+0.026 [+0.022, +0.032]) raised the reward model's score" in abstract
     assert "-0." not in abstract  # no hyphen-minus left before a digit
+
+
+def test_the_papers_accuracy_is_defined_once():
+    """The paper's 0.82 (reward-model accuracy, precision, recall and F1) is one constant,
+    `reward.model.PAPER_ACCURACY`: no other module of the package writes the number."""
+    import ast
+
+    from rlxf_utils.reward.model import PAPER_ACCURACY
+
+    package = Path(__file__).resolve().parents[1] / "rlxf_utils"
+    found = [
+        f"{path.relative_to(package)}:{node.lineno}"
+        for path in sorted(package.rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if isinstance(node, ast.Constant) and node.value == PAPER_ACCURACY
+    ]
+    assert len(found) == 1 and found[0].startswith("reward/model.py:"), found

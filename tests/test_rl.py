@@ -314,3 +314,31 @@ def test_trl_fused_head_scores_only_labelled_positions_on_the_cpu(monkeypatch):
         torch.testing.assert_close(grad, full_grads[name], rtol=1e-4, atol=1e-6, msg=name)
     monkeypatch.delattr(trl_utils, "_use_triton")
     assert not trl_runs.score_labelled_positions_only()
+
+
+def test_training_reward_is_the_learners_own_in_the_curves_the_table_and_the_sentence() -> None:
+    """D²LOLS: AggreVaTeD steps (the guide finishes every response: no learner-only reward), then
+    PPO++ steps where the guide-written prefixes score high. The curves, the summary and the
+    report's sentence read the learner's own responses (`reward_learner`), not the mixed mean."""
+    import matplotlib.pyplot as plt
+
+    from rlxf_utils.report.rl import move_sentence
+
+    n = 8
+    own = [np.nan] * 4 + [0.30, 0.32, 0.40, 0.44]
+    d2 = pd.DataFrame({"algo": "d2lols", "step": range(1, n + 1), "reward_mean": [0.9] * n,
+                       "reward_learner": own, "kl": 1.0, "entropy": 2.0,
+                       "explained_variance": 0.1, "kl_coef": 0.05, "step_time_s": 1.0,
+                       "tokens_per_s": 10.0, "kl_estimator": "k1"})  # fmt: skip
+    row = summary_table(d2, window=2).iloc[0]
+    assert row["reward_first"] == pytest.approx(0.31) and row["reward_last"] == pytest.approx(0.42)
+    assert row["reward_first_step"] == 5
+    said = move_sentence("D²LOLS", row)
+    assert "from 0.310 (from step 5" in said and "to 0.420 (+0.110)" in said
+    fig = training_curves_figure(d2)
+    (line,) = fig.axes[0].get_lines()
+    np.testing.assert_array_equal(line.get_ydata(), np.array(own))
+    plt.close(fig)
+    ppo = d2.assign(algo="ppo", reward_learner=0.5)  # every response the learner's own
+    assert summary_table(ppo).iloc[0]["reward_first_step"] == 1
+    assert "(from step" not in move_sentence("PPO", summary_table(ppo).iloc[0])

@@ -189,6 +189,31 @@ def test_policy_gradient_acts_on_the_learners_tokens_only(tmp_path, algo):
         assert owned[:, 0][owned.any(1)].all()  # the policy wrote the prefix
 
 
+@pytest.mark.parametrize("beta_paper", [1.0, 0.0])
+def test_aggrevated_is_the_papers_algorithm_2_with_one_minus_its_beta(tmp_path, beta_paper):
+    """Algorithm 2 rolls in from beta_paper d^{pi_g} + (1 - beta_paper) d^{pi_theta} and rolls
+    out with the guide. A guide-state roll-in, continued by the guide, is a whole guide response
+    whose tokens train V_g and no policy token (TRIL's h = 0); a policy roll-in gives a policy
+    prefix finished by the guide. With beta_aggrevated = 1 - beta_paper the rollout draws them
+    in the paper's shares: beta_paper = 1, only guide responses; 0, (almost) only policy
+    prefixes (a policy roll-in shorter than 2 tokens cannot be split)."""
+    rg = RLGFConfig(beta_aggrevated=1.0 - beta_paper, mle_coef=0.0)
+    assert rg.beta_aggrevated_paper == beta_paper
+    tr = guided(AGGREVATED, tmp_path, rlgf=rg, max_new_tokens=8, batch_size=16)
+    ro = tr.rollout(tr._next_batch())
+    pp = tr.prepare(ro)
+    policy_prefix = pp.pg_mask.bool().any(1)
+    whole_guide = ~policy_prefix
+    # a whole guide response: V_g is fitted on every token of it, no policy gradient
+    assert torch.equal(pp.vf_mask.bool()[whole_guide], pp.mask.bool()[whole_guide])
+    assert not pp.pg_mask.bool()[whole_guide].any()
+    if beta_paper == 1.0:
+        assert whole_guide.all()
+    else:
+        assert policy_prefix.float().mean() >= 0.75, policy_prefix
+        assert pp.pg_mask.bool()[policy_prefix][:, 0].all()  # the policy wrote the first token
+
+
 def test_aggrevated_trains_the_guide_critic_on_guide_tokens_only(tmp_path):
     rg = RLGFConfig(beta_aggrevated=1.0, mle_coef=0.0)
     tr = guided(AGGREVATED, tmp_path, rlgf=rg)

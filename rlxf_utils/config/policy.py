@@ -98,6 +98,26 @@ CRITIC_INIT = {
 }
 
 
+class OptimizerConfig(Section):
+    """The one optimiser of every method that trains from the start policy: our trainers (PPO,
+    the RLGF algorithms, ILHF) build AdamW from it (`rl.optim.adamw`) and every TRL run (GRPO,
+    RLOO, KTO, DPO, RFT) passes it to TRL's TrainingArguments (`rl.optim.trainer_optimizer_arguments`).
+    A test builds both from one parameters object and compares them."""
+
+    eps: float = Field(default=1e-5, gt=0.0)
+    """AdamW's epsilon (the PPO implementations' 1e-5; TRL's own default is 1e-8)."""
+    weight_decay: float = Field(default=0.0, ge=0.0)
+    """AdamW's decoupled weight decay (on LoRA weights it pulls towards the start policy)."""
+    beta1: float = Field(default=0.9, ge=0.0, lt=1.0)
+    """AdamW's first-moment decay."""
+    beta2: float = Field(default=0.999, ge=0.0, lt=1.0)
+    """AdamW's second-moment decay."""
+    lr_schedule: Literal["constant"] = "constant"
+    """The learning-rate schedule: constant, no warm-up (the only one every trainer implements)."""
+    max_grad_norm: float = Field(default=1.0, gt=0.0)
+    """Gradient clipping norm (PPO clips the policy's and the critic's gradients apart)."""
+
+
 #: The registry's algorithm ids: what `algorithms.algorithm` may list.
 ALGORITHM_IDS = tuple(ALGORITHMS)
 
@@ -149,11 +169,14 @@ class RLConfig(Section):
     learning_rate: float = Field(default=1e-4, gt=0.0)
     """AdamW learning rate of the policy's LoRA weights, every algorithm."""
     kl_coef: float = Field(default=0.05, ge=0.0)
-    """The KL coefficient beta: PPO's initial one, GRPO's and RLOO's fixed one."""
+    """The KL coefficient beta every RL algorithm starts from (PPO, the RLGF algorithms, GRPO,
+    RLOO)."""
     adaptive_kl: bool = True
-    """PPO: Ziegler et al.'s proportional controller towards target_kl"""
+    """Every RL algorithm: Ziegler et al.'s proportional controller of beta towards target_kl,
+    once per step on the step's KL per response (false: beta stays at kl_coef for all)."""
     target_kl: float = Field(default=6.0, gt=0.0)
-    """PPO's KL target per response, in nats (the adaptive controller's set point)."""
+    """The KL target per response, in nats, of every RL algorithm (the adaptive controller's set
+    point)."""
     kl_adapt_rate: float = Field(default=0.1, gt=0.0, le=1.0)
     """K_beta of the adaptive controller: beta *= 1 + K_beta * clip(KL / target - 1, +-0.2) per step."""
     gamma: float = Field(default=1.0, ge=0.0, le=1.0)
@@ -180,13 +203,14 @@ class RLConfig(Section):
     detached last hidden states. Stiennon et al. (2020) instead copy the reward model into a value
     network and train its weights; here the prior cannot be unlearned. mean: the head alone, its
     bias at the first batch's mean."""
-    max_grad_norm: float = Field(default=1.0, gt=0.0)
-    """Gradient clipping norm (the policy's and the critic's clipped apart)."""
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    """The optimiser every method shares (eps, weight decay, betas, schedule, clipping)."""
     whiten_advantages: bool = True
     """Normalise advantages over the batch."""
-    approx_kl_stop: float | None = Field(default=0.1, gt=0.0)
-    """Stop a batch's PPO epochs when the approximate KL to the sampling policy exceeds this
-    (null: never)."""
+    approx_kl_stop: float | None = Field(default=None, gt=0.0)
+    """Stop a batch's epochs when the approximate KL to the sampling policy exceeds this (null:
+    never). Our trainers (PPO, the RLGF algorithms) implement it and TRL's GRPO and RLOO do not,
+    so it applies to every RL algorithm or to none: a value with GRPO or RLOO listed is an error."""
     sample_every: int = Field(default=5, gt=0)
     """Keep sample responses every this many steps (`samples.jsonl`)."""
     checkpoint_every: int = Field(default=10, gt=0)
@@ -213,6 +237,13 @@ class RLConfig(Section):
             raise ValueError(
                 f"batch_size ({self.batch_size}) must be a multiple of num_generations "
                 f"({self.num_generations}): every prompt gets num_generations responses"
+            )
+        no_stop = [ALGORITHMS[a].label for a in self.algorithm if ALGORITHMS[a].family == "trl"]
+        if self.approx_kl_stop is not None and no_stop:
+            raise ValueError(
+                f"approx_kl_stop ({self.approx_kl_stop}) must be null when {', '.join(no_stop)} "
+                "train: TRL has no approximate-KL early stop, and the stop applies to every RL "
+                "algorithm or to none"
             )
         grouped = [ALGORITHMS[a].label for a in self.algorithm if ALGORITHMS[a].groups]
         if grouped and self.num_generations < 2:
@@ -264,8 +295,17 @@ class RLGFConfig(Section):
     """P(a sample's prefix is the guide's) in PPO++ (IMDB 0.6)"""
     beta_aggrevated: float = Field(default=0.8, ge=0.0, le=1.0)
     """P(the policy writes a prefix, the guide the rest) in AggreVaTeD, else the guide writes the
-    whole response (IMDB 0.8). This is the authors' TRIL code; the paper's Algorithm 2 instead
-    puts weight beta on the guide's state distribution (the report states which one runs)."""
+    whole response (IMDB 0.8; the authors' TRIL code). The paper's Algorithm 2 is the same
+    algorithm with its beta = 1 - this (`beta_aggrevated_paper`): its roll-in draws from
+    beta d^{pi_g} + (1 - beta) d^{pi_theta} and the guide rolls out, so a guide-state sample is a
+    whole guide response with no policy token to train (TRIL's h = 0; tests/test_rlgf.py)."""
+
+    @property
+    def beta_aggrevated_paper(self) -> float:
+        """AggreVaTeD's beta as the paper's Algorithm 2 writes it: the weight of the guide's state
+        distribution in the roll-in, 1 - `beta_aggrevated` (IMDB: 0.2)."""
+        return 1.0 - self.beta_aggrevated
+
     beta_lols: float = Field(default=0.8, ge=0.0, le=1.0)
     """Both schemes' beta inside LOLS (authors: 0.8)."""
     tau: float = Field(default=0.8, ge=0.0, le=1.0)

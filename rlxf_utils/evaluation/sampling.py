@@ -29,7 +29,7 @@ def sample_tuned(pset: PolicySet, name: str, prompts: Sequence[str], k: int, gen
 def add_judge_logprobs(pset: PolicySet, df: pd.DataFrame, name: str, batch: int) -> pd.DataFrame:
     """Columns `logp_ref` (start policy) and `logp_base` (zero-shot base) for generated rows."""
     for col, judge in (("logp_ref", "start"), ("logp_base", "base")):
-        if name == judge or (judge == "start" and name == pset.start_name == "base"):
+        if name == judge or (judge == "start" and name == pset.start_name):  # the same model
             df[col] = df["logp_policy"]
             continue
         with pset.use(judge) as m:

@@ -20,10 +20,8 @@ from rlxf_utils.report.evaluation import family_level
 from rlxf_utils.report.reward import reward_labels
 from rlxf_utils.report.seeds import seed_finding
 from rlxf_utils.report.wording import ci, is_present, listing, num, pct_ci, say
+from rlxf_utils.reward.model import PAPER_ACCURACY
 from rlxf_utils.stats import level
-
-#: The paper's reported accuracy, precision, recall and F1 ("surpassing 82% on each").
-PAPER_CLAIM = 0.82
 
 #: The findings, in the order the abstract and the key-findings list state them.
 FINDINGS = ("reward", "rl", "best_of_n", "offline")
@@ -35,20 +33,19 @@ def reward_finding(meta: dict[str, Any]) -> str:
     lvl = level(meta["alpha"])
     labels = reward_labels(meta)
     scorers = m[~m["model"].isin(["majority", "context_only", "text_only"])]
-    below = bool((scorers["accuracy_high"] < PAPER_CLAIM).all())  # every interval below the claim
+    # every interval below the claim
+    below = bool((scorers["accuracy_high"] < PAPER_ACCURACY).all())
     # the best model; where some interval reaches the claim, the one reaching highest
     best = scorers.loc[scorers["accuracy" if below else "accuracy_high"].idxmax()]
     acc = pct_ci(best["accuracy"], best["accuracy_low"], best["accuracy_high"])
     which = f"{labels.get(best['model'], best['model'])}, {best['protocol']} split, {lvl} CI"
     if below:
         out = (
-            f"No model of MONA's condition texts reproduces the paper's {PAPER_CLAIM:.0%} "
+            f"No model of MONA's condition texts reproduces the paper's {PAPER_ACCURACY:.0%} "
             f"accuracy (best: {acc}, {which})"
         )
     else:
-        out = (
-            f"The paper's {PAPER_CLAIM:.0%} accuracy is within a model's interval ({acc}, {which})"
-        )
+        out = f"The paper's {PAPER_ACCURACY:.0%} accuracy is within a model's interval ({acc}, {which})"
     main = m[(m["model"] == meta["reward_source"]) & (m["protocol"] == meta["reward_protocol"])]
     if len(main):
         r = main.iloc[0]

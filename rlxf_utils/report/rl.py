@@ -45,8 +45,12 @@ def move_sentence(algo: str, r: pd.Series) -> str:
     """How one algorithm's training reward moved (a row of `rl.summary_table` whose algorithm
     logs a training reward)."""
     d = r["reward_last"] - r["reward_first"]
+    first = r.get("reward_first_step", 1)
+    since = (f" (from step {first:.0f}: before it, the guide wrote or finished every response)"
+             if is_present(first) and first > 1 else "")  # fmt: skip
     return (
-        f"{algo}'s mean training reward went from {num(r['reward_first'])} to {num(r['reward_last'])} "
+        f"{algo}'s mean training reward on the responses it wrote alone went from "
+        f"{num(r['reward_first'])}{since} to {num(r['reward_last'])} "
         f"({'+' if d >= 0 else '−'}{abs(d):.3f}) at a final KL of {r['kl_last']:.2f} nats, "
         f"{r['step_time_s']:.0f} s per step"
     )
@@ -65,8 +69,13 @@ CRITIC_SENTENCE = {
 }
 
 
-#: The training log's KL estimators (`rl.core.KL_ESTIMATORS`) in a table cell, by first letters.
-KL_SHORT = {"k1": "k1, learner's tokens", "TR": "TRL's k3", "no": "·"}
+#: The training log's KL estimators (`rl.core.KL_ESTIMATORS`) in a table cell, by how they start.
+KL_SHORT = {"k1": "k1, learner's tokens", "TRL's k3": "TRL's k3", "TRL's k1": "TRL's k1", "no": "·"}
+
+
+def kl_short(estimator: Any) -> str:
+    """A log's `kl_estimator` in a table cell (`KL_SHORT`; '·' when unknown)."""
+    return next((v for k, v in KL_SHORT.items() if str(estimator).startswith(k)), "·")
 
 
 def _rl_summary_display(summ: pd.DataFrame) -> pd.DataFrame:
@@ -85,13 +94,45 @@ def _rl_summary_display(summ: pd.DataFrame) -> pd.DataFrame:
             "algorithm": r["algorithm"], "steps": int(r["steps"]),
             "reward (first → last 3 steps)": arrow(r.get("reward_first"), r.get("reward_last"), 3),
             "final KL": num(r.get("kl_last"), 2),
-            "KL measured as": KL_SHORT.get(str(r.get("kl_estimator"))[:2], "·"),
+            "KL measured as": kl_short(r.get("kl_estimator")),
             "entropy": num(r.get("entropy_last"), 2),
             "critic EV, last third [CI]": ci(ev, r.get("explained_variance_low"), r.get("explained_variance_high")) if is_present(ev) else "·",
             "β (first → last)": arrow(r.get("beta_first"), r.get("beta_last"), 4),
             "s / step": num(r.get("step_time_s"), 1), "tokens / s": num(r.get("tokens_per_s"), 0),
         })  # fmt: skip
     return pd.DataFrame(rows)
+
+
+def optimiser_rows(rl: dict[str, Any]) -> list[tuple[str, str]]:
+    """The settings table's rows for the one optimiser every algorithm shares and the
+    approximate-KL early stop (none for runs from before `rl.optimizer`)."""
+    o = rl.get("optimizer")
+    if o is None:
+        return []
+    stop = rl.get("approx_kl_stop")
+    return [
+        (
+            "optimiser, every algorithm (ours and TRL's)",
+            f"AdamW, eps {o['eps']:g}, weight decay {o['weight_decay']:g}, betas "
+            f"({o['beta1']:g}, {o['beta2']:g}), {o['lr_schedule']} learning rate, "
+            f"gradients clipped at norm {o['max_grad_norm']:g}",
+        ),
+        (
+            "approximate-KL early stop of a batch's epochs",
+            "none (TRL's GRPO and RLOO have none)"
+            if stop is None
+            else f"at {stop:g}, every RL algorithm",
+        ),
+    ]
+
+
+def kl_regime_sentence(rl: dict[str, Any]) -> str:
+    """How every RL algorithm's KL coefficient β is controlled, from the run's parameters."""
+    if rl["adaptive_kl"]:
+        return (f"every RL algorithm with a KL penalty (ILHF has none) starts at β = {rl['kl_coef']:g} and adapts it once per step "
+                f"towards {rl['target_kl']:g} nats per response by the same rule (K_β = "
+                f"{rl['kl_adapt_rate']:g}), from its own KL on the step's responses")  # fmt: skip
+    return f"every RL algorithm with a KL penalty (ILHF has none) keeps β = {rl['kl_coef']:g} fixed"
 
 
 def rl_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
@@ -110,7 +151,8 @@ def rl_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], dic
             ("steps x prompts x responses per prompt", f"{rl['steps']} x {rl['batch_size'] // rl['num_generations']} x {rl['num_generations']}"),
             ("max new tokens, temperature, top-p", f"{rl['max_new_tokens']}, {rl['temperature']}, {rl['top_p']}"),
             ("learning rate", f"{rl['learning_rate']:g}"),
-            ("KL coefficient (initial), PPO adaptive, target, K_beta", f"{rl['kl_coef']:g}, {rl['adaptive_kl']}, {rl['target_kl']:g}, {rl['kl_adapt_rate']:g}"),
+            *optimiser_rows(rl),
+            ("KL coefficient (initial), adaptive (every RL algorithm), target, K_beta", f"{rl['kl_coef']:g}, {rl['adaptive_kl']}, {rl['target_kl']:g}, {rl['kl_adapt_rate']:g}"),
             ("update epochs x minibatches (optimiser steps per batch, every algorithm)", f"{rl['update_epochs']} x {rl['batch_size'] // rl['minibatch_size']}"),
             ("PPO clip (policy / value), value coefficient", f"{rl['clip_range']} / {rl['clip_range_value'] if rl['clip_range_value'] is not None else 'none'}, {rl['vf_coef']:g}"),
             ("mixed precision", pol.get("autocast") or "none (fp32)"),
@@ -156,6 +198,7 @@ def rl_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], dic
         "start_policy": rl["start_policy"],
         "sft_sentence": _sft_sentence(sft),
         "critic": CRITIC_SENTENCE[critic_init],
+        "kl_regime": kl_regime_sentence(rl),
     }
     includes = {
         # spaces, not underscores: long names wrap in the PDF's narrow columns

@@ -55,7 +55,8 @@ LOG_COLUMNS: tuple[str, ...] = (
 #: What each family's logged `kl` is (the `kl_estimator` column of its rows).
 KL_ESTIMATORS = {
     "ppo": "k1, sum of log pi - log pi_ref over the learner's tokens of each response (k3 beside)",
-    "trl": "TRL's k3 per token x mean response length (k1 not available from TRL's logs)",
+    "grpo": "TRL's k3 per token x mean response length (the step's first minibatch)",
+    "rloo": "TRL's k1 per token x mean response length (the batch's mean summed k1)",
     "ilhf_online": "k1 of the ensemble's mixture density on its own samples",
     "ilhf_history": "none (history mode samples nothing)",
     "offline": "none (no samples of the policy in training; evaluation measures KL to the start policy)",
@@ -224,13 +225,23 @@ class AdaptiveKLController:
         self.value = float(state["value"])
 
 
+def kl_controller(
+    adaptive: bool, init: float, target: float, rate: float
+) -> AdaptiveKLController | FixedKLController:
+    """The KL coefficient's controller every RL algorithm uses (`rl.adaptive_kl`, `rl.kl_coef`,
+    `rl.target_kl`, `rl.kl_adapt_rate`): updated once per step with the step's mean KL per
+    response, in nats (PPO and the RLGF algorithms: `PPOTrainer.train_step`; GRPO and RLOO:
+    `trl_runs.beta_control`)."""
+    return AdaptiveKLController(init, target, rate) if adaptive else FixedKLController(init)
+
+
 class FixedKLController:
     """A constant KL coefficient."""
 
     def __init__(self, value: float):
         self.value = float(value)
 
-    def update(self, current_kl: float, n_steps: int) -> None:
+    def update(self, current_kl: float, n_steps: int = 1) -> None:
         """No-op: the coefficient stays fixed."""
 
     def state_dict(self) -> dict[str, float]:

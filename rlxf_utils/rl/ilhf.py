@@ -73,6 +73,7 @@ from rlxf_utils.models.generation import (
 )
 from rlxf_utils.prompts import CONTEXT_FIELDS
 from rlxf_utils.rl.core import KL_ESTIMATORS, LOG_COLUMNS, RewardFn, prompt_schedule
+from rlxf_utils.rl.optim import adamw
 from rlxf_utils.rl.sft import SFTExample, collate, response_token_nll, target_ids
 from rlxf_utils.rl.trainer import Trainer, TrainJob, write_settings
 from rlxf_utils.runtime import seed_everything
@@ -215,8 +216,7 @@ class ILHFTrainer(Trainer):
         lr = ilhf.learning_rate or rl.learning_rate
         self.params = {n: particle_parameters(model, n) for n in self.names}
         self.anchors = {n: [p.detach().clone() for p in ps] for n, ps in self.params.items()}
-        self.optimizers = {n: torch.optim.AdamW(ps, lr=lr, eps=1e-5, weight_decay=0.0)
-                           for n, ps in self.params.items()}  # fmt: skip
+        self.optimizers = {n: adamw(ps, rl.optimizer, lr) for n, ps in self.params.items()}
         self.pad = (
             tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         )
@@ -282,7 +282,7 @@ class ILHFTrainer(Trainer):
                 opt = self.optimizers[name]
                 opt.zero_grad(set_to_none=True)
                 total_loss.backward()
-                torch.nn.utils.clip_grad_norm_(self.params[name], self.rl.max_grad_norm)
+                torch.nn.utils.clip_grad_norm_(self.params[name], self.rl.optimizer.max_grad_norm)
                 opt.step()
                 losses.append(loss.item())
                 priors.append(prior.item())

@@ -53,8 +53,6 @@ from rlxf_utils.prompts import CONTEXT_FIELDS
 from rlxf_utils.rl.accelerated import AcceleratedTrainer
 from rlxf_utils.rl.core import (
     KL_ESTIMATORS,
-    AdaptiveKLController,
-    FixedKLController,
     PolicyWithValue,
     RewardFn,
     adapter_state,
@@ -63,6 +61,7 @@ from rlxf_utils.rl.core import (
     entropy_from_logits,
     explained_variance,
     k3_tokens,
+    kl_controller,
     logprobs_from_logits,
     masked_mean,
     policy_loss,
@@ -71,6 +70,7 @@ from rlxf_utils.rl.core import (
     whiten,
 )
 from rlxf_utils.rl.mle import context_prompt, mle_loss, mle_settings
+from rlxf_utils.rl.optim import adamw
 from rlxf_utils.rl.rollout import Prepared, Rollout, sample_rollout
 from rlxf_utils.rl.trainer import TrainJob, write_settings
 from rlxf_utils.runtime import seed_everything
@@ -150,19 +150,16 @@ class PPOTrainer(AcceleratedTrainer):
         self._value_params = [
             p for name in self.gen.head_names for p in getattr(self.gen, name).parameters()
         ]
-        self.optimizer = torch.optim.AdamW(
+        self.optimizer = adamw(  # the study's one optimiser (`rl.optimizer`), TRL's too
             [
                 {"params": policy_params, "lr": cfg.learning_rate},
                 {"params": self._value_params, "lr": cfg.value_learning_rate or cfg.learning_rate},
             ],
-            eps=1e-5,
+            cfg.optimizer,
+            cfg.learning_rate,
         )
         self.module, self.optimizer = self.accelerator.prepare(self.gen, self.optimizer)
-        self.kl_ctl: AdaptiveKLController | FixedKLController = (
-            AdaptiveKLController(cfg.kl_coef, cfg.target_kl, cfg.kl_adapt_rate)
-            if cfg.adaptive_kl
-            else FixedKLController(cfg.kl_coef)
-        )
+        self.kl_ctl = kl_controller(cfg.adaptive_kl, cfg.kl_coef, cfg.target_kl, cfg.kl_adapt_rate)
         self.value_initialised: set[str] = set()  # critics whose bias is set (first batch's mean)
         self.schedule: list[list[int]] | None = None  # set by train(): prompts per step
 
@@ -414,8 +411,8 @@ class PPOTrainer(AcceleratedTrainer):
                 loss = cfg.vf_coef * vf if warmup else pg + cfg.vf_coef * vf
                 self.accelerator.backward(loss)
                 # clipped apart: the critic's gradient never shrinks the policy's step
-                self.accelerator.clip_grad_norm_(self._policy_params, cfg.max_grad_norm)
-                self.accelerator.clip_grad_norm_(self._value_params, cfg.max_grad_norm)
+                self.accelerator.clip_grad_norm_(self._policy_params, cfg.optimizer.max_grad_norm)
+                self.accelerator.clip_grad_norm_(self._value_params, cfg.optimizer.max_grad_norm)
                 self.optimizer.step()
                 for k, v in zip(  # detached scalars for the log
                     ("pg", "vf", "clip", "akl", "vclip"),

@@ -221,6 +221,8 @@ def run_rlgf(job: TrainJob) -> pd.DataFrame:
                             "AggreVaTeD: the guide's), whitened over the learner's tokens"),
         "guide": rg.guide, "guide_top_p": rg.guide_top_p,
         "beta_switch": {s: beta_for(algo, s, rg) for s in sorted(set(schemes))},
+        # Algorithm 2's beta (the guide's state-distribution weight): the same algorithm
+        "beta_paper_aggrevated": 1.0 - beta_for(algo, AGGREVATED, rg) if AGGREVATED in schemes else None,
         "tau": rg.tau if algo == "lols" else None,
         "switch_fraction": rg.switch_fraction if algo == "d2lols" else None,
         "steps_ppo_pp": schemes.count(PPO_PP), "steps_aggrevated": schemes.count(AGGREVATED),

@@ -40,8 +40,9 @@ def training_curves_figure(logs: pd.DataFrame) -> Any:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 4, figsize=(15, 3.6))
+    logs = logs.assign(reward_own=own_reward(logs))
     panels = (
-        ("reward_mean", "mean reward  P(MET)", "Reward"),
+        ("reward_own", "mean reward  P(MET)", "Reward (the learner's own responses)"),
         ("kl", "nats / response", "KL to the start policy"),
         ("explained_variance", "1 - Var(R - V) / Var(R)", "Critic: explained variance"),
         ("kl_coef", "beta", "KL coefficient"),
@@ -62,14 +63,23 @@ def training_curves_figure(logs: pd.DataFrame) -> Any:
     return fig
 
 
+def own_reward(g: pd.DataFrame) -> pd.Series:
+    """One algorithm's training reward per step on the responses the learner wrote every token
+    of (`reward_learner`: RLGF's guide-written and guide-finished responses left out; NaN at a
+    step with none, e.g. every AggreVaTeD step); logs from before the column: `reward_mean`."""
+    return g["reward_learner"] if "reward_learner" in g else g["reward_mean"]
+
+
 def summary_table(logs: pd.DataFrame, window: int = 3, alpha: float = 0.05) -> pd.DataFrame:
-    """Per algorithm: reward at the start and end (mean of `window` steps), final KL, step time,
+    """Per algorithm: the learner's own reward (`own_reward`) at the start and end (mean of the
+    first and last `window` steps that have one; `reward_first_step`: the first), final KL, step time,
     and the critic's explained variance over the last third of the steps with a t interval at
     1 - alpha over those steps (so "positive" is read from the interval, not the mean)."""
     from scipy import stats
 
     rows = []
     for algo, g in logs.groupby("algo", sort=False):
+        own = own_reward(g).dropna()
         tail = g.tail(max(1, len(g) // 3))
         ev_tail = tail["explained_variance"].dropna().to_numpy(float)
         prior_tail = tail.get("explained_variance_prior", pd.Series(dtype=float)).dropna()
@@ -82,8 +92,9 @@ def summary_table(logs: pd.DataFrame, window: int = 3, alpha: float = 0.05) -> p
             {
                 "algorithm": algorithm_label(algo),
                 "steps": int(g["step"].max()),
-                "reward_first": g["reward_mean"].head(window).mean(),
-                "reward_last": g["reward_mean"].tail(window).mean(),
+                "reward_first": own.head(window).mean(),
+                "reward_last": own.tail(window).mean(),
+                "reward_first_step": int(g.loc[own.index[0], "step"]) if len(own) else np.nan,
                 "kl_last": g["kl"].tail(window).mean(),
                 "kl_estimator": g["kl_estimator"].dropna().iloc[-1]
                 if "kl_estimator" in g and g["kl_estimator"].notna().any()

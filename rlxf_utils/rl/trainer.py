@@ -102,6 +102,7 @@ def write_settings(
         "max_new_tokens": rl.max_new_tokens,
         "temperature": rl.temperature,
         "learning_rate": rl.learning_rate,
+        "optimizer": rl.optimizer.model_dump(),
         "kl_coef_initial": rl.kl_coef,
         **dict(extra),
     }

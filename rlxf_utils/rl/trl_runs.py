@@ -1,5 +1,5 @@
 """GRPO and RLOO through TRL, like for like with PPO: the same prompt schedule, reward, LoRA,
-sampling, updates per batch, steps and KL coefficient; TRL's checkpoints resume and the snapshots
+sampling, updates per batch, steps, optimiser and KL control (`beta_control`); TRL's checkpoints resume and the snapshots
 feed the frontier."""
 
 from __future__ import annotations
@@ -28,10 +28,14 @@ from rlxf_utils.prompts import CONTEXT_FIELDS
 from rlxf_utils.rl.core import (
     KL_ESTIMATORS,
     LOG_COLUMNS,
+    AdaptiveKLController,
+    FixedKLController,
     RewardFn,
     adapter_state,
+    kl_controller,
     prompt_schedule,
 )
+from rlxf_utils.rl.optim import trainer_optimizer_arguments
 from rlxf_utils.rl.trainer import TrainJob, write_settings
 from rlxf_utils.runtime import seed_everything, world_size
 
@@ -98,8 +102,49 @@ class _GenTimer:
         return t, n
 
 
+def kl_per_response(logs: dict[str, Any]) -> float:
+    """The step's mean KL to the reference per response, in nats, from TRL's logged per-token
+    mean (`kl`) and mean response length: PPO's quantity (its controller's input and log's `kl`).
+    RLOO's `kl` is k1 summed over the generation batch's tokens over their count, so this is
+    exactly the batch's mean summed log-ratio; GRPO's is k3 over the step's first minibatch (the
+    only one its log of the generation step holds), an unbiased estimate of the same KL."""
+    kl_tok = logs.get("kl")
+    length = logs.get("completions/mean_length")
+    if kl_tok is None or length is None or not np.isfinite(kl_tok) or not np.isfinite(length):
+        return float("nan")
+    return float(kl_tok) * float(length)
+
+
+def beta_control(
+    ctl: AdaptiveKLController | FixedKLController, holder: TrainerHolder, per_batch: int
+) -> Any:
+    """A TrainerCallback that puts TRL's β (`trainer.beta`: GRPO's KL term in the loss, RLOO's
+    KL penalty in the reward) under the controller PPO uses (`core.kl_controller`): after the
+    step that generated a batch (its log holds `reward`), the controller is updated with that
+    batch's KL per response (`kl_per_response`); at the end of the batch's optimiser steps the
+    new β goes to the trainer, so each batch is trained with one β, as in PPO."""
+    from transformers import TrainerCallback
+
+    class _BetaControl(TrainerCallback):
+        def on_log(
+            self, args: Any, state: Any, control: Any, logs: dict | None = None, **kw: Any
+        ) -> None:
+            if not logs or "reward" not in logs:
+                return
+            kl = kl_per_response(logs)
+            if np.isfinite(kl):
+                ctl.update(kl)
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            if int(state.global_step) % per_batch == 0 and holder.trainer is not None:
+                holder.trainer.beta = ctl.value
+
+    return _BetaControl()
+
+
 def run_trl(job: TrainJob) -> pd.DataFrame:
-    """GRPO or RLOO through TRL with the same prompts, reward, LoRA, sampling, updates and KL coefficient."""
+    """GRPO or RLOO through TRL with the same prompts, reward, LoRA, sampling, updates, optimiser
+    and KL control as PPO."""
     os.environ.setdefault("WANDB_DISABLED", "true")
     from datasets import Dataset
     from transformers import TrainerCallback
@@ -141,13 +186,14 @@ def run_trl(job: TrainJob) -> pd.DataFrame:
         top_p=rl.top_p,
         top_k=0,
         generation_kwargs=dict(generation_kwargs) if generation_kwargs else None,
-        beta=rl.kl_coef,  # KL to the adapter-disabled reference, as in PPO
+        beta=rl.kl_coef,  # KL to the adapter-disabled reference, as in PPO; then `beta_control`
         epsilon=rl.clip_range,
         num_iterations=rl.update_epochs,  # passes over each generation batch, as PPO's epochs
         remove_unused_columns=False,  # the context columns reach the reward function
         **trainer_arguments(job, max_steps=steps * per_batch, save_steps=rl.checkpoint_every * per_batch),
     )  # fmt: skip
     history: list[dict[str, Any]] = []
+    kl_ctl = kl_controller(rl.adaptive_kl, rl.kl_coef, rl.target_kl, rl.kl_adapt_rate)
 
     class _LogCallback(TrainerCallback):
         """Map TRL's logged metrics onto the PPO log schema."""
@@ -161,6 +207,7 @@ def run_trl(job: TrainJob) -> pd.DataFrame:
                 return
             length = logs.get("completions/mean_length", np.nan)
             kl_tok = logs.get("kl", np.nan)
+            kl = kl_per_response(logs)
             gen_t, gen_n = self.timer.take() if self.timer else (np.nan, 0)
             history.append(  # noqa: B023 (the callback lives only inside this call)
                 {
@@ -169,12 +216,12 @@ def run_trl(job: TrainJob) -> pd.DataFrame:
                     "reward_mean": logs.get("reward", np.nan),
                     "reward_std": logs.get("reward_std", np.nan),
                     "reward_learner": logs.get("reward", np.nan),  # every token is its own
-                    "kl": kl_tok * length if np.isfinite(kl_tok) else np.nan,
-                    "kl_k3": kl_tok * length if np.isfinite(kl_tok) else np.nan,
-                    "kl_all_tokens": kl_tok * length if np.isfinite(kl_tok) else np.nan,
-                    "kl_estimator": KL_ESTIMATORS["trl"],
+                    "kl": kl,
+                    "kl_k3": kl,
+                    "kl_all_tokens": kl,
+                    "kl_estimator": KL_ESTIMATORS[algo],
                     "kl_per_token": kl_tok,
-                    "kl_coef": rl.kl_coef,
+                    "kl_coef": kl_ctl.value,  # after this step's update, as PPO logs it
                     "entropy": logs.get("entropy", np.nan),
                     "value_mean": np.nan,
                     "clip_frac": logs.get("clip_ratio/region_mean", np.nan),
@@ -195,6 +242,8 @@ def run_trl(job: TrainJob) -> pd.DataFrame:
             )
 
     resume = resume_history(output_dir, history, algo)
+    if history:  # a resumed run's β: the controller's value after its last logged step
+        kl_ctl.value = float(history[-1]["kl_coef"])
     cb = _LogCallback()
     holder = TrainerHolder()
     trainer = Trainer(
@@ -204,12 +253,14 @@ def run_trl(job: TrainJob) -> pd.DataFrame:
         train_dataset=dataset,
         processing_class=trl_tokenizer(tokenizer, prompts),
         peft_config=lora_config(policy.lora),
-        callbacks=[cb, *bookkeeping_callbacks(holder, history, per_batch, steps, rl.checkpoint_every, output_dir)],
+        callbacks=[beta_control(kl_ctl, holder, per_batch), cb, *bookkeeping_callbacks(holder, history, per_batch, steps, rl.checkpoint_every, output_dir)],
     )  # fmt: skip
     holder.trainer = trainer
+    trainer.beta = kl_ctl.value
+    beta = "beta adaptive" if rl.adaptive_kl else "fixed beta"
     write_settings(output_dir, algo, rl, {
-        "kl_penalty": "k3 estimator in the loss, fixed beta" if algo == "grpo"
-        else "sequence log-ratio to the reference subtracted from the reward, fixed beta",
+        "kl_penalty": f"k3 estimator in the loss ({beta})" if algo == "grpo"
+        else f"sequence log-ratio to the reference subtracted from the reward ({beta})",
         "advantage": "group-normalised reward" if algo == "grpo" else "leave-one-out baseline",
         **{k: getattr(args, k) for k in ("loss_type", "scale_rewards", "normalize_advantages",
                                          "epsilon", "beta", "num_iterations", "steps_per_generation",
@@ -289,8 +340,8 @@ def score_labelled_positions_only() -> bool:
 
 
 def trainer_arguments(job: TrainJob, max_steps: int, save_steps: int) -> dict[str, Any]:
-    """The TrainingArguments every TRL run of the study shares: LoRA's learning rate, clipping,
-    a constant schedule, `max_steps` optimiser steps, checkpoints every `save_steps` (the last
+    """The TrainingArguments every TRL run of the study shares: LoRA's learning rate, the study's
+    optimiser (`rl.optimizer`: AdamW's settings, schedule, clipping), `max_steps` optimiser steps, checkpoints every `save_steps` (the last
     kept; an interrupted run resumes there), the run's seed, CPU or CUDA, and the autocast and
     gradient checkpointing of PPO."""
     rl, policy = job.rl, job.policy
@@ -298,7 +349,6 @@ def trainer_arguments(job: TrainJob, max_steps: int, save_steps: int) -> dict[st
         output_dir=str(job.output_dir / "trl"),
         gradient_accumulation_steps=1,
         learning_rate=rl.learning_rate,
-        max_grad_norm=rl.max_grad_norm,
         max_steps=max_steps,  # TRL counts optimiser steps
         logging_steps=1,
         # Trainer checkpoints (adapter, optimiser, RNG, data position) every `save_steps`, the
@@ -315,8 +365,7 @@ def trainer_arguments(job: TrainJob, max_steps: int, save_steps: int) -> dict[st
         dataloader_num_workers=0,
         use_cpu=not torch.cuda.is_available(),
         bf16=policy.dtype == "bfloat16" and torch.cuda.is_available(),  # autocast: see train()
-        lr_scheduler_type="constant",
-        warmup_steps=0,
+        **trainer_optimizer_arguments(rl.optimizer),  # the study's one optimiser, ours too
         # TRL defaults to True; PPO matches (transformers 5's name: `gradient_checkpointing` warns)
         activation_checkpointing=rl.gradient_checkpointing,
     )

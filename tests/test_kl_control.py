@@ -1,0 +1,114 @@
+"""One KL regime: GRPO and RLOO (TRL) put β under the controller PPO uses, fed with the same
+quantity (the step's KL per response), and train each batch with one β, as PPO does."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import trl
+from test_ppo import small_cfg, tiny_tokenizer, toy_contexts, toy_reward
+from tiny import tiny_llama
+
+from rlxf_utils.config import LoraSettings, PolicyConfig
+from rlxf_utils.report.rl import kl_short
+from rlxf_utils.rl.core import AdaptiveKLController, kl_controller
+from rlxf_utils.rl.trainer import TrainJob
+from rlxf_utils.rl.trl_runs import TrainerHolder, beta_control, kl_per_response, run_trl
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _drive(callback, holder, kls_per_response, length, per_batch):
+    """TRL's call order for a run: each batch's first step generates (its log holds the reward
+    and the per-token KL), then the rest of its optimiser steps. Returns β during each step."""
+    used, step = [], 0
+    for kl in kls_per_response:
+        for k in range(per_batch):
+            used.append(holder.trainer.beta)
+            step += 1
+            state = SimpleNamespace(global_step=step)
+            callback.on_step_end(None, state, None)
+            logs = {"loss": 0.1, "kl": kl / length, "completions/mean_length": length}
+            callback.on_log(None, state, None, logs={**logs, "reward": 0.5} if k == 0 else logs)
+    return used
+
+
+def test_trl_beta_moves_as_ppos_controller_for_the_same_kl_sequence():
+    rl = small_cfg(kl_coef=0.05, target_kl=4.0, kl_adapt_rate=0.1)
+    kls = [8.0, 8.0, 1.0, 4.4, 3.0, 0.0]  # nats per response: above, below, near the target
+    ppo = kl_controller(rl.adaptive_kl, rl.kl_coef, rl.target_kl, rl.kl_adapt_rate)
+    assert isinstance(ppo, AdaptiveKLController)
+    want = [rl.kl_coef]
+    for kl in kls:  # PPOTrainer.train_step: one update per step with the step's KL per response
+        ppo.update(kl, 16)
+        want.append(ppo.value)
+    holder = TrainerHolder()
+    holder.trainer = SimpleNamespace(beta=rl.kl_coef)
+    ctl = kl_controller(rl.adaptive_kl, rl.kl_coef, rl.target_kl, rl.kl_adapt_rate)
+    used = _drive(beta_control(ctl, holder, per_batch=3), holder, kls, length=12.0, per_batch=3)
+    # every optimiser step of batch k trains with the β PPO would use at its step k
+    assert used == pytest.approx([b for b in want[:-1] for _ in range(3)])
+    assert holder.trainer.beta == pytest.approx(want[-1])
+    # by hand: two steps at twice the target raise β by 2% each (error clipped at +0.2)
+    assert want[2] == pytest.approx(0.05 * 1.02**2)
+    fixed = small_cfg(kl_coef=0.05, adaptive_kl=False)
+    holder.trainer = SimpleNamespace(beta=0.05)
+    ctl = kl_controller(fixed.adaptive_kl, fixed.kl_coef, fixed.target_kl, fixed.kl_adapt_rate)
+    assert set(_drive(beta_control(ctl, holder, 3), holder, kls, 12.0, 3)) == {0.05}
+
+
+def test_kl_per_response_is_the_per_token_mean_times_the_mean_length():
+    assert kl_per_response({"kl": 0.25, "completions/mean_length": 12.0}) == 3.0
+    assert np.isnan(kl_per_response({"completions/mean_length": 12.0}))
+
+
+@pytest.mark.parametrize("algo", ["grpo", "rloo"])
+def test_a_trl_run_adapts_beta_from_its_logged_kl(tmp_path, monkeypatch, algo):
+    """The real trainer: the β each optimiser step uses is the controller's value after the
+    previous batch, and the logged β follows the controller on the logged KL."""
+    tok = tiny_tokenizer()
+    model = tiny_llama(tok, 0)
+    prompts, contexts = toy_contexts(6)
+    rl = small_cfg(steps=3, batch_size=4, num_generations=2, minibatch_size=4, update_epochs=2,
+                   kl_coef=0.05, target_kl=1e-4, learning_rate=3e-2)  # fmt: skip
+    cls = getattr(trl, {"grpo": "GRPOTrainer", "rloo": "RLOOTrainer"}[algo])
+    orig, used = cls.training_step, []
+
+    def spy(self, *a, **kw):
+        used.append(self.beta)
+        return orig(self, *a, **kw)
+
+    monkeypatch.setattr(cls, "training_step", spy)
+    policy = PolicyConfig(lora=LoraSettings(rank=2, alpha=4, target_modules=["q_proj"]))
+    log = run_trl(TrainJob(algo, model, tok, prompts, contexts, toy_reward, rl, policy,
+                           tmp_path / algo, seed=4, progress=False))  # fmt: skip
+    ctl = AdaptiveKLController(rl.kl_coef, rl.target_kl, rl.kl_adapt_rate)
+    want = []
+    for kl in log.kl:
+        ctl.update(kl)
+        want.append(ctl.value)
+    assert np.isfinite(log.kl).all()
+    # GRPO logs TRL's k3 (in its loss), RLOO its k1 (in its reward): the table says which
+    k = {"grpo": "k3", "rloo": "k1"}[algo]
+    assert kl_short(log.kl_estimator.iloc[0]) == f"TRL's {k}"
+    assert list(log.kl_coef) == pytest.approx(want)
+    assert want[-1] != pytest.approx(rl.kl_coef)  # β moved
+    per_batch = rl.optimizer_steps_per_batch
+    assert used == pytest.approx([b for b in [rl.kl_coef, *want[:-1]] for _ in range(per_batch)])
+
+
+def test_the_report_states_the_one_kl_regime_of_the_run():
+    from rlxf_utils.config import load_config
+    from rlxf_utils.report.rl import kl_regime_sentence
+
+    rl = load_config(
+        Path(__file__).resolve().parents[1] / "params" / "default.yaml"
+    ).rl.model_dump()
+    said = kl_regime_sentence(rl)
+    assert said.startswith("every RL algorithm") and f"towards {rl['target_kl']:g} nats" in said
+    assert kl_regime_sentence({**rl, "adaptive_kl": False}) == (
+        f"every RL algorithm with a KL penalty (ILHF has none) keeps β = {rl['kl_coef']:g} fixed"
+    )
