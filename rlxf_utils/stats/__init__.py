@@ -3,7 +3,8 @@
 paired comparisons with Holm's adjustment (`paired`), bootstrap by weights for
 classification metrics (`weighted`), rates with Wilson intervals and clustered trend tests
 (`rates`), correlations with intervals (`correlation`), variance components, minimum detectable effects
-and the evaluation's design (`power`). Imports nothing of the study's.
+and the evaluation's design (`power`), and training seeds as replications (`replications`).
+Imports nothing of the study's.
 """
 
 from .correlation import corr, spearman, spearman_ci
@@ -48,6 +49,7 @@ from .power import (
     variance_components,
 )
 from .rates import rate_by, rate_heterogeneity, rate_shift, rate_trend, wilson_z
+from .replications import MAX_SEEDS, replicated_gain, satterthwaite_df, seeds_for_mde
 from .weighted import (
     bootstrap_weights,
     weighted_auc,
@@ -58,6 +60,7 @@ from .weighted import (
 
 __all__ = [
     "COMPONENTS",
+    "MAX_SEEDS",
     "allocate",
     "basic_ci",
     "bm_df",
@@ -92,6 +95,9 @@ __all__ = [
     "rate_heterogeneity",
     "rate_shift",
     "rate_trend",
+    "replicated_gain",
+    "satterthwaite_df",
+    "seeds_for_mde",
     "sign_of",
     "spearman",
     "spearman_ci",
