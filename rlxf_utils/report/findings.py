@@ -94,8 +94,9 @@ def _no_gain_beyond(rows: pd.DataFrame, key: str, some_moved: bool) -> str:
 
 
 def rl_finding(table: pd.DataFrame, start: str, ci_level: str) -> str:
-    """Which RL (and ILHF) algorithms moved the reward they were trained on, and the audit; the
-    others' nulls stated as the largest gain their intervals allow."""
+    """Which RL (and ILHF) policies, one training seed each, moved the reward they were trained
+    on, and the audit; the others' nulls stated as the largest gain their intervals allow. A
+    claim about an algorithm rather than its one policy is the seeds' (`report.seeds`)."""
     rows = table[table["group"].isin(["RL", "ILHF"])]
     if rows.empty:
         return "No RL algorithm was evaluated"
@@ -104,7 +105,7 @@ def rl_finding(table: pd.DataFrame, start: str, ci_level: str) -> str:
     name = algorithm_label(start)
     n = len(rows)
     first = (
-        f"Of {n} RL and ILHF algorithms tuned from {name}, "
+        f"Of {n} RL and ILHF policies (one training seed each) tuned from {name}, "
         + (
             f"{listing(up)} raised the reward model's score on held-out prompts"
             if up
