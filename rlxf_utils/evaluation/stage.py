@@ -63,7 +63,12 @@ from rlxf_utils.evaluation.figures import (
     plot_reward_uncertainty,
 )
 from rlxf_utils.evaluation.grounding import HistoricalIndex, ground_frame, minilm_encoder
-from rlxf_utils.evaluation.history import HISTORY_POLICIES, history_contrast, history_references
+from rlxf_utils.evaluation.history import (
+    HISTORY_POLICIES,
+    ceiling_table,
+    history_contrast,
+    history_references,
+)
 from rlxf_utils.evaluation.ilhf import ilhf_figures, ilhf_tables
 from rlxf_utils.evaluation.offline import methods_table, need_rl, plot_methods, rl_vs_offline
 from rlxf_utils.evaluation.overopt import (
@@ -259,6 +264,10 @@ def run_evaluation_stage(cfg: Any, run: RunDir, progress: bool = True) -> EvalSt
                 samples, summary, ppl_rows, algos, start, ec.n_boot, ec.alpha, cfg.run.seed, encoder
             ),  # fmt: skip
         }
+    # the attainable ceiling: the contexts' own MET over Non-MET descriptions, under each judge
+    extra["eval_ceiling"] = ceiling_table(
+        history_contrast(samples, ec.n_boot, ec.alpha, cfg.run.seed), ec.alpha
+    )
     with timer("offline methods against RL"):
         extra["eval_methods"] = methods_table(summary, vs_bon, algos, ec.best_of_n)
         extra["eval_rl_vs_offline"] = rl_vs_offline(samples, algos, ec.n_boot, ec.alpha, cfg.run.seed)  # fmt: skip
