@@ -2,7 +2,7 @@
 
 rlxf run --params params/default.yaml [--run-dir runs/default] [--only 01,02] [--force | --from 03]
 rlxf report --run-dir runs/default [--engine auto|quarto|pandoc]
-rlxf seeds --run-dir runs/default --seeds 1 2 [--quiet]
+rlxf seeds --run-dir runs/default --seeds 1 2 [--algorithms grpo,ppo] [--quiet]
 rlxf data summary data/raw/MONA_From2002.csv [--params params/default.yaml] [--unrecognised ...]
 rlxf compare runs/a runs/b
 
@@ -173,6 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     sd.add_argument("--run-dir", required=True, help="a finished run folder, e.g. runs/default")
     sd.add_argument("--seeds", required=True, nargs="+", type=int, help="training seeds to add")
+    sd.add_argument("--algorithms", default=None,
+                    help="comma-separated ids of the run's rl.algorithm to train and evaluate "
+                    "for the further seeds (default: all); the across-seed table pools only "
+                    "algorithms with two seeds or more")  # fmt: skip
     sd.add_argument("--quiet", action="store_true", help="no per-cell progress bar")
     sd.set_defaults(func=_cmd_seeds)
 
@@ -191,7 +195,12 @@ def _cmd_seeds(args: argparse.Namespace) -> int:
     from rlxf_utils.seeds import run_seeds
 
     try:
-        table = run_seeds(args.run_dir, args.seeds, progress=not args.quiet)
+        algos = (
+            None
+            if args.algorithms is None
+            else [a.strip() for a in args.algorithms.split(",") if a.strip()]
+        )
+        table = run_seeds(args.run_dir, args.seeds, progress=not args.quiet, algorithms=algos)
     except (ConfigError, ValueError, RuntimeError, ArtifactMissing) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1 if isinstance(exc, NotebookFailed) else EXIT_BAD_INPUT

@@ -1,14 +1,19 @@
 """Further training seeds of a finished run, and the across-seed comparison.
 
 One training seed per algorithm cannot tell an algorithm's effect from its seed's. `rlxf seeds`
-trains the run's RL algorithms again with other `rl.seed`s and evaluates them, each seed in
-`<run>/seeds/seed_<s>/`, reusing what does not depend on the training seed: the data, the reward
-and audit models and the SFT policies are the run's own files (hard links: nothing is copied,
-and every artifact is replaced atomically, so a seed never changes the run's files), and
-evaluation draws the same prompts with the same sampling seeds (`run.seed`). Then `seed_table`
-sets every algorithm's gain over the start policy (reward model and audit), KL and finished share
-side by side per seed, pooled over seeds with the seed-to-seed spread, into the run's
-`tables/eval_seeds.csv` and `figures/eval_seeds.png`, which the report includes when present.
+trains the run's RL algorithms (or those `algorithms` names) again with other `rl.seed`s and
+evaluates them, each seed in `<run>/seeds/seed_<s>/`, reusing what does not depend on the
+training seed: the data, the reward and audit models and the SFT policies are the run's own files
+(hard links: nothing is copied, and every artifact is replaced atomically, so a seed never changes
+the run's files). Evaluation draws the same prompts, and the start policy's and the references'
+samples with the same sampling seeds (`run.seed`: the same texts, shared for pairing), while each
+seed's trained policies sample with their own training seed (`models.generation.sampling_kwargs`),
+so the seeds are replications, not one draw counted again. Then `seed_table` sets every
+algorithm's gain over the start policy (reward model and audit), KL and finished share side by
+side per seed and, for every algorithm with two seeds or more, pooled over seeds with an interval
+that carries both the seed-to-seed spread and the evaluation's error (`stats.replicated_gain`)
+and the seeds a target MDE needs (`stats.seeds_for_mde`), into the run's `tables/eval_seeds.csv`
+and `figures/eval_seeds.png`, which the report includes when present.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from rlxf_utils.algorithms import algorithm_label
 from rlxf_utils.artifacts import NotARun, RunDir, atomic_path, read_manifest
 from rlxf_utils.config import load_config
 from rlxf_utils.pipeline import FROZEN_PARAMS, run_study
-from rlxf_utils.stats import family_alpha, level
+from rlxf_utils.stats import family_alpha, level, mde, replicated_gain, seeds_for_mde
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +47,8 @@ SEED_NOTEBOOKS = ("03", "04")
 #: Per algorithm and seed, the columns of `eval/summary.json`'s summary the table carries.
 MEASURES = {"gain": "reward-model gain over the start policy", "audit_gain": "audit gain",
             "kl": "KL to the start policy (nats)", "finished": "finished share"}  # fmt: skip
+#: The gains pooled with `stats.replicated_gain`: table column -> the samples' score column.
+GAINS = {"gain": "reward", "audit_gain": "audit_reward"}
 
 
 def seed_dir(run_dir: str | Path, seed: int) -> Path:
@@ -64,12 +71,23 @@ def _link_tree(src: Path, dst: Path) -> None:
             _link_tree(path, dst / path.relative_to(src))
 
 
-def prepare_seed(run_dir: str | Path, seed: int) -> Path:
+def prepare_seed(run_dir: str | Path, seed: int, algorithms: Sequence[str] | None = None) -> Path:
     """`<run>/seeds/seed_<seed>/` with the run's reusable outputs linked in and a parameters file
-    (the run's frozen parameters with `rl.seed` and the run name changed); returns that file."""
+    (the run's frozen parameters with `rl.seed` and the run name changed, and `rl.algorithm`
+    cut to `algorithms` when given: ids among the run's, kept in the run's order); returns that
+    file."""
     run = RunDir(run_dir)
     frozen = run.require(FROZEN_PARAMS, stage="rlxf run (the run the seeds extend)")
     cfg = load_config(frozen)
+    keep = list(cfg.rl.algorithm)
+    if algorithms is not None:
+        unknown = sorted(set(algorithms) - set(keep))
+        if unknown or not algorithms:
+            raise ValueError(
+                f"{frozen}: --algorithms {','.join(algorithms)}: {unknown or 'none given'}; "
+                f"expected one or more of the run's rl.algorithm {keep}"
+            )
+        keep = [a for a in keep if a in set(algorithms)]
     if cfg.rl.seed == seed or (cfg.rl.seed is None and cfg.run.seed == seed):
         raise ValueError(f"seed {seed} is the run's own training seed; choose another")
     missing = [
@@ -85,6 +103,7 @@ def prepare_seed(run_dir: str | Path, seed: int) -> Path:
             _link_tree(run.path(rel), out / rel)
     raw = cfg.resolved()
     raw["rl"]["seed"] = int(seed)
+    raw["rl"]["algorithm"] = keep
     raw["run"]["name"] = f"{cfg.run.name}-seed{seed}"
     params = out.parent / f"params_seed_{seed}.yaml"
     with atomic_path(params) as tmp:
@@ -111,13 +130,18 @@ def check_finished(run_dir: str | Path) -> None:
         )
 
 
-def run_seeds(run_dir: str | Path, seeds: Sequence[int], progress: bool = True) -> pd.DataFrame:
-    """Train and evaluate the run's algorithms with each of `seeds` (notebooks 03 and 04 in
-    `seeds/seed_<s>/`; finished seeds are skipped by the pipeline's own freshness), then write
-    and return the across-seed table."""
+def run_seeds(
+    run_dir: str | Path,
+    seeds: Sequence[int],
+    progress: bool = True,
+    algorithms: Sequence[str] | None = None,
+) -> pd.DataFrame:
+    """Train and evaluate the run's algorithms (those of `algorithms`, when given) with each of
+    `seeds` (notebooks 03 and 04 in `seeds/seed_<s>/`; finished seeds are skipped by the
+    pipeline's own freshness), then write and return the across-seed table."""
     check_finished(run_dir)
     for s in seeds:
-        params = prepare_seed(run_dir, s)
+        params = prepare_seed(run_dir, s, algorithms)
         log.info("seed %d: %s", s, seed_dir(run_dir, s))
         run_study(params, seed_dir(run_dir, s), only=list(SEED_NOTEBOOKS), progress=progress,
                   force_only=False)  # fmt: skip
@@ -135,16 +159,38 @@ def seed_runs(run_dir: str | Path) -> dict[int, Path]:
     return out
 
 
+def seed_differences(samples: pd.DataFrame, algo: str, start: str, col: str) -> pd.DataFrame:
+    """One seed's per-prompt paired difference of `algo` from `start` under score `col`: the mean
+    of its samples minus the start policy's on each prompt both have (columns `country`,
+    `prompt`, `diff`)."""
+    means = samples[samples["policy"].isin([algo, start])].pivot_table(
+        index=["country", "prompt_id"], columns="policy", values=col, aggfunc="mean"
+    )
+    if algo not in means or start not in means:
+        return pd.DataFrame(columns=["country", "prompt", "diff"])
+    d = (means[algo] - means[start]).dropna().rename("diff").reset_index()
+    return d.rename(columns={"prompt_id": "prompt"})
+
+
 def seed_table(run_dir: str | Path, alpha: float = 0.05) -> pd.DataFrame:
     """Per algorithm and training seed: gain over the start policy (with its interval), audit
-    gain, KL and finished share; then per algorithm the seeds pooled ('pooled' rows): mean over
-    seeds, the seed-to-seed SD and a t interval over seeds for the mean (NaN with one seed).
+    gain, KL and finished share; then, for every algorithm with two seeds or more (the others
+    leave the table), the seeds pooled ('pooled' rows).
 
-    The pooled intervals follow the study's one multiplicity rule (`stats.family_alpha`): each
-    measure asked of the m algorithms is one family, so every interval is at level 1 - alpha / m
-    (`ci_level`) and the report's verdict words hold together."""
-    rows = []
-    for seed, d in seed_runs(run_dir).items():
+    A pooled gain (reward model and audit) is the mean over seeds of each seed's mean paired
+    difference over the prompts, with `stats.replicated_gain`'s interval, which carries the
+    seed-to-seed spread and the evaluation's own error (`<m>_se`, `<m>_df`; `<m>_seed_sd`, the
+    SD of the seeds' estimates; `<m>_shared_sd`, the standard error over countries of the
+    seed-averaged evaluation), its MDE at the run's power (`<m>_mde`) and the seeds the run's
+    `evaluation.target_mde` needs (`<m>_seeds_needed`, NaN when no number of seeds reaches it:
+    `<m>_mde_floor`, the MDE with infinitely many seeds, lies above it). KL and finished share
+    are pooled with a t interval over seeds. Every interval follows the study's one
+    multiplicity rule (`stats.family_alpha`): each measure asked of the m pooled algorithms is
+    one family, so every interval is at level 1 - alpha / m (`ci_level`)."""
+    rows, samples = [], {}
+    runs = seed_runs(run_dir)
+    own = RunDir(run_dir).read_json("eval/summary.json", stage="notebook 04_evaluation")
+    for seed, d in runs.items():
         meta = RunDir(d).read_json("eval/summary.json", stage="notebook 04_evaluation")
         s = pd.DataFrame(meta["summary"]).set_index("policy")
         for algo in meta["algorithms"]:
@@ -160,12 +206,47 @@ def seed_table(run_dir: str | Path, alpha: float = 0.05) -> pd.DataFrame:
     per_seed = pd.DataFrame(rows)
     if per_seed.empty:
         return per_seed
+    counts = per_seed.groupby("algorithm")["seed"].nunique()
+    per_seed = per_seed[per_seed["algorithm"].map(counts) >= 2].reset_index(drop=True)
+    if per_seed.empty:
+        return per_seed
+    start = own.get("start_policy", "sft")
+    power, target = float(own.get("power", 0.8)), own.get("target_mde")
+    for seed, d in runs.items():
+        samples[str(seed)] = RunDir(d).read_parquet(
+            "eval/samples.parquet", "notebook 04_evaluation"
+        )
     pooled = []
-    a_family = family_alpha(alpha, per_seed["algorithm"].nunique())
+    m_family = per_seed["algorithm"].nunique()
+    a_family = family_alpha(alpha, m_family)
     for algo, g in per_seed.groupby("algorithm", sort=False):
         rec: dict[str, Any] = {"algorithm": algo, "label": algorithm_label(algo), "seed": "pooled",
-                               "seeds": len(g), "ci_level": 1 - a_family}  # fmt: skip
-        for m in MEASURES:
+                               "seeds": len(g), "ci_level": 1 - a_family,
+                               "method": "t over seeds and countries (seeds as replications)"}  # fmt: skip
+        for m, col in GAINS.items():
+            diffs = pd.concat([seed_differences(samples[s], algo, start, col).assign(seed=s)
+                               for s in g["seed"]], ignore_index=True)  # fmt: skip
+            r = replicated_gain(diffs, a_family)
+            need = (
+                seeds_for_mde(
+                    r["between_var"],
+                    r["shared_var"],
+                    r["shared_df"],
+                    float(target),
+                    a_family,
+                    power,
+                )  # fmt: skip
+                if target is not None
+                else {"seeds": math.nan, "floor": math.nan}
+            )
+            rec.update({m: r["mean"], f"{m}_low": r["low"], f"{m}_high": r["high"],
+                        f"{m}_se": r["se"], f"{m}_df": r["df"],
+                        f"{m}_seed_sd": math.sqrt(r["between_var"]),
+                        f"{m}_shared_sd": math.sqrt(r["shared_var"]),
+                        f"{m}_mde": mde(r["se"], m_family, alpha, power, r["df"]),
+                        f"{m}_seeds_needed": need["seeds"], f"{m}_mde_floor": need["floor"],
+                        f"{m}_prompts": r["prompts"]})  # fmt: skip
+        for m in set(MEASURES) - set(GAINS):
             v = g[m].dropna().to_numpy(float)
             mean = float(v.mean()) if v.size else math.nan
             sd = float(v.std(ddof=1)) if v.size > 1 else math.nan
@@ -177,15 +258,17 @@ def seed_table(run_dir: str | Path, alpha: float = 0.05) -> pd.DataFrame:
             rec.update(
                 {m: mean, f"{m}_seed_sd": sd, f"{m}_low": mean - half, f"{m}_high": mean + half}
             )
+        rec["target_mde"] = math.nan if target is None else float(target)
         pooled.append(rec)
     return pd.concat([per_seed.assign(seeds=1), pd.DataFrame(pooled)], ignore_index=True)
 
 
 def plot_seeds(table: pd.DataFrame, start: str) -> Any:
     """Per algorithm: each seed's gain under the reward model and the audit with its interval
-    within that seed's evaluation (dots), and the mean over seeds with its simultaneous t interval
-    (squares). The axis spans the seeds' own intervals: a t interval over few seeds can be many
-    times wider, and is then cut at the axis with its half-width written there."""
+    within that seed's evaluation (dots), and the mean over seeds with its simultaneous interval
+    over seeds and countries (squares). The axis spans the seeds' own intervals: an interval over
+    few seeds can be many times wider, and is then cut at the axis with its half-width written
+    there."""
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
@@ -221,8 +304,8 @@ def plot_seeds(table: pd.DataFrame, start: str) -> Any:
     axes[0].set_ylabel("P(MET) difference")
     lvl = level(1 - float(pooled["ci_level"].iloc[0])) if len(pooled) else ""
     fig.suptitle(f"Across training seeds: each seed with its own interval (dots), the mean over "
-                 f"seeds with its {lvl} simultaneous t interval (squares; cut at the axis: ± half-width)",
-                 fontsize=9)  # fmt: skip
+                 f"seeds with its {lvl} simultaneous interval over seeds and countries (squares; "
+                 "cut at the axis: ± half-width)", fontsize=9)  # fmt: skip
     fig.tight_layout()
     return fig
 
@@ -235,7 +318,7 @@ def write_seed_table(run_dir: str | Path) -> pd.DataFrame:
     run = RunDir(run_dir)
     meta = run.read_json("eval/summary.json", stage="notebook 04_evaluation")
     table = seed_table(run.root, meta.get("alpha", 0.05))
-    if table.empty or table.loc[table["seed"] == "pooled", "seeds"].max() < 2:
+    if table.empty or not (table["seed"] == "pooled").any():  # no algorithm with two seeds
         return table
     run.write_table("eval_seeds", table)
     fig = plot_seeds(table, meta.get("start_policy", "sft"))

@@ -599,7 +599,8 @@ def test_frontier_points_score_every_algorithms_snapshots(tmp_path, monkeypatch)
         run=SimpleNamespace(seed=0),
     )  # fmt: skip
     monkeypatch.setattr(
-        "rlxf_utils.evaluation.tables.sampling_kwargs", lambda cfg, progress=True: {}
+        "rlxf_utils.evaluation.tables.sampling_kwargs",
+        lambda cfg, progress=True, trained=False: {},
     )
     contexts = [{"country": f"C{i}"} for i in range(3)]
     f, snap_samples = frontier_points(pset, run, ["a", "b", "c"], contexts, None, None, cfg, False)

@@ -285,3 +285,19 @@ def test_a_report_missing_an_artifact_leaves_no_build_behind(tmp_path: Path, cap
     assert main(["report", "--run-dir", str(run_dir), "--engine", "pandoc"]) == 2
     assert "missing artifact" in capsys.readouterr().err
     assert sorted(p.name for p in run_dir.iterdir()) == ["manifest.json"]
+
+
+def test_seeds_passes_the_chosen_algorithms_on(monkeypatch) -> None:
+    import pandas as pd
+
+    got = {}
+
+    def fake(run_dir, seeds, progress=True, algorithms=None):
+        got.update(run_dir=run_dir, seeds=seeds, algorithms=algorithms)
+        return pd.DataFrame()
+
+    monkeypatch.setattr("rlxf_utils.seeds.run_seeds", fake)
+    assert main(["seeds", "--run-dir", "r", "--seeds", "3", "4", "--algorithms", "grpo, ppo"]) == 0
+    assert got == {"run_dir": "r", "seeds": [3, 4], "algorithms": ["grpo", "ppo"]}
+    assert main(["seeds", "--run-dir", "r", "--seeds", "3"]) == 0
+    assert got["algorithms"] is None

@@ -53,7 +53,8 @@ def _methods() -> pd.DataFrame:
 def test_rl_finding_names_only_the_methods_whose_interval_excludes_zero() -> None:
     text = rl_finding(_methods(), "sft", "99.6%")
     assert text.startswith(
-        "Of 3 RL and ILHF algorithms tuned from SFT, GRPO (+0.026 [+0.022, +0.032])"
+        "Of 3 RL and ILHF policies (one training seed each) tuned from SFT, GRPO (+0.026 "
+        "[+0.022, +0.032])"
     )
     assert "PPO" not in text and "KTO" not in text  # PPO's interval holds 0; KTO is offline
     assert "no method optimised, ILHF (history) (+0.009 [+0.005, +0.013]) raised it" in text

@@ -8,13 +8,19 @@ import math
 import numpy as np
 import pandas as pd
 import pytest
-from scipy import stats
 
 from rlxf_utils.artifacts import RunDir
 from rlxf_utils.config import PROJECT_ROOT, load_config
+from rlxf_utils.models.generation import sampling_kwargs
 from rlxf_utils.pipeline import freeze_params
-from rlxf_utils.report.seeds import _by_verdict, seed_finding, seeds_section
+from rlxf_utils.report.seeds import (
+    _by_verdict,
+    seed_finding,
+    seeds_needed_sentence,
+    seeds_section,
+)
 from rlxf_utils.seeds import plot_seeds, prepare_seed, seed_dir, seed_table, write_seed_table
+from rlxf_utils.stats import mde, replicated_gain, seeds_for_mde
 
 
 def _run(tmp_path):
@@ -24,6 +30,12 @@ def _run(tmp_path):
     return cfg, run
 
 
+#: Each algorithm's per-prompt difference from the start policy around its seed's gain: 6 prompts
+#: in 3 countries, mean 0, the same at every seed (what the seeds share).
+SHARED = np.array([0.004, 0.002, -0.003, -0.001, -0.002, 0.0])
+COUNTRY = np.array(["A", "A", "B", "B", "C", "C"])
+
+
 def _summary(run: RunDir, algos, gains, start="sft"):
     rows = [{"policy": start, "gain": math.nan, "audit_gain": math.nan, "kl": 0.0, "finished": 0.9}]
     for a, g in zip(algos, gains, strict=True):
@@ -31,7 +43,16 @@ def _summary(run: RunDir, algos, gains, start="sft"):
                      "audit_gain": g / 2, "audit_gain_low": g / 2 - 0.01,
                      "audit_gain_high": g / 2 + 0.01, "kl": 1.0, "finished": 0.8})  # fmt: skip
     run.write_json("eval/summary.json", {"algorithms": list(algos), "start_policy": start,
-                                         "alpha": 0.05, "summary": rows})  # fmt: skip
+                                         "alpha": 0.05, "power": 0.8, "target_mde": 0.02,
+                                         "summary": rows})  # fmt: skip
+    base = 0.5 + np.arange(6) / 100
+    frames = [pd.DataFrame({"policy": start, "prompt_id": range(6), "sample_id": 0,
+                            "country": COUNTRY, "reward": base, "audit_reward": base / 2})]  # fmt: skip
+    for a, g in zip(algos, gains, strict=True):
+        frames.append(pd.DataFrame({"policy": a, "prompt_id": range(6), "sample_id": 0,
+                                    "country": COUNTRY, "reward": base + g + SHARED,
+                                    "audit_reward": (base + g + SHARED) / 2}))  # fmt: skip
+    run.write_parquet("eval/samples.parquet", pd.concat(frames, ignore_index=True))
 
 
 def test_a_seed_reuses_the_runs_files_and_changes_only_the_training_seed(tmp_path):
@@ -54,54 +75,100 @@ def test_a_seed_reuses_the_runs_files_and_changes_only_the_training_seed(tmp_pat
         prepare_seed(run.root, cfg.run.seed)
 
 
+def test_a_further_seed_samples_its_policies_with_its_own_seed(tmp_path):
+    """Evaluation samples the start policy and the references with `run.seed` (shared across
+    seeds, for pairing) and the trained policies with their training seed."""
+    cfg, _ = _run(tmp_path)
+    seeded = cfg.model_copy(update={"rl": cfg.rl.model_copy(update={"seed": 7})})
+    assert sampling_kwargs(seeded)["seed"] == cfg.run.seed
+    assert sampling_kwargs(seeded, trained=True)["seed"] == 7
+    assert (
+        sampling_kwargs(cfg, trained=True)["seed"] == cfg.run.seed == sampling_kwargs(cfg)["seed"]
+    )
+
+
 def test_a_seed_needs_a_finished_run(tmp_path):
     _, run = _run(tmp_path)
     with pytest.raises(ValueError, match="finish notebooks 01-03"):
         prepare_seed(run.root, 3)
 
 
-def test_seed_table_pools_seeds_with_their_spread(tmp_path):
+def test_a_seed_can_train_only_some_algorithms(tmp_path):
     cfg, run = _run(tmp_path)
-    _summary(run, ["ppo", "grpo"], [0.02, 0.05])
-    assert write_seed_table(run.root).loc[lambda t: t.seed == "pooled", "seeds"].max() == 1
-    assert not run.exists("tables/eval_seeds.csv")  # one seed: nothing to compare
+    run.write_text("data/contexts.parquet", "contexts")
+    run.write_text("reward_model/bundle.json", "{}")
+    run.write_text(f"policy/{cfg.rl.start_policy}/adapter/adapter_model.safetensors", "w")
+    algos = list(cfg.rl.algorithm)
+    pick = algos[-1:]
+    assert load_config(prepare_seed(run.root, 7, pick)).rl.algorithm == pick
+    assert load_config(prepare_seed(run.root, 8)).rl.algorithm == algos
+    with pytest.raises(ValueError, match=r"\['nope'\].*expected one or more of the run's"):
+        prepare_seed(run.root, 9, ["nope"])
+
+
+def test_seed_table_pools_seeds_as_replications(tmp_path):
+    cfg, run = _run(tmp_path)
+    _summary(run, ["ppo", "grpo", "kto"], [0.02, 0.05, 0.03])
+    assert write_seed_table(run.root).empty  # one seed: nothing to compare
+    assert not run.exists("tables/eval_seeds.csv")
     for s, gains in ((11, [0.021, 0.00]), (3, [0.019, 0.10])):
         d = RunDir(seed_dir(run.root, s))
-        _summary(d, ["ppo", "grpo"], gains)
+        _summary(d, ["ppo", "grpo"], gains)  # KTO trained with the run's seed only
     table = seed_table(run.root)
     per = table[table.seed != "pooled"]
     assert sorted(per.seed.unique()) == sorted(["11", "3", str(cfg.run.seed)])
+    assert set(table["algorithm"]) == {"ppo", "grpo"}  # one seed: not pooled, not shown
     grpo = table[(table.seed == "pooled") & (table.algorithm == "grpo")].iloc[0]
     assert grpo["seeds"] == 3 and grpo["gain"] == pytest.approx(0.05)
     assert grpo["gain_seed_sd"] == pytest.approx(np.std([0.05, 0.0, 0.1], ddof=1))
-    assert grpo["gain_low"] < 0 < grpo["gain_high"]  # three seeds this far apart: not shown
-    # the one multiplicity rule: one family per measure, 2 algorithms, each at 1 - 0.05 / 2
+    # the pooled interval: the seeds' variance over 3 plus the shared evaluation's over countries
+    diffs = pd.concat([pd.DataFrame({"seed": s, "country": COUNTRY, "prompt": range(6),
+                                     "diff": g + SHARED}) for s, g in enumerate([0.05, 0.0, 0.1])])  # fmt: skip
+    # the one multiplicity rule: one family per measure, 2 pooled algorithms, each at 1 - 0.05 / 2
     assert grpo["ci_level"] == pytest.approx(0.975)
-    half = stats.t.ppf(1 - 0.025 / 2, 2) * grpo["gain_seed_sd"] / np.sqrt(3)
-    assert grpo["gain_high"] - grpo["gain"] == pytest.approx(half)
+    want = replicated_gain(diffs, 0.025)
+    assert (grpo["gain_low"], grpo["gain_high"]) == pytest.approx((want["low"], want["high"]))
+    assert (
+        grpo["gain_shared_sd"] == pytest.approx(math.sqrt(want["shared_var"]))
+        and want["shared_var"] > 0
+    )
+    assert grpo["gain_low"] < 0 < grpo["gain_high"]  # three seeds this far apart: not shown
+    assert grpo["audit_gain"] == pytest.approx(0.025)
+    assert grpo["gain_mde"] == pytest.approx(mde(want["se"], 2, 0.05, 0.8, want["df"]))
+    need = seeds_for_mde(want["between_var"], want["shared_var"], want["shared_df"], 0.02, 0.025)
+    assert grpo["gain_seeds_needed"] == need["seeds"] > 3 and math.isfinite(need["seeds"])
     ppo = table[(table.seed == "pooled") & (table.algorithm == "ppo")].iloc[0]
     assert ppo["gain"] == pytest.approx(0.02) and ppo["gain_low"] > 0  # close seeds: shown
+    assert ppo["gain_seeds_needed"] == 2
     fig = plot_seeds(table, "sft")
     low, high = fig.axes[0].get_ylim()  # the axis follows the seeds' own intervals...
     assert high >= per["gain_high"].max() and low <= min(per["gain_low"].min(), 0.0)
-    assert high < grpo["gain_high"] and low > grpo["gain_low"]  # ...not a t interval over 3 seeds
+    assert high < grpo["gain_high"] and low > grpo["gain_low"]  # ...not an interval over 3 seeds
     write_seed_table(run.root)
     assert run.exists("tables/eval_seeds.csv") and run.exists("figures/eval_seeds.png")
     variables, files = seeds_section(run)
     assert variables["seeds"] == "3"
     sentence = variables["sentence"]
-    reward, audit = sentence.split("; under the audit model, ")
+    assert "seed-to-seed spread and the evaluation's own error" in sentence
+    assert "above zero" not in sentence  # no count of seeds: they are not independent tests
+    body, needed = sentence.split(". To detect an algorithm-level gain of 0.020 ")
+    reward, audit = body.split("; under the audit model, ")
     assert "under the reward model, PPO (mean gain +0.020 [" in reward
-    assert reward.endswith("raised it, while GRPO did not distinguishably move it")
+    bound = f"a gain of at most {grpo['gain_high']:+.3f}"
+    assert reward.endswith(f"raised it, while GRPO ({bound}) did not distinguishably move it")
     assert audit.startswith("PPO (mean gain +0.010 [") and audit.endswith(
-        "GRPO did not distinguishably move it"
+        "did not distinguishably move it"
     )
-    flat = table[table.seed == "pooled"].assign(gain_low=-1.0)  # every interval covers zero
-    assert _by_verdict(flat, "gain") == "none of the 2 algorithms distinguishably moved it"
-    assert "97.5% simultaneous t intervals" in variables["sentence"]
+    assert f"under the reward model, 2 for PPO and {int(need['seeds'])} for GRPO" in needed
+    flat = table[table.seed == "pooled"].assign(gain_low=-1.0, gain_high=0.004)
+    assert _by_verdict(flat, "gain") == (
+        "none of the 2 algorithms distinguishably moved it (PPO (a gain of at most +0.004) and "
+        "GRPO (a gain of at most +0.004))"
+    )
+    assert "97.5% simultaneous intervals" in variables["sentence"]
     assert "| PPO" in files["eval_seeds.md"]
     assert "](figures/eval_seeds.png){#fig-seeds" in files["eval_seeds_figure.md"]
-    assert "97.5% simultaneous t interval" in files["eval_seeds_figure.md"]
+    assert "97.5% simultaneous interval over seeds and countries" in files["eval_seeds_figure.md"]
     ppo_rows = [
         row.split("|") for row in files["eval_seeds.md"].splitlines() if row.startswith("| PPO |")
     ]
@@ -111,26 +178,29 @@ def test_seed_table_pools_seeds_with_their_spread(tmp_path):
         str(cfg.run.seed),
         "pooled",
     ]  # numeric order
+    assert ppo_rows[-1][-2].strip() == "2"  # seeds for the target MDE
     labels = [row.split("|")[1].strip() for row in files["eval_seeds.md"].splitlines()[2:]]
     assert labels == ["PPO"] * 4 + ["GRPO"] * 4  # the study's order, not the alphabet's
-    assert seed_finding(run) is None  # no level for the seeds' own intervals: no finding
-
-    # with the evaluation's family level, each seed's own interval is counted too
-    pd.DataFrame({"measure": ["reward"], "ci_level": [0.99]}).to_csv(
-        run.path("tables/eval_paired.csv"), index=False
-    )
-    sentence = seeds_section(run)[0]["sentence"]
-    assert sentence.endswith(
-        "Seed by seed, each with its own evaluation's 99% simultaneous interval, the gain under "
-        "the reward model lay above zero at all 3 seeds for PPO; at 2 seeds for GRPO. Under the "
-        "audit model it did at 2 seeds for GRPO; at 1 seed for PPO"
-    )  # GRPO's 0.00 +- 0.01 covers zero; PPO's audit intervals are 0.0105, 0.0100, 0.0095 +- 0.01
     assert seed_finding(run) == (
-        "Over 3 training seeds, each evaluated with its own 99% simultaneous intervals, the gain "
-        "under the reward model lay above zero at every seed for PPO, and under the audit model "
-        "for no algorithm; the mean gain over seeds (97.5% simultaneous t intervals) was "
-        "distinguishable from zero under the reward model for PPO and under the audit model for PPO"
+        "Over 3 training seeds of PPO and GRPO, with 97.5% simultaneous intervals that carry the "
+        "seed-to-seed spread and the evaluation's error, the mean gain over seeds was "
+        "distinguishable from zero under the reward model for PPO and under the audit model for "
+        "PPO"
     )
+
+
+def test_the_seeds_needed_say_where_no_number_suffices():
+    pooled = pd.DataFrame({"label": ["PPO", "GRPO"], "target_mde": [0.004, 0.004],
+                           "gain_seeds_needed": [5.0, math.nan], "gain_mde_floor": [0.002, 0.006],
+                           "audit_gain_seeds_needed": [math.nan, math.nan],
+                           "audit_gain_mde_floor": [math.nan, math.nan]})  # fmt: skip
+    assert seeds_needed_sentence(pooled) == (
+        "To detect an algorithm-level gain of 0.004 with 80% power at this family's level, from "
+        "the seed-to-seed spread measured here, the seeds needed are: under the reward model, 5 "
+        "for PPO; none suffices for GRPO (at most 0.006), where the evaluation's error that "
+        "every seed shares leaves a larger MDE however many seeds are trained"
+    )
+    assert seeds_needed_sentence(pooled.assign(target_mde=math.nan)) == ""
 
 
 def test_report_says_how_to_add_seeds_when_there_are_none(tmp_path):

@@ -1,5 +1,6 @@
 """History as policies: real MET and Non-MET descriptions of the held-out contexts and randomly
-drawn ones, scored like every policy, and the contrast between what was met and what was not."""
+drawn ones, scored like every policy, and the contrast between what was met and what was not:
+under each judge, the attainable ceiling against which every gain and bound is read."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from rlxf_utils.evaluation.design import JUDGES
 from rlxf_utils.prompts import CONTEXT_FIELDS
 from rlxf_utils.stats import (
     paired_comparison,
@@ -84,3 +86,20 @@ def history_contrast(samples: pd.DataFrame, n_boot: int, alpha: float, seed: int
         out[col] = {k: res[k] for k in ("n", "n_clusters", "mean_a", "mean_b", "mean_diff", "ci_low",
                                         "ci_high", "p_wilcoxon")}  # fmt: skip
     return out
+
+
+def ceiling_table(contrast: Mapping[str, Any], alpha: float) -> pd.DataFrame:
+    """The attainable ceiling under each judge (`history_contrast`'s numbers, one row per judge):
+    how much higher the held-out contexts' own historical MET descriptions score than their
+    Non-MET ones, the gain a perfect imitator of what worked would get over one of what did not
+    (`met`, `nonmet`, `diff` with its cluster t interval over countries `ci_low`, `ci_high` at
+    `ci_level`, on the `n` prompts in `n_clusters` countries that have both)."""
+    rows = [
+        {"judge": JUDGES[col], "measure": col, "n": int(h["n"]), "n_clusters": int(h["n_clusters"]),
+         "met": h["mean_a"], "nonmet": h["mean_b"], "diff": h["mean_diff"], "ci_low": h["ci_low"],
+         "ci_high": h["ci_high"], "ci_level": 1 - alpha, "method": "cluster t over countries"}
+        for col, h in contrast.items()
+        if col in JUDGES
+    ]  # fmt: skip
+    return pd.DataFrame(rows, columns=["judge", "measure", "n", "n_clusters", "met", "nonmet",
+                                       "diff", "ci_low", "ci_high", "ci_level", "method"])  # fmt: skip

@@ -12,7 +12,10 @@ Every generated response is scored under three models: the policy itself (`logp_
 start policy RL was regularised towards (`logp_ref`: KL is measured the same way for every
 policy, sequence-level on its own samples) and the zero-shot base (`logp_base`: the perplexity
 of the outputs, one fixed judge for all). Every generated policy uses the same prompts, sampling
-settings and seed. Gains and paired tests are against the start policy. Written to the run dir:
+settings and seed (`run.seed`; the RL algorithms' policies their training seed, the same unless
+`rl.seed` is set, as in `rlxf seeds`' further seeds, which so draw their own samples against the
+shared start-policy ones). Gains and paired tests are against the start policy. Written to the
+run dir:
 
 * `eval/samples.parquet` and `eval/samples.jsonl`: one row per response (context, text, reward,
   the reward heads' SD of P(MET) `reward_sd` (`reward.uncertainty`), audit reward, log-probs,
@@ -60,7 +63,12 @@ from rlxf_utils.evaluation.figures import (
     plot_reward_uncertainty,
 )
 from rlxf_utils.evaluation.grounding import HistoricalIndex, ground_frame, minilm_encoder
-from rlxf_utils.evaluation.history import HISTORY_POLICIES, history_contrast, history_references
+from rlxf_utils.evaluation.history import (
+    HISTORY_POLICIES,
+    ceiling_table,
+    history_contrast,
+    history_references,
+)
 from rlxf_utils.evaluation.ilhf import ilhf_figures, ilhf_tables
 from rlxf_utils.evaluation.offline import methods_table, need_rl, plot_methods, rl_vs_offline
 from rlxf_utils.evaluation.overopt import (
@@ -145,11 +153,13 @@ def run_evaluation_stage(cfg: Any, run: RunDir, progress: bool = True) -> EvalSt
     start = pset.start_name
     prompts = build_prompts(contexts, pset.tok, rl.prompt_template, cfg.policy)
     gen_kw = sampling_kwargs(cfg, progress)
+    trained_kw = sampling_kwargs(cfg, progress, trained=True)  # RL's policies: their own seed
     k = ec.samples_per_prompt
     frames = []
     for name in pset.names:
         with timer(f"samples {name}"):
-            frames.append(sample_tuned(pset, name, prompts, k, gen_kw, ec.logprob_batch_size,
+            kw = trained_kw if name in algos else gen_kw
+            frames.append(sample_tuned(pset, name, prompts, k, kw, ec.logprob_batch_size,
                                        desc=name).assign(policy=name))  # fmt: skip
     with timer("rewards"):
         gen = add_rewards(pd.concat(frames, ignore_index=True), contexts, reward_model,
@@ -254,6 +264,10 @@ def run_evaluation_stage(cfg: Any, run: RunDir, progress: bool = True) -> EvalSt
                 samples, summary, ppl_rows, algos, start, ec.n_boot, ec.alpha, cfg.run.seed, encoder
             ),  # fmt: skip
         }
+    # the attainable ceiling: the contexts' own MET over Non-MET descriptions, under each judge
+    extra["eval_ceiling"] = ceiling_table(
+        history_contrast(samples, ec.n_boot, ec.alpha, cfg.run.seed), ec.alpha
+    )
     with timer("offline methods against RL"):
         extra["eval_methods"] = methods_table(summary, vs_bon, algos, ec.best_of_n)
         extra["eval_rl_vs_offline"] = rl_vs_offline(samples, algos, ec.n_boot, ec.alpha, cfg.run.seed)  # fmt: skip

@@ -173,7 +173,7 @@ def frontier_points(
         for path in snaps:
             step = int(path.parent.name.split("_")[1])
             name = pset.load_snapshot(algo, path)
-            df = sample_tuned(pset, name, prompts, ec.frontier_samples_per_prompt, sampling_kwargs(cfg, progress),
+            df = sample_tuned(pset, name, prompts, ec.frontier_samples_per_prompt, sampling_kwargs(cfg, progress, trained=True),
                               ec.logprob_batch_size, desc=f"{algo} step {step}", judges=False)  # fmt: skip
             with pset.reference() as ref:
                 df["logp_ref"] = frame_logprobs(ref, pset.tok, df, ec.logprob_batch_size)

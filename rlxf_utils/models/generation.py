@@ -283,11 +283,15 @@ def sample_responses(
     return df["response"].tolist()
 
 
-def sampling_kwargs(cfg: Any, progress: bool = True) -> dict[str, Any]:
-    """The sampling settings every evaluated policy shares (those of RL, one seed)."""
+def sampling_kwargs(cfg: Any, progress: bool = True, trained: bool = False) -> dict[str, Any]:
+    """The sampling settings every evaluated policy shares (those of RL), with the sampling seed
+    `run.seed`; `trained=True`: the seed of the policies RL trained, their training seed
+    (`rl.seed`, null: `run.seed`), so a further training seed (`rlxf seeds`) samples its own
+    policies with its own draws while the start policy's samples stay shared across seeds."""
     rl = cfg.rl
+    seed = cfg.rl.seed if trained and cfg.rl.seed is not None else cfg.run.seed
     return dict(max_new_tokens=rl.max_new_tokens, temperature=rl.temperature, top_p=rl.top_p,
-                postprocess=rl.response_postprocess, seed=cfg.run.seed,
+                postprocess=rl.response_postprocess, seed=seed,
                 batch_size=cfg.evaluation.batch_size, progress=progress,
                 sampler=cfg.policy.sampler, merge=cfg.policy.merge_lora,
                 compile_step=cfg.policy.compile_decode)  # fmt: skip

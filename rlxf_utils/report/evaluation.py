@@ -11,6 +11,7 @@ import pandas as pd
 from rlxf_utils.algorithms import algorithm_label
 from rlxf_utils.artifacts import RunDir
 from rlxf_utils.evaluation.best_of_n import best_of_n_kl_bound
+from rlxf_utils.report.gold import gold_auc, gold_auc_words, gold_cannot_judge
 from rlxf_utils.report.wording import (
     EQUIVALENT,
     ci,
@@ -282,24 +283,31 @@ def eval_section(run: RunDir, alpha: float = 0.05) -> tuple[dict[str, Any], dict
     )
 
     sentences, concl = [], []
+    gold, gold_said = gold_auc(run), False  # a null from a gold at chance is no "did not move"
     for algo in algos:
         r = s.loc[algo]
         verb = gain_verb(r["gain_low"], r["gain_high"])
         a_verb = gain_verb(r["audit_gain_low"], r["audit_gain_high"])
         bound = null_clause(r["gain_low"], r["gain_high"], margin)
         a_bound = null_clause(r["audit_gain_low"], r["audit_gain_high"], margin)
+        a_what, a_concl = f"{a_verb} the audit model's reward", f"{a_verb} the disjoint-rows audit reward"  # fmt: skip
+        if gold_cannot_judge(gold, r["audit_gain_low"], r["audit_gain_high"]):
+            a_what = a_concl = "left the audit model unable to confirm or refute a gain"
+            if not gold_said:  # its discrimination, once
+                a_bound = "; ".join(filter(None, [a_bound, gold_auc_words(gold, "the audit's")]))
+                gold_said = True
         sentences.append(
             f"{algorithm_label(algo)} {verb} Ave(R) on the held-out prompts (from {num(s.loc[start, 'ave_r'])} for {start} to "
             f"{ci(r['ave_r'], r['ave_r_low'], r['ave_r_high'])}; paired gain "
             f"{ci(r['gain'], r['gain_low'], r['gain_high'], signed=True)} at the family's {fam}, "
-            f"{pval(r.get('gain_p_family', math.nan), prose=True)}{'; ' + bound if bound else ''}) and {a_verb} the audit model's reward "
+            f"{pval(r.get('gain_p_family', math.nan), prose=True)}{'; ' + bound if bound else ''}) and {a_what} "
             f"({ci(r['audit_gain'], r['audit_gain_low'], r['audit_gain_high'], signed=True)}{'; ' + a_bound if a_bound else ''}), at a KL of "
             f"{r['kl']:.2f} nats to the starting policy"
         )
         gap_word = say("gap", r.get("gap_low", math.nan), r.get("gap_high", math.nan))
         concl.append(
-            f"{algorithm_label(algo)} {verb} the reward it was trained on and {a_verb} the disjoint-rows audit "
-            f"reward (its reward gain {gap_word} its audit gain)"
+            f"{algorithm_label(algo)} {verb} the reward it was trained on and {a_concl} "
+            f"(its reward gain {gap_word} its audit gain)"
         )
     hist = {
         p: s.loc[p, "ave_r"]

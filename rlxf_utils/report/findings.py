@@ -17,6 +17,7 @@ import pandas as pd
 from rlxf_utils.algorithms import algorithm_label
 from rlxf_utils.artifacts import RunDir
 from rlxf_utils.report.evaluation import family_level
+from rlxf_utils.report.gold import gold_auc
 from rlxf_utils.report.reward import reward_labels
 from rlxf_utils.report.seeds import seed_finding
 from rlxf_utils.report.wording import ci, is_present, listing, num, pct_ci, say
@@ -82,9 +83,12 @@ def _no_gain_beyond(rows: pd.DataFrame, key: str, some_moved: bool) -> str:
     return f" ({others}: gains of at most {top})"
 
 
-def rl_finding(table: pd.DataFrame, start: str, ci_level: str) -> str:
-    """Which RL (and ILHF) algorithms moved the reward they were trained on, and the audit; the
-    others' nulls stated as the largest gain their intervals allow."""
+def rl_finding(table: pd.DataFrame, start: str, ci_level: str, gold_at_chance: bool = False) -> str:
+    """Which RL (and ILHF) policies, one training seed each, moved the reward they were trained
+    on, and the audit; the others' nulls stated as the largest gain their intervals allow, or,
+    under an audit whose own AUC on held-out rows does not exclude chance (`gold_at_chance`),
+    as what such a judge cannot tell. A claim about an algorithm rather than its one policy is
+    the seeds' (`report.seeds`)."""
     rows = table[table["group"].isin(["RL", "ILHF"])]
     if rows.empty:
         return "No RL algorithm was evaluated"
@@ -93,7 +97,7 @@ def rl_finding(table: pd.DataFrame, start: str, ci_level: str) -> str:
     name = algorithm_label(start)
     n = len(rows)
     first = (
-        f"Of {n} RL and ILHF algorithms tuned from {name}, "
+        f"Of {n} RL and ILHF policies (one training seed each) tuned from {name}, "
         + (
             f"{listing(up)} raised the reward model's score on held-out prompts"
             if up
@@ -108,6 +112,11 @@ def rl_finding(table: pd.DataFrame, start: str, ci_level: str) -> str:
         + (f" and {listing(adown)} lowered it" if adown else "")
         + _no_gain_beyond(rows, "audit_gain", bool(aup or adown))
     )
+    if gold_at_chance and not (aup or adown):  # a null from a judge at chance says nothing
+        second = (
+            "an audit model that no method optimised, at chance on held-out rows, can neither "
+            "confirm nor refute a gain"
+        )
     return f"{first}; {second} ({ci_level} simultaneous CIs)"
 
 
@@ -178,7 +187,8 @@ def findings_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
     if run.exists("tables/eval_methods.csv"):
         table = run.read_table("eval_methods", stage)
         fam = family_level(run.read_table("eval_paired", stage))
-        found["rl"] = rl_finding(table, start, fam)
+        gold = gold_auc(run)
+        found["rl"] = rl_finding(table, start, fam, gold is not None and not gold["can_judge"])
         found["best_of_n"] = best_of_n_finding(table, start)
     else:
         note = f"This run directory predates the methods' comparison; rerun {stage}"

@@ -10,22 +10,29 @@ import pandas as pd
 
 from rlxf_utils.artifacts import RunDir
 from rlxf_utils.report.evaluation import null_clause, table_note
+from rlxf_utils.report.gold import ceiling_sentence, gold_auc, gold_auc_words, gold_cannot_judge
 from rlxf_utils.report.wording import ci, is_present, listing, markdown_table, say
 from rlxf_utils.stats import level
 
 
-def _pair(r: pd.Series, margin: float | None = None) -> str:
+def _pair(r: pd.Series, margin: float | None = None, gold: dict[str, Any] | None = None) -> str:
     """'<verb> the proxy (x [a, b]) and <verb> the gold (y [c, d])', each verb from its interval;
     a null says how large a gain it leaves open (`null_clause`: 'a gain of at most +0.004',
-    equivalence within the margin)."""
-    parts = []
+    equivalence within the margin). A null under a gold whose own AUC on held-out rows does not
+    lie above chance (`gold`: `report.gold.gold_auc`) is no 'did not move': the gold can neither
+    confirm nor refute a gain."""
+    parts, join = [], " and "
     for key, who in (("proxy", "the proxy"), ("gold", "the gold")):
         low, high = r[f"{key}_low"], r[f"{key}_high"]
         verb = say("move", low, high)
         bound = null_clause(low, high, margin)
-        parts.append(f"{verb} {who} ({ci(r[key], low, high, signed=True)}"
-                     f"{'; ' + bound if bound else ''})")  # fmt: skip
-    return " and ".join(parts)
+        shown = f"{ci(r[key], low, high, signed=True)}{'; ' + bound if bound else ''}"
+        if key == "gold" and gold_cannot_judge(gold, low, high):
+            parts.append(f"the gold can neither confirm nor refute a gain ({shown})")
+            join = ", while "
+        else:
+            parts.append(f"{verb} {who} ({shown})")
+    return join.join(parts)
 
 
 def _coef(value: float, se: float) -> str:
@@ -51,18 +58,19 @@ def overopt_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
         lvl = level(1 - float(pts["ci_level"].dropna().iloc[0]))
     info = meta.get("overoptimisation", {})
     bon = pts[pts["method"] == "best_of_n"].sort_values("point")
+    gold = gold_auc(run)
     clauses = []
     if len(bon) > 1:
         top = bon.iloc[-1]
         clauses.append(
-            f"best-of-{int(top['point'])} from `{start}` (√KL ≤ {top['sqrt_kl']:.2f}) {_pair(top, margin)}"
+            f"best-of-{int(top['point'])} from `{start}` (√KL ≤ {top['sqrt_kl']:.2f}) {_pair(top, margin, gold)}"
         )
     for _, g in pts[pts["method"] != "best_of_n"].groupby("method", sort=False):
         far = g.loc[g["sqrt_kl"].idxmax()]
         where = ("its final policy" if far.get("source") == "final"
                  else f"its step-{int(far['point'])} snapshot")  # fmt: skip
         clauses.append(
-            f"{far['label']} at its farthest point ({where}, √KL {far['sqrt_kl']:.2f}) {_pair(far, margin)}"
+            f"{far['label']} at its farthest point ({where}, √KL {far['sqrt_kl']:.2f}) {_pair(far, margin, gold)}"
         )
     sentence = (
         f"Gains over `{start}` on the held-out prompts, {lvl} cluster t intervals over countries "
@@ -71,6 +79,14 @@ def overopt_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
         if clauses
         else "No point beyond the start policy was measured"
     )
+    if gold is not None:  # what the gold's verdicts rest on: its own discrimination
+        sentence += (
+            f". The gold judges only as well as it tells MET from Non-MET: {gold_auc_words(gold)}"
+            + ("" if gold["can_judge"] else ", so a null under it is no evidence of no gain")
+        )
+    ceiling = ceiling_sentence(run)
+    if ceiling:
+        sentence += f". {ceiling}"
     fitted = fits[fits["alpha"].map(lambda v: is_present(v) and math.isfinite(v))]
     if fitted.empty:
         fit_sentence = "Too few points (three with KL > 0 per family) to fit Gao et al.'s forms"

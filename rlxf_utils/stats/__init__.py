@@ -3,7 +3,8 @@
 paired comparisons with Holm's adjustment (`paired`), bootstrap by weights for
 classification metrics (`weighted`), rates with Wilson intervals and clustered trend tests
 (`rates`), correlations with intervals (`correlation`), variance components, minimum detectable effects
-and the evaluation's design (`power`). Imports nothing of the study's.
+and the evaluation's design (`power`), and training seeds as replications (`replications`).
+Imports nothing of the study's.
 """
 
 from .correlation import corr, spearman, spearman_ci
@@ -49,6 +50,7 @@ from .power import (
     variance_components,
 )
 from .rates import p_verdict, rate_by, rate_heterogeneity, rate_shift, rate_trend, wilson_z
+from .replications import MAX_SEEDS, replicated_gain, satterthwaite_df, seeds_for_mde
 from .weighted import (
     bootstrap_weights,
     weighted_auc,
@@ -59,6 +61,7 @@ from .weighted import (
 
 __all__ = [
     "COMPONENTS",
+    "MAX_SEEDS",
     "VERDICTS",
     "allocate",
     "basic_ci",
@@ -95,6 +98,9 @@ __all__ = [
     "rate_heterogeneity",
     "rate_shift",
     "rate_trend",
+    "replicated_gain",
+    "satterthwaite_df",
+    "seeds_for_mde",
     "sign_of",
     "spearman",
     "spearman_ci",

@@ -1,0 +1,129 @@
+"""A judge that can judge (issue 46, item 7): the attainable ceiling under each judge
+(`evaluation.history.ceiling_table`) and the gold's own discrimination deciding what a null
+under it says (`report.gold`)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from rlxf_utils.artifacts import RunDir
+from rlxf_utils.evaluation.history import ceiling_table, history_contrast
+from rlxf_utils.report.findings import rl_finding
+from rlxf_utils.report.gold import ceiling_sentence, gold_auc, gold_auc_words, gold_cannot_judge
+from rlxf_utils.report.overopt import _pair
+from rlxf_utils.stats import cluster_t
+
+
+def _history() -> pd.DataFrame:
+    """8 prompts in 4 countries; MET descriptions score 0.1 + 0.01 x prompt above Non-MET under
+    the reward model and half that under the audit; prompt 7 has no Non-MET history."""
+    rows = []
+    for p in range(8):
+        base = 0.4 + 0.02 * p
+        for j in range(2):
+            rows.append({"policy": "history_met", "prompt_id": p, "sample_id": j,
+                         "country": f"C{p // 2}", "reward": base + 0.1 + 0.01 * p + 0.001 * j,
+                         "audit_reward": base / 2 + 0.05 + 0.005 * p})  # fmt: skip
+            if p < 7:
+                rows.append({"policy": "history_nonmet", "prompt_id": p, "sample_id": j,
+                             "country": f"C{p // 2}", "reward": base - 0.001 * j,
+                             "audit_reward": base / 2})  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def test_the_ceiling_is_met_over_nonmet_with_a_cluster_t_interval_over_countries():
+    t = ceiling_table(history_contrast(_history(), 200, 0.05, 0), 0.05).set_index("judge")
+    assert list(t.index) == ["reward model", "audit"]
+    d = 0.1 + 0.01 * np.arange(7) + 0.001  # per prompt: the two samples' means, MET - Non-MET
+    r = t.loc["reward model"]
+    assert (r["n"], r["n_clusters"]) == (7, 4)  # only prompts with both
+    assert r["diff"] == pytest.approx(d.mean())
+    want = cluster_t(d, [f"C{p // 2}" for p in range(7)], 0.05)
+    assert (r["ci_low"], r["ci_high"]) == pytest.approx((want["low"], want["high"]))
+    assert r["ci_level"] == pytest.approx(0.95) and r["method"] == "cluster t over countries"
+    assert t.loc["audit", "diff"] == pytest.approx((0.05 + 0.005 * np.arange(7)).mean())
+    assert ceiling_table({}, 0.05).empty
+
+
+def _run_with(tmp_path, auc_low: float) -> RunDir:
+    run = RunDir(tmp_path)
+    if not run.exists("eval/summary.json"):
+        run.write_json("eval/summary.json", {"alpha": 0.05})
+    run.write_table("reward_reference_check", pd.DataFrame({
+        "model": ["encoder (protocol train rows)", "audit (disjoint rows)"], "rows": [300, 300],
+        "met_share": [0.6, 0.6], "mean_p": [0.6, 0.5], "auc": [0.7, 0.56],
+        "auc_low": [0.65, auc_low], "auc_high": [0.75, 0.64]}))  # fmt: skip
+    return run
+
+
+def test_a_gold_at_chance_cannot_confirm_or_refute_a_gain(tmp_path):
+    gold = gold_auc(_run_with(tmp_path, 0.48))
+    assert gold == {"auc": 0.56, "low": 0.48, "high": 0.64, "rows": 300, "level": "95%",
+                    "can_judge": False}  # fmt: skip
+    assert gold_auc_words(gold) == (
+        "its AUC on 300 held-out rows, 0.560 [0.480, 0.640] (95% CI), does not exclude chance"
+    )
+    assert gold_cannot_judge(gold, -0.01, 0.02)
+    assert not gold_cannot_judge(gold, 0.01, 0.02)  # an interval off zero is a verdict still
+    point = pd.Series({"proxy": 0.05, "proxy_low": 0.03, "proxy_high": 0.07,
+                       "gold": 0.004, "gold_low": -0.004, "gold_high": 0.012})  # fmt: skip
+    assert _pair(point, gold=gold) == (
+        "raised the proxy (+0.050 [+0.030, +0.070]), while the gold can neither confirm nor "
+        "refute a gain (+0.004 [-0.004, +0.012]; a gain of at most +0.012)"
+    )
+    able = gold_auc(RunDir(_run_with(tmp_path / "b", 0.52).root))
+    assert able["can_judge"] and not gold_cannot_judge(able, -0.01, 0.02)
+    assert "did not distinguishably move the gold (" in _pair(point, gold=able)
+    assert gold_auc(RunDir(tmp_path / "none")) is None
+
+
+def test_the_ceiling_sentence_reads_the_table(tmp_path):
+    run = RunDir(tmp_path)
+    assert ceiling_sentence(run) == ""
+    run.write_table("eval_ceiling", ceiling_table(history_contrast(_history(), 200, 0.05, 0), 0.05))
+    text = ceiling_sentence(run)
+    assert text.startswith("Against what any method could reach here: the held-out contexts' own ")
+    assert (
+        "above their Non-MET ones (95% cluster t intervals over countries, on the 7 prompts in 4"
+        in text
+    )
+    assert "+0.131 [" in text and "under the reward model and +0.065 [" in text
+
+
+def test_the_rl_finding_says_what_a_gold_at_chance_cannot_tell():
+    rows = pd.DataFrame([("PPO", "RL", 0.02, 0.01, 0.03, 0.001, -0.004, 0.006, 0.1, "below")],
+                        columns=["method", "group", "gain", "gain_low", "gain_high", "audit_gain",
+                                 "audit_gain_low", "audit_gain_high", "kl", "vs_best_of_n"])  # fmt: skip
+    assert rl_finding(rows, "sft", "99%", gold_at_chance=True).endswith(
+        "; an audit model that no method optimised, at chance on held-out rows, can neither "
+        "confirm nor refute a gain (99% simultaneous CIs)"
+    )
+    assert "none raised it (gains of at most +0.006)" in rl_finding(rows, "sft", "99%")
+
+
+@pytest.mark.parametrize("auc_low", [0.48, 0.52])
+def test_the_per_policy_sentences_read_the_gold_by_its_discrimination(tmp_path, auc_low):
+    from test_eval_design import _report_run
+
+    from rlxf_utils.report.evaluation import eval_section
+    from rlxf_utils.stats import ci_sign
+
+    run, s, _ = _report_run(tmp_path, {"ppo": 0.05, "grpo": 0.0})
+    _run_with(run.root, auc_low)  # the reference check, into the same run
+    words = eval_section(run)[0]["algo_sentences"]
+    s = s.set_index("policy")
+    nulls = [
+        a
+        for a in ("ppo", "grpo")
+        if ci_sign(s.loc[a, "audit_gain_low"], s.loc[a, "audit_gain_high"]) == 0
+    ]
+    assert nulls  # the constructed audit gains leave at least one null
+    at_chance = "left the audit model unable to confirm or refute a gain"
+    if auc_low < 0.5:
+        assert words.count(at_chance) == len(nulls)
+        assert words.count("does not exclude chance") == 1  # its AUC, said once
+        assert "did not significantly change the audit" not in words
+    else:
+        assert at_chance not in words and "did not significantly change the audit" in words
