@@ -279,7 +279,9 @@ def test_auto_batch_is_what_free_memory_holds():
     per_row = sequence_bytes(big, 128, 128, 2)
     kv = 2 * 32 * 32 * 128 * 256 * 2  # 128 MiB: a 7B model's KV cache for 256 tokens in bf16
     assert kv < per_row < 1.5 * kv
-    fake = types.SimpleNamespace(config=big, parameters=lambda: iter([torch.zeros(1, dtype=torch.bfloat16)]))
+    fake = types.SimpleNamespace(
+        config=big, parameters=lambda: iter([torch.zeros(1, dtype=torch.bfloat16)])
+    )
     free = 40 * 2**30  # e.g. an H100 after the weights and their merged copy
     b = auto_batch_size(fake, 128, 128, free_bytes=free)
     assert b % 8 == 0 and b * per_row <= 0.8 * free < (b + 8) * per_row

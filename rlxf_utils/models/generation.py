@@ -198,9 +198,7 @@ def generate(
         if batch_size == "auto":  # sized once the merged weights take their memory
             longest = max((len(encode_prompts(tokenizer, [p])["input_ids"][0]) for p in prompts),
                           default=1)  # fmt: skip
-            batch_size = decode.auto_batch_size(
-                model, longest, max_new_tokens, n_items=len(items)
-            )
+            batch_size = decode.auto_batch_size(model, longest, max_new_tokens, n_items=len(items))
         elif not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size={batch_size!r}; expected a positive int or 'auto'")
         starts = range(0, len(items), batch_size)
