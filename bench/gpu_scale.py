@@ -50,7 +50,7 @@ import torch  # noqa: E402
 
 from rlxf_utils.algorithms import RL_ALGORITHMS  # noqa: E402
 from rlxf_utils.config import load_config  # noqa: E402
-from rlxf_utils.models.decode import merged_lora, sample_compact  # noqa: E402
+from rlxf_utils.models.decode import auto_batch_size, merged_lora, sample_compact  # noqa: E402
 from rlxf_utils.models.loading import apply_lora  # noqa: E402
 from rlxf_utils.rl.ppo import run_ppo  # noqa: E402
 from rlxf_utils.rl.trainer import TrainJob  # noqa: E402
@@ -348,6 +348,8 @@ def main() -> None:
                     "evaluation.max_prompts, else 600: all held-out contexts, an assumption)")  # fmt: skip
     ap.add_argument("--rl-steps", type=int, default=3, help="RL steps per run (first: warm-up)")
     ap.add_argument("--no-grpo", action="store_true", help="skip TRL's GRPO step")
+    ap.add_argument("--sampling-only", action="store_true",
+                    help="only (a), at the batch sizes and `auto`'s, into gpu_auto_batch.json")  # fmt: skip
     args = ap.parse_args()
     t_start = time.perf_counter()
     cfg = load_config(args.params)
@@ -380,14 +382,27 @@ def main() -> None:
         for n, p in model.named_parameters():
             if "lora_B" in n:
                 p.normal_(0, 0.01)
-    if device == "cuda" and len(sizes) and max(sizes) < 1024:  # the largest batch memory allows
-        free, _ = torch.cuda.mem_get_info()
-        per_seq = 2 * llama["num_hidden_layers"] * llama["hidden_size"] * 2 * (prompt_len + cap)
-        fit = int(0.6 * (free - 6 * 2**30) / per_seq) // 64 * 64  # room for the merged copy
-        if fit > max(sizes):
-            sizes = [*sizes, min(fit, 1024)]
+    auto = None
+    if device == "cuda":  # `evaluation.batch_size: auto`, sized with the merged copy in place
+        with torch.no_grad(), merged_lora(model):
+            auto = auto_batch_size(model, prompt_len, cap)
+            free, total = torch.cuda.mem_get_info()
+        print(f"auto batch {auto} ({free / 2**30:.1f} of {total / 2**30:.1f} GiB free)", flush=True)
+        if auto not in sizes:
+            sizes = sorted({*sizes, auto})
     print("(a) evaluation sampling", flush=True)
     sampling = bench_sampling(model, tok, prompts, sizes, cap, device)
+    sampling["auto_batch"] = auto
+    if device == "cuda":
+        sampling["gpu_total_gib"] = torch.cuda.mem_get_info()[1] / 2**30
+    if args.sampling_only:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "gpu_auto_batch.json").write_text(json.dumps(
+            {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+             "prompt_tokens": prompt_len, "max_new_tokens": cap, "sampling": sampling,
+             "wall_s": time.perf_counter() - t_start}, indent=2))  # fmt: skip
+        return
     score_tps = bench_scoring(model, tok, prompts, cap, cfg.evaluation.logprob_batch_size, device)
     base = strip_lora(model)
     print("(b) RL steps", flush=True)

@@ -264,3 +264,39 @@ def test_transformers_generate_through_peft_samples_from_merged_weights(merge):
     assert seen and all(s == merge for s in seen)
     assert not layer.disable_adapters
     assert all(p.requires_grad for n, p in model.named_parameters() if "lora_" in n)
+
+
+def test_auto_batch_is_what_free_memory_holds():
+    """`evaluation.batch_size: auto`: on an accelerator, 80% of free memory over one row's bytes
+    (KV cache at full length dominates for a Llama-2-7B shape), a multiple of 8, capped; on a
+    CPU the bench's 64; never more rows than there are."""
+    from transformers import LlamaConfig
+
+    from rlxf_utils.models.decode import MAX_AUTO_BATCH, auto_batch_size, sequence_bytes
+
+    big = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=32, vocab_size=32000)  # fmt: skip
+    per_row = sequence_bytes(big, 128, 128, 2)
+    kv = 2 * 32 * 32 * 128 * 256 * 2  # 128 MiB: a 7B model's KV cache for 256 tokens in bf16
+    assert kv < per_row < 1.5 * kv
+    fake = types.SimpleNamespace(
+        config=big, parameters=lambda: iter([torch.zeros(1, dtype=torch.bfloat16)])
+    )
+    free = 40 * 2**30  # e.g. an H100 after the weights and their merged copy
+    b = auto_batch_size(fake, 128, 128, free_bytes=free)
+    assert b % 8 == 0 and b * per_row <= 0.8 * free < (b + 8) * per_row
+    assert 200 < b < 260  # ~0.8 x 40 GiB / ~137 MiB
+    assert auto_batch_size(fake, 128, 128, free_bytes=2**50) == MAX_AUTO_BATCH
+    assert auto_batch_size(fake, 128, 128, free_bytes=free, n_items=20) == 20
+    assert auto_batch_size(fake, 128, 128, free_bytes=per_row) == 1  # less than one row: one
+    # a CPU model: the measured 64, and `generate(batch_size='auto')` gives the same tokens
+    tok, model = _tok(), Bigram(len(_tok()))
+    assert auto_batch_size(model, 8, 8) == 64 and auto_batch_size(model, 8, 8, n_items=5) == 5
+    gkw = dict(max_new_tokens=6, temperature=1.0, top_p=1.0, postprocess="none", seed=3,
+               progress=False)  # fmt: skip
+    prompts = ["w1 w2", "w3"]
+    auto = generate(model, tok, prompts, 3, batch_size="auto", **gkw)
+    fixed = generate(model, tok, prompts, 3, batch_size=2, **gkw)
+    assert auto["response_ids"].tolist() == fixed["response_ids"].tolist()
+    with pytest.raises(ValueError, match="batch_size=0; expected a positive int or 'auto'"):
+        generate(model, tok, prompts, 1, batch_size=0, **gkw)

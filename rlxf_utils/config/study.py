@@ -4,7 +4,7 @@ that span sections."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -52,8 +52,10 @@ class EvaluationConfig(Section):
     start policy independently of the samples it is compared with (a pool of max(N) per prompt)"""
     heldout_rows: int | None = Field(default=300, gt=0)
     """Held-out descriptions for perplexity."""
-    batch_size: int = Field(default=16, gt=0)
-    """Generation batch."""
+    batch_size: Annotated[int, Field(gt=0)] | Literal["auto"] = 16
+    """Generation batch; 'auto': 64 on a CPU (the largest bench/generation.py measured to pay on
+    two cores), on a GPU as many rows as 80% of its free memory holds
+    (`models.decode.auto_batch_size`)."""
     logprob_batch_size: int = Field(default=16, gt=0)
     """Responses per log-probability pass (policy and reference)."""
     n_boot: int = Field(default=2000, ge=100)

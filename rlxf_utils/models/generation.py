@@ -157,7 +157,7 @@ def generate(
     top_p: float,
     postprocess: str,
     seed: int,
-    batch_size: int = 16,
+    batch_size: int | str = 16,
     desc: str = "generate",
     progress: bool = True,
     adapter_names: Sequence[str] | None = None,
@@ -192,10 +192,16 @@ def generate(
     device = next(model.parameters()).device
     items = [(i, j) for i in range(len(prompts)) for j in range(k)]
     rows: list[dict[str, Any]] = []
-    starts = range(0, len(items), batch_size)
     merged = decode.merged_lora(model) if merge and not adapter_names else _unmerged(model)
     step = decode.compiled_forward(model) if compile_step and sampler == "compact" else None
     with merged:
+        if batch_size == "auto":  # sized once the merged weights take their memory
+            longest = max((len(encode_prompts(tokenizer, [p])["input_ids"][0]) for p in prompts),
+                          default=1)  # fmt: skip
+            batch_size = decode.auto_batch_size(model, longest, max_new_tokens, n_items=len(items))
+        elif not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size={batch_size!r}; expected a positive int or 'auto'")
+        starts = range(0, len(items), batch_size)
         for start in tqdm(starts, desc=desc, disable=not progress, leave=False):
             batch = items[start : start + batch_size]
             enc = encode_prompts(

@@ -154,7 +154,7 @@ def dpo_pairs(job: TrainJob) -> tuple[pd.DataFrame, list[str], list[tuple[list[i
     return frame, prompts, ids
 
 
-def rft_pool(job: TrainJob, batch_size: int = 64) -> pd.DataFrame:
+def rft_pool(job: TrainJob, batch_size: int | str = 64) -> pd.DataFrame:
     """`rft_candidates` responses of the start policy (adapters absent: the model as loaded) to
     each of `n_examples` training prompts (a seeded pass over the training contexts, repeated if
     there are fewer), scored by the reward model; `kept` marks each prompt's best (first on ties).
@@ -171,7 +171,7 @@ def rft_pool(job: TrainJob, batch_size: int = 64) -> pd.DataFrame:
     return pd.read_parquet(path)
 
 
-def _sample_pool(job: TrainJob, batch_size: int) -> pd.DataFrame:
+def _sample_pool(job: TrainJob, batch_size: int | str) -> pd.DataFrame:
     cfg, _ = job.require_study()
     if job.reward_fn is None:
         raise ValueError("rft needs the reward model's reward_fn (it keeps the best response)")
