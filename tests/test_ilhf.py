@@ -162,17 +162,13 @@ def test_history_pairs_use_only_rows_the_rl_stage_may_see():
     contexts = pd.DataFrame(
         {"country": ["A", "B", "C", "D"], "split": ["train", "train", "eval", "train"]}
     )
-    splits = {
-        "grouped": {
-            "train": [i for i in labelled["row_id"] if i % 5 != 4],
-            "validation": [],
-            "test": [],
-        }
-    }
-    rows = eligible_rows(labelled, splits, contexts, "grouped", "all")
+    in_eval = set(contexts.loc[contexts["split"] == "eval", "country"])
+    holdout = {"policy": [i for i, c in zip(labelled["row_id"], labelled["country"], strict=True)
+                          if i % 5 != 4 and c not in in_eval]}  # fmt: skip
+    rows = eligible_rows(labelled, holdout, "all")
     pairs = history_pairs(rows, 100, 50, 0)
     used = set(pairs["row_a"]) | set(pairs["row_b"])
-    assert used <= set(splits["grouped"]["train"])  # no validation / test rows of the reward
+    assert used and used <= set(holdout["policy"])  # the policy pool's rows only
     assert "C" not in set(pairs["country"])  # no held-out (eval) country
 
 

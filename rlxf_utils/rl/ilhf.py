@@ -56,7 +56,7 @@ from torch import nn
 from rlxf_utils.artifacts import RunDir, atomic_path
 from rlxf_utils.config import ILHFConfig, RLConfig
 from rlxf_utils.data.contexts import eligible_rows
-from rlxf_utils.data.splits import load_splits
+from rlxf_utils.data.splits import load_holdout, load_splits
 from rlxf_utils.models.ensemble import (
     ENSEMBLE_FILE,
     add_particles,
@@ -499,9 +499,9 @@ def encoded_history_pairs(
     `ilhf.history_max_tokens` left out)."""
     rd = RunDir(run_dir)
     ic = cfg.ilhf
-    labelled, splits = load_splits(rd)
+    labelled, _ = load_splits(rd)
     ctx = rd.read_parquet("data/contexts.parquet", stage="notebook 01 (data exploration)")
-    rows = eligible_rows(labelled, splits, ctx, cfg.reward.reward_protocol, "all")
+    rows = eligible_rows(labelled, load_holdout(rd), "all")
     area = context_areas(ctx)
     pairs = history_pairs(
         rows, ic.history_max_pairs * 2, ic.history_pairs_per_context, cfg.run.seed

@@ -14,8 +14,8 @@ what worked. These three ask whether the experience needs RL at all:
   distilled into a policy.
 
 Like for like with RL: the same start policy (their reference: LoRA disabled), LoRA, learning
-rate and constant schedule; the rows and contexts the RL stage may see (no evaluation country,
-no reward-validation or test row: `data.contexts.eligible_rows`); and the same optimiser steps
+rate and constant schedule; the policy pool's rows and contexts (no evaluation country, no row a
+reward model or the audit learns from: `data.contexts.eligible_rows`); and the same optimiser steps
 of the same size: `offline.examples` sequences (default rl.steps x rl.batch_size, the responses
 an RL algorithm trains on; DPO: half as many pairs, two sequences each) in minibatches of
 rl.minibatch_size sequences for rl.update_epochs passes, rl.steps x rl.optimizer_steps_per_batch
@@ -45,7 +45,7 @@ import pandas as pd
 from rlxf_utils.artifacts import RunDir, atomic_path
 from rlxf_utils.config import OfflineConfig
 from rlxf_utils.data.contexts import eligible_rows
-from rlxf_utils.data.splits import load_splits
+from rlxf_utils.data.splits import load_holdout, load_splits
 from rlxf_utils.models.generation import autocast, encode_prompts, generate
 from rlxf_utils.models.loading import lora_config
 from rlxf_utils.prompts import CONTEXT_FIELDS
@@ -99,9 +99,9 @@ def total_steps(job: TrainJob) -> int:
 def training_rows(cfg: Any, run_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
     """The historical rows the RL stage may see (every outcome) and the contexts table."""
     rd = RunDir(run_dir)
-    labelled, splits = load_splits(rd)
+    labelled, _ = load_splits(rd)
     ctx = rd.read_parquet("data/contexts.parquet", stage="notebook 01 (data exploration)")
-    return eligible_rows(labelled, splits, ctx, cfg.reward.reward_protocol, "all"), ctx
+    return eligible_rows(labelled, load_holdout(rd), "all"), ctx
 
 
 def kto_examples(job: TrainJob) -> tuple[pd.DataFrame, list[str], list[tuple[list[int], list[int]]]]:  # fmt: skip
