@@ -355,7 +355,7 @@ def history(tmp_path):
     prompt = tok("w10", add_special_tokens=False)["input_ids"]
     pairs = [(prompt, tok(f"w{20 + i} <eos>")["input_ids"], tok(f"w{40 + i} <eos>")["input_ids"],
               1.0 if i % 2 else 0.5) for i in range(16)]  # fmt: skip
-    ic = ILHFConfig(particles=2, learning_rate=3e-3, history_batch_pairs=4)
+    ic = ILHFConfig(particles=2, learning_rate=3e-3, history_batch_pairs=4, history_epochs=1.0)
     cfg = small_cfg(checkpoint_every=2)
     return ILHFHistoryTrainer(model, tok, ic, cfg, tmp_path, "ilhf_history", seed=0, pairs=pairs)
 
