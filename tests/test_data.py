@@ -791,3 +791,31 @@ def test_policy_fraction_leaves_the_reward_model_rows() -> None:
     assert SplitConfig(test_fraction=0.2, policy_fraction=0.25).policy_fraction == 0.25
     with pytest.raises(ValueError, match="policy_fraction"):
         SplitConfig(test_fraction=0.5, policy_fraction=0.5)
+
+
+def test_the_data_stage_writes_the_pools_every_later_stage_reads(tmp_path) -> None:
+    """Notebook 01 on the real file (default profile): each row's pool, the contexts' policy
+    rows, and what SFT and RL then read (`eligible_rows`, `load_contexts`) are the policy pool."""
+    from rlxf_utils.artifacts import RunDir
+    from rlxf_utils.config import PROJECT_ROOT, load_config
+    from rlxf_utils.data.contexts import eligible_rows, load_contexts
+    from rlxf_utils.data.splits import load_holdout, load_splits
+    from rlxf_utils.data.stage import run_data_stage
+
+    cfg = load_config(PROJECT_ROOT / "params/default.yaml")
+    run = RunDir(tmp_path / "run")
+    run_data_stage(cfg, run)
+    labelled, splits = load_splits(run)
+    holdout = load_holdout(run)
+    pools = run.read_parquet("data/pools.parquet").set_index("row_id")["pool"]
+    policy = set(holdout["policy"])
+    assert set(pools.index[pools == "policy"]) == policy
+    assert set(eligible_rows(labelled, holdout)["row_id"]) == policy
+    reward = set(splits[cfg.reward.reward_protocol]["train"]) | set(splits[cfg.reward.reward_protocol]["val"])  # fmt: skip
+    assert set(pools.index[pools.str.startswith("reward")]) == reward and not reward & policy
+    ctx = run.read_parquet("data/contexts.parquet")
+    assert ctx["policy_rows"].sum() == len(policy)
+    keys = ["country", "arrangement_type", "econ_descriptor"]
+    pool_ctx = set(map(tuple, labelled[labelled["row_id"].isin(policy)][keys].to_numpy()))
+    train = load_contexts(run.root, "train")
+    assert {tuple(c[k] for k in keys) for c in train} == pool_ctx
