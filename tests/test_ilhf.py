@@ -363,9 +363,13 @@ def history(tmp_path):
 def test_history_resume_matches_uninterrupted(tmp_path):
     """16 pairs in steps of 4: 4 steps; a run cut after step 2 resumes from its checkpoint and
     ends where an uninterrupted one does (same pairs, bootstrap draws and particles)."""
+    from rlxf_utils.rl.experience import counting_optimizer_steps
+
     want = history(tmp_path / "a")
-    log_a = want.train(progress=False)
+    with counting_optimizer_steps() as counted:  # as notebook 03 counts them: per particle
+        log_a = want.train(progress=False)
     assert list(log_a["step"]) == [1, 2, 3, 4]
+    assert counted == {"optimizer_steps": 4, "optimizers": 2}
     history(tmp_path / "b").train(steps=2, progress=False)
     resumed = history(tmp_path / "b")
     assert resumed.load_checkpoint() and resumed.step == 2

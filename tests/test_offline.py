@@ -107,7 +107,11 @@ def test_rft_raises_the_kept_responses(tmp_path):
     p_ids, t_ids = _ids(job.tokenizer, PROMPTS, [GOOD] * 4)
     rows = [{"input_ids": p + t, "completion_mask": [0] * len(p) + [1] * len(t)}
             for p, t in zip(p_ids, t_ids, strict=True)]  # fmt: skip
-    offline.train_offline(job, OfflineConfig(), rows)
+    from rlxf_utils.rl.experience import counting_optimizer_steps
+
+    with counting_optimizer_steps() as counted:  # TRL's optimiser, as notebook 03 counts it
+        offline.train_offline(job, OfflineConfig(), rows)
+    assert counted == {"optimizer_steps": offline.total_steps(job), "optimizers": 1}
     assert (_gain(job.output_dir, PROMPTS, [GOOD] * 4) > 0).all()
 
 
