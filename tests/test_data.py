@@ -12,7 +12,14 @@ from rlxf_utils.data.contexts import build_contexts
 from rlxf_utils.data.labels import derive_test_year, label_statuses, normalise_status
 from rlxf_utils.data.mona import load_mona, subsample_arrangements
 from rlxf_utils.data.schema import DataError
-from rlxf_utils.data.splits import make_splits, near_duplicates_across, nest_evaluation_holdout
+from rlxf_utils.data.splits import (
+    carve_policy_pool,
+    make_splits,
+    near_duplicates_across,
+    nest_evaluation_holdout,
+    pool_of_rows,
+    pool_table,
+)
 from rlxf_utils.prompts import serialize_frame
 from rlxf_utils.stats import rate_by
 
@@ -720,3 +727,95 @@ def test_a_schema_error_does_not_echo_a_foreign_file(tmp_path: Path) -> None:
     with pytest.raises(DataError, match=r"found no MONA column \(1 column\(s\), not shown\)") as e:
         load_mona(secret)
     assert "hunter2" not in str(e.value)
+
+
+# -- the disjoint pools of rows (issue 45) ---------------------------------------------------
+def _pools(lab, sp, protocol, fraction=0.25, seed=1):
+    ctx = build_contexts(lab, seed=seed, eval_fraction=0.2)
+    held = ctx.loc[ctx["split"] == "eval", "country"].unique()
+    nested, h = nest_evaluation_holdout(lab, sp, protocol, held, seed=seed)
+    return nested, h, carve_policy_pool(lab, nested, h, fraction, seed)
+
+
+@pytest.mark.parametrize("protocol", ["grouped", "random", "temporal"])
+def test_reward_audit_and_policy_pools_are_disjoint_on_the_real_split(splits, protocol) -> None:
+    lab, sp = splits
+    nested, h0, (out, h) = _pools(lab, sp, protocol)
+    arr = lab.set_index("row_id")["arrangement_id"].astype(str)
+    country = lab.set_index("row_id")["country"]
+    reward = set(out[protocol]["train"]) | set(out[protocol]["val"])
+    audit = set(h["audit_train"]) | set(h["audit_val"])
+    policy, ref = set(h["policy"]), set(h["reference"])
+    assert reward and audit and policy and ref
+    for a, b in (
+        (reward, audit),
+        (reward, policy),
+        (audit, policy),
+        (ref, reward | audit | policy),
+    ):
+        assert not (a & b)
+    # whole arrangements: no arrangement of the policies is in a judge's rows (no near copy)
+    assert not (set(arr.loc[list(policy)]) & set(arr.loc[list(reward | audit)]))
+    assert not set(country.loc[list(policy)]) & set(h["eval_countries"])
+    # no protocol's reward model learns from a policy row; every test part is unchanged
+    for p in sp:
+        assert not (set(out[p]["train"]) | set(out[p]["val"])) & policy
+        assert out[p]["test"] == nested[p]["test"]
+    # the share asked for, of the training countries' rows (whole arrangements: roughly)
+    n_tc = len(lab) - len(ref)
+    assert abs(len(policy) / n_tc - 0.25) < 0.05
+    # every labelled row is in exactly one pool (pool_of_rows raises on a row in two)
+    pools = pool_of_rows(lab, out, h)
+    assert len(pools) == len(lab) and pools["row_id"].is_unique
+    table = pool_table(lab, pools).set_index("pool")
+    assert table["rows"].sum() == len(lab) and table.loc["policy", "rows"] == len(policy)
+    assert table.loc["reward_train", "rows"] == len(out[protocol]["train"])
+    # deterministic from the data and the seed; another seed draws other arrangements
+    assert _pools(lab, sp, protocol)[2][1]["policy"] == h["policy"]
+    assert _pools(lab, sp, protocol, seed=2)[2][1]["policy"] != h["policy"]
+
+
+def test_pools_refuse_a_row_in_two_pools_and_an_impossible_share(splits) -> None:
+    lab, sp = splits
+    _, _, (out, h) = _pools(lab, sp, "grouped")
+    bad = dict(h, audit_train=[*h["audit_train"], h["policy"][0]])
+    with pytest.raises(DataError, match="two pools"):
+        pool_of_rows(lab, out, bad)
+    with pytest.raises(DataError, match="policy_fraction"):
+        _pools(lab, sp, "grouped", fraction=0.9)
+
+
+def test_policy_fraction_leaves_the_reward_model_rows() -> None:
+    from rlxf_utils.config.data import SplitConfig
+
+    assert SplitConfig(test_fraction=0.2, policy_fraction=0.25).policy_fraction == 0.25
+    with pytest.raises(ValueError, match="policy_fraction"):
+        SplitConfig(test_fraction=0.5, policy_fraction=0.5)
+
+
+def test_the_data_stage_writes_the_pools_every_later_stage_reads(tmp_path) -> None:
+    """Notebook 01 on the real file (default profile): each row's pool, the contexts' policy
+    rows, and what SFT and RL then read (`eligible_rows`, `load_contexts`) are the policy pool."""
+    from rlxf_utils.artifacts import RunDir
+    from rlxf_utils.config import PROJECT_ROOT, load_config
+    from rlxf_utils.data.contexts import eligible_rows, load_contexts
+    from rlxf_utils.data.splits import load_holdout, load_splits
+    from rlxf_utils.data.stage import run_data_stage
+
+    cfg = load_config(PROJECT_ROOT / "params/default.yaml")
+    run = RunDir(tmp_path / "run")
+    run_data_stage(cfg, run)
+    labelled, splits = load_splits(run)
+    holdout = load_holdout(run)
+    pools = run.read_parquet("data/pools.parquet").set_index("row_id")["pool"]
+    policy = set(holdout["policy"])
+    assert set(pools.index[pools == "policy"]) == policy
+    assert set(eligible_rows(labelled, holdout)["row_id"]) == policy
+    reward = set(splits[cfg.reward.reward_protocol]["train"]) | set(splits[cfg.reward.reward_protocol]["val"])  # fmt: skip
+    assert set(pools.index[pools.str.startswith("reward")]) == reward and not reward & policy
+    ctx = run.read_parquet("data/contexts.parquet")
+    assert ctx["policy_rows"].sum() == len(policy)
+    keys = ["country", "arrangement_type", "econ_descriptor"]
+    pool_ctx = set(map(tuple, labelled[labelled["row_id"].isin(policy)][keys].to_numpy()))
+    train = load_contexts(run.root, "train")
+    assert {tuple(c[k] for k in keys) for c in train} == pool_ctx

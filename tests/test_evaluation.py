@@ -353,6 +353,32 @@ def test_grounding_excludes_the_row_itself() -> None:
         index.ground_embeddings(emb, k=1, exclude=[0])
 
 
+def test_grounding_index_leaves_out_every_row_a_policy_trained_on() -> None:
+    from rlxf_utils.evaluation.grounding import ground_frame, grounding_rows, index_positions
+
+    texts, met, areas = _toy_corpus()
+    labelled = pd.DataFrame({"row_id": [10, 11, 12, 13, 14, 15], "description": texts, "y": met,
+                             "econ_area": areas, "arrangement_id": list("abcdef")})  # fmt: skip
+    policy = [10, 11]  # the policies imitated "tax" and "tax tax" (both MET)
+    rows, position = grounding_rows(labelled, policy)
+    assert not set(rows["row_id"]) & set(policy) and len(rows) == 4
+    assert position == {2: 0, 3: 1, 4: 2, 5: 3}
+    index = HistoricalIndex.build(rows["description"], rows["y"], rows["econ_area"], toy_encode)
+    # a copy of a training text no longer finds itself (MET, similarity 1): its nearest row is
+    # "tax bank" (Non-MET); with every row in the index it would be grounded on its own text
+    full = HistoricalIndex.build(texts, met, areas, toy_encode)
+    assert full.ground(["tax"], k=1)["grounded_met_rate"].tolist() == [1.0]
+    assert index.ground(["tax"], k=1)["grounded_met_rate"].tolist() == [0.0]
+    # history references keep their rows: positions in `labelled` become the index's
+    samples = pd.DataFrame({"response": ["tax", "bank", "debt"], "hist_idx": [np.nan, 3, 5]})
+    moved = index_positions(samples["hist_idx"], position)
+    assert moved.iloc[1:].tolist() == [1.0, 3.0] and np.isnan(moved.iloc[0])
+    out = ground_frame(index, samples.assign(hist_idx=moved), 1, rows["arrangement_id"].tolist())
+    assert out["max_sim"].iloc[1] == pytest.approx(1.0)  # "bank" finds "bank bank", not itself
+    with pytest.raises(ValueError, match="grounding index"):
+        index_positions(pd.Series([0.0]), position)  # a policy row used as a reference
+
+
 def test_grounding_excludes_the_rows_own_group() -> None:
     texts, met, areas = _toy_corpus()
     index = HistoricalIndex.build(texts, met, areas, toy_encode)

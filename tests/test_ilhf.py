@@ -162,17 +162,13 @@ def test_history_pairs_use_only_rows_the_rl_stage_may_see():
     contexts = pd.DataFrame(
         {"country": ["A", "B", "C", "D"], "split": ["train", "train", "eval", "train"]}
     )
-    splits = {
-        "grouped": {
-            "train": [i for i in labelled["row_id"] if i % 5 != 4],
-            "validation": [],
-            "test": [],
-        }
-    }
-    rows = eligible_rows(labelled, splits, contexts, "grouped", "all")
+    in_eval = set(contexts.loc[contexts["split"] == "eval", "country"])
+    holdout = {"policy": [i for i, c in zip(labelled["row_id"], labelled["country"], strict=True)
+                          if i % 5 != 4 and c not in in_eval]}  # fmt: skip
+    rows = eligible_rows(labelled, holdout, "all")
     pairs = history_pairs(rows, 100, 50, 0)
     used = set(pairs["row_a"]) | set(pairs["row_b"])
-    assert used <= set(splits["grouped"]["train"])  # no validation / test rows of the reward
+    assert used and used <= set(holdout["policy"])  # the policy pool's rows only
     assert "C" not in set(pairs["country"])  # no held-out (eval) country
 
 
@@ -359,7 +355,7 @@ def history(tmp_path):
     prompt = tok("w10", add_special_tokens=False)["input_ids"]
     pairs = [(prompt, tok(f"w{20 + i} <eos>")["input_ids"], tok(f"w{40 + i} <eos>")["input_ids"],
               1.0 if i % 2 else 0.5) for i in range(16)]  # fmt: skip
-    ic = ILHFConfig(particles=2, learning_rate=3e-3, history_batch_pairs=4)
+    ic = ILHFConfig(particles=2, learning_rate=3e-3, history_batch_pairs=4, history_epochs=1.0)
     cfg = small_cfg(checkpoint_every=2)
     return ILHFHistoryTrainer(model, tok, ic, cfg, tmp_path, "ilhf_history", seed=0, pairs=pairs)
 
@@ -367,9 +363,13 @@ def history(tmp_path):
 def test_history_resume_matches_uninterrupted(tmp_path):
     """16 pairs in steps of 4: 4 steps; a run cut after step 2 resumes from its checkpoint and
     ends where an uninterrupted one does (same pairs, bootstrap draws and particles)."""
+    from rlxf_utils.rl.experience import counting_optimizer_steps
+
     want = history(tmp_path / "a")
-    log_a = want.train(progress=False)
+    with counting_optimizer_steps() as counted:  # as notebook 03 counts them: per particle
+        log_a = want.train(progress=False)
     assert list(log_a["step"]) == [1, 2, 3, 4]
+    assert counted == {"optimizer_steps": 4, "optimizers": 2}
     history(tmp_path / "b").train(steps=2, progress=False)
     resumed = history(tmp_path / "b")
     assert resumed.load_checkpoint() and resumed.step == 2

@@ -18,7 +18,7 @@ from rlxf_utils.config import LoraSettings, OfflineConfig, PolicyConfig, load_co
 from rlxf_utils.models.generation import encode_prompts
 from rlxf_utils.models.logprobs import sequence_logprobs
 from rlxf_utils.rl import offline
-from rlxf_utils.rl.core import LOG_COLUMNS
+from rlxf_utils.rl.core import LOG_COLUMNS, prompt_schedule
 from rlxf_utils.rl.ilhf import history_pairs
 from rlxf_utils.rl.trainer import TrainJob
 
@@ -107,7 +107,11 @@ def test_rft_raises_the_kept_responses(tmp_path):
     p_ids, t_ids = _ids(job.tokenizer, PROMPTS, [GOOD] * 4)
     rows = [{"input_ids": p + t, "completion_mask": [0] * len(p) + [1] * len(t)}
             for p, t in zip(p_ids, t_ids, strict=True)]  # fmt: skip
-    offline.train_offline(job, OfflineConfig(), rows)
+    from rlxf_utils.rl.experience import counting_optimizer_steps
+
+    with counting_optimizer_steps() as counted:  # TRL's optimiser, as notebook 03 counts it
+        offline.train_offline(job, OfflineConfig(), rows)
+    assert counted == {"optimizer_steps": offline.total_steps(job), "optimizers": 1}
     assert (_gain(job.output_dir, PROMPTS, [GOOD] * 4) > 0).all()
 
 
@@ -153,11 +157,18 @@ def test_kto_and_dpo_data_come_from_the_rows_the_rl_stage_may_see(tmp_path, monk
     monkeypatch.setattr(offline, "training_rows", lambda cfg, run_dir: (rows, ctx))
     tok = tiny_tokenizer()
     cfg = _study(tmp_path, 6)
-    job = TrainJob("kto", tiny_llama(tok), tok, [], [], None, cfg.rl, cfg.policy, tmp_path,
+    contexts = ctx.drop(columns=["econ_area", "split"]).to_dict("records")
+    job = TrainJob("kto", tiny_llama(tok), tok, [], contexts, None, cfg.rl, cfg.policy, tmp_path,
                    seed=0, study=cfg, run_dir=tmp_path)  # fmt: skip
     frame, prompts, ids = offline.kto_examples(job)
     assert len(frame) == len(prompts) == len(ids) == 6
     assert set(frame["row_id"]) <= set(range(10))  # the long description never
+    # RL's visits of the 3 contexts, num_generations (2) rows each: every context, 2 rows each
+    assert cfg.rl.num_generations == 2 and frame.groupby("country").size().to_dict() == {
+        "A": 2,
+        "B": 2,
+        "C": 2,
+    }
     by_id = rows.set_index("row_id")
     assert (frame["label"] == frame["row_id"].map(by_id["y"]).astype(bool)).all()
     for (p, t), text, prompt, country in zip(ids, frame["text"], prompts, frame["country"], strict=True):  # fmt: skip
@@ -166,13 +177,13 @@ def test_kto_and_dpo_data_come_from_the_rows_the_rl_stage_may_see(tmp_path, monk
         assert f"performance of {country}," in prompt  # the row's own context
     job.algo = "dpo"
     frame, prompts, ids = offline.dpo_pairs(job)
-    assert len(frame) == 3  # examples / 2 pairs
+    assert len(frame) == 3 and frame["country"].nunique() == 3  # examples / 2 pairs, 1 a visit
     for r in frame.itertuples():
         assert by_id.loc[r.row_a].country == by_id.loc[r.row_b].country == r.country
         met = {r.row_a, r.row_b} & set(rows.row_id[rows.y == 1])
         assert len(met) == 1 and by_id.loc[met.pop()].description == r.chosen
     cfg = _study(tmp_path, 40)
-    job = TrainJob("dpo", tiny_llama(tok), tok, [], [], None, cfg.rl, cfg.policy, tmp_path,
+    job = TrainJob("dpo", tiny_llama(tok), tok, [], contexts, None, cfg.rl, cfg.policy, tmp_path,
                    seed=0, study=cfg, run_dir=tmp_path)  # fmt: skip
     with pytest.raises(offline.OfflineDataError, match="dpo: .* pairs .* 20 wanted"):
         offline.dpo_pairs(job)
@@ -185,11 +196,16 @@ def test_rft_pool_keeps_each_prompts_best_and_is_reused(tmp_path):
     cfg = load_config(ROOT / "params" / "smoke.yaml")
     cfg = cfg.model_copy(update={"offline": OfflineConfig(examples=6, rft_candidates=3)})
     rl = small_cfg(max_new_tokens=4)
-    job = TrainJob("rft", tiny_llama(tok, 0, init=0.3), tok, PROMPTS, [{"country": c} for c in "ABCD"],
+    contexts = [{"country": c, "arrangement_type": "SBA", "econ_descriptor": "1.1"} for c in "ABCD"]
+    job = TrainJob("rft", tiny_llama(tok, 0, init=0.3), tok, PROMPTS, contexts,
                    toy_reward, rl, cfg.policy, tmp_path, seed=0, study=cfg, run_dir=tmp_path)  # fmt: skip
     pool = offline.rft_pool(job, batch_size=8)
     assert len(pool) == 6 * 3 and pool["kept"].sum() == 6
-    assert pool["context_id"].nunique() == 4  # a pass over the 4 contexts, then more
+    # RL's first 3 context visits (prompt_schedule's), each asked num_generations (2) times
+    visits = [i for step in prompt_schedule(4, 3, 1, 0) for i in step]
+    kept = pool[pool["kept"]].sort_values("prompt_id")
+    assert kept["context_id"].tolist() == [v for v in visits for _ in range(2)]
+    assert kept["country"].tolist() == ["ABCD"[i] for i in kept["context_id"]]
     best = pool.groupby("prompt_id")["reward"].max()
     kept = pool[pool["kept"]].set_index("prompt_id")["reward"]
     pd.testing.assert_series_equal(kept.sort_index(), best.sort_index(), check_names=False)

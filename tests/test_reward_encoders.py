@@ -342,7 +342,8 @@ def test_reward_stage_reuses_finished_protocols_byte_for_byte(tmp_path: Path, mo
     run.write_parquet("data/conditions.parquet", df)
     run.write_json("data/splits.json", {"random": split, "grouped": split})
     run.write_json("data/holdout.json", {"reference": ids[200:220], "audit_train": ids[180:195],
-                                         "audit_val": ids[195:200], "eval_countries": ["PERU"]})  # fmt: skip
+                                         "audit_val": ids[195:200], "policy": [],
+                                         "eval_countries": ["PERU"]})  # fmt: skip
     reward = dict(
         epochs=2, batch_size=16, learning_rate=3e-3, max_length=48, freeze_embeddings=False,
         early_stopping_patience=None, progress=False, num_threads=1, tfidf_min_df=1,

@@ -119,6 +119,10 @@ def test_load_contexts_train_only(tmp_path):
     ctx = load_contexts(tmp_path)
     assert [c["country"] for c in ctx] == ["A", "C"]
     assert all(c["split"] == "train" for c in ctx)
+    # with the policy pool's counts: only the training contexts the pool has rows of
+    df.assign(policy_rows=[0, 5, 2]).to_parquet(tmp_path / "data" / "contexts.parquet")
+    assert [c["country"] for c in load_contexts(tmp_path)] == ["C"]
+    assert [c["country"] for c in load_contexts(tmp_path, "eval")] == ["B"]
 
 
 def test_profiles_use_the_papers_template():
@@ -170,6 +174,7 @@ def test_a_finished_algorithm_is_reused_only_while_its_inputs_are_unchanged(tmp_
         frame = pd.DataFrame({"algo": ["ppo"], "step": [1], "reward_mean": [0.5]})
         out.mkdir(parents=True, exist_ok=True)
         frame.to_parquet(out / "train_log.parquet")
+        (out / "settings.json").write_text('{"update_epochs": 2}')
         return frame
 
     monkeypatch.setattr("rlxf_utils.rl.stage.load_start_policy", lambda *a, **k: (None, None))
@@ -177,7 +182,8 @@ def test_a_finished_algorithm_is_reused_only_while_its_inputs_are_unchanged(tmp_
         "rlxf_utils.rl.stage.build_prompts", lambda contexts, *a, **k: [str(c) for c in contexts]
     )
     monkeypatch.setattr("rlxf_utils.rl.ppo.run_ppo", fake_ppo)  # the registry's trainer
-    contexts = [{"country": "KENYA", "split": "train"}] * 3
+    contexts = [{"country": "KENYA", "arrangement_type": "SBA", "econ_descriptor": "1.1",
+                 "split": "train"}] * 3  # fmt: skip
 
     def run() -> None:
         run_algorithm("ppo", cfg, run_dir, toy_reward, contexts=contexts, progress=False)
@@ -185,6 +191,10 @@ def test_a_finished_algorithm_is_reused_only_while_its_inputs_are_unchanged(tmp_
     run()
     run()
     assert len(calls) == 1  # finished with the same settings and inputs: reused
+    # what it trained on: its step's contexts, num_generations responses each (rl.experience)
+    used = json.loads((run_dir / "policy/ppo/experience.json").read_text())
+    assert used["sequences"] == cfg.rl.batch_size and used["passes"] == 2
+    assert used["optimizer_steps"] == 0 and not used["resumed"]  # the fake steps no optimiser
     marker = json.loads((run_dir / "policy/ppo/complete.json").read_text())
     assert marker["inputs"]["reward_model/bundle.json"] and marker["inputs"]["data"]
     ckpt = run_dir / "policy/ppo/checkpoints/step_000001"

@@ -354,7 +354,7 @@ def test_resume_matches_uninterrupted(tmp_path, algo):
 
 
 def test_met_references_are_met_rows_the_rl_stage_may_see_of_the_same_context(tmp_path):
-    """Only the reward protocol's training rows of training countries, MET, of the same context."""
+    """Only the policy pool's rows, MET, of the same context."""
     from test_sft import _toy_data
 
     from rlxf_utils.artifacts import RunDir
@@ -366,6 +366,10 @@ def test_met_references_are_met_rows_the_rl_stage_may_see_of_the_same_context(tm
     run.write_parquet("data/conditions.parquet", labelled.assign(label="MET"))
     run.write_json("data/splits.json", splits)
     run.write_parquet("data/contexts.parquet", contexts)
+    # the policy pool: rows of A, B, C (101, 103: Non-MET); 109 (D) is a reference, 110 audit
+    run.write_json("data/holdout.json", {"policy": [100, 101, 103, 104, 106], "reference": [109],
+                                         "audit_train": [110], "audit_val": [],
+                                         "eval_countries": ["D"]})  # fmt: skip
     cfg = load_config(PROJECT_ROOT / "params/smoke.yaml")
     cfg.reward.reward_protocol = "grouped"
     tok = tiny_tokenizer()
@@ -374,5 +378,5 @@ def test_met_references_are_met_rows_the_rl_stage_may_see_of_the_same_context(tm
     decoded = [[tok.decode(r[:-1]) for r in rs] for rs in refs]
     eos = tok.eos_token_id
     assert all(r[-1] == eos for rs in refs for r in rs)  # each ends in the end token
-    # grouped train rows of A, B, C that are MET: 100 (A), 104 (B), 106 (C); D is held out
+    # the pool's MET rows of A, B, C: 100 (A), 104 (B), 106 (C); D is held out
     assert decoded == [["w10 w20"], ["w10 w20"], ["w14 w24"], ["w16 w26"], [], []]

@@ -53,24 +53,18 @@ def _toy_data() -> tuple[pd.DataFrame, dict, pd.DataFrame]:
     return labelled, splits, contexts
 
 
-def test_eligible_rows_train_split_of_train_countries_only():
-    labelled, splits, contexts = _toy_data()
-    rows = eligible_rows(labelled, splits, contexts, "grouped")
-    assert sorted(rows["row_id"]) == [100, 101, 103, 104, 106]  # 109, 110: held-out country D
-    held_out = set(splits["grouped"]["validation"]) | set(splits["grouped"]["test"])
-    assert not set(rows["row_id"]) & held_out
-    assert "D" not in set(rows["country"])
-    met = eligible_rows(labelled, splits, contexts, "grouped", outcomes="met")
-    assert sorted(met["row_id"]) == [100, 104, 106]
-    assert (met["y"] == 1).all()
-    # the protocol named is the one whose training split is used
-    other = eligible_rows(labelled, splits, contexts, "random")
-    assert sorted(other["row_id"]) == [102, 105, 107, 108]
+def test_eligible_rows_are_the_policy_pool_only():
+    labelled, _, _ = _toy_data()
+    holdout = {"policy": [100, 101, 104, 106, 999], "audit_train": [103], "reference": [109]}
+    rows = eligible_rows(labelled, holdout)
+    assert sorted(rows["row_id"]) == [100, 101, 104, 106]  # 999: no such labelled row
     assert list(rows.index) == list(range(len(rows)))
-    with pytest.raises(KeyError, match="temporal"):
-        eligible_rows(labelled, splits, contexts, "temporal")
+    met = eligible_rows(labelled, holdout, outcomes="met")
+    assert sorted(met["row_id"]) == [100, 104, 106] and (met["y"] == 1).all()
+    with pytest.raises(KeyError, match="policy"):
+        eligible_rows(labelled, {"audit_train": [103]})
     with pytest.raises(ValueError, match="outcomes"):
-        eligible_rows(labelled, splits, contexts, "grouped", outcomes="nonmet")
+        eligible_rows(labelled, holdout, outcomes="nonmet")
 
 
 def test_heldout_rows_are_eval_countries_only():

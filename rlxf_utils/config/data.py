@@ -76,6 +76,20 @@ class SplitConfig(Section):
     near_duplicate_threshold: float = Field(default=0.9, gt=0.0, le=1.0)
     """TF-IDF cosine at or above which a test description counts as a near-duplicate of a
     training one."""
+    policy_fraction: float = Field(default=0.25, gt=0.0, lt=1.0)
+    """Share of the training countries' labelled rows (whole arrangements, from the reward
+    protocol's training side) that only the policies learn from: SFT, `sft_met`, the offline
+    methods, ILHF's pairs, the MLE references and RL's contexts. No reward model or judge learns
+    from them (`data.splits.carve_policy_pool`)."""
+
+    @model_validator(mode="after")
+    def _room_for_the_reward_model(self) -> SplitConfig:
+        if self.test_fraction + self.policy_fraction >= 1:
+            raise ValueError(
+                f"test_fraction ({self.test_fraction}) + policy_fraction ({self.policy_fraction}) "
+                "leave the reward model no training rows; expected a sum below 1"
+            )
+        return self
 
 
 class DataChecks(Section):

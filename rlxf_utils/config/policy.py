@@ -345,14 +345,18 @@ class ILHFConfig(Section):
     """Double-or-nothing bootstrap weights per particle and pair (paper's Algorithm 2)."""
     learning_rate: float | None = Field(default=None, gt=0.0)
     """LoRA learning rate (null: rl.learning_rate)"""
-    history_max_pairs: int = Field(default=256, ge=1)
-    """Ilhf_history: pairs of historical descriptions (all outcomes, rows the RL stage may see)."""
+    history_max_pairs: int | None = Field(default=None, ge=1)
+    """Ilhf_history: pairs of historical descriptions (all outcomes, the policy pool's rows).
+    Null: half of RL's training sequences (offline.examples or rl.steps x rl.batch_size), as
+    DPO's pairs: the same sequences as every method (`StudyConfig` fills it in)."""
     history_pairs_per_context: int = Field(default=4, ge=1)
     """Ilhf_history: at most this many pairs per context (spreads the pairs over contexts)."""
-    history_batch_pairs: int = Field(default=8, ge=1)
-    """Ilhf_history: pairs per optimiser step (each pair is two sequences)."""
-    history_epochs: float = Field(default=1.0, gt=0.0)
-    """Ilhf_history: passes over the pairs."""
+    history_batch_pairs: int | None = Field(default=None, ge=1)
+    """Ilhf_history: pairs per optimiser step (each pair is two sequences). Null: half of
+    rl.minibatch_size, RL's sequences per optimiser step."""
+    history_epochs: float | None = Field(default=None, gt=0.0)
+    """Ilhf_history: passes over the pairs. Null: rl.update_epochs, RL's passes over a batch
+    (with the two above: RL's optimiser steps)."""
     history_max_tokens: int = Field(default=48, ge=1)
     """Ilhf_history: longest description kept (tokens; = rl.max_new_tokens in the profiles)."""
 

@@ -275,6 +275,19 @@ class StudyConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _history_matches_rl(self) -> StudyConfig:
+        """ILHF (history)'s pairs, pairs per step and passes left null: RL's sequences, sequences
+        per optimiser step and passes, hence RL's optimiser steps (equal experience)."""
+        ic, rl = self.ilhf, self.rl
+        if ic.history_max_pairs is None:
+            ic.history_max_pairs = max(1, (self.offline.examples or rl.steps * rl.batch_size) // 2)
+        if ic.history_batch_pairs is None:
+            ic.history_batch_pairs = max(1, rl.minibatch_size // 2)
+        if ic.history_epochs is None:
+            ic.history_epochs = float(rl.update_epochs)
+        return self
+
+    @model_validator(mode="after")
     def _kl_is_of_the_sampled_distribution(self) -> StudyConfig:
         """Evaluation's KL to the start policy, best-of-N's KL bound and the importance ratios
         of PPO and TRL are computed for the full, untempered distribution: sampling from another

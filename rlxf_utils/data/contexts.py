@@ -3,7 +3,7 @@ evaluation prompt with, split into training and held-out contexts."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +42,8 @@ CONTEXT_COLUMNS = ("country", "arrangement_type", "econ_descriptor", "econ_area"
 def load_contexts(
     run_dir: str | Path, split: str = "train", max_prompts: int | None = None, seed: int = 0
 ) -> list[dict[str, Any]]:
-    """Prompt contexts of one split from `data/contexts.parquet` (RL uses only 'train')."""
+    """Prompt contexts of one split from `data/contexts.parquet` (RL uses only 'train': the
+    training contexts the policy pool has rows of, `policy_rows` > 0)."""
     rd = RunDir(run_dir)
     df = rd.read_parquet("data/contexts.parquet", stage="notebook 01 (data exploration)")
     missing = [c for c in CONTEXT_COLUMNS if c not in df.columns]
@@ -50,7 +51,11 @@ def load_contexts(
         raise ArtifactMissing(
             f"{rd.root / 'data/contexts.parquet'} lacks columns {missing}; expected {list(CONTEXT_COLUMNS)}"
         )
-    df = df[df["split"] == split].reset_index(drop=True)
+    df = df[df["split"] == split]
+    if split == "train" and "policy_rows" in df.columns:
+        # the training contexts every method shares: those the policy pool has rows of
+        df = df[df["policy_rows"] > 0]
+    df = df.reset_index(drop=True)
     if df.empty:
         raise ValueError(
             f"{rd.root / 'data/contexts.parquet'} has no contexts with split=={split!r}"
@@ -61,22 +66,17 @@ def load_contexts(
 
 
 def eligible_rows(
-    labelled: pd.DataFrame,
-    splits: Mapping[str, Mapping[str, Sequence[int]]],
-    contexts: pd.DataFrame,
-    protocol: str,
-    outcomes: str = "all",
+    labelled: pd.DataFrame, holdout: Mapping[str, Any], outcomes: str = "all"
 ) -> pd.DataFrame:
-    """Rows of `protocol`'s training split whose country is an RL training country.
+    """The policy pool's rows (`data/holdout.json`'s `policy`, `data.splits.carve_policy_pool`):
+    the only historical rows SFT, `sft_met`, the offline methods, ILHF's pairs and the MLE
+    references learn from. No reward model, audit or reference row is among them.
 
-    `outcomes='met'` keeps MET rows only. Validation and test rows of the reward protocol, and
-    every row of a held-out (eval) country, are never returned.
+    `outcomes='met'` keeps MET rows only.
     """
-    if protocol not in splits:
-        raise KeyError(f"data/splits.json has no protocol {protocol!r}; found {sorted(splits)}")
-    train_countries = set(contexts.loc[contexts["split"] == "train", "country"])
-    ids = set(splits[protocol]["train"])
-    rows = labelled[labelled["row_id"].isin(ids) & labelled["country"].isin(train_countries)]
+    if "policy" not in holdout:
+        raise KeyError("data/holdout.json has no 'policy' pool; rerun notebook 01")
+    rows = labelled[labelled["row_id"].isin(set(holdout["policy"]))]
     if outcomes == "met":
         rows = rows[rows["y"] == 1]
     elif outcomes != "all":

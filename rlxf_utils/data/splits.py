@@ -155,10 +155,115 @@ def nest_evaluation_holdout(
     return out, holdout
 
 
+#: The pools of rows, in the order the tables list them (`pool_of_rows`).
+POOLS = ("reward_train", "reward_val", "audit_train", "audit_val", "policy", "reference", "unused")
+
+
+def carve_policy_pool(
+    labelled: pd.DataFrame,
+    splits: dict[str, dict[str, list[int]]],
+    holdout: dict[str, Any],
+    policy_fraction: float,
+    seed: int,
+) -> tuple[dict[str, dict[str, list[int]]], dict[str, Any]]:
+    """Give the policies their own rows, so that no policy imitates a judge's training rows.
+
+    `policy_fraction` of the training countries' labelled rows, as whole arrangements (MONA
+    repeats a condition across one arrangement's reviews: a copy must not sit in two pools), are
+    drawn from the reward protocol's training side (train + val), seeded. They leave every
+    protocol's train and val parts (no reward model learns from them; every test part is
+    unchanged, so a protocol's test metrics compare before and after), and the audit's rows of
+    those arrangements leave the audit (they are in no pool: `unused`). Returns (new splits,
+    holdout with `policy` and `policy_fraction` added), after `nest_evaluation_holdout`.
+    """
+    protocol = holdout["reward_protocol"]
+    sp = splits[protocol]
+    reference = set(holdout["reference"])
+    n_train_countries = int((~labelled["row_id"].isin(reference)).sum())
+    side = np.array(sorted(set(sp["train"]) | set(sp["val"])), dtype=np.int64)
+    arr = labelled.set_index("row_id")["arrangement_id"].astype(str)
+    frac = policy_fraction * n_train_countries / max(len(side), 1)
+    if frac >= 1:
+        raise DataError(
+            f"data.splits.policy_fraction={policy_fraction} asks for "
+            f"{policy_fraction * n_train_countries:.0f} of the training countries' "
+            f"{n_train_countries} rows, but the {protocol!r} protocol's training side holds "
+            f"{len(side)}: lower data.splits.policy_fraction or data.splits.test_fraction"
+        )
+    _, policy = grouped_take(side, arr.loc[side].to_numpy(), frac, np.random.default_rng(seed + 5))
+    taken = set(policy)
+    out = {p: {k: (v if k == "test" else [i for i in v if i not in taken]) for k, v in parts.items()}
+           for p, parts in splits.items()}  # fmt: skip
+    policy_arr = set(arr.loc[policy])
+    h = dict(holdout)
+    for part in ("audit_train", "audit_val"):
+        h[part] = [i for i in holdout[part] if arr.loc[i] not in policy_arr]
+    h["policy"] = sorted(policy)
+    h["policy_fraction"] = policy_fraction
+    y = labelled.set_index("row_id")["y"]
+    for name, ids in (("policy", h["policy"]), (f"{protocol}.train", out[protocol]["train"]),
+                      ("audit_train", h["audit_train"])):  # fmt: skip
+        if y.loc[ids].nunique() < 2:
+            raise DataError(
+                f"with data.splits.policy_fraction={policy_fraction}, the {name} rows "
+                f"({len(ids)}) hold {'no rows' if not ids else 'one outcome only'}; "
+                "change data.splits.policy_fraction or data.max_rows"
+            )
+    return out, h
+
+
+def pool_of_rows(
+    labelled: pd.DataFrame, splits: dict[str, dict[str, list[int]]], holdout: dict[str, Any]
+) -> pd.DataFrame:
+    """Each labelled row's pool (`POOLS`): which model learns from it. `reward_*`: the reward
+    protocol's train / val parts; `audit_*`: the audit (gold judge); `policy`: SFT, `sft_met`, the
+    offline methods, ILHF's pairs, the MLE references and RL's contexts; `reference`: the
+    evaluation countries (no model learns from them); `unused`: no model learns from them either
+    (the audit's rows of policy arrangements, and under the temporal protocol rows of unknown year).
+    Raises when a row is in two pools."""
+    sp = splits[holdout["reward_protocol"]]
+    parts = {"reward_train": sp["train"], "reward_val": sp["val"],
+             "audit_train": holdout["audit_train"], "audit_val": holdout["audit_val"],
+             "policy": holdout.get("policy", []), "reference": holdout["reference"]}  # fmt: skip
+    pool = pd.Series("unused", index=labelled["row_id"].to_numpy(), dtype=object)
+    seen: dict[int, str] = {}
+    for name, ids in parts.items():
+        for i in ids:
+            if i in seen:
+                raise DataError(f"row_id {i} is in two pools: {seen[i]!r} and {name!r}")
+            seen[i] = name
+        pool.loc[list(ids)] = name
+    return pd.DataFrame({"row_id": pool.index, "pool": pool.to_numpy()})
+
+
+def pool_table(labelled: pd.DataFrame, pools: pd.DataFrame) -> pd.DataFrame:
+    """Per pool: rows, share of the labelled rows and of the training countries' rows, countries,
+    arrangements, (country, arrangement type, descriptor) contexts and MET share."""
+    lab = labelled.merge(pools, on="row_id", validate="one_to_one")
+    n_train_countries = int((lab["pool"] != "reference").sum())
+    rows = []
+    for name in POOLS:
+        sub = lab[lab["pool"] == name]
+        rows.append({
+            "pool": name,
+            "rows": len(sub),
+            "share": len(sub) / len(lab),
+            "share_of_training_countries": (len(sub) / n_train_countries
+                                            if name != "reference" else float("nan")),
+            "countries": int(sub["country"].nunique()),
+            "arrangements": int(sub["arrangement_id"].nunique()),
+            "contexts": int(sub[["country", "arrangement_type", "econ_descriptor"]]
+                            .drop_duplicates().shape[0]),
+            "met_share": float(sub["y"].astype(float).mean()) if len(sub) else float("nan"),
+        })  # fmt: skip
+    return pd.DataFrame(rows)
+
+
 def load_holdout(run: Any) -> dict[str, Any]:
     """`data/holdout.json` (see `nest_evaluation_holdout`), written by notebook 01."""
     h = run.read_json("data/holdout.json", "notebook 01_data_exploration")
-    missing = [k for k in ("reference", "audit_train", "audit_val", "eval_countries") if k not in h]
+    missing = [k for k in ("reference", "audit_train", "audit_val", "policy", "eval_countries")
+               if k not in h]  # fmt: skip
     if missing:
         raise DataError(
             f"{run.path('data/holdout.json')}: fields {missing} missing; rerun notebook 01"

@@ -17,9 +17,12 @@ from rlxf_utils.data.findings import data_findings
 from rlxf_utils.data.mona import subsample_arrangements
 from rlxf_utils.data.read import MonaTable
 from rlxf_utils.data.splits import (
+    carve_policy_pool,
     make_splits,
     near_duplicates_across,
     nest_evaluation_holdout,
+    pool_of_rows,
+    pool_table,
     split_summary,
 )
 from rlxf_utils.stats import rate_by, wilson_z
@@ -45,8 +48,8 @@ def run_data_stage(cfg: Any, run: Any) -> DataStage:
     """Load, label, (sub)sample, split and build contexts; write them to the run dir.
 
     `cfg` is a `StudyConfig`, `run` a `RunDir`. Writes `data/conditions.parquet`,
-    `data/splits.json`, `data/holdout.json` (nest_evaluation_holdout), `data/contexts.parquet`,
-    `data/load_report.json`.
+    `data/splits.json`, `data/holdout.json` (nest_evaluation_holdout, carve_policy_pool),
+    `data/pools.parquet` (each row's pool), `data/contexts.parquet`, `data/load_report.json`.
     """
     d = cfg.data
     table = load_data(cfg)
@@ -70,6 +73,9 @@ def run_data_stage(cfg: Any, run: Any) -> DataStage:
         cfg.run.seed,
         s.validation_fraction,
     )
+    splits, holdout = carve_policy_pool(labelled, splits, holdout, s.policy_fraction, cfg.run.seed)
+    pools = pool_of_rows(labelled, splits, holdout)
+    contexts = with_policy_rows(contexts, labelled, holdout["policy"])
     by_id = labelled.set_index("row_id")["description"]
     dup_rows = []
     for protocol, parts in splits.items():
@@ -84,6 +90,7 @@ def run_data_stage(cfg: Any, run: Any) -> DataStage:
     run.write_parquet("data/conditions.parquet", conditions)
     run.write_json("data/splits.json", splits)
     run.write_json("data/holdout.json", holdout)
+    run.write_parquet("data/pools.parquet", pools)
     run.write_parquet("data/contexts.parquet", contexts)
     report = table.report.as_dict()
     report["path"] = portable_path(report["path"])  # the same in every checkout (issue 47)
@@ -94,6 +101,20 @@ def run_data_stage(cfg: Any, run: Any) -> DataStage:
     return DataStage(
         table, conditions, labelled, splits, contexts, duplicates, subsampled_from, holdout
     )
+
+
+def with_policy_rows(
+    contexts: pd.DataFrame, labelled: pd.DataFrame, policy: list[int]
+) -> pd.DataFrame:
+    """`contexts` with `policy_rows`: how many of the policy pool's rows each context holds. The
+    training contexts with none are no method's prompt (`data.contexts.load_contexts`)."""
+    keys = ["country", "arrangement_type", "econ_descriptor"]
+    counts = labelled[labelled["row_id"].isin(set(policy))].groupby(keys).size()
+    out = contexts.drop(columns="policy_rows", errors="ignore").merge(
+        counts.rename("policy_rows").reset_index(), on=keys, how="left", validate="one_to_one"
+    )
+    out["policy_rows"] = out["policy_rows"].fillna(0).astype(int)
+    return out
 
 
 @dataclass
@@ -187,6 +208,8 @@ def describe_data(stage: DataStage, cfg: Any, run: Any) -> DataDescription:
     _figure(
         run, "split_balance", plots.split_balance(t["split_sizes"], "Split sizes and MET share")
     )
+    pools = pool_of_rows(lab, stage.splits, stage.holdout)
+    t["data_pools"] = pool_table(lab, pools)
     t["split_duplicates"] = stage.duplicates
     t["context_split"] = (
         stage.contexts.groupby("split")
@@ -215,6 +238,9 @@ def describe_data(stage: DataStage, cfg: Any, run: Any) -> DataDescription:
         "split_sizes": t["split_sizes"].to_dict(orient="records"),
         "duplicates": t["split_duplicates"].to_dict(orient="records"),
         "contexts": t["context_split"].to_dict(orient="records"),
+        "pools": t["data_pools"].to_dict(orient="records"),
+        "policy_fraction": cfg.data.splits.policy_fraction,
+        "policy_contexts": int((stage.contexts.get("policy_rows", pd.Series(dtype=int)) > 0).sum()),
         "findings": findings,
     }
     run.write_json("data/summary.json", summary)

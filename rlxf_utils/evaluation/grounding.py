@@ -334,3 +334,26 @@ def ground_frame(
     for c in ("grounded_met_rate", "max_sim", "novelty"):
         out[c] = out[c].astype(float)
     return out
+
+
+def grounding_rows(
+    labelled: pd.DataFrame, trained_on: Sequence[int]
+) -> tuple[pd.DataFrame, dict[int, int]]:
+    """The historical rows the grounding index holds: every labelled row except those a policy
+    trained on (`trained_on`: the policy pool's row ids, a superset of any evaluated policy's
+    rows), so an imitation policy is not grounded on its own training texts; and the map from
+    a row's position in `labelled` to its position in the index."""
+    keep = ~labelled["row_id"].isin(set(int(i) for i in trained_on)).to_numpy()
+    position = {int(old): new for new, old in enumerate(np.flatnonzero(keep))}
+    return labelled[keep].reset_index(drop=True), position
+
+
+def index_positions(hist_idx: pd.Series, position: dict[int, int]) -> pd.Series:
+    """`hist_idx` (positions in `labelled`; NaN for generated text) as positions in the index
+    `grounding_rows` built; a historical row missing from the index is an error."""
+    out = hist_idx.map(lambda v: np.nan if pd.isna(v) else position.get(int(v), -2))
+    if (out == -2).any():
+        bad = hist_idx[out == -2].astype(int).tolist()[:3]
+        raise ValueError(f"historical rows {bad} are references but not in the grounding index "
+                         "(a policy trained on them?); check data/holdout.json")  # fmt: skip
+    return out.astype(float)

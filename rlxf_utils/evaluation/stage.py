@@ -24,7 +24,8 @@ run dir:
   policy, and the best-of-N curve (N = `best_of_n_curve`, KL at its upper bound);
 * `eval/heldout_perplexity.parquet`: perplexity of held-out historical descriptions (MET and
   Non-MET) under every policy;
-* `eval/historical_index/`: MiniLM embeddings of every labelled MONA description (cached);
+* `eval/historical_index/`: MiniLM embeddings of every labelled MONA description no policy trained
+  on (the policy pool left out; cached);
 * `eval/summary.json` and tables `eval_*`, figures `eval_*`; among them the RLGF paper's
   evaluation (`evaluation.rlgf`): tables `eval_rlgf`, `eval_prompt_difficulty`, `eval_easy_hard`,
   `eval_guidance` and figures `eval_reward_perplexity`, `eval_easy_hard`; and the ILHF paper's
@@ -62,7 +63,13 @@ from rlxf_utils.evaluation.figures import (
     plot_heldout_perplexity,
     plot_reward_uncertainty,
 )
-from rlxf_utils.evaluation.grounding import HistoricalIndex, ground_frame, minilm_encoder
+from rlxf_utils.evaluation.grounding import (
+    HistoricalIndex,
+    ground_frame,
+    grounding_rows,
+    index_positions,
+    minilm_encoder,
+)
 from rlxf_utils.evaluation.history import (
     HISTORY_POLICIES,
     ceiling_table,
@@ -191,13 +198,16 @@ def run_evaluation_stage(cfg: Any, run: RunDir, progress: bool = True) -> EvalSt
     samples = pd.concat([gen, hist], ignore_index=True)
     with timer("grounding"):
         encoder = minilm_encoder(str(pset.base.device))  # grounding, and ILHF's similarity
+        # no row any policy trained on (the policy pool) grounds a response
+        rows, position = grounding_rows(labelled, holdout["policy"])
         index = HistoricalIndex.load_or_build(
-            run.path("eval/historical_index"), labelled["description"].astype(str).tolist(),
-            labelled["y"].to_numpy(), labelled["econ_area"].astype(str).tolist(), encoder,
+            run.path("eval/historical_index"), rows["description"].astype(str).tolist(),
+            rows["y"].to_numpy(), rows["econ_area"].astype(str).tolist(), encoder,
         )  # fmt: skip
         samples[["grounded_met_rate", "max_sim", "novelty", "top_area"]] = ground_frame(
-            index, samples, ec.grounding_k, labelled["arrangement_id"].astype(str).tolist()
-        )
+            index, samples.assign(hist_idx=index_positions(samples["hist_idx"], position)),
+            ec.grounding_k, rows["arrangement_id"].astype(str).tolist(),
+        )  # fmt: skip
     for key in (*CONTEXT_FIELDS, "econ_area"):
         samples[key] = [contexts[i][key] for i in samples["prompt_id"]]
     order = [*pset.names, "best_of_n", *HISTORY_POLICIES]

@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from rlxf_utils.artifacts import NotARun, RunDir, atomic_path, read_manifest
+from rlxf_utils.artifacts import ArtifactMissing, NotARun, RunDir, atomic_path, read_manifest
 from rlxf_utils.config import PROJECT_ROOT
 from rlxf_utils.names import humanise, humanise_values, map_strings
 from rlxf_utils.report.data import data_section
@@ -98,7 +98,23 @@ def _data_variables(run: RunDir) -> dict[str, Any]:
         "contexts_train": f"{ctx['train']['contexts']:,}",
         "contexts_eval": f"{ctx['eval']['contexts']:,}",
         "countries_eval": str(ctx["eval"]["countries"]),
+        **_pool_variables(s),
     }
+
+
+def _pool_variables(s: dict[str, Any]) -> dict[str, str]:
+    """The disjoint pools' sizes (`data.splits.pool_table`): rows and share of the training
+    countries' rows for the reward model (train + val), the audit and the policies."""
+    if "pools" not in s:
+        raise ArtifactMissing("data/summary.json has no 'pools'; rerun notebook 01")
+    p = {r["pool"]: r for r in s["pools"]}
+    out = {"policy_contexts": f"{s['policy_contexts']:,}"}
+    for name, parts in (("reward", ("reward_train", "reward_val")),
+                        ("audit", ("audit_train", "audit_val")), ("policy", ("policy",))):  # fmt: skip
+        out[f"pool_{name}_rows"] = f"{sum(p[k]['rows'] for k in parts):,}"
+        out[f"pool_{name}_share"] = pct(sum(p[k]["share_of_training_countries"] for k in parts))
+        out[f"pool_{name}_arrangements"] = str(sum(p[k]["arrangements"] for k in parts))
+    return out
 
 
 def _manifest_variables(run: RunDir) -> dict[str, Any]:
@@ -145,6 +161,7 @@ TABLE_INCLUDES = {
     "table2_sample.md": ("table2_sample", "notebook 01_data_exploration"),
     "split_sizes.md": ("split_sizes", "notebook 01_data_exploration"),
     "split_duplicates.md": ("split_duplicates", "notebook 01_data_exploration"),
+    "data_pools.md": ("data_pools", "notebook 01_data_exploration"),
     "met_rate_by_arrangement_type.md": (
         "met_rate_by_arrangement_type",
         "notebook 01_data_exploration",

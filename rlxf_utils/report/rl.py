@@ -211,6 +211,9 @@ def rl_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], dic
         "rl_settings.md": markdown_table(settings),
         "rl_summary.md": markdown_table(_rl_summary_display(summ)),
         "rl_samples.md": markdown_table(shown),
+        "rl_train_experience.md": markdown_table(
+            run.read_table("rl_train_experience", stage).rename(columns=spaced), floatfmt=".3g"
+        ),
     }
     return variables, includes
 

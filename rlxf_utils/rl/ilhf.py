@@ -56,7 +56,7 @@ from torch import nn
 from rlxf_utils.artifacts import RunDir, atomic_path
 from rlxf_utils.config import ILHFConfig, RLConfig
 from rlxf_utils.data.contexts import eligible_rows
-from rlxf_utils.data.splits import load_splits
+from rlxf_utils.data.splits import load_holdout, load_splits
 from rlxf_utils.models.ensemble import (
     ENSEMBLE_FILE,
     add_particles,
@@ -73,6 +73,7 @@ from rlxf_utils.models.generation import (
 )
 from rlxf_utils.prompts import CONTEXT_FIELDS
 from rlxf_utils.rl.core import KL_ESTIMATORS, LOG_COLUMNS, RewardFn, prompt_schedule
+from rlxf_utils.rl.experience import take_in_context_order
 from rlxf_utils.rl.optim import adamw
 from rlxf_utils.rl.sft import SFTExample, collate, response_token_nll, target_ids
 from rlxf_utils.rl.trainer import Trainer, TrainJob, write_settings
@@ -492,23 +493,21 @@ class ILHFOnlineTrainer(ILHFTrainer):
 # The stage
 # ---------------------------------------------------------------------------------------------
 def encoded_history_pairs(
-    cfg: Any, run_dir: Any, tokenizer: Any, model: Any
+    cfg: Any, run_dir: Any, tokenizer: Any, model: Any, job: Any
 ) -> tuple[pd.DataFrame, list[tuple[list[int], list[int], list[int], float]]]:
-    """`history_pairs` over the rows the RL stage may see, as token ids (prompt of the pair's
-    context, each description + end token; pairs with a description over
-    `ilhf.history_max_tokens` left out)."""
-    rd = RunDir(run_dir)
-    ic = cfg.ilhf
-    labelled, splits = load_splits(rd)
+    """`history_pairs` over the policy pool's rows (those fitting `ilhf.history_max_tokens`),
+    `ilhf.history_max_pairs` of them taken in RL's context order, half of rl.num_generations a
+    visit (`experience.take_in_context_order`), as token ids (the pair's context's prompt, each
+    description + end token)."""
+    rd, ic = RunDir(run_dir), cfg.ilhf
+    labelled, _ = load_splits(rd)
     ctx = rd.read_parquet("data/contexts.parquet", stage="notebook 01 (data exploration)")
-    rows = eligible_rows(labelled, splits, ctx, cfg.reward.reward_protocol, "all")
+    rows = eligible_rows(labelled, load_holdout(rd), "all")
     area = context_areas(ctx)
-    pairs = history_pairs(
-        rows, ic.history_max_pairs * 2, ic.history_pairs_per_context, cfg.run.seed
-    )
-    pairs, a_ids, b_ids = pair_targets(
-        pairs, tokenizer, model, ic.history_max_tokens, ic.history_max_pairs, cfg.run.seed
-    )
+    pairs = history_pairs(rows, len(rows) ** 2, ic.history_pairs_per_context, cfg.run.seed)
+    pairs, a_ids, b_ids = pair_targets(pairs, tokenizer, model, ic.history_max_tokens, len(pairs), cfg.run.seed)  # fmt: skip
+    take = take_in_context_order(pairs, job.contexts, job.seed, max(1, job.rl.num_generations // 2), ic.history_max_pairs)  # fmt: skip
+    pairs, a_ids, b_ids = pairs.iloc[take].reset_index(drop=True), [a_ids[i] for i in take], [b_ids[i] for i in take]  # fmt: skip
     p_ids = context_prompt_ids(pairs, area, tokenizer, cfg)
     enc = [
         (list(p), a, b, float(q))
@@ -573,7 +572,7 @@ def run_ilhf(job: TrainJob) -> pd.DataFrame:
               "kl_penalty": "none (the ensemble's pull towards its initial weights)",
               "advantage": "none: the policy's log-likelihoods are the reward (ILHF loss)"}  # fmt: skip
     if algo == "ilhf_history":
-        frame, pairs = encoded_history_pairs(cfg, run_dir, job.tokenizer, job.model)
+        frame, pairs = encoded_history_pairs(cfg, run_dir, job.tokenizer, job.model, job)
         out.mkdir(parents=True, exist_ok=True)
         with atomic_path(out / "pairs.parquet") as tmp:
             frame.to_parquet(tmp, index=False)

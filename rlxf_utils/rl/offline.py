@@ -14,14 +14,16 @@ what worked. These three ask whether the experience needs RL at all:
   distilled into a policy.
 
 Like for like with RL: the same start policy (their reference: LoRA disabled), LoRA, learning
-rate and constant schedule; the rows and contexts the RL stage may see (no evaluation country,
-no reward-validation or test row: `data.contexts.eligible_rows`); and the same optimiser steps
+rate and constant schedule; the policy pool's rows and contexts (no evaluation country, no row a
+reward model or the audit learns from: `data.contexts.eligible_rows`); and the same optimiser steps
 of the same size: `offline.examples` sequences (default rl.steps x rl.batch_size, the responses
 an RL algorithm trains on; DPO: half as many pairs, two sequences each) in minibatches of
 rl.minibatch_size sequences for rl.update_epochs passes, rl.steps x rl.optimizer_steps_per_batch
-optimiser steps in all. RFT draws rft_candidates x examples responses to choose from (4x RL's
-samples at the defaults): its sampling budget is best-of-N's, not RL's, and `settings.json`
-says so.
+optimiser steps in all; and RL's contexts in RL's order (`rl.experience`): RFT asks RL's context
+visits, KTO and DPO take per visit the sequences RL samples there, walking on past RL's visits
+only where a context holds fewer historical rows. RFT draws rft_candidates x examples responses
+to choose from (4x RL's samples at the defaults): its sampling budget is best-of-N's, not RL's,
+and `settings.json` says so.
 
 TRL tokenises KTO's and DPO's text; `check_token_ids` verifies that what it built equals the
 study's own prompt and target ids (`encode_prompts`, `sft.target_ids`) and raises otherwise.
@@ -32,6 +34,7 @@ adapter is kept as a frontier snapshot; TRL's checkpoints resume an interrupted 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import time
@@ -45,11 +48,12 @@ import pandas as pd
 from rlxf_utils.artifacts import RunDir, atomic_path
 from rlxf_utils.config import OfflineConfig
 from rlxf_utils.data.contexts import eligible_rows
-from rlxf_utils.data.splits import load_splits
+from rlxf_utils.data.splits import load_holdout, load_splits
 from rlxf_utils.models.generation import autocast, encode_prompts, generate
 from rlxf_utils.models.loading import lora_config
 from rlxf_utils.prompts import CONTEXT_FIELDS
 from rlxf_utils.rl.core import KL_ESTIMATORS, LOG_COLUMNS
+from rlxf_utils.rl.experience import context_visits, take_in_context_order
 from rlxf_utils.rl.ilhf import context_areas, context_prompts, history_pairs, pair_targets
 from rlxf_utils.rl.sft import target_ids
 from rlxf_utils.rl.trainer import TrainJob, write_settings
@@ -99,28 +103,31 @@ def total_steps(job: TrainJob) -> int:
 def training_rows(cfg: Any, run_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
     """The historical rows the RL stage may see (every outcome) and the contexts table."""
     rd = RunDir(run_dir)
-    labelled, splits = load_splits(rd)
+    labelled, _ = load_splits(rd)
     ctx = rd.read_parquet("data/contexts.parquet", stage="notebook 01 (data exploration)")
-    return eligible_rows(labelled, splits, ctx, cfg.reward.reward_protocol, "all"), ctx
+    return eligible_rows(labelled, load_holdout(rd), "all"), ctx
 
 
 def kto_examples(job: TrainJob) -> tuple[pd.DataFrame, list[str], list[tuple[list[int], list[int]]]]:  # fmt: skip
     """`n_examples` historical rows (distinct descriptions of a context whose target fits
-    `offline.max_tokens`; seeded, shuffled) with `label` (MET: desirable); their formatted
-    prompts; and their (prompt, target) ids."""
+    `offline.max_tokens`), taken in RL's context order, `rl.num_generations` a visit
+    (`experience.take_in_context_order`), then shuffled (seeded), with `label` (MET:
+    desirable); their formatted prompts; and their (prompt, target) ids."""
     cfg, run_dir = job.require_study()
     rows, ctx = training_rows(cfg, run_dir)
     text = rows["description"].astype(str).map(lambda t: " ".join(t.split()))
     rows = rows.assign(text=text).drop_duplicates([*CONTEXT_FIELDS, "text", "y"])
-    rows = rows.sample(frac=1.0, random_state=job.seed).reset_index(drop=True)
+    rows = rows.reset_index(drop=True)
     targets = target_ids(rows["text"], job.tokenizer, job.model)
-    fits = np.array([len(t) <= cfg.offline.max_tokens for t in targets], dtype=bool)
+    fits = np.flatnonzero([len(t) <= cfg.offline.max_tokens for t in targets])
     n = n_examples(job)
-    rows = rows[fits].head(n).reset_index(drop=True)
-    if len(rows) < n:
-        raise OfflineDataError(f"kto: {len(rows)} historical rows fit offline.max_tokens="
-                               f"{cfg.offline.max_tokens}, {n} wanted (offline.examples)")  # fmt: skip
-    targets = [t for t, f in zip(targets, fits, strict=True) if f][:n]
+    take = fits[take_in_context_order(rows.iloc[fits], job.contexts, job.seed, job.rl.num_generations, n)]  # fmt: skip
+    take = take[np.random.default_rng(job.seed).permutation(len(take))]
+    if len(take) < n:
+        raise OfflineDataError(f"kto: {len(take)} historical rows of the training contexts fit "
+                               f"offline.max_tokens={cfg.offline.max_tokens}, {n} wanted (offline.examples)")  # fmt: skip
+    rows = rows.iloc[take].reset_index(drop=True)
+    targets = [targets[i] for i in take]
     prompts = context_prompts(rows, context_areas(ctx), job.tokenizer, cfg)
     p_ids = encode_prompts(job.tokenizer, prompts)["input_ids"]
     frame = rows[[*CONTEXT_FIELDS, "row_id", "text", "y"]].assign(label=rows["y"].astype(bool))
@@ -134,9 +141,13 @@ def dpo_pairs(job: TrainJob) -> tuple[pd.DataFrame, list[str], list[tuple[list[i
     oc = cfg.offline
     rows, ctx = training_rows(cfg, run_dir)
     n = n_examples(job) // 2
-    # every context's pairs (at most pairs_per_context each), then n of those that fit
+    # every context's pairs (at most pairs_per_context each) that fit, then n of those in RL's
+    # context order, half of rl.num_generations a visit (two sequences each)
     pairs = history_pairs(rows, len(rows) ** 2, oc.pairs_per_context, job.seed, mixed_only=True)
-    pairs, a_ids, b_ids = pair_targets(pairs, job.tokenizer, job.model, oc.max_tokens, n, job.seed)
+    pairs, a_ids, b_ids = pair_targets(pairs, job.tokenizer, job.model, oc.max_tokens, len(pairs), job.seed)  # fmt: skip
+    take = take_in_context_order(pairs, job.contexts, job.seed, max(1, job.rl.num_generations // 2), n)  # fmt: skip
+    pairs = pairs.iloc[take].reset_index(drop=True)
+    a_ids, b_ids = [a_ids[i] for i in take], [b_ids[i] for i in take]
     if len(pairs) < n:
         raise OfflineDataError(f"dpo: {len(pairs)} MET/Non-MET pairs of one context fit "
                                f"offline.max_tokens={oc.max_tokens}, {n} wanted (offline.examples "
@@ -156,8 +167,9 @@ def dpo_pairs(job: TrainJob) -> tuple[pd.DataFrame, list[str], list[tuple[list[i
 
 def rft_pool(job: TrainJob, batch_size: int | str = 64) -> pd.DataFrame:
     """`rft_candidates` responses of the start policy (adapters absent: the model as loaded) to
-    each of `n_examples` training prompts (a seeded pass over the training contexts, repeated if
-    there are fewer), scored by the reward model; `kept` marks each prompt's best (first on ties).
+    each of `n_examples` training prompts (RL's context visits, `experience.context_visits`, each
+    asked rl.num_generations times), scored by the reward model; `kept` marks each prompt's best
+    (first on ties).
 
     Sampled once, by the main process, into `policy/rft/pool.parquet`; every process (and a
     resumed run) reads it back: it is what the run trains on."""
@@ -176,8 +188,9 @@ def _sample_pool(job: TrainJob, batch_size: int | str) -> pd.DataFrame:
     if job.reward_fn is None:
         raise ValueError("rft needs the reward model's reward_fn (it keeps the best response)")
     n, k, rl = n_examples(job), cfg.offline.rft_candidates, job.rl
-    rng = np.random.default_rng(job.seed)
-    order = np.concatenate([rng.permutation(len(job.prompts)) for _ in range(-(-n // len(job.prompts)))])[:n]  # fmt: skip
+    # RL's context visits, each asked rl.num_generations times: RL's contexts and sequences
+    visits = list(itertools.islice(context_visits(len(job.prompts), job.seed), -(-n // rl.num_generations)))  # fmt: skip
+    order = np.repeat(np.asarray(visits, dtype=np.int64), rl.num_generations)[:n]
     prompts = [job.prompts[i] for i in order]
     with autocast(job.policy.autocast, next(job.model.parameters()).device):
         pool = generate(job.model, job.tokenizer, prompts, k, max_new_tokens=rl.max_new_tokens,
@@ -187,6 +200,8 @@ def _sample_pool(job: TrainJob, batch_size: int | str) -> pd.DataFrame:
                         merge=job.policy.merge_lora)  # fmt: skip
     pool["context_id"] = order[pool["prompt_id"].to_numpy()]
     contexts = [dict(job.contexts[i]) for i in pool["context_id"]]
+    for key in CONTEXT_FIELDS:
+        pool[key] = [str(c[key]) for c in contexts]
     pool["reward"] = np.asarray(job.reward_fn(contexts, pool["response"].tolist()), dtype=float)
     pool["kept"] = False
     pool.loc[pool.groupby("prompt_id")["reward"].idxmax().to_numpy(), "kept"] = True

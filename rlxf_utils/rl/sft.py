@@ -8,8 +8,8 @@ adapters are trained on the same base model:
   its KL reference;
 * `sft_met`: MET rows only: supervised learning from experience, the baseline RL must beat.
 
-Data: only rows the RL stage may see, i.e. rows of the reward protocol's *training* split (never
-its validation or test rows) whose country is an RL training country (never a held-out one).
+Data: only the policy pool's rows (`data.contexts.eligible_rows`: rows of training countries that
+no reward model, audit or reference holds; `data.splits.carve_policy_pool`).
 The prompt is exactly the RL prompt (`models.generation.build_prompts`, tokenised by `encode_prompts`); the
 target is the historical description followed by the end token; the loss is on the target
 only. A lean loop (length-sorted batches, left padding so only the tail's logits are computed,
@@ -36,7 +36,7 @@ from rlxf_utils.algorithms import SFT_POLICIES
 from rlxf_utils.artifacts import RunDir, atomic_dir
 from rlxf_utils.config import SFTConfig, StudyConfig
 from rlxf_utils.data.contexts import eligible_rows
-from rlxf_utils.data.splits import load_splits
+from rlxf_utils.data.splits import load_holdout, load_splits
 from rlxf_utils.freshness import input_hashes
 from rlxf_utils.models.generation import autocast, build_prompts, encode_prompts, eos_ids
 from rlxf_utils.models.loading import apply_lora, load_policy
@@ -238,8 +238,8 @@ def run_sft_stage(cfg: StudyConfig, run: RunDir, progress: bool = True) -> pd.Da
     sc = cfg.sft
     if sc.num_threads is not None:
         torch.set_num_threads(sc.num_threads)
-    labelled, splits = load_splits(run)
-    contexts = run.read_parquet("data/contexts.parquet", stage="notebook 01 (data exploration)")
+    labelled, _ = load_splits(run)
+    holdout = load_holdout(run)
     summary = []
     settings = sft_settings(cfg, run)
     for name, outcomes in SFT_POLICIES.items():
@@ -248,7 +248,7 @@ def run_sft_stage(cfg: StudyConfig, run: RunDir, progress: bool = True) -> pd.Da
             log.info("%s: up to date (%s): reading its outputs", name, sft_summary_path(run, name))
             summary.append({k: v for k, v in info.items() if k not in ("row_ids", "settings")})
             continue
-        rows = eligible_rows(labelled, splits, contexts, cfg.reward.reward_protocol, outcomes)
+        rows = eligible_rows(labelled, holdout, outcomes)
         n_eligible = len(rows)
         limit = sc.max_examples if outcomes == "all" else sc.max_examples_met
         if limit is not None and len(rows) > limit:
@@ -341,12 +341,11 @@ def met_references(
     cfg: Any, run_dir: Any, contexts: Sequence[Mapping[str, Any]], tokenizer: Any, model: Any
 ) -> list[list[list[int]]]:
     """Per context: token ids (+ end token) of its historical MET descriptions among the rows
-    the RL stage may see (`data.contexts.eligible_rows`: the reward protocol's training split, RL training
-    countries), at most `sft.max_response_tokens` long (as SFT's targets)."""
+    the policy pool (`data.contexts.eligible_rows`: rows no reward model or judge learns from),
+    at most `sft.max_response_tokens` long (as SFT's targets)."""
     rd = RunDir(run_dir)
-    labelled, splits = load_splits(rd)
-    ctx_frame = rd.read_parquet("data/contexts.parquet", stage="notebook 01 (data exploration)")
-    rows = eligible_rows(labelled, splits, ctx_frame, cfg.reward.reward_protocol, "met")
+    labelled, _ = load_splits(rd)
+    rows = eligible_rows(labelled, load_holdout(rd), "met")
     keys = CONTEXT_FIELDS
     by_key: dict[tuple[str, ...], list[list[int]]] = {}
     targets = target_ids(rows["description"], tokenizer, model)

@@ -14,10 +14,11 @@ import numpy as np
 import pandas as pd
 import torch
 
-from rlxf_utils.algorithms import RLGF_ALGORITHMS, SFT_POLICIES, algorithm
+from rlxf_utils.algorithms import RL_ALGORITHMS, RLGF_ALGORITHMS, SFT_POLICIES, algorithm
 from rlxf_utils.artifacts import RunDir, atomic_path
 from rlxf_utils.config import StudyConfig
 from rlxf_utils.data.contexts import load_contexts
+from rlxf_utils.data.splits import load_splits
 from rlxf_utils.freshness import REWARD_PATHS, input_hashes
 from rlxf_utils.models.generation import (
     build_prompts,
@@ -29,6 +30,14 @@ from rlxf_utils.prompts import CONTEXT_FIELDS
 from rlxf_utils.reward.bundle import load_reward
 from rlxf_utils.rl.core import RewardFn
 from rlxf_utils.rl.didactic import didactic_figure
+from rlxf_utils.rl.experience import (
+    EXPERIENCE_FILE,
+    counting_optimizer_steps,
+    experience_table,
+    has_checkpoint,
+    record_experience,
+    sft_experience,
+)
 from rlxf_utils.rl.launch import processes_for, run_stage
 from rlxf_utils.rl.sft import is_trained as sft_is_trained
 from rlxf_utils.rl.sft import loss_figure, run_sft_stage
@@ -168,8 +177,11 @@ def run_algorithm(
     job = TrainJob(algo, model, tok, prompts, contexts, reward_fn, cfg.rl, cfg.policy, out,
                    seed=training_seed(cfg), progress=progress, steps=steps, study=cfg,
                    run_dir=rd.root)  # fmt: skip
-    frame = algorithm(algo).train(job)
+    resumed = has_checkpoint(out)
+    with counting_optimizer_steps() as counted:
+        frame = algorithm(algo).train(job)
     if is_main_process():
+        record_experience(job, int(frame["step"].max()) if len(frame) else 0, counted, resumed)
         with atomic_path(done) as tmp:
             tmp.write_text(json.dumps(marker, indent=2), encoding="utf-8")
     return frame
@@ -257,7 +269,8 @@ def rl_step(
         frames.append(run_algorithm(algo, cfg, run.root, reward_fn, contexts=contexts))
     logs = pd.concat(frames, ignore_index=True)
     run.write_parquet("policy/train_logs.parquet", logs)
-    tables = {"rl_algorithm_settings": settings_table(run.root, cfg.rl.algorithm)}
+    tables = {"rl_algorithm_settings": settings_table(run.root, cfg.rl.algorithm),
+              "rl_train_experience": train_experience(cfg, run)}  # fmt: skip
     run.write_figure("rl_training_curves", training_curves_figure(logs))
     tables["rl_summary"] = summary_table(logs, alpha=cfg.evaluation.alpha)
     if any(a in RLGF_ALGORITHMS for a in cfg.rl.algorithm):
@@ -266,6 +279,19 @@ def rl_step(
     for name, table in tables.items():
         run.write_table(name, table)
     return logs, tables
+
+
+def train_experience(cfg: StudyConfig, run: RunDir) -> pd.DataFrame:
+    """What each method trained on (`rl.experience`): the supervised policies' and every
+    algorithm's distinct contexts (and how many are the first RL algorithm's), sequences,
+    optimiser steps and sequences per step, from what each trainer recorded."""
+    labelled, _ = load_splits(run)
+    records = [sft_experience(run, n, labelled, cfg.sft.epochs) for n in SFT_POLICIES
+               if cfg.sft.enabled]  # fmt: skip
+    records += [run.read_json(f"policy/{a}/{EXPERIENCE_FILE}", stage="notebook 03")
+                for a in cfg.rl.algorithm]  # fmt: skip
+    online = [a for a in cfg.rl.algorithm if a in RL_ALGORITHMS]
+    return experience_table(records, online[0] if online else None)
 
 
 def didactic_step(run: RunDir) -> pd.DataFrame:
