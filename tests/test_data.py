@@ -761,6 +761,8 @@ def test_reward_audit_and_policy_pools_are_disjoint_on_the_real_split(splits, pr
     for p in sp:
         assert not (set(out[p]["train"]) | set(out[p]["val"])) & policy
         assert out[p]["test"] == nested[p]["test"]
+    # the grouped protocol's val (a few whole arrangements: checkpoint and calibration) is whole
+    assert out["grouped"]["val"] == nested["grouped"]["val"]
     # the share asked for, of the training countries' rows (whole arrangements: roughly)
     n_tc = len(lab) - len(ref)
     assert abs(len(policy) / n_tc - 0.25) < 0.05

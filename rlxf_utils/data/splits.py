@@ -170,9 +170,12 @@ def carve_policy_pool(
 
     `policy_fraction` of the training countries' labelled rows, as whole arrangements (MONA
     repeats a condition across one arrangement's reviews: a copy must not sit in two pools), are
-    drawn from the reward protocol's training side (train + val), seeded. They leave every
-    protocol's train and val parts (no reward model learns from them; every test part is
-    unchanged, so a protocol's test metrics compare before and after), and the audit's rows of
+    drawn from the reward protocol's training side (train + val), seeded, never from an
+    arrangement of the grouped protocol's val part (a few whole arrangements that pick the
+    checkpoint and fit the calibration: a smoke run's could not lose one). They leave every
+    protocol's train and val parts (no reward model learns
+    from them; every test part is unchanged, so a protocol's test metrics compare before and
+    after), and the audit's rows of
     those arrangements leave the audit (they are in no pool: `unused`). Returns (new splits,
     holdout with `policy` and `policy_fraction` added), after `nest_evaluation_holdout`.
     """
@@ -180,8 +183,10 @@ def carve_policy_pool(
     sp = splits[protocol]
     reference = set(holdout["reference"])
     n_train_countries = int((~labelled["row_id"].isin(reference)).sum())
-    side = np.array(sorted(set(sp["train"]) | set(sp["val"])), dtype=np.int64)
     arr = labelled.set_index("row_id")["arrangement_id"].astype(str)
+    grouped_val = set(arr.loc[splits.get("grouped", {}).get("val", [])])
+    side = np.array(sorted(i for i in set(sp["train"]) | set(sp["val"])
+                           if arr.loc[i] not in grouped_val), dtype=np.int64)  # fmt: skip
     frac = policy_fraction * n_train_countries / max(len(side), 1)
     if frac >= 1:
         raise DataError(
