@@ -63,10 +63,10 @@ def test_optimizer_steps_are_counted_per_optimizer():
                     continue
                 m(torch.ones(1, 2)).sum().backward()
                 opt.step()
-    assert counted == {"optimizer_steps": 5, "optimizers": 2}
+    assert counted == {"optimizer_steps": 5, "optimizers": 2, "optimizer_steps_total": 5}
     with counting_optimizer_steps() as none:
         pass
-    assert none == {"optimizer_steps": 0, "optimizers": 0}
+    assert none == {"optimizer_steps": 0, "optimizers": 0, "optimizer_steps_total": None}
 
 
 def _job(tmp_path: Path, algo: str, **kw) -> SimpleNamespace:
@@ -94,6 +94,28 @@ def test_record_and_table_from_what_each_trainer_used(tmp_path):
     assert table.loc["dpo", "distinct_contexts"] == 2
     assert table.loc["dpo", "contexts_shared_with_rl"] == int("A\x1fSBA\x1f1.1" in visited)
     assert np.isnan(table.loc["dpo", "optimizer_steps"]) and bool(table.loc["dpo", "resumed"])
+    # a resumed run whose optimiser held its step count: the whole run's steps, as uninterrupted
+    full = {"optimizer_steps": 4, "optimizers": 1, "optimizer_steps_total": 12}
+    assert record_experience(ppo, 3, full, resumed=True) == rec
+
+
+def test_a_resumed_optimizer_counts_the_steps_before_it():
+    """The step hook reads Adam's own count, which a checkpoint restores: 3 steps, a new process
+    (a fresh optimiser loading the state) and 2 more count 5 run steps, 2 this process's."""
+    from rlxf_utils.rl.experience import counting_optimizer_steps
+
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.AdamW([w], lr=0.1)
+    for _ in range(3):
+        w.grad = torch.ones(3)
+        opt.step()
+    resumed = torch.optim.AdamW([w], lr=0.1)
+    resumed.load_state_dict(opt.state_dict())
+    with counting_optimizer_steps() as counted:
+        for _ in range(2):
+            w.grad = torch.ones(3)
+            resumed.step()
+    assert counted == {"optimizer_steps": 2, "optimizers": 1, "optimizer_steps_total": 5}
 
 
 @pytest.mark.parametrize("profile", ["smoke", "default", "full", "paper"])

@@ -81,11 +81,11 @@ def kl_short(estimator: Any) -> str:
 def _rl_summary_display(summ: pd.DataFrame) -> pd.DataFrame:
     """notebook 03's `rl_summary` with short headers a page can hold: one cell per quantity."""
 
-    def num(x: Any, digits: int) -> str:
+    def cell(x: Any, digits: int) -> str:
         return num(x, digits) if is_present(x) else "·"
 
     def arrow(a: Any, b: Any, digits: int) -> str:
-        return f"{num(a, digits)} → {num(b, digits)}" if is_present(a) else "·"
+        return f"{cell(a, digits)} → {cell(b, digits)}" if is_present(a) else "·"
 
     rows = []
     for _, r in summ.iterrows():
@@ -93,12 +93,12 @@ def _rl_summary_display(summ: pd.DataFrame) -> pd.DataFrame:
         rows.append({
             "algorithm": r["algorithm"], "steps": int(r["steps"]),
             "reward (first → last 3 steps)": arrow(r.get("reward_first"), r.get("reward_last"), 3),
-            "final KL": num(r.get("kl_last"), 2),
+            "final KL": cell(r.get("kl_last"), 2),
             "KL measured as": kl_short(r.get("kl_estimator")),
-            "entropy": num(r.get("entropy_last"), 2),
+            "entropy": cell(r.get("entropy_last"), 2),
             "critic EV, last third [CI]": ci(ev, r.get("explained_variance_low"), r.get("explained_variance_high")) if is_present(ev) else "·",
             "β (first → last)": arrow(r.get("beta_first"), r.get("beta_last"), 4),
-            "s / step": num(r.get("step_time_s"), 1), "tokens / s": num(r.get("tokens_per_s"), 0),
+            "s / step": cell(r.get("step_time_s"), 1), "tokens / s": cell(r.get("tokens_per_s"), 0),
         })  # fmt: skip
     return pd.DataFrame(rows)
 

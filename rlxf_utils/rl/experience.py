@@ -74,11 +74,18 @@ def take_in_context_order(
 
 
 _STEPS: Counter[int] = Counter()
+#: Each optimiser's own step count after its last step (Adam's `state["step"]`, which a resumed
+#: run restores from its checkpoint): the steps of the whole run, not only this process's.
+_TOTAL: dict[int, int] = {}
 _HOOK: list[Any] = []
 
 
 def _count(optimizer: Any, args: Any, kwargs: Any) -> None:
     _STEPS[id(optimizer)] += 1
+    state = next((st for st in optimizer.state.values() if isinstance(st, dict) and "step" in st),
+                 None)  # fmt: skip
+    if state is not None:
+        _TOTAL[id(optimizer)] = int(state["step"])
 
 
 @contextlib.contextmanager
@@ -86,7 +93,9 @@ def counting_optimizer_steps() -> Iterator[dict[str, int]]:
     """Counts every torch optimiser's steps in this process while it is open (a global step hook:
     ours, TRL's and accelerate's wrapped optimisers alike); yields a dict filled on exit with
     `optimizer_steps` (the most steps any one optimiser took: ILHF's particles and RLGF's critics
-    have their own) and `optimizers` (how many stepped)."""
+    have their own), `optimizers` (how many stepped) and `optimizer_steps_total` (the most steps
+    any of them holds in its own state, a resumed run's steps before it included; None where
+    the optimiser keeps no step count)."""
     if not _HOOK:
         hooks = importlib.import_module("torch.optim.optimizer")
         _HOOK.append(hooks.register_optimizer_step_post_hook(_count))
@@ -98,6 +107,8 @@ def counting_optimizer_steps() -> Iterator[dict[str, int]]:
         delta = {k: v - before.get(k, 0) for k, v in _STEPS.items() if v > before.get(k, 0)}
         out["optimizer_steps"] = max(delta.values(), default=0)
         out["optimizers"] = len(delta)
+        totals = [_TOTAL[k] for k in delta if k in _TOTAL]
+        out["optimizer_steps_total"] = max(totals) if totals else None
 
 
 def has_checkpoint(output_dir: Path) -> bool:
@@ -124,8 +135,10 @@ def used_data(job: Any, steps_run: int) -> tuple[list[str], int]:
 
 
 def record_experience(job: Any, steps_run: int, counted: Mapping[str, int], resumed: bool) -> dict[str, Any]:  # fmt: skip
-    """`experience.json` in the trainer's folder: its contexts, sequences, optimiser steps (None
-    when it resumed: the count covers only this process) and passes over its data."""
+    """`experience.json` in the trainer's folder: its contexts, sequences, optimiser steps and
+    passes over its data. A resumed run counts its steps from its optimisers' own state
+    (restored from the checkpoint), so its record equals an uninterrupted run's; None where
+    that count is missing (the steps this process took are not the run's)."""
     out = Path(job.output_dir)
     keys, sequences = used_data(job, steps_run)
     settings = json.loads((out / "settings.json").read_text(encoding="utf-8"))
@@ -133,13 +146,19 @@ def record_experience(job: Any, steps_run: int, counted: Mapping[str, int], resu
         "algo": job.algo,
         "contexts": sorted(set(keys)),
         "sequences": int(sequences),
-        "optimizer_steps": None if resumed else int(counted["optimizer_steps"]),
+        "optimizer_steps": _run_steps(counted, resumed),
         "optimizers": int(counted["optimizers"]),
         "passes": float(settings.get("update_epochs") or 1),
-        "resumed": bool(resumed),
     }
     write_json(out / EXPERIENCE_FILE, record)
     return record
+
+
+def _run_steps(counted: Mapping[str, Any], resumed: bool) -> int | None:
+    total = counted.get("optimizer_steps_total")
+    if total is not None:
+        return int(total)
+    return None if resumed else int(counted["optimizer_steps"])
 
 
 def sft_experience(run: RunDir, name: str, labelled: pd.DataFrame, epochs: float) -> dict[str, Any]:  # fmt: skip
@@ -149,13 +168,13 @@ def sft_experience(run: RunDir, name: str, labelled: pd.DataFrame, epochs: float
     rows = labelled[labelled["row_id"].isin(set(info["row_ids"]))]
     keys = [context_key(r) for r in rows[list(CONTEXT_FIELDS)].to_dict("records")]
     return {"algo": name, "contexts": sorted(set(keys)), "sequences": int(info["examples"]),
-            "optimizer_steps": steps, "optimizers": 1, "passes": float(epochs), "resumed": False}  # fmt: skip
+            "optimizer_steps": steps, "optimizers": 1, "passes": float(epochs)}  # fmt: skip
 
 
 def experience_table(records: Sequence[Mapping[str, Any]], rl_algo: str | None) -> pd.DataFrame:
     """One row per method: distinct contexts, how many of them `rl_algo`'s (the reference RL
     run) are, training sequences, optimiser steps, sequences per optimiser step (sequences x
-    passes / steps), optimisers, passes and whether the count was cut by a resume."""
+    passes / steps), optimisers, passes and whether a resume left the count unknown."""
     ref = next((set(r["contexts"]) for r in records if r["algo"] == rl_algo), None)
     rows = []
     for r in records:
@@ -166,6 +185,6 @@ def experience_table(records: Sequence[Mapping[str, Any]], rl_algo: str | None) 
             "sequences": r["sequences"],
             "optimizer_steps": np.nan if steps is None else steps,
             "sequences_per_step": np.nan if not steps else r["sequences"] * r["passes"] / steps,
-            "optimizers": r["optimizers"], "passes": r["passes"], "resumed": r["resumed"],
+            "optimizers": r["optimizers"], "passes": r["passes"], "resumed": steps is None,
         })  # fmt: skip
     return pd.DataFrame(rows, columns=list(EXPERIENCE_COLUMNS))
