@@ -111,7 +111,8 @@ def test_rft_raises_the_kept_responses(tmp_path):
 
     with counting_optimizer_steps() as counted:  # TRL's optimiser, as notebook 03 counts it
         offline.train_offline(job, OfflineConfig(), rows)
-    assert counted == {"optimizer_steps": offline.total_steps(job), "optimizers": 1}
+    n = offline.total_steps(job)
+    assert counted == {"optimizer_steps": n, "optimizers": 1, "optimizer_steps_total": n}
     assert (_gain(job.output_dir, PROMPTS, [GOOD] * 4) > 0).all()
 
 
