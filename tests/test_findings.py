@@ -58,13 +58,18 @@ def test_rl_finding_names_only_the_methods_whose_interval_excludes_zero() -> Non
     )
     assert "PPO" not in text and "KTO" not in text  # PPO's interval holds 0; KTO is offline
     assert "no method optimised, ILHF (history) (+0.009 [+0.005, +0.013]) raised it" in text
-    assert text.endswith("(99.6% simultaneous CIs)")
+    assert text.endswith("; 99.6% simultaneous CIs)") and ") (99.6%" not in text
+    # a null under the audit: its bound and the level share one pair of parentheses
+    nulls = _methods().assign(audit_gain_low=-0.001)
+    assert rl_finding(nulls, "sft", "99.6%").endswith(
+        "none raised it (gains of at most +0.013; 99.6% simultaneous CIs)"
+    )
     # the nulls as bounds: the largest gain the other intervals allow
     assert (
         "raised the reward model's score on held-out prompts (the other one: gains of at most "
         "+0.006);" in text
     )
-    assert "raised it (the other 2: gains of at most +0.011) (99.6%" in text
+    assert "raised it (the other 2: gains of at most +0.011; 99.6%" in text
     none = _methods().assign(gain_low=-1.0, audit_gain_low=-1.0)
     text = rl_finding(none, "sft", "99%")
     assert (

@@ -100,7 +100,9 @@ def test_the_rl_finding_says_what_a_gold_at_chance_cannot_tell():
         "; an audit model that no method optimised, at chance on held-out rows, can neither "
         "confirm nor refute a gain (99% simultaneous CIs)"
     )
-    assert "none raised it (gains of at most +0.006)" in rl_finding(rows, "sft", "99%")
+    assert "none raised it (gains of at most +0.006; 99% simultaneous CIs)" in rl_finding(
+        rows, "sft", "99%"
+    )
 
 
 @pytest.mark.parametrize("auc_low", [0.48, 0.52])

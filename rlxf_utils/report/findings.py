@@ -117,7 +117,10 @@ def rl_finding(table: pd.DataFrame, start: str, ci_level: str, gold_at_chance: b
             "an audit model that no method optimised, at chance on held-out rows, can neither "
             "confirm nor refute a gain"
         )
-    return f"{first}; {second} ({ci_level} simultaneous CIs)"
+    level_words = f"{ci_level} simultaneous CIs"
+    if second.endswith(")"):  # a bound's parentheses take the level too: no ') (' in a row
+        return f"{first}; {second[:-1]}; {level_words})"
+    return f"{first}; {second} ({level_words})"
 
 
 def best_of_n_finding(table: pd.DataFrame, start: str) -> str:
