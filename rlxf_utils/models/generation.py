@@ -196,8 +196,8 @@ def generate(
     step = decode.compiled_forward(model) if compile_step and sampler == "compact" else None
     with merged:
         if batch_size == "auto":  # sized once the merged weights take their memory
-            longest = max((len(encode_prompts(tokenizer, [p])["input_ids"][0]) for p in prompts),
-                          default=1)  # fmt: skip
+            ids = encode_prompts(tokenizer, list(prompts))["input_ids"] if prompts else []
+            longest = max((len(i) for i in ids), default=1)
             batch_size = decode.auto_batch_size(model, longest, max_new_tokens, n_items=len(items))
         elif not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size={batch_size!r}; expected a positive int or 'auto'")

@@ -71,16 +71,16 @@ def _moved(rows: pd.DataFrame, key: str) -> tuple[list[str], list[str]]:
 
 def _no_gain_beyond(rows: pd.DataFrame, key: str, some_moved: bool) -> str:
     """The nulls as a bound, the largest upper end among the intervals that hold zero:
-    ' (gains of at most +0.032)', or ' (the other 2: gains of at most +0.011)' beside methods that
-    moved; '' when every interval excludes zero."""
+    'gains of at most +0.032', or 'the other 2: gains of at most +0.011' beside methods that
+    moved; '' when every interval excludes zero. The caller puts it in parentheses."""
     null = rows[(rows[f"{key}_low"] <= 0) & (rows[f"{key}_high"] >= 0)]
     if null.empty:
         return ""
     top = num(float(null[f"{key}_high"].max()), signed=True)
     if not some_moved:
-        return f" (gains of at most {top})"
+        return f"gains of at most {top}"
     others = "the other one" if len(null) == 1 else f"the other {len(null)}"
-    return f" ({others}: gains of at most {top})"
+    return f"{others}: gains of at most {top}"
 
 
 def rl_finding(table: pd.DataFrame, start: str, ci_level: str, gold_at_chance: bool = False) -> str:
@@ -104,23 +104,24 @@ def rl_finding(table: pd.DataFrame, start: str, ci_level: str, gold_at_chance: b
             else "none raised the reward model's score on held-out prompts"
         )  # fmt: skip
         + (f" and {listing(down)} lowered it" if down else "")
-        + _no_gain_beyond(rows, "gain", bool(up or down))
     )
+    if bound := _no_gain_beyond(rows, "gain", bool(up or down)):
+        first += f" ({bound})"
     second = (
         "under an audit model that no method optimised, "
         + (f"{listing(aup)} raised it" if aup else "none raised it")
         + (f" and {listing(adown)} lowered it" if adown else "")
-        + _no_gain_beyond(rows, "audit_gain", bool(aup or adown))
     )
+    notes = [_no_gain_beyond(rows, "audit_gain", bool(aup or adown))]
     if gold_at_chance and not (aup or adown):  # a null from a judge at chance says nothing
         second = (
             "an audit model that no method optimised, at chance on held-out rows, can neither "
             "confirm nor refute a gain"
         )
-    level_words = f"{ci_level} simultaneous CIs"
-    if second.endswith(")"):  # a bound's parentheses take the level too: no ') (' in a row
-        return f"{first}; {second[:-1]}; {level_words})"
-    return f"{first}; {second} ({level_words})"
+        notes = []
+    # the audit's bound and the level share one pair of parentheses: no ') (' in a row
+    notes.append(f"{ci_level} simultaneous CIs")
+    return f"{first}; {second} ({'; '.join(n for n in notes if n)})"
 
 
 def best_of_n_finding(table: pd.DataFrame, start: str) -> str:
