@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 
 from rlxf_utils.config import PROJECT_ROOT
-from rlxf_utils.names import outside_fences
+from rlxf_utils.names import display_label, outside_fences
 from rlxf_utils.stats import VERDICTS, bound_verdict, ci_sign, level
 
 
@@ -356,21 +356,42 @@ def templates(folder: Path = TEMPLATES) -> jinja2.Environment:
         trim_blocks=True,
         lstrip_blocks=True,
     )
-    env.filters.update(num=num, pct=pct, pval=pval)
-    env.globals.update(phrase=phrase, say=say, interval=interval, ci=ci, listing=listing)
+    env.filters.update(num=num, pct=pct, pval=pval, name=display_name, names=display_names,
+                       literal=literal, level=level)  # fmt: skip
+    env.globals.update(phrase=phrase, say=say, interval=interval, ci=ci, listing=listing,
+                       pct_ci=pct_ci, level_ci=level_ci, bound=null_bound_clause)  # fmt: skip
     return env
 
 
+def display_name(name: Any) -> str:
+    """A method, judge or protocol id as the reader sees it ('ppo_mle' -> 'PPO + MLE'): the
+    templates' `name` filter, applied where the text is written."""
+    return display_label(str(name))
+
+
+def display_names(names: Sequence[Any]) -> str:
+    """Ids as one list of display names for prose ('PPO, GRPO and D²LOLS'): the `names` filter."""
+    return listing([display_name(n) for n in names])
+
+
+#: A paragraph break in a macro's output: a line holding only whitespace.
+_BLANK = re.compile(r"\n[ \t]*\n\s*")
+_PARAGRAPHS = "\n\n"
+
+
 def sentence(section: str, name: str, *args: Any, folder: Path = TEMPLATES) -> str:
-    """The sentence macro `name` of `reports/templates/<section>.jinja` called with `args`, its
-    line breaks and indentation collapsed to single spaces. A missing file or macro, or a field the
-    arguments lack, raises a ValueError naming the template and what it wanted."""
+    """The sentence (or paragraphs) macro `name` of `reports/templates/<section>.jinja` called
+    with `args`: within a paragraph, line breaks and indentation collapse to single spaces; an
+    empty line in the macro's output separates paragraphs (kept as one blank line). A missing
+    file or macro, or a field the arguments lack, raises a ValueError naming the template and
+    what it wanted."""
     where = folder / f"{section}.jinja"
     try:
         macro = getattr(templates(folder).get_template(f"{section}.jinja").module, name, None)
         if macro is None:
             raise ValueError(f"{where}: no macro {name!r}")
-        return " ".join(str(macro(*args)).split())
+        text = str(macro(*args))
+        return _PARAGRAPHS.join(" ".join(p.split()) for p in _BLANK.split(text) if p.strip())
     except jinja2.TemplateNotFound as e:
         raise ValueError(f"{where}: no such template") from e
     except jinja2.UndefinedError as e:
