@@ -1,4 +1,6 @@
-"""The forensic arm's section: where each variant stands against the paper's 82% claim."""
+"""The forensic arm's section: where each variant stands against the paper's 82% claim. Python
+reads the intervals into verdict codes and picks the variants; the words are the author's, in
+`reports/templates/forensic.jinja`."""
 
 from __future__ import annotations
 
@@ -14,8 +16,10 @@ from rlxf_utils.report.wording import (
     ci,
     listing,
     markdown_table,
+    num,
     pct,
     phrase,
+    sentence,
 )
 from rlxf_utils.stats import bound_verdict, level
 
@@ -40,77 +44,52 @@ def claim_position(row: pd.Series, claim: float) -> str:
     return ABOVE if all(c == ABOVE for c in codes) else UNCLEAR
 
 
+def claim_groups(table: pd.DataFrame, claim: float) -> tuple[list[dict[str, Any]], str, list[str]]:
+    """The verdict's parts: the allowed and the forbidden variants (but the majority class) by
+    their `claim_position` (`up`, `short`, `mid`; `best`: the most accurate of `short`), how the
+    arm concludes ('allowed', 'only forbidden', 'forbidden' or 'none', see `forensic.jinja`) and
+    the forbidden variants that reach the claim."""
+    t = table[table["model"] != "majority"].copy()
+    t["position"] = [claim_position(r, claim) for _, r in t.iterrows()]
+    t["label"] = [MODEL_NAMES.get(m, m) for m in t["model"]]
+    allowed, forbidden = t[t["allowed_by_protocol"]], t[~t["allowed_by_protocol"]]
+    groups = []
+    for is_allowed, g in ((True, allowed), (False, forbidden)):
+        if g.empty:
+            continue
+        short = g[g["position"] == BELOW]
+        groups.append({
+            "allowed": is_allowed, "short": short.to_dict("records"),
+            **{k: g[g["position"] == c].to_dict("records") for k, c in (("up", ABOVE), ("mid", UNCLEAR))},
+            "best": short.loc[short["accuracy"].idxmax()].to_dict() if len(short) else None,
+        })  # fmt: skip
+    reaching = sorted(set(forbidden.loc[forbidden["position"] == ABOVE, "variant"]))
+    if allowed["position"].eq(ABOVE).any():
+        conclusion = "allowed"
+    elif reaching and not allowed.empty and allowed["position"].eq(BELOW).all():
+        conclusion = "only forbidden"
+    else:
+        conclusion = "forbidden" if reaching else "none"
+    return groups, conclusion, reaching
+
+
 def forensic_verdict(table: pd.DataFrame, claim: float, alpha: float) -> str:
     """What the forensic arm says about how a figure above the paper's claim could arise.
 
     A variant *reaches* the claim when the {1-alpha} CI of each of accuracy, precision, recall and
     F1 lies above it (the paper claims all four), *falls short* when any CI lies below it.
     """
-    lvl = level(alpha)
-    t = table[table["model"] != "majority"].copy()
-    t["position"] = [claim_position(r, claim) for _, r in t.iterrows()]
-
-    def name(r: pd.Series) -> str:
-        return f"{r['variant']} ({MODEL_NAMES.get(r['model'], r['model'])})"
-
-    def acc(r: pd.Series) -> str:
-        return (
-            f"accuracy {pct(r['accuracy'])} [{pct(r['accuracy_low'])}, {pct(r['accuracy_high'])}]"
-        )
-
-    allowed, forbidden = t[t["allowed_by_protocol"]], t[~t["allowed_by_protocol"]]
-    parts = []
-    for label, g in (
-        ("the inputs the paper allows", allowed),
-        ("inputs the protocol forbids", forbidden),
-    ):
-        if g.empty:
-            continue
-        up = g[g["position"] == ABOVE]
-        short = g[g["position"] == BELOW]
-        mid = g[g["position"] == UNCLEAR]
-        bits = []
-        if len(up):
-            bits.append(f"{listing([f'{name(r)}, {acc(r)}' for _, r in up.iterrows()])} "
-                        f"{'reaches' if len(up) == 1 else 'reach'} it on all four measures")  # fmt: skip
-        if len(short):
-            best = short.loc[short["accuracy"].idxmax()]
-            bits.append(f"{listing([name(r) for _, r in short.iterrows()])} "
-                        f"{'falls' if len(short) == 1 else 'fall'} short of it on at least one measure "
-                        f"(best: {name(best)}, {acc(best)})")  # fmt: skip
-        if len(mid):
-            bits.append(f"{listing([name(r) for _, r in mid.iterrows()])} {phrase('beat', UNCLEAR)} it "
-                        f"on at least one measure and {'lies' if len(mid) == 1 else 'lie'} below it on none")  # fmt: skip
-        parts.append(f"with {label}, {'; '.join(bits)}")
-    up_allowed = allowed["position"].eq(ABOVE).any()
-    up_forbidden = forbidden[forbidden["position"] == ABOVE]
-    if up_allowed:
-        concl = (f"a figure above {claim:.0%} is reachable here with the paper's own inputs, so this "
-                 "arm does not show that it needs forbidden ones")  # fmt: skip
-    elif len(up_forbidden) and not allowed.empty and allowed["position"].eq(BELOW).all():
-        concl = (f"in this run a figure above {claim:.0%} arises only when the model sees "
-                 f"{listing(sorted(set(up_forbidden['variant'])))} inputs, which the paper's protocol "
-                 "forbids (staff Comments are written after the assessment and often state its outcome), "
-                 "and never from the paper's own inputs")  # fmt: skip
-    elif len(up_forbidden):
-        concl = (f"only inputs the protocol forbids ({listing(sorted(set(up_forbidden['variant'])))}) "
-                 f"reach {claim:.0%} on all four measures; the paper's own inputs are not shown to fall short")  # fmt: skip
-    else:
-        concl = f"no input variant, allowed or forbidden, reaches {claim:.0%} on all four measures"
-    return (f"Against the paper's claim of more than {claim:.0%} on accuracy, precision, recall and F1 "
-            f"({lvl} bootstrap intervals resampling whole arrangements): " + "; ".join(parts) + f". So {concl}.")  # fmt: skip
+    return sentence("forensic", "verdict", claim, alpha, *claim_groups(table, claim))
 
 
 def forensic_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
     """The forensic arm's table and verdict, or a note that the arm was off in this run."""
     fc = params.get("forensic", {})
     if not fc.get("enabled", False):
-        note = (
-            "The forensic arm was not run (`forensic.enabled` is false in this run's parameters)."
-        )
         empty = markdown_table(pd.DataFrame([{"variant": "not run", "model": "", "accuracy": ""}]))
-        return {"verdict": note, "protocol": "n/a", "claim": "n/a", "seconds": "n/a",
-                "fields": "n/a", "encoder_note": "", "models": "n/a"}, {"reward_forensic.md": empty}  # fmt: skip
+        return {"verdict": sentence("forensic", "not_run"), "protocol": "n/a", "claim": "n/a",
+                "seconds": "n/a", "fields": "n/a", "encoder_note": "", "models": "n/a"}, {
+                "reward_forensic.md": empty}  # fmt: skip
     stage = "notebook 02_reward_model (forensic arm)"
     table = run.read_parquet("reward/forensic.parquet", stage)
     meta = run.read_json("reward/forensic.json", stage)
@@ -122,29 +101,25 @@ def forensic_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any
                "paper allows": "yes" if r["allowed_by_protocol"] else "no"}  # fmt: skip
         for m, label in (*FORENSIC_MEASURES, ("roc_auc", "AUC")):
             row[f"{label} [{lvl} CI]"] = ci(r[m], r[f"{m}_low"], r[f"{m}_high"])
-        row[f"vs {claim:.0%}"] = (
+        row[f"vs {pct(claim, 0)}"] = (
             "·" if r["model"] == "majority" else phrase("claim", claim_position(r, claim))
         )
         rows.append(row)
     fields = meta["fields_read"]
     vintage = fields.get("mona_2002_vintage", {})
     read = [*fields.get("staff_comments", [])[:1], *[c for c in vintage.values() if c]]
-    enc = [v for v in meta.get("encoder_variants", [])]
     families = sorted(set(table["model"]) - {"majority"}, key=list(MODEL_NAMES).index)
     variables = {
         "models": listing([MODEL_NAMES[m] for m in families]),
         "verdict": forensic_verdict(table, claim, alpha),
         "protocol": meta["protocol"],
-        "claim": f"{claim:.0%}",
+        "claim": pct(claim, 0),
         "claim_source": meta["paper_claim_source"],
-        "seconds": f"{meta['stage_seconds']:.0f}",
+        "seconds": num(meta["stage_seconds"], 0),
         "fields": ", ".join(f"`{c}`" for c in read),
         "n_test": str(meta["n_test"]),
-        "encoder_note": (
-            f"The fine-tuned encoder was also trained on {listing(enc)}."
-            if enc
-            else "The encoder family was not run on the forensic inputs in this profile "
-            "(`forensic.encoder_variants` is empty: minutes per variant on CPU)."
+        "encoder_note": sentence(
+            "forensic", "encoder_note", list(meta.get("encoder_variants", []))
         ),
     }
     return variables, {"reward_forensic.md": markdown_table(pd.DataFrame(rows))}
