@@ -344,25 +344,31 @@ def test_claim_position_reads_the_intervals_not_the_points() -> None:
 
 
 def test_forensic_verdict_is_chosen_from_the_intervals() -> None:
+    # which variants stand where, and which conclusion; the words are the golden file's
+    # (tests/test_report_forensic.py)
     majority = _row("none", True, 0.6, 0.66, model="majority")
     leak = pd.DataFrame(
         [majority, _row("paper_input", True, 0.63, 0.69), _row("staff_comments", False, 0.83, 0.87),
          _row("dates", False, 0.8, 0.84)]
     )  # fmt: skip
+    groups, conclusion, reaching = rs.claim_groups(leak, 0.82)
+    assert (conclusion, reaching) == ("only forbidden", ["staff_comments"])
+    allowed, forbidden = groups
+    assert allowed["allowed"] and not forbidden["allowed"]
+    assert [r["variant"] for r in allowed["short"]] == ["paper_input"] and not allowed["up"]
+    assert allowed["best"]["variant"] == "paper_input"
+    assert [r["variant"] for r in forbidden["up"]] == ["staff_comments"]
+    assert [r["variant"] for r in forbidden["mid"]] == ["dates"]  # the majority class is left out
+    assert forbidden["up"][0]["label"] == "TF-IDF + LR"
     v = rs.forensic_verdict(leak, 0.82, 0.05)
-    assert "95% bootstrap intervals" in v and "staff_comments (TF-IDF + LR)" in v
-    assert "arises only when the model sees staff_comments inputs" in v
-    assert "dates (TF-IDF + LR) cannot be told apart from it" in v
-    assert "never from the paper's own inputs" in v
+    assert "95%" in v and "82%" in v and "staff_comments (TF-IDF + LR)" in v
     allowed_up = leak.assign(**{c: 0.85 for c in ("accuracy_low", "precision_low", "recall_low", "f1_low")})  # fmt: skip
-    assert "reachable here with the paper's own inputs" in rs.forensic_verdict(
-        allowed_up, 0.82, 0.1
-    )
-    assert "90% bootstrap" in rs.forensic_verdict(allowed_up, 0.82, 0.1)
+    assert rs.claim_groups(allowed_up, 0.82)[1] == "allowed"
+    assert "90%" in rs.forensic_verdict(allowed_up, 0.82, 0.1)
     nothing = pd.DataFrame([majority, _row("paper_input", True, 0.6, 0.7), _row("dates", False, 0.6, 0.7)])  # fmt: skip
-    assert "no input variant, allowed or forbidden, reaches 82%" in rs.forensic_verdict(nothing, 0.82, 0.05)  # fmt: skip
+    assert rs.claim_groups(nothing, 0.82)[1:] == ("none", [])
     unclear = pd.DataFrame([_row("paper_input", True, 0.8, 0.84), _row("staff_comments", False, 0.83, 0.9)])  # fmt: skip
-    assert "the paper's own inputs are not shown to fall short" in rs.forensic_verdict(unclear, 0.82, 0.05)  # fmt: skip
+    assert rs.claim_groups(unclear, 0.82)[1:] == ("forbidden", ["staff_comments"])
 
 
 def test_forensic_section_from_the_stage_and_when_off(tmp_path: Path, small_mona: Path) -> None:
@@ -375,6 +381,6 @@ def test_forensic_section_from_the_stage_and_when_off(tmp_path: Path, small_mona
     )
     md = inc["reward_forensic.md"]
     assert "| staff_comments | TF-IDF + LR | no |" in md and r"accuracy \[95% CI\]" in md
-    assert v["verdict"].startswith("Against the paper's claim of more than 82%")
+    assert "82%" in v["verdict"] and "staff_comments" in v["verdict"]
     off, inc_off = rs.forensic_section(run, {"forensic": {"enabled": False}})
     assert "not run" in off["verdict"] and "not run" in inc_off["reward_forensic.md"]

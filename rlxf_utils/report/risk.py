@@ -101,18 +101,19 @@ def swap_favour(cs: Mapping[str, Any], alpha: float) -> str | None:
     return UNCLEAR if p >= alpha else ABOVE if rho > 0 else BELOW
 
 
+def swap_ratio_verdict(r: Mapping[str, Any]) -> str | None:
+    """How a source's swap moves the reward against the typical difference between two texts:
+    the verdict of its ratio's interval against 1, None where it has no ratio."""
+    if not _ok(r.get("ratio")):
+        return None
+    lo, hi = r.get("ratio_low"), r.get("ratio_high")
+    return bound_verdict(lo - 1 if _ok(lo) else None, hi - 1 if _ok(hi) else None)
+
+
 def swap_text(cs: Mapping[str, Any], alpha: float = 0.05) -> Finding:
     """How far the reward moves when only the country changes, and whom it favours."""
-
-    def ratio_verdict(r: Mapping[str, Any]) -> str | None:
-        if not _ok(r.get("ratio")):
-            return None
-        lo, hi = r.get("ratio_low"), r.get("ratio_high")
-        return bound_verdict(lo - 1 if _ok(lo) else None, hi - 1 if _ok(hi) else None)
-
-    by_source = [{**r, "ratio_verdict": ratio_verdict(r)} for r in cs["by_source"]]
-    ctx = {**cs, "by_source": by_source}
-    return Finding.of("country_swap", ctx, swap_favour(cs, alpha), alpha)
+    by_source = [{**r, "ratio_verdict": swap_ratio_verdict(r)} for r in cs["by_source"]]
+    return Finding.of("country_swap", {**cs, "by_source": by_source}, swap_favour(cs, alpha), alpha)
 
 
 def length_text(
