@@ -20,6 +20,7 @@ from rlxf_utils.evaluation.ilhf import (
     xent_met,
 )
 from rlxf_utils.report.ilhf import ilhf_markdown, inclusive_sentences
+from rlxf_utils.report.wording import ABOVE, BELOW, UNCLEAR, phrase
 
 N_PROMPTS, K, N_COUNTRIES = 20, 3, 10
 ALGOS = ["ppo", "grpo", "ilhf_history"]
@@ -210,42 +211,31 @@ def test_verdicts_follow_the_intervals() -> None:
     assert g.loc[("xent_met", "ilhf_history", "sft"), "verdict"] == "below"
     assert g.loc[("xent_met", "ilhf_history", "ppo"), "verdict"] == "not distinguishable"
     assert g.loc[("xent_met", "ilhf_history", "sft"), "n"] == 20  # the MET rows, paired
-    md = ilhf_markdown(_tables(), ALGOS, "sft", 0.05)
-    assert "ILHF (history) writes more varied samples of one prompt than PPO (-1.000" in md
-    assert "ILHF (history) cannot be told apart in Ave(R) from PPO" in md
-    assert (
-        "; it reaches a higher Ave(R) than SFT on MET rows (+0.050 [+0.050, +0.050]) and SFT (+0.100 [+0.100, +0.100])"
-        in md
-    )
-    assert (
-        "finds held-out MET descriptions likelier than SFT on MET rows (-0.300 [-0.300, -0.300]) and SFT (-0.500"
-        in md
-    )
-    assert "PPO's samples of one prompt are more alike than those of SFT" in md
-    assert "95% cluster-bootstrap CI over countries" in md and "real MET descriptions" in md
-    # the verb follows the interval, not the point estimate
+    md = ilhf_markdown(_tables(), ALGOS, "sft", 0.05)  # each verb the phrase of its verdict code
+    for key, code in (("ilhf_pairwise_sim", BELOW), ("ilhf_reward", UNCLEAR), ("ilhf_reward", ABOVE),
+                      ("ilhf_xent_met", BELOW), ("collapse", ABOVE)):  # fmt: skip
+        assert phrase(key, code) in md, (key, code)
+    assert "PPO (-1.000" in md and "SFT (+0.100 [+0.100, +0.100])" in md
+    # the verb follows the interval, not the point estimate: SFT joins the unclear comparators
     fake = _tables()
     t = fake["eval_inclusive_tests"]
     sel = (t.measure == "reward") & (t.policy == "ilhf_history") & (t.versus == "sft")
     t.loc[sel, ["diff", "low", "high", "verdict"]] = [0.08, -0.01, 0.17, "not distinguishable"]
-    s = inclusive_sentences(fake, ALGOS, "sft", 0.05)
-    assert s["reward"].startswith("ILHF (history) cannot be told apart in Ave(R) from PPO (")
-    assert (
-        "and SFT (+0.080 [-0.010, +0.170]); it reaches a higher Ave(R) than SFT on MET rows ("
-        in s["reward"]
-    )
+    unclear, clear = inclusive_sentences(fake, ALGOS, "sft", 0.05)["reward"].split("; it ")
+    assert phrase("ilhf_reward", UNCLEAR) in unclear and "SFT (+0.080 [-0.010, +0.170])" in unclear
+    assert phrase("ilhf_reward", ABOVE) in clear and "SFT on MET rows (" in clear
 
 
 def test_markdown_says_when_no_ilhf_algorithm_ran() -> None:
     tables = _tables(["ppo", "grpo"])
     assert set(tables["eval_inclusive_tests"]["policy"]) == {"ppo"}  # PPO vs start only
     md = ilhf_markdown(tables, ["ppo", "grpo"], "sft", 0.05)
-    assert md.startswith("- No ILHF algorithm ran: this run trained PPO and GRPO")
-    assert "more alike than those of SFT" in md
+    assert "PPO and GRPO" in md.splitlines()[0] and phrase("collapse", ABOVE) in md
     none = _tables(["grpo"])
     assert none["eval_inclusive_tests"].empty
     s = inclusive_sentences(none, ["grpo"], "sft", 0.05)
-    assert s["collapse"].startswith("PPO did not run") and s["verdicts"].startswith("No ILHF")
+    assert s["verdicts"] == s["variety"] == s["reward"] == s["population"]  # the one 'none ran'
+    assert "GRPO" in s["variety"] and "PPO" in s["collapse"] and "GRPO" not in s["collapse"]
 
 
 def test_figure_has_every_policy_and_the_history_lines() -> None:
@@ -277,9 +267,8 @@ def test_report_section_reads_the_tables(tmp_path) -> None:
 
     v, inc = ilhf_section(_eval_run(tmp_path, ALGOS), {"ilhf": {"particles": 3}})
     assert v["level"] == "90%" and v["start"] == "sft"
-    assert v["ran_sentence"].startswith("This run trained PPO, GRPO and ILHF (history); the ILHF one "
-                                        "is ILHF (history), an ensemble of 3 LoRA particles")  # fmt: skip
-    assert "writes more varied samples of one prompt than PPO" in v["verdicts_sentence"]
+    assert "PPO, GRPO and ILHF (history);" in v["ran_sentence"] and " 3 " in v["ran_sentence"]
+    assert phrase("ilhf_pairwise_sim", BELOW) in v["verdicts_sentence"]
     assert "90% cluster-bootstrap CI" in v["collapse_sentence"]
     rows = [r for r in inc["ilhf_table.md"].splitlines() if r.startswith("| ")]
     assert [r.split("|")[1].strip() for r in rows[1:]] == [
@@ -297,10 +286,16 @@ def test_report_section_without_ilhf_or_without_tables(tmp_path) -> None:
     from rlxf_utils.report.ilhf import ilhf_section
 
     v, inc = ilhf_section(_eval_run(tmp_path / "a", ["ppo", "grpo"]), {})
-    assert v["ran_sentence"].startswith("This run trained PPO and GRPO; no ILHF algorithm ran")
-    assert v["verdicts_sentence"].startswith("No ILHF algorithm ran")
+    assert "PPO and GRPO;" in v["ran_sentence"]
+    assert (
+        v["verdicts_sentence"] == v["variety_sentence"] and "PPO and GRPO" in v["variety_sentence"]
+    )
     assert "ILHF" not in inc["ilhf_table.md"]
     v, inc = ilhf_section(_eval_run(tmp_path / "b", ["ilhf_history"], with_tables=False), {})
-    assert v["verdicts_sentence"].startswith("Not in this run directory, which predates")
+    stale = {
+        v[f"{k}_sentence"]
+        for k in ("variety", "reward", "population", "verdicts", "collapse", "history")
+    }
+    assert len(stale) == 1 and "04_evaluation" in stale.pop()
     for md in inc.values():
         assert md.startswith("| note |") and "tables/eval_inclusive.csv" in md

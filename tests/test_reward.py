@@ -434,7 +434,7 @@ def test_report_reward_section_words_follow_the_intervals(tmp_path: Path):
             {**meta, "calibration": cal.to_dict("records"), "protocol_differences": d},
         )
         sentence = reward_section(run)[0]["protocol_sentence"]
-        assert f"test accuracy {move} under the grouped protocol" in sentence
+        assert f"{move} under the grouped protocol" in sentence
     run.write_json("reward/metrics.json", {k: v for k, v in meta.items() if k != "comparisons"})
     with pytest.raises(ArtifactMissing, match="comparisons"):
         reward_section(run)

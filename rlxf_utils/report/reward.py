@@ -1,5 +1,7 @@
 """The reward-model section: accuracy against the paper's claim per protocol, the encoders
-compared, calibration, within-context ranking and the reference check, in words."""
+compared, calibration, within-context ranking and the reference check. This module reads the
+run's artifacts and builds each sentence's context (numbers, verdict codes, ids and the models'
+labels); the words are the author's, in `reports/templates/reward.jinja`."""
 
 from __future__ import annotations
 
@@ -15,20 +17,25 @@ from rlxf_utils.report.wording import (
     UNCLEAR,
     ci,
     interval,
-    listing,
     markdown_table,
     num,
     pct,
     phrase,
-    say,
+    sentence,
     verdict_code,
 )
 from rlxf_utils.reward.encoders import ENCODER_NAMES
 from rlxf_utils.reward.model import PAPER_ACCURACY
-from rlxf_utils.stats import level
+from rlxf_utils.stats import bound_verdict, level
 
 REWARD_LABELS = {"majority": "majority class", "tfidf": "TF-IDF + LR", "encoder": "fine-tuned encoder",
                  "context_only": "context only", "text_only": "text only"}  # fmt: skip
+
+STAGE = "notebook 02_reward_model"
+
+
+def _say(name: str, c: dict[str, Any]) -> str:
+    return sentence("reward", name, c)
 
 
 def reward_labels(meta: dict[str, Any]) -> dict[str, str]:
@@ -40,51 +47,45 @@ def reward_labels(meta: dict[str, Any]) -> dict[str, str]:
     return labels
 
 
-def _paper_verdict(m: pd.DataFrame, lvl: str, labels: dict[str, str] = REWARD_LABELS) -> str:
-    """Whether any model's intervals lie above the paper's 82% on all four measures."""
+def _diff(r: Any) -> dict[str, Any]:
+    """A comparison's verdict code and paired difference with its interval."""
+    return {"verdict": verdict_code(r["verdict"]), "diff": r["diff"], "low": r["diff_low"],
+            "high": r["diff_high"]}  # fmt: skip
+
+
+def _paper(m: pd.DataFrame, labels: dict[str, str]) -> dict[str, Any]:
+    """The scorers whose intervals lie above the paper's 82% on all four measures, else the best
+    accuracy and how many scorers fall significantly short on at least one."""
     four = ["accuracy", "precision", "recall", "f1"]
     cand = m[~m["model"].isin(["majority", "context_only", "text_only"])]
     above = cand[cand.apply(lambda r: all(r[f"{k}_low"] > PAPER_ACCURACY for k in four), axis=1)]
     short = cand[cand.apply(lambda r: any(r[f"{k}_high"] < PAPER_ACCURACY for k in four), axis=1)]
-    if len(above):
-        who = listing([f"{labels[r.model]} ({r.protocol})" for r in above.itertuples()])
-        return (
-            f"the paper's {PAPER_ACCURACY:.0%} on accuracy, precision, recall and F1 is reached, with "
-            f"every {lvl} interval above it, by {who}"
-        )
     best = cand.loc[cand["accuracy"].idxmax()]
-    return (
-        f"no model's {lvl} intervals lie above the paper's {PAPER_ACCURACY:.0%} on all of accuracy, "
-        f"precision, recall and F1 under any protocol, and {len(short)} of {len(cand)} fall "
-        f"significantly short of it on at least one; the best accuracy is "
-        f"{pct(best['accuracy'])} [{pct(best['accuracy_low'])}, {pct(best['accuracy_high'])}] "
-        f"({labels[best['model']]}, {best['protocol']})"
-    )
+    return {
+        "paper": PAPER_ACCURACY,
+        "above": [{"label": labels[r.model], "protocol": r.protocol} for r in above.itertuples()],
+        "best": {"label": labels[best["model"]], "protocol": best["protocol"],
+                 "accuracy": best["accuracy"], "low": best["accuracy_low"],
+                 "high": best["accuracy_high"]},
+        "n_short": len(short),
+        "n_scorers": len(cand),
+    }  # fmt: skip
 
 
-def _by_verdict(rows: pd.DataFrame, key: str, what: str,
-                order: tuple[str, ...] = (ABOVE, BELOW, UNCLEAR)) -> str:  # fmt: skip
-    """'<phrase> under the a and b protocols and <phrase> under c' from per-protocol verdicts, each
-    phrase the vocabulary's `key` (`wording.phrase`) for a verdict code, in `order`."""
-    parts = []
+def _by_verdict(rows: pd.DataFrame, order: tuple[str, ...] = (ABOVE, BELOW, UNCLEAR)) -> list:
+    """[verdict code, [protocols]] for each code of `order` that some row's verdict has."""
     codes = rows["verdict"].map(verdict_code)
-    for code in order:
-        ps = rows.loc[codes == code, "protocol"].tolist()
-        if ps:
-            parts.append(
-                f"{phrase(key, code)} under the {listing(ps)} protocol{'s' if len(ps) > 1 else ''}"
-            )
-    return f"{what} {listing(parts)}" if parts else f"{what}: no comparison was made"
+    groups = [[c, rows.loc[codes == c, "protocol"].tolist()] for c in order]
+    return [g for g in groups if g[1]]
 
 
 def reward_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
     """Variables and tables of notebook 02: every verdict is read from a bootstrap interval."""
-    stage = "notebook 02_reward_model"
-    meta = run.read_json("reward/metrics.json", stage=stage)
+    meta = run.read_json("reward/metrics.json", stage=STAGE)
     missing = [k for k in ("alpha", "comparisons", "protocol_differences") if k not in meta]
     if missing:
         raise ArtifactMissing(
-            f"{run.path('reward/metrics.json')}: fields {missing} missing; rerun {stage}"
+            f"{run.path('reward/metrics.json')}: fields {missing} missing; rerun {STAGE}"
         )
     alpha = meta["alpha"]
     lvl = level(alpha)
@@ -94,7 +95,6 @@ def reward_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
     pdiff = pd.DataFrame(meta["protocol_differences"])
     src, proto = meta["reward_source"], meta["reward_protocol"]
     main = src
-    has_enc = "encoder" in set(m["model"])
     labels = reward_labels(meta)
     scorers = m[~m["model"].isin(["context_only", "text_only"])]
 
@@ -109,31 +109,8 @@ def reward_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
         return ci(d["diff"], d["diff_low"], d["diff_high"], signed=True)
 
     acc = comp[(comp["measure"] == "accuracy") & (comp["comparison"] == "encoder vs TF-IDF")]
-    if has_enc:
-        enc_vs = _by_verdict(
-            acc,
-            "encoder_accuracy",
-            f"against TF-IDF + LR, the {labels['encoder']} is",
-        )  # fmt: skip
-        enc_vs += f" (paired {lvl} bootstrap intervals of the accuracy difference)"
-    else:
-        enc_vs = "no encoder was trained in this run"
     pm = pdiff[pdiff["model"] == main] if len(pdiff) else pdiff
-    if len(pm):
-        protocol_sentence = _by_verdict(
-            pm,
-            "protocol_accuracy",
-            f"Against the {pm['reference'].iloc[0]} split, the {labels[main]}'s test accuracy",
-            order=(BELOW, ABOVE, UNCLEAR),
-        ) + " (" + "; ".join(f"{r.protocol} {100 * r.diff:+.1f} points {interval(100 * r.diff_low, 100 * r.diff_high, digits=1)}"
-                             for r in pm.itertuples()) + ")"  # fmt: skip
-    else:
-        protocol_sentence = (
-            "Only one protocol was run, so accuracy is not compared across protocols"
-        )
-
     cal_main = cal[(cal["protocol"] == proto) & (cal["model"] == main)].iloc[0]
-    cal_word = phrase("gain", cal_main["ece_verdict"])
     cal_md = markdown_table(
         pd.DataFrame(
             {
@@ -184,14 +161,6 @@ def reward_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
     wc = m[m["protocol"] == proto].set_index("model")
     mm = wc.loc[main]
     t_vs_c = comp[(comp["protocol"] == proto) & (comp["comparison"] == "text only vs context only")]
-    if len(t_vs_c):
-        r = t_vs_c.iloc[0]
-        reads_text = phrase("probes", r["verdict"])
-        if verdict_code(r["verdict"]) == BELOW:
-            reads_text += ", so much of the reward is a prior over contexts"
-        reads_text += f" (AUC difference {diff_ci(r)}, {lvl} CI)"
-    else:
-        reads_text = "the probes were not compared"
     timing = meta.get("timing", {}).get(proto, {})
 
     def auc_ci(stem: str) -> str:
@@ -199,15 +168,30 @@ def reward_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
             mm[f"auc_within_{stem}"], mm[f"auc_within_{stem}_low"], mm[f"auc_within_{stem}_high"]
         )
 
+    c = {
+        "level": lvl,
+        "labels": labels,
+        "source": main,
+        **_paper(m, labels),
+        "has_encoder": "encoder" in set(m["model"]),
+        "encoder_groups": _by_verdict(acc),
+        "reference": pm["reference"].iloc[0] if len(pm) else None,
+        "protocol_groups": _by_verdict(pm, order=(BELOW, ABOVE, UNCLEAR)) if len(pm) else [],
+        "protocol_diffs": [
+            {"protocol": r.protocol, "diff": r.diff, "low": r.diff_low, "high": r.diff_high}
+            for r in pm.itertuples()
+        ],  # fmt: skip
+        "ece_verdict": verdict_code(cal_main["ece_verdict"]),
+        "probes": _diff(t_vs_c.iloc[0]) if len(t_vs_c) else None,
+    }
     variables = {
         "source": labels[src] if src != "tfidf" else "TF-IDF + logistic regression",
         "protocol": proto,
         "level": lvl,
         "calibration_share": f"{meta.get('calibration_share', 0.5):.0%}",
-        "paper_verdict": _paper_verdict(m, lvl, labels),
+        **{k: _say(k, c) for k in ("paper_verdict", "encoder_vs_tfidf", "protocol_sentence",
+                                   "calibration_verdict", "reads_text")},  # fmt: skip
         "paper_claim": f"{PAPER_ACCURACY:.0%}",
-        "encoder_vs_tfidf": enc_vs,
-        "protocol_sentence": protocol_sentence,
         "main_accuracy": pct(mm["accuracy"]),
         "main_accuracy_ci": f"[{pct(mm['accuracy_low'])}, {pct(mm['accuracy_high'])}]",
         "main_auc": num(mm["roc_auc"]),
@@ -217,20 +201,18 @@ def reward_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
         "offset": f"{cal_main['offset']:+.2f}",
         "ece_before": num(cal_main["test_ece_before"]),
         "ece_after": num(cal_main["test_ece_after"]),
-        "ece_diff_ci": f"{interval(cal_main['ece_diff_low'], cal_main['ece_diff_high'])}",
+        "ece_diff_ci": interval(cal_main["ece_diff_low"], cal_main["ece_diff_high"]),
         "brier_before": num(cal_main["test_brier_before"]),
         "brier_after": num(cal_main["test_brier_after"]),
-        "calibration_verdict": cal_word,
         "context_only_auc": num(wc.loc["context_only", "roc_auc"]),
         "text_only_auc": num(wc.loc["text_only", "roc_auc"]),
         "within_country_auc": auc_ci("country"),
         "within_area_auc": auc_ci("area"),
         "within_context_auc": auc_ci("context"),
         "within_context_groups": str(int(mm["n_context_groups"])),
-        "reads_text": reads_text,
         "encoder_train_s": f"{timing.get(f'{main}_train_s', math.nan):.0f}",
         "score_texts_per_s": f"{timing.get(f'{main}_score_texts_per_s', math.nan):.0f}",
-    }
+    }  # fmt: skip
     ref_sentence, ref_md = reference_check(run, lvl)
     variables["reference_sentence"] = ref_sentence
     enc_vars, enc_md = encoders_section(run, lvl, meta)
@@ -252,25 +234,18 @@ def encoders_section(
     whose verdicts come from the paired intervals of `<name> vs encoder`, which encoder the
     evidence favours on the reward protocol, and the precision RL scores in.
 
-    Returns ({encoders_sentence, evidence_sentence, score_sentence}, markdown table).
+    Returns ({encoders_sentence, evidence_sentence, score_sentence, encoder_desc, compared_desc,
+    mpnet_note}, markdown table).
     """
-    stage = "notebook 02_reward_model"
-    meta = meta if meta is not None else run.read_json("reward/metrics.json", stage=stage)
+    meta = meta if meta is not None else run.read_json("reward/metrics.json", stage=STAGE)
     comp = pd.DataFrame(meta.get("comparisons", []))
     labels = reward_labels(meta)
     encoders = meta.get("encoders", {})
+    keys = ("encoders_sentence", "evidence_sentence", "score_sentence", "encoder_desc",
+            "compared_desc", "mpnet_note")  # fmt: skip
     if not run.exists("tables/reward_encoders.csv") or not encoders:
-        stale = f"This run directory predates the encoder comparison; rerun {stage}"
-        keys = (
-            "encoders_sentence",
-            "evidence_sentence",
-            "score_sentence",
-            "encoder_desc",
-            "compared_desc",
-            "mpnet_note",
-        )
-        return dict.fromkeys(keys, stale), ""
-    t = run.read_table("reward_encoders", stage)
+        return dict.fromkeys(keys, _say("encoders_stale", {})), ""
+    t = run.read_table("reward_encoders", STAGE)
     md = markdown_table(
         pd.DataFrame(
             {
@@ -287,131 +262,80 @@ def encoders_section(
         )
     )  # fmt: skip
     compared = [k for k in encoders if k != "encoder"]
-    parts = []
-    evidence = _encoder_evidence(comp, compared, meta, labels)
+    proto = meta["reward_protocol"]
+
+    def cost(name: str, protocol: str) -> dict[str, Any] | None:
+        r = t[(t["model"] == name) & (t["protocol"] == protocol)]
+        if not len(r):
+            return None
+        r = r.iloc[0]
+        return {"epochs": r["epochs_run"], "train_s": r["train_s"],
+                "texts_per_s": r["score_texts_per_s"]}  # fmt: skip
+
+    pairs = []
     for name in compared:
-        for proto in t.loc[t["model"] == name, "protocol"]:
-            c = comp[(comp["comparison"] == f"{name} vs encoder") & (comp["protocol"] == proto)]
+        for p in t.loc[t["model"] == name, "protocol"]:
+            c = comp[(comp["comparison"] == f"{name} vs encoder") & (comp["protocol"] == p)]
             if not len(c):
                 continue
-            bits = []
-            for measure, word in (("accuracy", "accuracy"), ("roc_auc", "AUC")):
-                r = c[c["measure"] == measure]
-                if len(r):
-                    r = r.iloc[0]
-                    scale, unit = (100, " points") if measure == "accuracy" else (1, "")
-                    bits.append(
-                        f"{word} {phrase('direction', r['verdict'])} "
-                        f"({num(r['diff'], 1 if scale == 100 else 3, True, scale)}{unit} "
-                        f"{interval(r['diff_low'], r['diff_high'], 1 if scale == 100 else 3, scale=scale)})"
-                    )  # fmt: skip
-            row = t[(t["model"] == name) & (t["protocol"] == proto)].iloc[0]
-            base = t[(t["model"] == "encoder") & (t["protocol"] == proto)]
-
-            def ep(r: pd.Series) -> str:
-                return f"{r['epochs_run']:g} epoch{'s' if r['epochs_run'] != 1 else ''}"
-
-            cost = (
-                f"; it trained for {ep(row)} in {row['train_s']:.0f} s against {ep(base.iloc[0])} in "
-                f"{base['train_s'].iloc[0]:.0f} s and scores {row['score_texts_per_s']:.0f} texts/s in fp32 "
-                f"against {base['score_texts_per_s'].iloc[0]:.0f}"
-                if len(base) else f"; it trained for {ep(row)} in {row['train_s']:.0f} s"
-            )  # fmt: skip
-            parts.append(
-                f"on the {proto} protocol the {labels[name]}, against the {labels['encoder']}, is "
-                f"{' and '.join(bits)}{cost}{_calls(run, proto, name)}"
-            )
-    if parts:
-        sentence = (
-            f"Paired {lvl} intervals of the difference (arrangements resampled): "
-            + "; ".join(parts)
-        )
-    else:
-        sentence = (
-            f"This run compared no second encoder (reward.compare_encoders is empty); the "
-            f"{labels['encoder']} stands alone beside TF-IDF + LR"
-        )
+            bits = [{"measure": word, **_diff(c[c["measure"] == measure].iloc[0])}
+                    for measure, word in (("accuracy", "accuracy"), ("roc_auc", "AUC"))
+                    if (c["measure"] == measure).any()]  # fmt: skip
+            pairs.append({"name": name, "protocol": p, "bits": bits, "row": cost(name, p),
+                          "base": cost("encoder", p), "calls": _calls(run, p, name)})  # fmt: skip
     check = meta.get("score_check") or {}
-    if check.get("requested", "fp32") != "fp32":
-        kept = check["used"] == check["requested"]
-        score_sentence = (
-            f"RL and evaluation score with the reward model in {check['requested']}: on the "
-            f"{check['n']} test rows of the reward protocol its P(MET) differs from fp32's by at most "
-            f"{check['max_abs_diff']:.4f} (mean {check['mean_abs_diff']:.4f}; tolerance "
-            f"{check['tolerance']}), {100 * check['decision_changes']:.1f}% of MET/Non-MET decisions "
-            f"change, and it scores {check['texts_per_s']:.0f} texts/s against fp32's "
-            f"{check['fp32_texts_per_s']:.0f}"
-            + ("" if kept else "; above the tolerance, so this run scored in fp32 instead")
-        )
-    elif check:
-        score_sentence = (
-            f"RL and evaluation score with the reward model in fp32 ({check['fp32_texts_per_s']:.0f} texts/s "
-            f"on the reward protocol's test rows)"
-        )
-    else:
-        score_sentence = "RL scores with the reward model as notebook 02 trained it"
+    if check:
+        requested = check.get("requested", "fp32")
+        check = {**check, "requested": requested, "kept": check.get("used") == requested}
 
-    def desc(name: str) -> str:
-        setting = encoders[name]["setting"]
-        return ENCODER_NAMES.get(setting, f"{encoders[name]['label']} ({setting})")
-
-    def trained_on(name: str) -> str:
+    def desc(name: str) -> dict[str, Any]:
+        e = encoders[name]
         protocols = sorted(set(t.loc[t["model"] == name, "protocol"]))
-        return f"the {listing(protocols)} protocol{'s' if len(protocols) > 1 else ''}"
+        return {"desc": ENCODER_NAMES.get(e["setting"]), "label": e["label"],
+                "setting": e["setting"], "protocols": protocols}  # fmt: skip
 
-    compared_desc = (
-        "beside it this run trains " + listing([f"{desc(n)} on {trained_on(n)}" for n in compared])
-        if compared else "this run compares no other encoder (reward.compare_encoders is empty)"
-    )  # fmt: skip
-    mpnet_note = (
-        " all-mpnet-base-v2 matches bert-base-uncased's *size* (12 layers, 768 hidden units, 110M "
-        "parameters) but not its pretraining: it starts from MPNet (masked and permuted language "
-        "modelling) and was then trained by sentence-transformers with a contrastive objective on "
-        "about a billion sentence pairs, whereas bert-base-uncased is a masked language model of "
-        "BooksCorpus and English Wikipedia. Its numbers are those of a BERT-base-sized encoder, not a "
-        "reproduction of the paper's."
-        if any(encoders[n]["setting"] == "embedded:mpnet" for n in ["encoder", *compared])
-        else ""
-    )
+    ctx = {
+        "level": lvl,
+        "labels": labels,
+        "protocol": proto,
+        "source": meta["reward_source"],
+        "pairs": pairs,
+        "evidence": _encoder_evidence(comp, compared, proto),
+        "check": check,
+        "compared": [desc(n) for n in compared],
+    }
+    mpnet = any(encoders[n]["setting"] == "embedded:mpnet" for n in ["encoder", *compared])
     return {
-        "encoders_sentence": sentence,
-        "mpnet_note": mpnet_note,
-        "evidence_sentence": evidence,
-        "score_sentence": score_sentence,
-        "encoder_desc": desc("encoder"),
-        "compared_desc": compared_desc,
+        "encoders_sentence": _say("encoders_sentence", ctx),
+        "mpnet_note": " " + _say("mpnet_note", ctx) if mpnet else "",
+        "evidence_sentence": _say("evidence_sentence", ctx),
+        "score_sentence": _say("score_sentence", ctx),
+        "encoder_desc": sentence("reward", "encoder_desc", desc("encoder")),
+        "compared_desc": _say("compared_desc", ctx),
     }, md
 
 
-def _calls(run: RunDir, protocol: str, name: str) -> str:
-    """A clause when accuracy cannot separate two encoders because their MET/Non-MET calls at
-    0.5 are the same on every test row (from `reward/predictions_<protocol>.parquet`)."""
+def _calls(run: RunDir, protocol: str, name: str) -> dict[str, Any] | None:
+    """Where accuracy cannot separate two encoders because their MET/Non-MET calls at 0.5 are the
+    same on every test row (from `reward/predictions_<protocol>.parquet`): code 'MET' or 'Non-MET'
+    (every row called so) or 'same', and the rows `n`; None where the calls differ."""
     rel = f"reward/predictions_{protocol}.parquet"
     if not run.exists(rel):
-        return ""
+        return None
     pred = run.read_parquet(rel)
     if f"p_{name}" not in pred or "p_encoder" not in pred or not len(pred):
-        return ""
+        return None
     a, b = pred[f"p_{name}"] >= 0.5, pred["p_encoder"] >= 0.5
     if not (a == b).all():
-        return ""
-    if a.all() or not a.any():
-        call = "MET" if a.all() else "Non-MET"
-        return (
-            f" (at the 0.5 threshold both call every one of the {len(pred):,} test rows {call}, so accuracy "
-            "cannot separate them; AUC, which ranks, can)"
-        )
-    return f" (both make the same MET/Non-MET call on every one of the {len(pred):,} test rows)"
+        return None
+    code = "MET" if a.all() else "Non-MET" if not a.any() else "same"
+    return {"code": code, "n": len(pred)}
 
 
-def _encoder_evidence(
-    comp: pd.DataFrame, compared: list[str], meta: dict[str, Any], labels: dict[str, str]
-) -> str:
+def _encoder_evidence(comp: pd.DataFrame, compared: list[str], proto: str) -> list[dict[str, str]]:
     """Which encoder the reward protocol's paired intervals favour (accuracy and AUC together),
-    and which one feeds RL. An encoder is favoured when one measure is significantly higher and
-    none significantly lower; otherwise the evidence does not separate them."""
-    proto, src = meta["reward_protocol"], meta["reward_source"]
-    feeds = f"RL optimises the {labels.get(src, src)} (reward.reward_source: {src})"
+    per compared encoder: ABOVE (it) where one measure is significantly higher and none lower,
+    BELOW (the reward encoder) the reverse, UNCLEAR where neither is, 'mixed' one each."""
     found = []
     for name in compared:
         c = (
@@ -423,53 +347,36 @@ def _encoder_evidence(
         if not len(c):
             continue
         v = set(c["verdict"].map(verdict_code))
-        if ABOVE in v and BELOW not in v:
-            found.append(f"the evidence favours the {labels[name]} over the {labels['encoder']}")
-        elif BELOW in v and ABOVE not in v:
-            found.append(f"the evidence favours the {labels['encoder']} over the {labels[name]}")
-        elif v == {UNCLEAR}:
-            found.append(
-                f"the paired intervals do not separate the {labels[name]} from the "
-                f"{labels['encoder']} in accuracy or AUC, so the evidence favours neither and the "
-                f"smaller, faster one costs less"
-            )
-        else:
-            found.append(
-                f"the {labels[name]} and the {labels['encoder']} each win on one measure, so the "
-                "evidence favours neither"
-            )
-    if not found:
-        return f"No second encoder was trained on the {proto} protocol, so there is no choice to weigh; {feeds}"
-    return f"On the {proto} protocol (the one that feeds RL), {'; '.join(found)}. {feeds}"
+        code = ABOVE if ABOVE in v and BELOW not in v else BELOW if BELOW in v and ABOVE not in v else (
+            UNCLEAR if v == {UNCLEAR} else "mixed")  # fmt: skip
+        found.append({"name": name, "code": code})
+    return found
 
 
 def reference_check(run: RunDir, lvl: str) -> tuple[str, str]:
     """Every scorer's AUC on the reference rows (evaluation countries), which none trained on."""
-    stage = "notebook 02_reward_model"
     if not run.path("data/holdout.json").exists():
-        return "This run has no evaluation holdout (data/holdout.json); rerun notebook 01", ""
+        return _say("reference_sentence", {"holdout": None}), ""
     holdout = run.read_json("data/holdout.json", "notebook 01_data_exploration")
-    t = run.read_table("reward_reference_check", stage)
+    t = run.read_table("reward_reference_check", STAGE)
     md = markdown_table(
         t.assign(**{f"AUC [{lvl} CI]": [ci(r.auc, r.auc_low, r.auc_high) for r in t.itertuples()]})[
             ["model", "rows", "met_share", "mean_p", f"AUC [{lvl} CI]"]
         ],
         floatfmt=".3f",
     )
-    parts = [
-        f"{r.model} {ci(r.auc, r.auc_low, r.auc_high)}, "
-        + say("position_from", r.auc_low - 0.5, r.auc_high - 0.5)
-        + " chance"
-        for r in t.itertuples()
-    ]
-    sentence = (
-        f"The {len(holdout['eval_countries'])} evaluation countries' {len(holdout['reference'])} rows "
-        f"sit inside the {holdout['reward_protocol']} protocol's test split, and the audit model "
-        f"trains on {len(holdout['audit_train'])} other held-out rows (calibrated on "
-        f"{len(holdout['audit_val'])}), so no reference that evaluation scores was seen by either "
-        f"model. On those rows the AUC is: " + "; ".join(parts)
-    )
-    return sentence, md
+    c = {
+        "holdout": True,
+        "countries": len(holdout["eval_countries"]),
+        "reference_rows": len(holdout["reference"]),
+        "protocol": holdout["reward_protocol"],
+        "audit_train": len(holdout["audit_train"]),
+        "audit_val": len(holdout["audit_val"]),
+        "rows": [{"model": r.model, "auc": r.auc, "low": r.auc_low, "high": r.auc_high,
+                  "verdict": bound_verdict(r.auc_low - 0.5, r.auc_high - 0.5)}
+                 for r in t.itertuples()],
+    }  # fmt: skip
+    return _say("reference_sentence", c), md
 
 
 # -- notebook 02's narrative --------------------------------------------------------------------
@@ -477,41 +384,27 @@ def accuracy_lines(tables: dict[str, pd.DataFrame], lvl: str) -> str:
     """Test accuracy per protocol against the paper, encoder against TF-IDF, and how accuracy moves
     from the random split to the others, each verdict read from its paired interval."""
     acc, comp = tables["reward_accuracy_vs_paper"], tables["reward_comparisons"]
+    c = {"level": lvl}
     lines = []
-    for row in acc.itertuples():
-        line = (
-            f"- **{row.protocol}**: encoder {row.encoder:.1%}, TF-IDF LR {row.tfidf_lr:.1%}, majority "
-            f"class {row.majority:.1%} (paper: {row.paper_claim:.0%})"
-        )
-        c = comp[(comp["protocol"] == row.protocol) & (comp["comparison"] == "encoder vs TF-IDF")]
-        c = c[c["measure"] == "accuracy"]
-        if len(c):
-            r = c.iloc[0]
-            verdict = phrase("encoder_vs_tfidf", r["verdict"])
-            line += (
-                f"; encoder − TF-IDF {100 * r['diff']:+.1f} points, paired {lvl} CI "
-                f"{interval(100 * r['diff_low'], 100 * r['diff_high'], digits=1)}: {verdict}"
-            )
-        lines.append(line + ".")
-    for r in tables["reward_protocol_differences"].itertuples():
-        move = phrase("protocol_accuracy", r.verdict)
-        lines.append(
-            f"- {r.model} accuracy under **{r.protocol}** against **{r.reference}**: {r.accuracy:.1%} "
-            f"vs {r.accuracy_reference:.1%}, {100 * r.diff:+.1f} points ({lvl} CI "
-            f"{interval(100 * r.diff_low, 100 * r.diff_high, digits=1)}): it {move}."
-        )
-    return "Test accuracy per protocol:\n\n" + "\n".join(lines)
+    for row in acc.to_dict("records"):
+        vs = comp[
+            (comp["protocol"] == row["protocol"]) & (comp["comparison"] == "encoder vs TF-IDF")
+        ]
+        vs = vs[vs["measure"] == "accuracy"]
+        r = {**row, "vs": _diff(vs.iloc[0]) if len(vs) else None}
+        lines.append(sentence("reward", "accuracy_line", c, r))
+    lines += [
+        sentence("reward", "protocol_line", c, {**r, "verdict": verdict_code(r["verdict"])})
+        for r in tables["reward_protocol_differences"].to_dict("records")
+    ]
+    return _say("accuracy_heading", c) + "\n\n" + "\n".join(lines)
 
 
 def calibration_lines(cal: pd.DataFrame, model: str, lvl: str) -> str:
     """Per protocol: the fitted temperature and offset and what calibration did to the test ECE."""
     return "\n".join(
-        f"- **{r.protocol}** ({r.model}): T {r.temperature:.2f}, offset {r.offset:+.2f} from "
-        f"{r.n_calibration} calibration rows; test ECE {r.test_ece_before:.3f} → {r.test_ece_after:.3f} "
-        f"(change {r.test_ece_after - r.test_ece_before:+.3f}, paired {lvl} CI "
-        f"{interval(r.ece_diff_low, r.ece_diff_high)}: calibration {phrase('gain', r.ece_verdict)} "
-        f"the ECE), Brier {r.test_brier_before:.3f} → {r.test_brier_after:.3f}."
-        for r in cal[cal["model"] == model].itertuples()
+        sentence("reward", "calibration_line", {"level": lvl}, r)
+        for r in cal[cal["model"] == model].to_dict("records")
     )
 
 
@@ -521,35 +414,23 @@ def within_context_sentence(
     """Context fields alone against text alone, and the pair-weighted AUC within groups."""
     g = tables["reward_within_context"].set_index(["protocol", "model"])
     comp = tables["reward_comparisons"]
-
-    def within(name: str, stem: str) -> str:
-        r = g.loc[(protocol, name)]
-        return (
-            f"{r[f'auc_within_{stem}']:.3f} [{r[f'auc_within_{stem}_low']:.3f}, "
-            f"{r[f'auc_within_{stem}_high']:.3f}]"
-        )
-
     tc = comp[(comp["protocol"] == protocol) & (comp["comparison"] == "text only vs context only")]
-    tc = tc.iloc[0]
-    reads = phrase("probes", tc["verdict"])
-    return (
-        f"On the **{protocol}** protocol the context fields alone reach AUC "
-        f"{g.loc[(protocol, 'context_only'), 'roc_auc']:.3f} and the text alone "
-        f"{g.loc[(protocol, 'text_only'), 'roc_auc']:.3f} (difference {tc['diff']:+.3f}, paired {lvl} "
-        f"CI {interval(tc['diff_low'], tc['diff_high'])}): {reads}. Pair-weighted within-group AUC "
-        f"({lvl} CI) of the {model}: within countries {within(model, 'country')}, within areas "
-        f"{within(model, 'area')}, within full contexts {within(model, 'context')}; TF-IDF LR within "
-        f"countries {within('tfidf', 'country')}."
-    )
+
+    def within(name: str) -> dict[str, float]:
+        r = g.loc[(protocol, name)]
+        return {k.removeprefix("auc_within_"): r[k] for k in r.index if k.startswith("auc_within_")}
+
+    return _say("within_context_sentence", {
+        "level": lvl, "protocol": protocol, "model": model, "probes": _diff(tc.iloc[0]),
+        "context_only_auc": g.loc[(protocol, "context_only"), "roc_auc"],
+        "text_only_auc": g.loc[(protocol, "text_only"), "roc_auc"],
+        "model_within": within(model), "tfidf_within": within("tfidf"),
+    })  # fmt: skip
 
 
 def reward_choice_sentence(tables: dict[str, pd.DataFrame], protocol: str, source: str,
                            folder: str, lvl: str) -> str:  # fmt: skip
     """Which model notebook 03 optimises against, where it is saved and how good it is."""
     m = tables["reward_metrics"].set_index(["protocol", "model"]).loc[(protocol, source)]
-    return (
-        f"Notebook 03 optimises against the **{source}** model trained on the **{protocol}** "
-        f"training split, saved to `{folder}/` (test accuracy {m['accuracy']:.1%}, {lvl} CI "
-        f"[{m['accuracy_low']:.1%}, {m['accuracy_high']:.1%}], AUC {m['roc_auc']:.3f}, ECE "
-        f"{m['ece']:.3f}); the other model is kept beside it as the audit reward."
-    )
+    return _say("reward_choice_sentence", {"level": lvl, "protocol": protocol, "source": source,
+                                           "folder": folder, "metrics": m.to_dict()})  # fmt: skip
