@@ -456,7 +456,7 @@ def test_easy_hard_table_finds_a_gain_only_on_hard_prompts() -> None:
 
 def test_guidance_verdicts_follow_the_intervals() -> None:
     from rlxf_utils.evaluation.rlgf import guidance_table
-    from rlxf_utils.report.rlgf import guidance_sentences
+    from rlxf_utils.report.rlgf import guidance_context
 
     samples, _, _ = _rlgf_inputs()
     g = guidance_table(samples, ALGOS, 500, 0.05, 0)
@@ -474,62 +474,68 @@ def test_guidance_verdicts_follow_the_intervals() -> None:
     assert vs_sft.loc["grpo", "verdict"] == "below" and vs_sft.loc["ppo", "verdict"] == "above"
     assert (g["n_clusters"] == 10).all() and g["p_family"].between(0, 1).all()
     assert set(g["measure"]) == {"reward", "audit_reward"}
-    s = guidance_sentences(g, ALGOS, 0.1)
-    assert s["guidance"].startswith("PPO++ beats PPO under the reward model")
-    assert (
-        "D²LOLS cannot be told apart from PPO under both the reward and the audit model"
-        in s["guidance"]
-    )
+    # the sentences' contexts: each guided algorithm against PPO, every one against sft_met,
+    # each with the verdict codes of its measures (the words: tests/golden/report/rlgf.md)
+    c = guidance_context(g, ALGOS, 0.1)
+    gc = {x["policy"]: x for x in c["guidance"]["comparisons"]}
+    assert list(gc) == ["ppo_pp", "d2lols"] and c["guidance"]["comparator"] == "ppo"
+    assert [m["verdict"] for m in gc["ppo_pp"]["measures"]][0] == "above"
+    assert {m["verdict"] for m in gc["d2lols"]["measures"]} == {"not distinguishable"}
     # each sentence states its question's family level (two guided algorithms: 1 - 0.05 / 2),
     # not a level of its own (it said the 90% of the alpha passed in)
-    assert "97.5% cluster-bootstrap CI" in s["guidance"]
     from rlxf_utils.stats import level
 
-    assert f"{level(0.05 / len(ALGOS))} cluster-bootstrap CI" in s["rl_vs_sft_met"]
-    assert "GRPO falls short of sft_met under the reward model" in s["rl_vs_sft_met"]
-    # the verb follows the interval, not the point estimate: a positive estimate whose
+    assert {level(x["alpha"]) for x in gc.values()} == {"97.5%"}
+    rc = {x["policy"]: x for x in c["rl_vs_sft_met"]["comparisons"]}
+    assert list(rc) == ALGOS and {level(x["alpha"]) for x in rc.values()} == {
+        level(0.05 / len(ALGOS))
+    }
+    grpo_reward = rc["grpo"]["measures"][0]
+    assert (grpo_reward["measure"], grpo_reward["verdict"]) == ("reward", "below")
+    # the verb follows the interval's verdict, not the point estimate: a positive estimate whose
     # interval crosses zero is not a win
     fake = g.copy()
     fake.loc[(fake.policy == "ppo_pp") & (fake.measure == "reward"), ["diff", "low", "high", "verdict"]] = [
         0.08, -0.01, 0.17, "not distinguishable"]  # fmt: skip
-    assert guidance_sentences(fake, ALGOS, 0.05)["guidance"].startswith(
-        "PPO++ cannot be told apart from PPO under both the reward and the audit model (difference "
-        "in Ave(R), 97.5% cluster-bootstrap CI over countries: reward model +0.080 [-0.010, +0.170]; "
-    )
+    (first, *_) = guidance_context(fake, ALGOS, 0.05)["guidance"]["comparisons"]
+    assert first["measures"][0] == {"measure": "reward", "verdict": "not distinguishable",
+                                    "diff": 0.08, "low": -0.01, "high": 0.17}  # fmt: skip
 
 
 def test_guidance_without_ppo_or_without_a_guided_algorithm_says_so() -> None:
     from rlxf_utils.evaluation.rlgf import guidance_table
-    from rlxf_utils.report.rlgf import guidance_sentences
+    from rlxf_utils.report.rlgf import guidance_context
 
     samples, _, _ = _rlgf_inputs()
     no_ppo = samples[samples.policy != "ppo"]
     g = guidance_table(no_ppo, ["ppo_pp", "grpo"], 200, 0.05, 0)
     assert set(g["question"]) == {"rl_vs_sft_met"}
-    s = guidance_sentences(g, ["ppo_pp", "grpo"], 0.05)
-    assert s["guidance"].startswith("PPO did not run (this run trained PPO++ and GRPO)")
+    c = guidance_context(g, ["ppo_pp", "grpo"], 0.05)["guidance"]
+    assert c["guided"] == ["ppo_pp"] and c["comparator"] is None and c["comparisons"] == []
     g = guidance_table(samples, ["ppo", "grpo"], 200, 0.05, 0)
-    s = guidance_sentences(g, ["ppo", "grpo"], 0.05)
-    assert s["guidance"].startswith("No guided algorithm ran: this run trained PPO and GRPO")
+    c = guidance_context(g, ["ppo", "grpo"], 0.05)["guidance"]
+    assert c["guided"] == [] and c["comparisons"] == []
     g = guidance_table(samples[samples.policy != "sft_met"], ["ppo", "grpo"], 200, 0.05, 0)
     assert g.empty and list(g.columns)[-5:] == ["verdict", "p_family", "ci_level", "bound", "mde"]
-    assert "was not evaluated" in guidance_sentences(g, ["ppo", "grpo"], 0.05)["rl_vs_sft_met"]
+    assert guidance_context(g, ["ppo", "grpo"], 0.05)["rl_vs_sft_met"] == {
+        "evaluated": False, "comparisons": []}  # fmt: skip
 
 
 def test_easy_hard_sentences_read_the_intervals() -> None:
     from rlxf_utils.evaluation.rlgf import easy_hard_table, prompt_difficulty
-    from rlxf_utils.report.rlgf import easy_hard_sentences
+    from rlxf_utils.report.rlgf import easy_hard_context
 
     samples = _rlgf_samples(SHIFT, hard_shift={"grpo": 0.1})
     d = prompt_difficulty(samples[samples.policy == "sft"], _history())
     t = easy_hard_table(samples, d, ["sft", "grpo"], "sft", 300, 0.1, 0)
-    s = easy_hard_sentences(t, "sft", 0.1)
-    assert "GRPO is not distinguishable from SFT on easy prompts" in s
-    assert "above it on hard prompts" in s and "its gain is larger on hard prompts" in s
-    assert (
-        "90% cluster-bootstrap intervals" in s and "sft is" not in s
-    )  # the start is the yardstick
-    assert easy_hard_sentences(t.iloc[0:0], "sft", 0.1).startswith("No prompt could be placed")
+    c = easy_hard_context(t, "sft", 0.1)
+    assert c["start"] == "SFT" and c["alpha"] == 0.1  # the start is the yardstick, not a policy
+    (grpo,) = c["policies"]
+    assert grpo["label"] == "GRPO"
+    assert [(h["half"], h["verdict"]) for h in grpo["halves"]] == [
+        ("easy", "not distinguishable"), ("hard", "above")]  # fmt: skip
+    assert grpo["diff"]["low"] > 0  # its gain is larger on hard prompts
+    assert easy_hard_context(t.iloc[0:0], "sft", 0.1) == {"placed": False}
 
 
 def test_rlgf_figures_and_frontier_use_algorithm_labels() -> None:
@@ -644,18 +650,9 @@ def test_report_rlgf_section_words_follow_the_intervals(tmp_path) -> None:
     run = _eval_run(tmp_path, ALGOS, alpha=0.1)
     v, inc = rlgf_section(run, {"rlgf": {"guide": "sft_met"}})
     assert v["level"] == "90%" and v["start"] == "sft"
-    assert v["ran_sentence"] == ("This run trained PPO, PPO++, GRPO and D²LOLS; the guided ones are "
-                                 "PPO++ and D²LOLS, with `sft_met` as the guide")  # fmt: skip
-    assert "PPO++ beats PPO under the reward model" in v["guidance_sentence"]
-    assert (
-        "D²LOLS cannot be told apart from PPO under both the reward and the audit model"
-        in v["guidance_sentence"]
-    )
-    assert "GRPO falls short of sft_met" in v["rl_vs_sft_met_sentence"]
     assert v["context_key"] == "country × arrangement type × economic descriptor"
-    assert v["easy_hard_sentence"].startswith(
-        "Gains over SFT with 90% cluster-bootstrap intervals: "
-    )
+    # the sentences' words: tests/golden/report/rlgf.md; here, that the run's numbers reach them
+    assert "95%" in v["guidance_sentence"] and "90%" in v["easy_hard_sentence"]  # 1 - 0.1 / 2
     assert v["median"] == "0.500"  # between (3 + 1) / (4 + 2) (easy) and (1 + 1) / (4 + 2) (hard)
     table = inc["rlgf_table.md"]
     assert r"Ave(R) \[90% CI\]" in table and "PPO++" in table and "≤ " in table  # best-of-N's bound
@@ -672,17 +669,17 @@ def test_report_rlgf_section_words_follow_the_intervals(tmp_path) -> None:
 
 
 def test_report_rlgf_section_without_guidance_or_tables(tmp_path) -> None:
-    from rlxf_utils.report.rlgf import rlgf_section
+    from rlxf_utils.report.rlgf import guidance_context, rlgf_section
 
-    v, inc = rlgf_section(_eval_run(tmp_path / "a", ["ppo", "grpo"]), {})
-    assert v["ran_sentence"] == "This run trained PPO and GRPO; none of them is guided"
-    assert v["guidance_sentence"].startswith(
-        "No guided algorithm ran: this run trained PPO and GRPO"
-    )
-    assert "PPO beats sft_met" in v["rl_vs_sft_met_sentence"]
+    run = _eval_run(tmp_path / "a", ["ppo", "grpo"])
+    v, inc = rlgf_section(run, {})
+    c = guidance_context(run.read_table("eval_guidance"), ["ppo", "grpo"], 0.05)
+    assert c["guidance"]["guided"] == [] and c["rl_vs_sft_met"]["evaluated"]
+    (ppo,) = [x for x in c["rl_vs_sft_met"]["comparisons"] if x["policy"] == "ppo"]
+    assert ppo["measures"][0]["verdict"] == "above"  # PPO beats sft_met under the reward model
     # an older run dir: no RLGF tables; the section says so, and its tables stay tables
     v, inc = rlgf_section(_eval_run(tmp_path / "b", ["ppo"], with_tables=False), {})
-    assert v["guidance_sentence"].startswith("Not in this run directory, which predates")
+    assert v["guidance_sentence"] == v["rl_vs_sft_met_sentence"] == v["easy_hard_sentence"]
     assert "notebook 04_evaluation" in v["easy_hard_sentence"] and v["median"] == "n/a"
     for md in inc.values():
         assert md.startswith("| note |") and "tables/eval_rlgf.csv" in md
@@ -764,18 +761,17 @@ def test_history_sentence_is_read_from_the_interval() -> None:
 def test_move_sentence_says_when_an_algorithm_logs_no_training_reward() -> None:
     import pandas as pd
 
-    from rlxf_utils.report.rl import moves_sentence
+    from rlxf_utils.report.rl import moves_context
 
     nan = float("nan")
     rose = {"reward_first": 0.6, "reward_last": 0.65, "kl_last": 1.5, "step_time_s": 12}
     none = {"reward_first": nan, "reward_last": nan, "kl_last": nan, "step_time_s": 6}
     rows = pd.DataFrame([rose, none, {**none, "step_time_s": 31.6}], index=["PPO", "ILHF", "KTO"])
-    assert moves_sentence(rows) == (
-        "PPO's mean training reward on the responses it wrote alone went from 0.600 to 0.650 "
-        "(+0.050) at a final KL of 1.50 nats, "
-        "12 s per step; ILHF and KTO sample nothing while they train, so they log no training "
-        "reward (6 and 32 s per step)"
-    )
-    assert moves_sentence(rows.iloc[[1]]) == (
-        "ILHF samples nothing while it trains, so it logs no training reward (6 s per step)"
-    )
+    c = moves_context(rows)
+    assert [r["algorithm"] for r in c["moved"]] == ["PPO"]
+    assert c["moved"][0] == {"algorithm": "PPO", "first": 0.6, "last": 0.65, "first_step": 1,
+                             "kl": 1.5, "step_time_s": 12}  # fmt: skip
+    # said together once, with their step times, never as 'nan'
+    assert c["silent"] == {"algorithms": ["ILHF", "KTO"], "step_time_s": [6, 31.6]}
+    assert moves_context(rows.iloc[[1]]) == {
+        "moved": [], "silent": {"algorithms": ["ILHF"], "step_time_s": [6]}}  # fmt: skip

@@ -102,13 +102,16 @@ def test_a_trl_run_adapts_beta_from_its_logged_kl(tmp_path, monkeypatch, algo):
 
 def test_the_report_states_the_one_kl_regime_of_the_run():
     from rlxf_utils.config import load_config
-    from rlxf_utils.report.rl import kl_regime_sentence
+    from rlxf_utils.report.rl import kl_context
+    from rlxf_utils.report.wording import sentence
 
     rl = load_config(
         Path(__file__).resolve().parents[1] / "params" / "default.yaml"
     ).rl.model_dump()
-    said = kl_regime_sentence(rl)
-    assert said.startswith("every RL algorithm") and f"towards {rl['target_kl']:g} nats" in said
-    assert kl_regime_sentence({**rl, "adaptive_kl": False}) == (
-        f"every RL algorithm with a KL penalty (ILHF has none) keeps β = {rl['kl_coef']:g} fixed"
-    )
+    c = kl_context(rl)
+    assert c == {k: rl[k] for k in ("adaptive_kl", "kl_coef", "target_kl", "kl_adapt_rate")}
+    # the words: tests/golden/report/rl.md; the run's numbers as its parameters write them
+    said = sentence("rl", "kl_regime_sentence", c)
+    assert all(f"{rl[k]:g}" in said for k in ("kl_coef", "target_kl", "kl_adapt_rate"))
+    fixed = sentence("rl", "kl_regime_sentence", {**c, "adaptive_kl": False})
+    assert f"{rl['kl_coef']:g}" in fixed and f"{rl['target_kl']:g} nats" not in fixed

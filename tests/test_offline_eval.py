@@ -77,7 +77,13 @@ def test_methods_table_groups_every_method_and_draws():
 
 def test_report_section_answers_from_the_intervals(tmp_path):
     from rlxf_utils.artifacts import RunDir
-    from rlxf_utils.report.offline import answer_sentence, offline_section
+    from rlxf_utils.report.offline import (
+        answer_context,
+        answer_sentence,
+        methods_context,
+        offline_section,
+    )
+    from rlxf_utils.stats import level
 
     s = samples({"sft": 0.0, "ppo": 0.0, "grpo": 0.0, "kto": 0.1, "dpo": 0.0, "ilhf_history": 0.0})
     comp = rl_vs_offline(s, ALGOS, n_boot=300, alpha=0.05, seed=0)
@@ -94,22 +100,24 @@ def test_report_section_answers_from_the_intervals(tmp_path):
     run.write_json("eval/summary.json", {"start_policy": "sft", "need_rl": {
         m: need_rl(comp, m) for m in ("audit_reward", "reward")}})  # fmt: skip
     variables, files = offline_section(run)
-    assert variables["answer"].startswith("Under the disjoint-rows audit")
-    assert "did not need RL: KTO beat every RL algorithm" in variables["answer"]
+    # the words: tests/golden/report/offline.md; here, the answers and numbers they are given
+    c = answer_context(need_rl(comp, "audit_reward"))
+    assert c["answer"] == "offline" and c["winners"] == ["kto"] and c["pairs"] == 4
+    assert level(c["alpha"]) == "98.8%"
+    assert "KTO" in variables["answer"] and "98.8%" in variables["answer"]
+    (kto,) = methods_context(run.read_table("eval_methods"), "offline")["methods"]
+    assert kto["method"] == "KTO" and (kto["gain"], kto["gain_low"], kto["gain_high"]) == (
+        0.1,
+        0.08,
+        0.12,
+    )
     assert (
-        "(each RL algorithm against each offline method, 4 paired comparisons, 98.8%"
-        in variables["answer"]
+        variables["offline"].startswith("KTO") and "+0.100 [+0.080, +0.120]" in variables["offline"]
     )
-    assert variables["offline"].startswith(
-        "KTO raised the reward (+0.100 [+0.080, +0.120]) and raised the audit"
-    )
-    assert "did not significantly change the audit (-0.010" in variables["references"]
-    assert (
-        variables["references"].startswith("best-of-4 raised")
-        and "nan" not in variables["references"]
-    )
+    (bon,) = methods_context(run.read_table("eval_methods"), "best-of-N")["methods"]
+    assert bon["method"] == "best-of-4" and bon["vs_best_of_n"] is None
+    assert variables["references"].startswith("best-of-4") and "nan" not in variables["references"]
     assert "0.84 (bound)" in files["eval_methods.md"] and "best-of-N" in files["eval_methods.md"]
     undecided = {"measure": "reward", "answer": "undecided", "winners": [], "ci_level": 0.99,
                  "pairs": 2, "beaten": [("ppo", "kto", "above")]}  # fmt: skip
-    text = answer_sentence(undecided)
-    assert "cannot say whether RL is needed" in text and "PPO above KTO" in text
+    assert "PPO above KTO" in answer_sentence(undecided)  # ids shown by their display names

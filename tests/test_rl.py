@@ -332,7 +332,7 @@ def test_training_reward_is_the_learners_own_in_the_curves_the_table_and_the_sen
     report's sentence read the learner's own responses (`reward_learner`), not the mixed mean."""
     import matplotlib.pyplot as plt
 
-    from rlxf_utils.report.rl import move_sentence
+    from rlxf_utils.report.rl import moves_context
 
     n = 8
     own = [np.nan] * 4 + [0.30, 0.32, 0.40, 0.44]
@@ -343,12 +343,14 @@ def test_training_reward_is_the_learners_own_in_the_curves_the_table_and_the_sen
     row = summary_table(d2, window=2).iloc[0]
     assert row["reward_first"] == pytest.approx(0.31) and row["reward_last"] == pytest.approx(0.42)
     assert row["reward_first_step"] == 5
-    said = move_sentence("D²LOLS", row)
-    assert "from 0.310 (from step 5" in said and "to 0.420 (+0.110)" in said
+    (said,) = moves_context(summary_table(d2, window=2).set_index("algorithm"))["moved"]
+    assert said["first"] == pytest.approx(0.31) and said["last"] == pytest.approx(0.42)
+    assert said["first_step"] == 5  # the sentence says from which step
     fig = training_curves_figure(d2)
     (line,) = fig.axes[0].get_lines()
     np.testing.assert_array_equal(line.get_ydata(), np.array(own))
     plt.close(fig)
     ppo = d2.assign(algo="ppo", reward_learner=0.5)  # every response the learner's own
     assert summary_table(ppo).iloc[0]["reward_first_step"] == 1
-    assert "(from step" not in move_sentence("PPO", summary_table(ppo).iloc[0])
+    (said,) = moves_context(summary_table(ppo).set_index("algorithm"))["moved"]
+    assert said["first_step"] == 1

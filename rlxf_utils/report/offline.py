@@ -1,64 +1,55 @@
 """Does learning from experience need RL here? The offline methods (KTO, DPO, rejection-sampling
-fine-tuning) beside RL, ILHF and best-of-N, in words (notebook 04's `eval_methods`,
-`eval_rl_vs_offline` and `need_rl`); every verdict read from an interval."""
+fine-tuning) beside RL, ILHF and best-of-N (notebook 04's `eval_methods`, `eval_rl_vs_offline`
+and `need_rl`); every verdict read from an interval. The sentences are macros of
+`reports/templates/offline.jinja`; this module reads the tables into their contexts (numbers,
+verdict codes, ids) and writes the table of every method side by side."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
-from rlxf_utils.algorithms import algorithm_label
 from rlxf_utils.artifacts import RunDir
-from rlxf_utils.report.evaluation import gain_verb, table_note
-from rlxf_utils.report.wording import ci, is_present, listing, markdown_table
-from rlxf_utils.stats import level
+from rlxf_utils.report.evaluation import table_note
+from rlxf_utils.report.wording import ci, is_present, markdown_table, sentence
 
-_MEASURES = {"audit_reward": "the disjoint-rows audit (a judge none of them was trained on)",
-             "reward": "the reward model RL was trained on"}  # fmt: skip
+#: The numbers of an `eval_methods` row that a method's clause reads.
+_GAINS = ("gain", "gain_low", "gain_high", "audit_gain", "audit_gain_low", "audit_gain_high", "kl")
 
 
-def _names(ids: list[str]) -> str:
-    return listing([algorithm_label(a) for a in ids])
+def _value(x: Any) -> Any:
+    """A table's number for a template's context: a Python number, None where missing."""
+    if isinstance(x, np.generic):
+        x = x.item()
+    return x if is_present(x) else None
+
+
+def answer_context(answer: dict[str, Any]) -> dict[str, Any]:
+    """`answer_sentence`: one measure's answer of `need_rl` (its code, winners, pairs and the
+    family's alpha)."""
+    lvl = answer.get("ci_level")
+    return {"measure": answer.get("measure", ""), "answer": answer.get("answer"),
+            "winners": list(answer.get("winners", [])), "pairs": answer.get("pairs"),
+            "alpha": 1 - lvl if is_present(lvl) else None,
+            "beaten": [list(b) for b in answer.get("beaten", [])]}  # fmt: skip
 
 
 def answer_sentence(answer: dict[str, Any]) -> str:
     """One measure's answer to "does learning from experience need RL here?", from `need_rl`."""
-    where = _MEASURES.get(answer.get("measure", ""), answer.get("measure", ""))
-    kind = answer.get("answer")
-    if kind == "not compared":
-        return f"Under {where}, no RL algorithm and offline method were both evaluated"
-    lvl = level(1 - answer["ci_level"]) if is_present(answer.get("ci_level")) else ""
-    unit = f"(each RL algorithm against each offline method, {answer['pairs']} paired comparisons, {lvl} simultaneous intervals)"  # fmt: skip
-    if kind == "rl":
-        return (f"Under {where}, RL did something the offline methods did not: "
-                f"{_names(answer['winners'])} beat every offline method {unit}")  # fmt: skip
-    if kind == "offline":
-        return (f"Under {where}, learning from experience did not need RL: "
-                f"{_names(answer['winners'])} beat every RL algorithm {unit}")  # fmt: skip
-    decided = [f"{algorithm_label(a)} {'above' if d == 'above' else 'below'} {algorithm_label(b)}"
-               for a, b, d in answer.get("beaten", [])]  # fmt: skip
-    tail = (f"; the pairs that differ: {listing(decided)}" if decided
-            else "; no pair differs")  # fmt: skip
-    return (f"Under {where}, the data cannot say whether RL is needed: no RL algorithm beat every "
-            f"offline method and no offline method beat every RL algorithm {unit}{tail}")  # fmt: skip
+    return sentence("offline", "answer_sentence", answer_context(answer))
 
 
-def method_clauses(table: pd.DataFrame, start: str, group: str) -> str:
-    """Each method of `group`: its gains over the start policy under both rewards, its KL and
-    its place against best-of-N at equal KL."""
-    out = []
-    for _, r in table[table["group"] == group].iterrows():
-        verdict = r["vs_best_of_n"] if isinstance(r["vs_best_of_n"], str) else ""
-        vs = f"; against best-of-N at equal KL: {verdict}" if verdict else ""
-        out.append(
-            f"{r['method']} {gain_verb(r['gain_low'], r['gain_high'])} the reward "
-            f"({ci(r['gain'], r['gain_low'], r['gain_high'], signed=True)}) and "
-            f"{gain_verb(r['audit_gain_low'], r['audit_gain_high'])} the audit "
-            f"({ci(r['audit_gain'], r['audit_gain_low'], r['audit_gain_high'], signed=True)}) "
-            f"at KL {r['kl']:.2f} nats{vs}"
-        )
-    return "; ".join(out) if out else f"no {group} method ran"
+def methods_context(table: pd.DataFrame, group: str) -> dict[str, Any]:
+    """`method_clauses`: each method of `group` (its gains over the start policy under both
+    rewards, its KL, its verdict against best-of-N at equal KL)."""
+    rows = table[table["group"] == group]
+    return {"group": group, "methods": [
+        {"method": r["method"], **{k: _value(r[k]) for k in _GAINS},
+         "vs_best_of_n": r["vs_best_of_n"] if isinstance(r["vs_best_of_n"], str) and r["vs_best_of_n"] else None}
+        for _, r in rows.iterrows()
+    ]}  # fmt: skip
 
 
 def offline_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
@@ -68,7 +59,7 @@ def offline_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
     meta = run.read_json("eval/summary.json", stage=stage)
     start = meta.get("start_policy", "sft")
     if not run.exists("tables/eval_methods.csv"):
-        note = f"This run directory predates the offline methods' comparison; rerun {stage}"
+        note = sentence("offline", "predates_note", {"stage": stage})
         return ({"answer": note, "answer_reward": note, "offline": note, "references": note,
                  "present": False}, {"eval_methods.md": table_note(note)})  # fmt: skip
     table = run.read_table("eval_methods", stage)
@@ -87,8 +78,8 @@ def offline_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
     variables = {
         "answer": answer_sentence(need["audit_reward"]) if "audit_reward" in need else "",
         "answer_reward": answer_sentence(need["reward"]) if "reward" in need else "",
-        "offline": method_clauses(table, start, "offline"),
-        "references": method_clauses(table, start, "best-of-N"),
+        "offline": sentence("offline", "method_clauses", methods_context(table, "offline")),
+        "references": sentence("offline", "method_clauses", methods_context(table, "best-of-N")),
         "present": present,
     }
     return variables, {"eval_methods.md": markdown_table(shown.fillna(""))}

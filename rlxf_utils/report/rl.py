@@ -1,10 +1,13 @@
-"""The RL section: SFT, each algorithm's training, its settings and its critic, in words."""
+"""The RL section: SFT, each algorithm's training, its settings and its critic. The sentences are
+macros of `reports/templates/rl.jinja`; this module reads notebook 03's tables into their
+contexts (numbers, flags, ids) and writes the tables."""
 
 from __future__ import annotations
 
 import math
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from rlxf_utils.artifacts import RunDir
@@ -12,61 +15,66 @@ from rlxf_utils.config import CRITIC_INIT
 from rlxf_utils.report.wording import (
     ci,
     display_country,
-    interval,
     is_present,
-    listing,
     markdown_table,
     num,
-    say,
+    sentence,
     short_text,
     spaced,
 )
 
 
-def moves_sentence(rows: pd.DataFrame) -> str:
-    """How each algorithm's training reward moved (`rl.summary_table`'s rows, by algorithm), the
-    algorithms that log no training reward (ILHF from history, the offline methods: they sample
-    nothing while they train) said together once, not 'nan'."""
+def _value(x: Any) -> Any:
+    """A table's number for a template's context: a Python number, None where missing."""
+    if isinstance(x, np.generic):
+        x = x.item()
+    return x if is_present(x) else None
+
+
+def moves_context(rows: pd.DataFrame) -> dict[str, Any]:
+    """`moves` of `reports/templates/rl.jinja`: how each algorithm's training reward moved
+    (`rl.summary_table`'s rows, by algorithm), and the algorithms that log no training reward
+    (ILHF from history, the offline methods: they sample nothing while they train)."""
     moved = rows["reward_last"].map(is_present) & rows["reward_first"].map(is_present)
-    parts = [move_sentence(algo, r) for algo, r in rows[moved].iterrows()]
     silent = rows[~moved]
-    if len(silent):
-        one = len(silent) == 1
-        secs = listing([f"{t:.0f}" for t in silent["step_time_s"]])
-        parts.append(
-            f"{listing(list(silent.index))} {'samples' if one else 'sample'} nothing while "
-            f"{'it trains' if one else 'they train'}, so {'it logs' if one else 'they log'} no "
-            f"training reward ({secs} s per step)"
-        )
-    return "; ".join(parts)
+    return {
+        "moved": [
+            {"algorithm": algo, "first": _value(r["reward_first"]), "last": _value(r["reward_last"]),
+             "first_step": _value(r.get("reward_first_step", 1)), "kl": _value(r["kl_last"]),
+             "step_time_s": _value(r["step_time_s"])}
+            for algo, r in rows[moved].iterrows()
+        ],
+        "silent": {"algorithms": list(silent.index),
+                   "step_time_s": [_value(t) for t in silent["step_time_s"]]},
+    }  # fmt: skip
 
 
-def move_sentence(algo: str, r: pd.Series) -> str:
-    """How one algorithm's training reward moved (a row of `rl.summary_table` whose algorithm
-    logs a training reward)."""
-    d = r["reward_last"] - r["reward_first"]
-    first = r.get("reward_first_step", 1)
-    since = (f" (from step {first:.0f}: before it, the guide wrote or finished every response)"
-             if is_present(first) and first > 1 else "")  # fmt: skip
-    return (
-        f"{algo}'s mean training reward on the responses it wrote alone went from "
-        f"{num(r['reward_first'])}{since} to {num(r['reward_last'])} "
-        f"({'+' if d >= 0 else '−'}{abs(d):.3f}) at a final KL of {r['kl_last']:.2f} nats, "
-        f"{r['step_time_s']:.0f} s per step"
-    )
+def ppo_context(rows: pd.DataFrame, rl: dict[str, Any]) -> dict[str, Any]:
+    """`ppo_sentence`: PPO's critic and β (None where PPO did not run)."""
+    r = rows.loc["PPO"] if "PPO" in rows.index else None
+    ppo = None if r is None else {
+        k: _value(r.get(col, math.nan))
+        for k, col in (("ev", "explained_variance_last_third"), ("ev_low", "explained_variance_low"),
+                       ("ev_high", "explained_variance_high"),
+                       ("prior_ev", "explained_variance_prior_last_third"),
+                       ("beta_first", "beta_first"), ("beta_last", "beta_last"))
+    }  # fmt: skip
+    return {"ppo": ppo, **kl_context(rl)}
 
 
-#: The report's sentence on how PPO's critic starts (`rl.critic_init`).
-CRITIC_SENTENCE = {
-    "reward": "The critic is the frozen reward model plus a learned correction: its value at each "
-    "token is the reward model's score of the response so far in its context, a prior that is never "
-    "trained, plus a linear head on the policy's hidden states (detached, so the critic does not move "
-    "the policy) that starts at zero. This is not Stiennon et al.'s (2020) critic, a copy of the reward "
-    "model whose weights are trained as the value function: here the prior cannot be unlearned, and "
-    "the RLGF schemes' two critics (the policy's and the guide's) share it and differ only by their heads",
-    "mean": "The critic is a value head on the policy's hidden states that starts on the reward's "
-    "scale (zero weights, its bias at the first batch's mean reward)",
-}
+def kl_context(rl: dict[str, Any]) -> dict[str, Any]:
+    """`kl_regime_sentence`: the run's KL control parameters."""
+    return {k: rl[k] for k in ("adaptive_kl", "kl_coef", "target_kl", "kl_adapt_rate")}
+
+
+def sft_context(sft: pd.DataFrame) -> dict[str, Any]:
+    """`sft_sentence`: notebook 03's `sft_summary` rows (none when no supervised stage ran)."""
+    cols = ("policy", "examples", "outcomes", "steps", "seconds", "tokens_per_s", "loss_first",
+            "loss_last")  # fmt: skip
+    runs = [{k: _value(r[k]) for k in cols} for _, r in sft.iterrows()]
+    for r in runs:
+        r["examples"], r["steps"] = int(r["examples"]), int(r["steps"])
+    return {"runs": runs}
 
 
 #: The training log's KL estimators (`rl.core.KL_ESTIMATORS`) in a table cell, by how they start.
@@ -126,16 +134,9 @@ def optimiser_rows(rl: dict[str, Any]) -> list[tuple[str, str]]:
     ]
 
 
-def kl_regime_sentence(rl: dict[str, Any]) -> str:
-    """How every RL algorithm's KL coefficient β is controlled, from the run's parameters."""
-    if rl["adaptive_kl"]:
-        return (f"every RL algorithm with a KL penalty (ILHF has none) starts at β = {rl['kl_coef']:g} and adapts it once per step "
-                f"towards {rl['target_kl']:g} nats per response by the same rule (K_β = "
-                f"{rl['kl_adapt_rate']:g}), from its own KL on the step's responses")  # fmt: skip
-    return f"every RL algorithm with a KL penalty (ILHF has none) keeps β = {rl['kl_coef']:g} fixed"
-
-
 def rl_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """The RL section's variables (its sentences, macros of `reports/templates/rl.jinja`, and
+    the run's settings) and tables, from notebook 03's tables and the run's parameters."""
     stage = "notebook 03_ppo_finetuning"
     summ = run.read_table("rl_summary", stage)
     samples = run.read_table("rl_samples_before_after", stage)
@@ -167,38 +168,20 @@ def rl_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], dic
         country=samples["country"].map(display_country),
     )[["policy", "country", "econ_descriptor", "response", "reward"]]
     rows = summ.set_index("algorithm")
-    ppo_sentence = ""
-    if "PPO" in rows.index:
-        r = rows.loc["PPO"]
-        ev_word = say("explained_variance", r.get("explained_variance_low", math.nan),
-                      r.get("explained_variance_high", math.nan))  # fmt: skip
-        if rl["adaptive_kl"]:
-            beta = (f"β, adapted towards {rl['target_kl']:g} nats with K_β = {rl['kl_adapt_rate']:g}, moved from "
-                    f"{r['beta_first']:.4f} to {r['beta_last']:.4f}")  # fmt: skip
-        else:
-            beta = f"β stayed fixed at {r['beta_first']:.4f}"
-        prior_ev = r.get("explained_variance_prior_last_third", math.nan)
-        prior = (f"; the reward model's scores of the prefixes, its starting point, explained {prior_ev:.2f} "
-                 "on their own" if is_present(prior_ev) else "")  # fmt: skip
-        ppo_sentence = (
-            f"PPO's critic explained {ev_word} variance of the returns over the last third of its steps "
-            f"(mean {r['explained_variance_last_third']:.2f}, t interval over those steps "
-            f"{interval(r.get('explained_variance_low', math.nan), r.get('explained_variance_high', math.nan), signed=False, digits=2)}{prior}); {beta}"
-        )
     variables = {
-        "algorithms": listing([a for a in rows.index]),
+        "algorithms": sentence("rl", "algorithms", {"algorithms": list(rows.index)}),
         "steps": str(rl["steps"]),
         "batch_size": str(rl["batch_size"]),
-        "moves": moves_sentence(rows),
+        "moves": sentence("rl", "moves", moves_context(rows)),
         "template": " ".join(rl["prompt_template"].split()),
-        "ppo_sentence": ppo_sentence or "PPO did not run",
+        "ppo_sentence": sentence("rl", "ppo_sentence", ppo_context(rows, rl)),
         "prompts_per_step": str(rl["batch_size"] // rl["num_generations"]),
         "num_generations": str(rl["num_generations"]),
         "opt_steps": str(rl["update_epochs"] * (rl["batch_size"] // rl["minibatch_size"])),
         "start_policy": rl["start_policy"],
-        "sft_sentence": _sft_sentence(sft),
-        "critic": CRITIC_SENTENCE[critic_init],
-        "kl_regime": kl_regime_sentence(rl),
+        "sft_sentence": sentence("rl", "sft_sentence", sft_context(sft)),
+        "critic": sentence("rl", "critic_sentence", {"init": critic_init}),
+        "kl_regime": sentence("rl", "kl_regime_sentence", kl_context(rl)),
     }
     includes = {
         # spaces, not underscores: long names wrap in the PDF's narrow columns
@@ -207,7 +190,7 @@ def rl_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], dic
         ),
         "sft_summary.md": markdown_table(sft.rename(columns=spaced), floatfmt=".3f")
         if not sft.empty
-        else "SFT was not run.",
+        else sentence("rl", "sft_table_missing", {}),
         "rl_settings.md": markdown_table(settings),
         "rl_summary.md": markdown_table(_rl_summary_display(summ)),
         "rl_samples.md": markdown_table(shown),
@@ -216,15 +199,3 @@ def rl_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], dic
         ),
     }
     return variables, includes
-
-
-def _sft_sentence(sft: pd.DataFrame) -> str:
-    if sft.empty:
-        return "No supervised stage ran: RL started from the zero-shot model"
-    parts = [
-        f"`{r['policy']}` on {int(r['examples'])} {'MET ' if r['outcomes'] == 'met' else ''}descriptions "
-        f"({int(r['steps'])} steps, {r['seconds']:.0f} s, {r['tokens_per_s']:.0f} tokens/s; loss "
-        f"{r['loss_first']:.2f} to {r['loss_last']:.2f})"
-        for _, r in sft.iterrows()
-    ]
-    return "The supervised stage trained " + " and ".join(parts)

@@ -1,10 +1,13 @@
-"""The RLGF section's words: does guidance beat PPO, and where (easy and hard prompts)."""
+"""The RLGF section: does guidance beat PPO, and where (easy and hard prompts). The sentences are
+macros of `reports/templates/rlgf.jinja`; this module reads notebook 03 and 04's tables into
+their contexts (numbers, verdict codes, ids) and writes the tables."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from rlxf_utils.algorithms import RLGF_ALGORITHMS, algorithm_label
@@ -12,16 +15,7 @@ from rlxf_utils.artifacts import RunDir
 from rlxf_utils.evaluation.rlgf import HALVES, MEASURES, guidance_comparator, policy_label
 from rlxf_utils.prompts import CONTEXT_FIELDS
 from rlxf_utils.report.evaluation import eval_meta, table_note
-from rlxf_utils.report.wording import (
-    ci,
-    is_present,
-    listing,
-    markdown_table,
-    num,
-    phrase,
-    pval,
-    say,
-)
+from rlxf_utils.report.wording import ci, is_present, markdown_table, num, phrase, pval, sentence
 from rlxf_utils.stats import level
 
 #: (question id, wording) of the two comparisons in `guidance_table`.
@@ -31,156 +25,135 @@ QUESTIONS = {
 }
 
 
-#: What the guidance comparison holds equal, by the PPO arm it compares with.
-GUIDANCE_TERM = {
-    "ppo_mle": (
-        "Both sides of this comparison add the same MLE term on historical MET descriptions "
-        "(eta times their negative log-likelihood, the RLGF paper's objective for every "
-        "algorithm), so the difference is guidance alone"
-    ),
-    "ppo": (
-        "PPO here has no MLE term while the guided algorithms add eta times the negative "
-        "log-likelihood of historical MET descriptions, so the difference mixes guidance with "
-        "that supervised term (run ppo_mle to isolate guidance)"
-    ),
-}
+def _value(x: Any) -> Any:
+    """A table's number for a template's context: a Python number, None where missing."""
+    if isinstance(x, np.generic):
+        x = x.item()
+    return x if is_present(x) else None
 
 
-def diff_ci(r: Any) -> str:
-    """A comparison row's difference and interval (`diff`, `low`, `high`)."""
-    return ci(r["diff"], r["low"], r["high"], signed=True)
+def comparisons(g: pd.DataFrame, policies: Sequence[str], versus: str,
+                alpha: float) -> list[dict[str, Any]]:  # fmt: skip
+    """`comparison` contexts: each of `policies` that `g` (rows of `guidance_table`) compares
+    with `versus`, its verdict code and difference under each measure, and its family's alpha
+    (`ci_level`; else `alpha`)."""
+    out = []
+    for a in policies:
+        if a not in set(g["policy"]):
+            continue
+        rows = g[(g["policy"] == a) & (g["versus"] == versus)].set_index("measure")
+        family = alpha
+        if "ci_level" in rows and rows["ci_level"].notna().any():  # the question's family level
+            family = 1 - float(rows["ci_level"].dropna().iloc[0])
+        measures = [
+            {"measure": m, "verdict": rows.loc[m, "verdict"],
+             **{k: _value(rows.loc[m, k]) for k in ("diff", "low", "high")}}
+            for m in MEASURES if m in rows.index
+        ]  # fmt: skip
+        out.append({"policy": a, "versus": versus, "alpha": family, "measures": measures})
+    return out
 
 
-def _comparison_sentence(g: pd.DataFrame, a: str, b: str, lvl: str, b_name: str) -> str:
-    """'<a> <verb> <b> under the reward model and <verb> it under the audit model (...)', each
-    verb read from its measure's interval, whose level (its family's, `ci_level`; else `lvl`)
-    the sentence states."""
-    rows = g[(g["policy"] == a) & (g["versus"] == b)].set_index("measure")
-    have = [(m, who) for m, who in MEASURES.items() if m in rows.index]
-    words = [phrase("beat", rows.loc[m, "verdict"]) for m, _ in have]
-    if len(have) > 1 and len(set(words)) == 1:  # one verdict under both models
-        verbs = [f"{words[0]} {b_name} under both the reward and the audit model"]
-    else:
-        verbs = [
-            f"{w} {b_name if i == 0 else 'it'} under the {who}"
-            for i, (w, (_, who)) in enumerate(zip(words, have, strict=True))
-        ]
-    cis = [f"{who} {diff_ci(rows.loc[m])}" for m, who in have]
-    if "ci_level" in rows and rows["ci_level"].notna().any():  # the question's family level
-        lvl = level(1 - float(rows["ci_level"].dropna().iloc[0]))
-    return (f"{algorithm_label(a)} " + " and ".join(verbs)
-            + f" (difference in Ave(R), {lvl} cluster-bootstrap CI over countries: " + "; ".join(cis) + ")")  # fmt: skip
-
-
-def critics_sentence(guidance_log: pd.DataFrame) -> str:
-    """What each guided algorithm's two critics explained on their own tokens (notebook 03's
-    `rlgf_guidance`: mean explained variance over the scheme's steps, and the shared reward-model
-    prior's alone), so a reader sees whether V_g and V_theta differ beyond the prior they share."""
+def critics_context(guidance_log: pd.DataFrame) -> dict[str, Any]:
+    """`critics_sentence`: what each guided algorithm's two critics explained on their own tokens
+    (notebook 03's `rlgf_guidance`: mean explained variance over the scheme's steps, and the
+    shared reward-model prior's alone), so a reader sees whether V_g and V_theta differ beyond
+    the prior they share; None without a guided algorithm."""
     if guidance_log.empty or "critic" not in guidance_log:
-        return "No guided algorithm ran, so there is no guide critic to compare"
-    parts = []
+        return {"algorithms": None}
+    algorithms = []
     for algo, g in guidance_log.groupby("algorithm", sort=False):
-        crit = [
-            f"{r['critic']} explained {r['explained_variance']:.2f} of the returns' variance over "
-            f"its {int(r['steps'])} steps (the shared prior alone {r['explained_variance_prior']:.2f})"
+        critics = [
+            {"critic": r["critic"], "ev": _value(r["explained_variance"]), "steps": int(r["steps"]),
+             "prior": _value(r["explained_variance_prior"])}
             for _, r in g.iterrows()
             if is_present(r["explained_variance"])
-        ]
-        if crit:
-            parts.append(f"in {algo}, " + "; ".join(crit))
-    if not parts:
-        return "The guided algorithms logged no critic"
-    return ("Each critic's explained variance on its own tokens, mean over the steps of its "
-            "scheme: " + "; ".join(parts))  # fmt: skip
+        ]  # fmt: skip
+        if critics:
+            algorithms.append({"algorithm": algo, "critics": critics})
+    return {"algorithms": algorithms}
+
+
+def guidance_context(guidance: pd.DataFrame | None, algos: Sequence[str],
+                     alpha: float) -> dict[str, dict[str, Any]]:  # fmt: skip
+    """The contexts of the two verdicts, `guidance_sentence` (guided algorithms vs PPO) and
+    `rl_vs_sft_met_sentence`: which comparisons notebook 04 made, each with its verdict codes."""
+    guided = [a for a in algos if a in RLGF_ALGORITHMS]
+    g = guidance if guidance is not None else pd.DataFrame(columns=["question"])
+    ppo = guidance_comparator(algos) if guided else None
+    gq = g[g["question"] == "guidance_vs_ppo"]
+    rq = g[g["question"] == "rl_vs_sft_met"]
+    return {
+        "guidance": {
+            "algorithms": list(algos), "guided": guided, "comparator": ppo,
+            "evaluated": bool(gq.shape[0]),
+            "comparisons": comparisons(gq, guided, ppo, alpha) if ppo and len(gq) else [],
+        },
+        "rl_vs_sft_met": {"evaluated": not rq.empty,
+                          "comparisons": comparisons(rq, algos, "sft_met", alpha) if len(rq) else []},
+    }  # fmt: skip
 
 
 def guidance_sentences(
-    guidance: pd.DataFrame, algos: Sequence[str], alpha: float
+    guidance: pd.DataFrame | None, algos: Sequence[str], alpha: float
 ) -> dict[str, str]:
-    """The two verdicts as prose: `guidance` (guided algorithms vs PPO) and `rl_vs_sft_met`.
-
-    The verb of each comparison is chosen from its interval (the vocabulary's 'beat', `wording.phrase`); a run
-    without a guided algorithm, without PPO or without `sft_met` says so instead.
-    """
-    lvl = level(alpha)
-    ran = [algorithm_label(a) for a in algos]
-    guided = [a for a in algos if a in RLGF_ALGORITHMS]
-    g = guidance if guidance is not None else pd.DataFrame(columns=["question"])
-    if not guided:
-        gs = (f"No guided algorithm ran: this run trained {listing(ran)}, none of them guided, so "
-              "whether guidance beats PPO is not answered here")  # fmt: skip
-    elif (ppo := guidance_comparator(algos)) is None:
-        gs = (f"PPO did not run (this run trained {listing(ran)}), so the guided algorithms "
-              "are not compared with it")  # fmt: skip
-    else:
-        gq = g[g["question"] == "guidance_vs_ppo"]
-        name = algorithm_label(ppo)
-        gs = "; ".join(
-            _comparison_sentence(gq, a, ppo, lvl, name) for a in guided if a in set(gq["policy"])
-        )
-        gs = gs or f"The guided algorithms were not evaluated against {name}"
-        gs = f"{gs}. {GUIDANCE_TERM[ppo]}" if gq.shape[0] else gs
-    rq = g[g["question"] == "rl_vs_sft_met"]
-    if rq.empty:
-        rs = "The MET-only supervised policy (sft_met) was not evaluated, so RL is not compared with it"
-    else:
-        rs = "; ".join(
-            _comparison_sentence(rq, a, "sft_met", lvl, "sft_met")
-            for a in algos
-            if a in set(rq["policy"])
-        )
-    return {"guidance": gs, "rl_vs_sft_met": rs}
+    """The two verdicts as prose: `guidance` (guided algorithms vs PPO) and `rl_vs_sft_met`,
+    macros of `reports/templates/rlgf.jinja`; each verb is read from its interval's verdict code
+    (the vocabulary's 'beat'); a run without a guided algorithm, without PPO or without `sft_met`
+    says so instead."""
+    c = guidance_context(guidance, algos, alpha)
+    return {
+        "guidance": sentence("rlgf", "guidance_sentence", c["guidance"]),
+        "rl_vs_sft_met": sentence("rlgf", "rl_vs_sft_met_sentence", c["rl_vs_sft_met"]),
+    }
 
 
-def easy_hard_sentences(
-    easy_hard: pd.DataFrame, start: str, alpha: float, preamble: bool = True
-) -> str:
-    """One clause per policy: where it stands against the start policy on easy and on hard prompts,
-    and whether its gain differs between the halves, each word read from its interval. Without
-    `preamble` the sentence leaves out how prompts were split (the report says it before)."""
+def easy_hard_context(easy_hard: pd.DataFrame | None, start: str, alpha: float,
+                      preamble: bool = True) -> dict[str, Any]:  # fmt: skip
+    """`easy_hard_sentence`: each tuned policy against the start policy on easy and on hard
+    prompts, and whether its gain differs between the halves (verdict codes and intervals).
+    Without `preamble` the sentence leaves out how prompts were split (the report says it
+    before)."""
     if easy_hard is None or easy_hard.empty:
-        return "No prompt could be placed in an easy or a hard half"
-    lvl = level(alpha)
-    parts = []
+        return {"placed": False}
+    labels = dict(zip(easy_hard["policy"], easy_hard["label"], strict=True))
+    policies = []
     for pol, g in easy_hard.groupby("policy", sort=False):
         if pol == start:
             continue
         h = g.set_index("half")
-        bits = []
-        for half in HALVES:
-            if half in h.index and pd.notna(h.loc[half, "gain"]):
-                r = h.loc[half]
-                it = policy_label(start) if not bits else "it"
-                bits.append(f"{phrase('position_from', r['gain_verdict'])} {it} on {half} prompts "
-                            f"({ci(r['gain'], r['gain_low'], r['gain_high'], signed=True)})")  # fmt: skip
-        if not bits:
+        halves = [
+            {"half": half, "verdict": h.loc[half, "gain_verdict"],
+             "gain": _value(h.loc[half, "gain"]), "low": _value(h.loc[half, "gain_low"]),
+             "high": _value(h.loc[half, "gain_high"])}
+            for half in HALVES if half in h.index and pd.notna(h.loc[half, "gain"])
+        ]  # fmt: skip
+        if not halves:
             continue
-        clause = f"{policy_label(pol)} is " + " and ".join(bits)
-        if "hard_minus_easy" in h.index and pd.notna(h.loc["hard_minus_easy", "gain"]):
-            r = h.loc["hard_minus_easy"]
-            clause += (f", its gain {say('hard_minus_easy', r['gain_low'], r['gain_high'])} "
-                       f"(hard − easy {ci(r['gain'], r['gain_low'], r['gain_high'], signed=True)})")  # fmt: skip
-        parts.append(clause)
-    if not parts:
-        return "No tuned policy was compared on easy and hard prompts"
-    med = easy_hard["median_met_rate"].iloc[0]
-    head = f"Gains over {policy_label(start)} with {lvl} cluster-bootstrap intervals: "
-    if preamble:
-        head = (f"Prompts split at the median historical MET rate of their context ((MET + 1) / "
-                f"(conditions + 2): {med:.2f}); " + head[0].lower() + head[1:])  # fmt: skip
-    return head + "; ".join(parts)
+        d = h.loc["hard_minus_easy"] if "hard_minus_easy" in h.index else None
+        diff = None if d is None or pd.isna(d["gain"]) else {
+            k: _value(d[c]) for k, c in (("gain", "gain"), ("low", "gain_low"), ("high", "gain_high"))
+        }  # fmt: skip
+        policies.append({"label": labels[pol], "halves": halves, "diff": diff})
+    return {"placed": True, "policies": policies, "start": labels.get(start, policy_label(start)),
+            "alpha": alpha, "median": _value(easy_hard["median_met_rate"].iloc[0]),
+            "preamble": preamble}  # fmt: skip
+
+
+def easy_hard_sentences(easy_hard: pd.DataFrame | None, start: str, alpha: float,
+                        preamble: bool = True) -> str:  # fmt: skip
+    """`easy_hard_sentence` of `reports/templates/rlgf.jinja` (`easy_hard_context`)."""
+    return sentence(
+        "rlgf", "easy_hard_sentence", easy_hard_context(easy_hard, start, alpha, preamble)
+    )
 
 
 def rlgf_markdown(tables: Mapping[str, pd.DataFrame], algos: Sequence[str], start: str,
                   alpha: float) -> str:  # fmt: skip
     """The section's verdicts as a markdown list (notebook 04)."""
-    v = guidance_sentences(tables.get("eval_guidance"), algos, alpha)
-    eh = easy_hard_sentences(tables.get("eval_easy_hard"), start, alpha)
-    return "\n".join([
-        f"- **Does guidance beat PPO?** {v['guidance']}.",
-        f"- **Does RL beat supervised learning on what was met?** {v['rl_vs_sft_met']}.",
-        f"- **Easy and hard prompts.** {eh}.",
-    ])  # fmt: skip
+    c = guidance_context(tables.get("eval_guidance"), algos, alpha)
+    c["easy_hard"] = easy_hard_context(tables.get("eval_easy_hard"), start, alpha)
+    return sentence("rlgf", "notebook_verdicts", c)
 
 
 RLGF_TABLES = ("eval_rlgf", "eval_easy_hard", "eval_guidance")
@@ -195,42 +168,25 @@ def rlgf_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], d
     stage = "notebook 04_evaluation"
     algos, start, alpha = eval_meta(run, params, stage)
     lvl = level(alpha)
-    ran = [algorithm_label(a) for a in algos]
-    guided = [algorithm_label(a) for a in algos if a in RLGF_ALGORITHMS]
-    if guided:
-        ran_sentence = (
-            f"This run trained {listing(ran)}; the guided {'ones are' if len(guided) > 1 else 'one is'} "
-            f"{listing(guided)}, with `{params.get('rlgf', {}).get('guide', 'sft_met')}` as the guide"
-        )
-    else:
-        ran_sentence = f"This run trained {listing(ran)}; none of them is guided"
+    guide = params.get("rlgf", {}).get("guide", "sft_met")
+    guided = [a for a in algos if a in RLGF_ALGORITHMS]
+    log = (run.read_table("rlgf_guidance", "notebook 03_ppo_finetuning")
+           if run.exists("tables/rlgf_guidance.csv") else pd.DataFrame())  # fmt: skip
     variables: dict[str, Any] = {
         "level": lvl,
         "start": start,
-        "ran_sentence": ran_sentence,
-        "critics_sentence": critics_sentence(
-            run.read_table("rlgf_guidance", "notebook 03_ppo_finetuning")
-            if run.exists("tables/rlgf_guidance.csv")
-            else pd.DataFrame()
-        ),
-        "guide": params.get("rlgf", {}).get("guide", "sft_met"),
-    }
-    words = {"arrangement_type": "arrangement type", "econ_descriptor": "economic descriptor"}
-
-    def key_words(keys: Any) -> str:
-        return " × ".join(words.get(k, k) for k in keys)
-
-    key = key_words(CONTEXT_FIELDS)
+        "ran_sentence": sentence("rlgf", "ran_sentence",
+                                 {"algorithms": algos, "guided": guided, "guide": guide}),
+        "critics_sentence": sentence("rlgf", "critics_sentence", critics_context(log)),
+        "guide": guide,
+    }  # fmt: skip
     missing = [t for t in RLGF_TABLES if not run.exists(f"tables/{t}.csv")]
     if missing:
-        note = (
-            f"This run directory predates the RLGF evaluation (no {', '.join(f'tables/{t}.csv' for t in missing)}); "
-            f"rerun {stage} to produce it"
-        )
-        short = f"Not in this run directory, which predates the RLGF evaluation (rerun {stage})"
+        short = sentence("rlgf", "predates_sentence", {"stage": stage})
         variables.update(guidance_sentence=short, rl_vs_sft_met_sentence=short,
-                         easy_hard_sentence=short, context_key=key, median="n/a")  # fmt: skip
-        text = table_note(note)
+                         easy_hard_sentence=short, median="n/a",
+                         context_key=sentence("rlgf", "context_key", {"fields": list(CONTEXT_FIELDS)}))  # fmt: skip
+        text = table_note(sentence("rlgf", "predates_note", {"missing": missing, "stage": stage}))
         return variables, {
             "rlgf_table.md": text,
             "rlgf_guidance.md": text,
@@ -240,18 +196,17 @@ def rlgf_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], d
     table = run.read_table("eval_rlgf", stage)
     easy_hard = run.read_table("eval_easy_hard", stage)
     guidance = run.read_table("eval_guidance", stage)
-    verdicts = guidance_sentences(guidance, algos, alpha)
-    variables.update(
-        guidance_sentence=verdicts["guidance"],
-        rl_vs_sft_met_sentence=verdicts["rl_vs_sft_met"],
-        easy_hard_sentence=easy_hard_sentences(easy_hard, start, alpha, preamble=False),
-    )
+    verdicts = guidance_context(guidance, algos, alpha)
     diff = run.read_table("eval_prompt_difficulty", stage) if run.exists(
         "tables/eval_prompt_difficulty.csv") else pd.DataFrame()  # fmt: skip
-    variables["context_key"] = (
-        key_words(str(diff["context_key"].iloc[0]).split(" × ")) if len(diff) else key
-    )
-    variables["median"] = num(easy_hard["median_met_rate"].iloc[0]) if len(easy_hard) else "n/a"
+    keys = str(diff["context_key"].iloc[0]).split(" × ") if len(diff) else CONTEXT_FIELDS
+    variables.update(
+        guidance_sentence=sentence("rlgf", "guidance_sentence", verdicts["guidance"]),
+        rl_vs_sft_met_sentence=sentence("rlgf", "rl_vs_sft_met_sentence", verdicts["rl_vs_sft_met"]),
+        easy_hard_sentence=easy_hard_sentences(easy_hard, start, alpha, preamble=False),
+        context_key=sentence("rlgf", "context_key", {"fields": list(keys)}),
+        median=num(easy_hard["median_met_rate"].iloc[0]) if len(easy_hard) else "n/a",
+    )  # fmt: skip
 
     def kl_cell(r: pd.Series) -> str:
         if not is_present(r["kl"]):
@@ -269,9 +224,7 @@ def rlgf_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], d
     ]  # fmt: skip
     table_md = markdown_table(pd.DataFrame(rows))
     if easy_hard.empty:
-        eh_md = table_note(
-            "Every held-out prompt's context has the same historical MET rate: no split"
-        )
+        eh_md = table_note(sentence("rlgf", "no_split_note", {}))
     else:
         levels = easy_hard.get("gain_ci_level", pd.Series(dtype=float)).dropna()
         eh_lvl = level(1 - float(levels.iloc[0])) if len(levels) else lvl  # the gains' family
@@ -289,7 +242,7 @@ def rlgf_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], d
                 columns={"label": "policy", "n_prompts": "prompts", "n_countries": "countries"})
         )  # fmt: skip
     if guidance.empty:
-        g_md = table_note(f"No comparison was made: {verdicts['guidance']}")
+        g_md = table_note(sentence("rlgf", "no_comparison_note", verdicts["guidance"]))
     else:
         g = guidance.assign(
             question=guidance["question"].map(QUESTIONS),
