@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pandas as pd
+import pytest
 
 from rlxf_utils.artifacts import RunDir
 from rlxf_utils.names import humanise
@@ -31,12 +32,13 @@ def _metrics(acc_high: float, auc: tuple[float, float, float]) -> dict:
 
 def test_reward_finding_reads_the_claim_and_chance_from_the_intervals() -> None:
     low = reward_finding(_metrics(0.64, (0.54, 0.49, 0.58)))
-    assert low.startswith("No model of MONA's condition texts reproduces the paper's 82%")
-    assert "66.0% [57.0%, 69.0%], TF-IDF + LR, random split" in low  # the best, not majority
-    assert "0.540 [0.490, 0.580], not distinguishable from chance" in low
+    assert low["below"]  # every interval below the paper's 82%
+    assert low["best"] == {"accuracy": 0.66, "low": 0.57, "high": 0.69, "protocol": "random",
+                           "label": "TF-IDF + LR"}  # the best, not majority  # fmt: skip
+    assert low["main"] == {"auc": 0.54, "low": 0.49, "high": 0.58, "protocol": "grouped"}
     high = reward_finding(_metrics(0.85, (0.60, 0.55, 0.65)))
-    assert high.startswith("The paper's 82% accuracy is within a model's interval")
-    assert "61.0% [57.0%, 85.0%]" in high and "above chance" in high
+    assert not high["below"]  # the interval reaching highest, not the best point estimate
+    assert (high["best"]["accuracy"], high["best"]["high"]) == (0.61, 0.85)
 
 
 def _methods() -> pd.DataFrame:
@@ -50,55 +52,47 @@ def _methods() -> pd.DataFrame:
     return pd.DataFrame(rows, columns=cols)
 
 
+def _names(moved: dict) -> tuple[list[str], list[str]]:
+    return [r["method"] for r in moved["up"]], [r["method"] for r in moved["down"]]
+
+
 def test_rl_finding_names_only_the_methods_whose_interval_excludes_zero() -> None:
-    text = rl_finding(_methods(), "sft", "99.6%")
-    assert text.startswith(
-        "Of 3 RL and ILHF policies (one training seed each) tuned from SFT, GRPO (+0.026 "
-        "[+0.022, +0.032])"
-    )
-    assert "PPO" not in text and "KTO" not in text  # PPO's interval holds 0; KTO is offline
-    assert "no method optimised, ILHF (history) (+0.009 [+0.005, +0.013]) raised it" in text
-    assert text.endswith("; 99.6% simultaneous CIs)") and ") (99.6%" not in text
-    # a null under the audit: its bound and the level share one pair of parentheses
-    nulls = _methods().assign(audit_gain_low=-0.001)
-    assert rl_finding(nulls, "sft", "99.6%").endswith(
-        "none raised it (gains of at most +0.013; 99.6% simultaneous CIs)"
-    )
-    # the nulls as bounds: the largest gain the other intervals allow
-    assert (
-        "raised the reward model's score on held-out prompts (the other one: gains of at most "
-        "+0.006);" in text
-    )
-    assert "raised it (the other 2: gains of at most +0.011; 99.6%" in text
-    none = _methods().assign(gain_low=-1.0, audit_gain_low=-1.0)
-    text = rl_finding(none, "sft", "99%")
-    assert (
-        "none raised the reward model's score on held-out prompts (gains of at most +0.032)" in text
-    )
+    f = rl_finding(_methods(), "sft", "99.6%")
+    assert (f["n"], f["start"], f["level"], f["gold_at_chance"]) == (3, "sft", "99.6%", False)
+    # PPO's interval holds 0; KTO is offline, not counted
+    assert _names(f["reward"]) == (["GRPO", "ILHF (history)"], [])
+    assert f["reward"]["up"][0] == {"method": "GRPO", "est": 0.026, "low": 0.022, "high": 0.032}
+    # the nulls as a bound: the largest gain the other intervals allow
+    assert (f["reward"]["nulls"], f["reward"]["top"]) == (1, 0.006)
+    assert _names(f["audit"]) == (["ILHF (history)"], [])
+    assert (f["audit"]["nulls"], f["audit"]["top"]) == (2, 0.011)
+    nulls = rl_finding(_methods().assign(audit_gain_low=-0.001), "sft", "99.6%")["audit"]
+    assert (nulls["up"], nulls["nulls"], nulls["top"]) == ([], 3, 0.013)
+    none = rl_finding(_methods().assign(gain_low=-1.0, audit_gain_low=-1.0), "sft", "99%")
+    assert _names(none["reward"]) == ([], []) and none["reward"]["top"] == 0.032
+    assert rl_finding(_methods().iloc[3:], "sft", "99%") is None  # no RL policy
 
 
 def test_best_of_n_finding_counts_the_verdicts() -> None:
-    text = best_of_n_finding(_methods(), "sft")
-    assert text.startswith(
-        "Best-of-4 sampling from SFT, with no training, gains +0.018 [+0.012, +0.024]"
-    )
-    assert text.endswith("at equal KL, 2 of the 4 trained methods lie below it and none above")
+    f = best_of_n_finding(_methods(), "sft")
+    assert (f["n"], f["above"], f["below"]) == (4, [], 2)
+    assert f["bon"]["method"] == "best-of-4" and f["bon"]["kl"] == 0.64
     above = _methods().assign(vs_best_of_n=["above", "below", "below", "below", None])
-    assert "PPO lies above it and 3 of the 4 trained methods below" in best_of_n_finding(
-        above, "sft"
-    )
+    assert best_of_n_finding(above, "sft")["above"] == ["PPO"]
+    assert best_of_n_finding(above, "sft")["below"] == 3
+    assert best_of_n_finding(_methods().assign(vs_best_of_n=""), "sft") is None
 
 
 def test_offline_finding_states_the_need_rl_answer() -> None:
     base = {"ci_level": 0.99, "pairs": 6, "winners": [], "measure": "audit_reward"}
-    assert "the data cannot say" in offline_finding(
-        {"audit_reward": {**base, "answer": "undecided"}}
-    )
+    undecided = offline_finding({"audit_reward": {**base, "answer": "undecided"}})
+    assert undecided["answer"] == "undecided" and undecided["audit"]
+    assert undecided["alpha"] == pytest.approx(0.01) and undecided["pairs"] == 6
     rl = offline_finding({"audit_reward": {**base, "answer": "rl", "winners": ["grpo"]}})
-    assert rl.startswith("Learning from MONA's outcomes needed RL under the audit: GRPO beat")
-    off = offline_finding({"audit_reward": {**base, "answer": "offline", "winners": ["kto"]}})
-    assert "did not need RL under the audit: KTO beat every RL algorithm (6 paired" in off
-    assert "did not run" in offline_finding({})
+    assert (rl["answer"], rl["winners"]) == ("rl", ["grpo"])
+    off = offline_finding({"reward": {**base, "ci_level": None, "answer": "offline"}})
+    assert (off["answer"], off["audit"], off["alpha"]) == ("offline", False, None)
+    assert offline_finding({})["answer"] is None  # the offline methods did not run
 
 
 def test_a_bound_that_rounds_to_zero_keeps_its_sign() -> None:
@@ -143,9 +137,9 @@ def test_the_abstract_says_a_method_lowered_the_reward_with_true_minus_signs(
     found, _ = findings_section(_lowered_run(tmp_path))
     abstract = typeset_minus(humanise(found["abstract"]))
     m = "\u2212"
-    assert f"and ILHF (history) ({m}0.013 [{m}0.047, {m}0.0004]) lowered it" in abstract
-    assert f"raised it and PPO ({m}0.002 [{m}0.006, {m}0.0004]) lowered it" in abstract
-    assert "GRPO (+0.026 [+0.022, +0.032]) raised the reward model's score" in abstract
+    assert f"ILHF (history) ({m}0.013 [{m}0.047, {m}0.0004])" in abstract
+    assert f"PPO ({m}0.002 [{m}0.006, {m}0.0004])" in abstract
+    assert "GRPO (+0.026 [+0.022, +0.032])" in abstract
     assert "-0." not in abstract  # no hyphen-minus left before a digit
 
 

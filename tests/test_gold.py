@@ -11,8 +11,8 @@ import pytest
 from rlxf_utils.artifacts import RunDir
 from rlxf_utils.evaluation.history import ceiling_table, history_contrast
 from rlxf_utils.report.findings import rl_finding
-from rlxf_utils.report.gold import ceiling_sentence, gold_auc, gold_auc_words, gold_cannot_judge
-from rlxf_utils.report.overopt import _pair
+from rlxf_utils.report.gold import ceiling, gold_auc, gold_cannot_judge
+from rlxf_utils.report.overopt import point
 from rlxf_utils.stats import cluster_t
 
 
@@ -62,47 +62,38 @@ def test_a_gold_at_chance_cannot_confirm_or_refute_a_gain(tmp_path):
     gold = gold_auc(_run_with(tmp_path, 0.48))
     assert gold == {"auc": 0.56, "low": 0.48, "high": 0.64, "rows": 300, "level": "95%",
                     "can_judge": False}  # fmt: skip
-    assert gold_auc_words(gold) == (
-        "its AUC on 300 held-out rows, 0.560 [0.480, 0.640] (95% CI), does not exclude chance"
-    )
     assert gold_cannot_judge(gold, -0.01, 0.02)
     assert not gold_cannot_judge(gold, 0.01, 0.02)  # an interval off zero is a verdict still
-    point = pd.Series({"proxy": 0.05, "proxy_low": 0.03, "proxy_high": 0.07,
+    p = pd.Series({"proxy": 0.05, "proxy_low": 0.03, "proxy_high": 0.07,
                        "gold": 0.004, "gold_low": -0.004, "gold_high": 0.012})  # fmt: skip
-    assert _pair(point, gold=gold) == (
-        "raised the proxy (+0.050 [+0.030, +0.070]), while the gold can neither confirm nor "
-        "refute a gain (+0.004 [-0.004, +0.012]; a gain of at most +0.012)"
-    )
+    assert point(p, gold=gold)["gold"]["cannot_judge"]  # the proxy's interval is a verdict still
+    assert "cannot_judge" not in point(p, gold=gold)["proxy"]
     able = gold_auc(RunDir(_run_with(tmp_path / "b", 0.52).root))
     assert able["can_judge"] and not gold_cannot_judge(able, -0.01, 0.02)
-    assert "did not distinguishably move the gold (" in _pair(point, gold=able)
+    assert not point(p, gold=able)["gold"]["cannot_judge"]
     assert gold_auc(RunDir(tmp_path / "none")) is None
 
 
-def test_the_ceiling_sentence_reads_the_table(tmp_path):
+def test_the_ceiling_reads_the_table(tmp_path):
     run = RunDir(tmp_path)
-    assert ceiling_sentence(run) == ""
+    assert ceiling(run) is None
     run.write_table("eval_ceiling", ceiling_table(history_contrast(_history(), 200, 0.05, 0), 0.05))
-    text = ceiling_sentence(run)
-    assert text.startswith("Against what any method could reach here: the held-out contexts' own ")
-    assert (
-        "above their Non-MET ones (95% cluster t intervals over countries, on the 7 prompts in 4"
-        in text
-    )
-    assert "+0.131 [" in text and "under the reward model and +0.065 [" in text
+    c = ceiling(run)
+    assert (c["n"], c["clusters"], c["alpha"]) == (7, 4, pytest.approx(0.05))
+    assert [r["judge"] for r in c["rows"]] == ["reward model", "audit"]
+    assert [round(r["diff"], 3) for r in c["rows"]] == [0.131, 0.065]
+    assert all(r["low"] < r["diff"] < r["high"] for r in c["rows"])
 
 
 def test_the_rl_finding_says_what_a_gold_at_chance_cannot_tell():
     rows = pd.DataFrame([("PPO", "RL", 0.02, 0.01, 0.03, 0.001, -0.004, 0.006, 0.1, "below")],
                         columns=["method", "group", "gain", "gain_low", "gain_high", "audit_gain",
                                  "audit_gain_low", "audit_gain_high", "kl", "vs_best_of_n"])  # fmt: skip
-    assert rl_finding(rows, "sft", "99%", gold_at_chance=True).endswith(
-        "; an audit model that no method optimised, at chance on held-out rows, can neither "
-        "confirm nor refute a gain (99% simultaneous CIs)"
-    )
-    assert "none raised it (gains of at most +0.006; 99% simultaneous CIs)" in rl_finding(
-        rows, "sft", "99%"
-    )
+    at_chance = rl_finding(rows, "sft", "99%", gold_at_chance=True)
+    assert at_chance["gold_at_chance"] and at_chance["level"] == "99%"
+    # the audit's null (its bound) is kept for a judge that can judge
+    assert rl_finding(rows, "sft", "99%")["audit"] == {"up": [], "down": [], "nulls": 1,
+                                                       "top": 0.006}  # fmt: skip
 
 
 @pytest.mark.parametrize("auc_low", [0.48, 0.52])

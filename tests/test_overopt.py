@@ -115,7 +115,8 @@ def test_points_are_paired_gains_against_sqrt_kl():
 
 def test_report_section_reads_every_verdict_from_an_interval(tmp_path):
     from rlxf_utils.artifacts import RunDir
-    from rlxf_utils.report.overopt import overopt_section
+    from rlxf_utils.report.overopt import curve, overopt_section
+    from rlxf_utils.stats import ci_sign
 
     samples, snaps, pool, summary, countries = _toy()
     pts = overoptimisation_points(samples, snaps, pool, summary, ["ppo"], "sft", [2, 4, 8], 8,
@@ -126,15 +127,14 @@ def test_report_section_reads_every_verdict_from_an_interval(tmp_path):
     run.write_table("eval_overoptimisation", pts)
     run.write_table("eval_overoptimisation_fit", overoptimisation_fits(pts))
     variables, files = overopt_section(run)
+    assert variables["level"] == "95%"
     # PPO: proxy +0.2 and gold -0.1 at every prompt: both intervals exclude zero
-    assert (
-        "PPO at its farthest point (its final policy, √KL 1.50) raised the proxy"
-        in variables["sentence"]
-    )
-    assert "lowered the gold" in variables["sentence"]
-    assert "best-of-8" in variables["sentence"]
-    assert "100% of the prompts" in variables["distinct_sentence"]
-    assert "best-of-n, proxy: α" in variables["fit_sentence"]
+    bon, ppo = curve(pts, None, None)
+    assert (bon["best_of_n"], bon["point"]) == (True, 8)
+    assert (ppo["label"], ppo["final"], round(ppo["sqrt_kl"], 2)) == ("PPO", True, 1.5)
+    assert ci_sign(ppo["proxy"]["low"], ppo["proxy"]["high"]) == 1
+    assert ci_sign(ppo["gold"]["low"], ppo["gold"]["high"]) == -1
+    assert "100%" in variables["distinct_sentence"]
     assert "| best-of-n" in files["eval_overoptimisation_fit.md"]
 
 

@@ -13,14 +13,9 @@ from rlxf_utils.artifacts import RunDir
 from rlxf_utils.config import PROJECT_ROOT, load_config
 from rlxf_utils.models.generation import sampling_kwargs
 from rlxf_utils.pipeline import freeze_params
-from rlxf_utils.report.seeds import (
-    _by_verdict,
-    seed_finding,
-    seeds_needed_sentence,
-    seeds_section,
-)
+from rlxf_utils.report.seeds import by_verdict, seed_finding, seeds_needed, seeds_section
 from rlxf_utils.seeds import plot_seeds, prepare_seed, seed_dir, seed_table, write_seed_table
-from rlxf_utils.stats import mde, replicated_gain, seeds_for_mde
+from rlxf_utils.stats import MAX_SEEDS, mde, replicated_gain, seeds_for_mde
 
 
 def _run(tmp_path):
@@ -147,28 +142,27 @@ def test_seed_table_pools_seeds_as_replications(tmp_path):
     write_seed_table(run.root)
     assert run.exists("tables/eval_seeds.csv") and run.exists("figures/eval_seeds.png")
     variables, files = seeds_section(run)
-    assert variables["seeds"] == "3"
-    sentence = variables["sentence"]
-    assert "seed-to-seed spread and the evaluation's own error" in sentence
-    assert "above zero" not in sentence  # no count of seeds: they are not independent tests
-    body, needed = sentence.split(". To detect an algorithm-level gain of 0.020 ")
-    reward, audit = body.split("; under the audit model, ")
-    assert "under the reward model, PPO (mean gain +0.020 [" in reward
-    bound = f"a gain of at most {grpo['gain_high']:+.3f}"
-    assert reward.endswith(f"raised it, while GRPO ({bound}) did not distinguishably move it")
-    assert audit.startswith("PPO (mean gain +0.010 [") and audit.endswith(
-        "did not distinguishably move it"
-    )
-    assert f"under the reward model, 2 for PPO and {int(need['seeds'])} for GRPO" in needed
-    flat = table[table.seed == "pooled"].assign(gain_low=-1.0, gain_high=0.004)
-    assert _by_verdict(flat, "gain") == (
-        "none of the 2 algorithms distinguishably moved it (PPO (a gain of at most +0.004) and "
-        "GRPO (a gain of at most +0.004))"
-    )
-    assert "97.5% simultaneous intervals" in variables["sentence"]
+    assert (variables["seeds"], variables["level"]) == ("3", "97.5%")
+    pooled = table[table.seed == "pooled"]
+    # under the reward model PPO's pooled interval lies above zero, GRPO's holds it
+    gain = by_verdict(pooled, "gain")
+    assert [(g["code"], [r["label"] for r in g["rows"]]) for g in gain["moved"]] == [
+        ("above", ["PPO"])
+    ]
+    assert [(r["label"], r["high"]) for r in gain["still"]] == [("GRPO", grpo["gain_high"])]
+    audit = by_verdict(pooled, "audit_gain")
+    assert [[r["label"] for r in g["rows"]] for g in audit["moved"]] == [["PPO"]]
+    assert [r["label"] for r in audit["still"]] == ["GRPO"]
+    needed = seeds_needed(pooled)
+    assert needed["target"] == pytest.approx(0.02) and needed["judges"][0]["counts"] == [
+        {"label": "PPO", "seeds": 2}, {"label": "GRPO", "seeds": int(need["seeds"])}]  # fmt: skip
+    flat = pooled.assign(gain_low=-1.0, gain_high=0.004)
+    assert by_verdict(flat, "gain")["moved"] == []
+    assert [r["label"] for r in by_verdict(flat, "gain")["still"]] == ["PPO", "GRPO"]
+    assert "97.5%" in variables["sentence"]
     assert "| PPO" in files["eval_seeds.md"]
     assert "](figures/eval_seeds.png){#fig-seeds" in files["eval_seeds_figure.md"]
-    assert "97.5% simultaneous interval over seeds and countries" in files["eval_seeds_figure.md"]
+    assert "97.5%" in files["eval_seeds_figure.md"]
     ppo_rows = [
         row.split("|") for row in files["eval_seeds.md"].splitlines() if row.startswith("| PPO |")
     ]
@@ -181,12 +175,9 @@ def test_seed_table_pools_seeds_as_replications(tmp_path):
     assert ppo_rows[-1][-2].strip() == "2"  # seeds for the target MDE
     labels = [row.split("|")[1].strip() for row in files["eval_seeds.md"].splitlines()[2:]]
     assert labels == ["PPO"] * 4 + ["GRPO"] * 4  # the study's order, not the alphabet's
-    assert seed_finding(run) == (
-        "Over 3 training seeds of PPO and GRPO, with 97.5% simultaneous intervals that carry the "
-        "seed-to-seed spread and the evaluation's error, the mean gain over seeds was "
-        "distinguishable from zero under the reward model for PPO and under the audit model for "
-        "PPO"
-    )
+    assert seed_finding(run) == {"n": 3, "labels": ["PPO", "GRPO"], "level": "97.5%",
+                                 "reward": ["PPO"], "audit": ["PPO"],
+                                 "top": pytest.approx(pooled["gain_high"].max())}  # fmt: skip
 
 
 def test_the_seeds_needed_say_where_no_number_suffices():
@@ -194,13 +185,12 @@ def test_the_seeds_needed_say_where_no_number_suffices():
                            "gain_seeds_needed": [5.0, math.nan], "gain_mde_floor": [0.002, 0.006],
                            "audit_gain_seeds_needed": [math.nan, math.nan],
                            "audit_gain_mde_floor": [math.nan, math.nan]})  # fmt: skip
-    assert seeds_needed_sentence(pooled) == (
-        "To detect an algorithm-level gain of 0.004 with 80% power at this family's level, from "
-        "the seed-to-seed spread measured here, the seeds needed are: under the reward model, 5 "
-        "for PPO; none suffices for GRPO (at most 0.006), where the evaluation's error that "
-        "every seed shares leaves a larger MDE however many seeds are trained"
-    )
-    assert seeds_needed_sentence(pooled.assign(target_mde=math.nan)) == ""
+    assert seeds_needed(pooled) == {
+        "target": 0.004, "most": MAX_SEEDS,
+        "judges": [{"key": "gain", "counts": [{"label": "PPO", "seeds": 5}],
+                    "floors": [{"label": "GRPO", "floor": 0.006}]}],
+    }  # fmt: skip
+    assert seeds_needed(pooled.assign(target_mde=math.nan)) is None
 
 
 def test_report_says_how_to_add_seeds_when_there_are_none(tmp_path):

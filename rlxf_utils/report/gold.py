@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from rlxf_utils.artifacts import RunDir
-from rlxf_utils.report.wording import ci, is_present, listing
+from rlxf_utils.report.wording import is_present, sentence
 from rlxf_utils.stats import ci_sign, level
 
 #: The reference check's row of the gold judge (the audit trained on disjoint rows).
@@ -36,12 +36,9 @@ def gold_auc(run: RunDir) -> dict[str, Any] | None:
 
 
 def gold_auc_words(gold: dict[str, Any], whose: str = "its") -> str:
-    """'its AUC on 120 held-out rows, 0.55 [0.47, 0.63] (95% CI), does not exclude chance'."""
-    verb = "lies above chance" if gold["can_judge"] else "does not exclude chance"
-    return (
-        f"{whose} AUC on {gold['rows']} held-out rows, {ci(gold['auc'], gold['low'], gold['high'])} "
-        f"({gold['level']} CI), {verb}"
-    )
+    """'its AUC on 120 held-out rows, 0.55 [0.47, 0.63] (95% CI), does not exclude chance'
+    (`auc_words` of `reports/templates/gold.jinja`)."""
+    return sentence("gold", "auc_words", gold, whose)
 
 
 def gold_cannot_judge(gold: dict[str, Any] | None, low: Any, high: Any) -> bool:
@@ -51,23 +48,17 @@ def gold_cannot_judge(gold: dict[str, Any] | None, low: Any, high: Any) -> bool:
     return gold is not None and not gold["can_judge"] and ci_sign(low, high) == 0
 
 
-def ceiling_sentence(run: RunDir) -> str:
-    """The attainable ceiling in words ('' for a run without `eval_ceiling`): under each judge,
-    how much higher the held-out contexts' own MET descriptions score than their Non-MET ones."""
+def ceiling(run: RunDir) -> dict[str, Any] | None:
+    """The attainable ceiling (None for a run without `eval_ceiling`): under each judge, how much
+    higher the held-out contexts' own MET descriptions score than their Non-MET ones, the context
+    of `ceiling_sentence` in `reports/templates/gold.jinja`."""
     if not run.exists("tables/eval_ceiling.csv"):
-        return ""
+        return None
     t = run.read_table("eval_ceiling", "notebook 04_evaluation")
     if t.empty:
-        return ""
-    parts = [
-        f"{ci(r['diff'], r['ci_low'], r['ci_high'], signed=True)} under the {r['judge']}"
-        for _, r in t.iterrows()
-    ]
+        return None
+    rows = [{"judge": r["judge"], "diff": r["diff"], "low": r["ci_low"], "high": r["ci_high"]}
+            for _, r in t.iterrows()]  # fmt: skip
     r0 = t.iloc[0]
-    return (
-        "Against what any method could reach here: the held-out contexts' own historical MET "
-        f"descriptions score {listing(parts)} above their Non-MET ones ({level(1 - float(r0['ci_level']))} "
-        f"cluster t intervals over countries, on the {int(r0['n'])} prompts in "
-        f"{int(r0['n_clusters'])} countries that have both), the gain a perfect imitator of what "
-        "worked would get over one of what did not"
-    )
+    return {"rows": rows, "alpha": 1 - float(r0["ci_level"]), "n": int(r0["n"]),
+            "clusters": int(r0["n_clusters"])}  # fmt: skip

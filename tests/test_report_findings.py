@@ -1,0 +1,238 @@
+"""The words of the findings (abstract and key findings) and of the sections they draw on (the
+across-seed comparison, the over-optimisation curve, the gold judge), once: each macro of
+`reports/templates/{findings,seeds,overopt,gold}.jinja` rendered from the contexts in the
+committed fixture (`tests/golden/report/<section>.json`) must reproduce the golden text
+(`tests/golden/report/<section>.md`).
+
+The fixture's contexts are built by the sections' own functions (`findings.rl_finding`,
+`seeds.by_verdict`, `overopt.curve`, ...) from small hand-made tables, one case per branch that
+chooses different words. After a deliberate change of a template or the vocabulary, rewrite the
+golden text (and review its diff): `PYTHONPATH=. python tests/test_report_findings.py`;
+`--fixture` also rebuilds the fixture."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from rlxf_utils.report.wording import sentence
+
+GOLDEN = Path(__file__).resolve().parent / "golden" / "report"
+SECTIONS = ("findings", "seeds", "overopt", "gold")
+
+
+def _rendered(section: str) -> str:
+    """Each case of the section's fixture: its macro called with its arguments."""
+    cases = json.loads((GOLDEN / f"{section}.json").read_text(encoding="utf-8"))
+    parts = [f"## {case}\n\n{c['macro']}: {sentence(section, c['macro'], *c['args'])}"
+             for case, c in cases.items()]  # fmt: skip
+    return "\n\n".join(parts) + "\n"
+
+
+@pytest.mark.parametrize("section", SECTIONS)
+def test_the_section_renders_its_golden_text(section: str) -> None:
+    assert _rendered(section) == (GOLDEN / f"{section}.md").read_text(encoding="utf-8")
+
+
+# -- the fixture ----------------------------------------------------------------------------------
+def _methods(rows: list[tuple]) -> pd.DataFrame:
+    cols = ["method", "group", "gain", "gain_low", "gain_high", "audit_gain", "audit_gain_low",
+            "audit_gain_high", "kl", "vs_best_of_n"]  # fmt: skip
+    return pd.DataFrame(rows, columns=cols)
+
+
+METHODS = [("PPO", "RL", 0.001, -0.004, 0.006, 0.002, -0.001, 0.005, 0.1, "below"),
+           ("GRPO", "RL", 0.026, 0.022, 0.032, 0.005, -0.001, 0.011, 13.0, "below"),
+           ("ILHF (history)", "ILHF", -0.013, -0.047, -0.00037, 0.009, 0.005, 0.013, 13.1,
+            "not distinguishable"),
+           ("KTO", "offline", 0.0, -0.01, 0.01, 0.0, -0.01, 0.01, 0.2, "not distinguishable"),
+           ("best-of-4", "best-of-N", 0.018, 0.012, 0.024, 0.004, -0.002, 0.010, 0.64, None)]  # fmt: skip
+
+
+def _metrics(acc_high: float, main: bool = True) -> dict[str, Any]:
+    row = {"protocol": "grouped", "model": "encoder", "accuracy": 0.61, "accuracy_low": 0.57,
+           "accuracy_high": acc_high, "roc_auc": 0.54, "roc_auc_low": 0.49, "roc_auc_high": 0.58}  # fmt: skip
+    tfidf = {**row, "protocol": "random", "model": "tfidf", "accuracy": 0.66, "accuracy_high": 0.69}
+    majority = {**row, "model": "majority", "accuracy": 0.9, "accuracy_high": 0.95}
+    return {"alpha": 0.05, "reward_source": "encoder" if main else "nope",
+            "reward_protocol": "grouped", "metrics": [row, tfidf, majority]}  # fmt: skip
+
+
+def _findings() -> dict[str, tuple[str, list]]:
+    from rlxf_utils.report import findings as f
+
+    t = _methods(METHODS)
+    none = t.assign(gain_low=-1.0, gain_high=0.032, audit_gain_low=-1.0)
+    need = {"ci_level": 0.997, "pairs": 15, "winners": ["grpo", "ppo_mle"]}
+    return {
+        "reward below the claim": ("reward_finding", [f.reward_finding(_metrics(0.64))]),
+        "reward claim within an interval, no main model": (
+            "reward_finding", [f.reward_finding(_metrics(0.85, main=False))]),
+        "rl: raised, lowered, nulls beside them": ("rl_finding", [f.rl_finding(t, "sft", "99.6%")]),
+        "rl: every interval off zero": (
+            "rl_finding", [f.rl_finding(t.iloc[1:3].assign(audit_gain_low=0.001), "sft", "99%")]),
+        "rl: none moved": ("rl_finding", [f.rl_finding(none, "sft_met", "99%")]),
+        "rl: gold at chance": ("rl_finding", [f.rl_finding(none, "sft", "99%", True)]),
+        "rl: no policies": ("rl_finding", [f.rl_finding(t[t["group"] == "offline"], "sft", "99%")]),
+        "best-of-N: below only": ("best_of_n_finding", [f.best_of_n_finding(t, "sft")]),
+        "best-of-N: one above": ("best_of_n_finding", [f.best_of_n_finding(
+            t.assign(vs_best_of_n=["above", "below", "below", "below", None]), "sft")]),
+        "best-of-N: two above, no best-of-N row": ("best_of_n_finding", [f.best_of_n_finding(
+            t.iloc[:4].assign(vs_best_of_n=["above", "above", "below", "x"]), "sft")]),
+        "best-of-N: none distinguishable, no row": ("best_of_n_finding", [f.best_of_n_finding(
+            t.iloc[:4].assign(vs_best_of_n="not distinguishable"), "sft")]),
+        "best-of-N: not compared": ("best_of_n_finding", [f.best_of_n_finding(
+            t.assign(vs_best_of_n=""), "sft")]),
+        "offline: undecided under the audit": ("offline_finding", [f.offline_finding(
+            {"audit_reward": {**need, "answer": "undecided"}})]),
+        "offline: RL needed": ("offline_finding", [f.offline_finding(
+            {"audit_reward": {**need, "answer": "rl"}})]),
+        "offline: RL not needed, reward model, no level": ("offline_finding", [f.offline_finding(
+            {"reward": {**need, "ci_level": None, "answer": "offline", "winners": ["kto"]}})]),
+        "offline: did not run": ("offline_finding", [f.offline_finding({})]),
+        "seeds: one seed": ("seeds_finding", [None]),
+        "seeds: further seeds": ("seeds_finding", [_seed_findings()[0]]),
+        "predates": ("predates", ["notebook 04_evaluation"]),
+    }  # fmt: skip
+
+
+def _pooled(gain_low: list[float], floors: bool = True) -> pd.DataFrame:
+    """Pooled rows of eval_seeds for PPO, GRPO and KTO."""
+    low = np.array(gain_low)
+    return pd.DataFrame({
+        "label": ["PPO", "GRPO", "KTO"], "seeds": 3, "gain": low + 0.01, "gain_low": low,
+        "gain_high": low + 0.02, "audit_gain": [0.001, -0.02, 0.0],
+        "audit_gain_low": [-0.004, -0.03, -0.003], "audit_gain_high": [0.006, -0.01, 0.003],
+        "target_mde": 0.004, "gain_seeds_needed": [5.0, math.inf, math.nan],
+        "gain_mde_floor": [0.002, 0.003, 0.006 if floors else math.nan],
+        "audit_gain_seeds_needed": [math.nan, math.nan, math.nan],
+        "audit_gain_mde_floor": [0.01, 0.02, math.nan] if floors else math.nan,
+    })  # fmt: skip
+
+
+def _seed_findings() -> list[dict[str, Any]]:
+    return [
+        {"n": 3, "labels": ["PPO", "GRPO"], "level": "97.5%", "reward": ["PPO"], "audit": [],
+         "top": None},
+        {"n": 2, "labels": ["PPO", "GRPO", "KTO"], "level": "98.3%", "reward": [], "audit": [],
+         "top": 0.0123},
+        {"n": 2, "labels": ["PPO"], "level": "95%", "reward": [], "audit": [], "top": None},
+    ]  # fmt: skip
+
+
+def _seeds() -> dict[str, tuple[str, list]]:
+    from rlxf_utils.report.seeds import by_verdict, seeds_needed
+
+    def context(pooled: pd.DataFrame, margin: float | None = 0.01) -> dict[str, Any]:
+        return {"n": 3, "labels": list(pooled["label"]), "level": "98.3%", "margin": margin,
+                "start": "sft", "needed": seeds_needed(pooled),
+                "measures": [by_verdict(pooled, c, margin) for c in ("gain", "audit_gain")]}  # fmt: skip
+
+    mixed = _pooled([0.01, -0.005, -0.008])  # reward: PPO above; audit: GRPO below, equivalences
+    nulls = _pooled([-0.015, -0.01, -0.012], floors=False)
+    one = nulls.iloc[:1].assign(target_mde=math.nan, audit_gain_low=0.001)
+    finding = _seed_findings()
+    return {
+        "one seed": ("one_seed", []),
+        "one seed's count": ("count_words", [1]),
+        "seeds' count": ("count_words", [3]),
+        "figure": ("figure", ["97.5%"]),
+        "raised, lowered, nulls, equivalences; seeds needed and floors": ("seeds_sentence", [context(mixed)]),
+        "none moved under the reward model, no margin": ("seeds_sentence", [context(nulls, None)]),
+        "one algorithm, audit raised, no target": ("seeds_sentence", [context(one)]),
+        "finding: some moved": ("seed_finding", [finding[0]]),
+        "finding: none moved, a bound": ("seed_finding", [finding[1]]),
+        "finding: none moved, no bound": ("seed_finding", [finding[2]]),
+    }  # fmt: skip
+
+
+def _gold(can_judge: bool) -> dict[str, Any]:
+    return {"auc": 0.56, "low": 0.52 if can_judge else 0.48, "high": 0.64, "rows": 300,
+            "level": "95%", "can_judge": can_judge}  # fmt: skip
+
+
+CEILING = {"rows": [{"judge": "reward model", "diff": 0.131, "low": 0.1, "high": 0.16},
+                    {"judge": "audit", "diff": 0.065, "low": -0.0004, "high": 0.13}],
+           "alpha": 0.05, "n": 7, "clusters": 4}  # fmt: skip
+
+
+def _overopt() -> dict[str, tuple[str, list]]:
+    from rlxf_utils.report.overopt import curve
+
+    def pts(rows: list[tuple]) -> pd.DataFrame:
+        cols = ["method", "label", "point", "source", "sqrt_kl", "proxy", "proxy_low",
+                "proxy_high", "gold", "gold_low", "gold_high"]  # fmt: skip
+        return pd.DataFrame(rows, columns=cols)
+
+    table = pts([("best_of_n", "best-of-n", 2, "best_of_n", 0.5, 0.01, 0.005, 0.02, 0.0, -0.1, 0.1),
+                 ("best_of_n", "best-of-n", 8, "best_of_n", 1.2, 0.02, 0.01, 0.03, 0.01, -0.1, 0.12),
+                 ("ppo", "PPO", 4, "snapshot", 0.7, 0.2, 0.1, 0.3, -0.1, -0.2, -0.05),
+                 ("ppo", "PPO", 8, "final", 1.5, 0.25, 0.15, 0.35, -0.12, -0.2, -0.06),
+                 ("grpo", "GRPO", 4, "snapshot", 0.9, 0.0002, -0.003, 0.004, 0.001, -0.2, 0.3),
+                 ("grpo", "GRPO", 8, "final", 0.6, 0.0, -0.1, 0.1, 0.0, -0.3, 0.3)])  # fmt: skip
+    start = {"start": "sft", "alpha": 0.004, "margin": 0.01}
+    fits = [{"family": "best_of_n", "reward": "proxy", "alpha": 0.31, "alpha_se": 0.02,
+             "beta": -0.0001, "beta_se": 0.001, "r2": 0.93, "points": 4},
+            {"family": "rl", "reward": "gold", "alpha": -0.02, "alpha_se": 0.07, "beta": None,
+             "beta_se": math.nan, "r2": 0.04, "points": 5},
+            {"family": "rl", "reward": "proxy", "alpha": 0.1, "alpha_se": 0.01, "beta": 0.05,
+             "beta_se": 0.01, "r2": 0.5, "points": 5}]  # fmt: skip
+    return {
+        "predates": ("predates", ["notebook 04_evaluation"]),
+        "no point measured": ("curve_sentence", [{**start, "points": [], "gold": None,
+                                                  "ceiling": None}]),
+        "points, a gold that judges, the ceiling": ("curve_sentence", [{
+            **start, "points": curve(table, 0.01, _gold(True)), "gold": _gold(True),
+            "ceiling": CEILING}]),
+        "points, a gold at chance, no margin": ("curve_sentence", [{
+            **start, "margin": None, "points": curve(table.iloc[1:], None, _gold(False)),
+            "gold": _gold(False), "ceiling": None}]),
+        "no fit": ("fit_sentence", [[]]),
+        "one fit": ("fit_sentence", [fits[:1]]),
+        "three fits": ("fit_sentence", [fits]),
+        "distinct share": ("distinct_sentence", [{"candidates": 4.0, "distinct": 0.95,
+                                                  "fraction": 0.987}]),
+        "distinct share not recorded": ("distinct_sentence", [{"candidates": 0, "distinct": None,
+                                                               "fraction": None}]),
+    }  # fmt: skip
+
+
+def _gold_cases() -> dict[str, tuple[str, list]]:
+    one = {**CEILING, "rows": CEILING["rows"][:1], "alpha": 0.01}
+    three = {**CEILING, "rows": [*CEILING["rows"], {**CEILING["rows"][1], "judge": "gold"}]}
+    return {
+        "a gold that judges": ("auc_words", [_gold(True)]),
+        "a gold at chance, as the audit's": ("auc_words", [_gold(False), "the audit's"]),
+        "ceiling, two judges": ("ceiling_sentence", [CEILING]),
+        "ceiling, one judge": ("ceiling_sentence", [one]),
+        "ceiling, three judges": ("ceiling_sentence", [three]),
+    }
+
+
+def _plain(x: Any) -> Any:
+    """numpy scalars as Python's, for JSON."""
+    return x.item() if isinstance(x, np.generic) else str(x)
+
+
+def _write_fixture() -> None:
+    for section, cases in (("findings", _findings()), ("seeds", _seeds()),
+                           ("overopt", _overopt()), ("gold", _gold_cases())):  # fmt: skip
+        out = {case: {"macro": m, "args": args} for case, (m, args) in cases.items()}
+        (GOLDEN / f"{section}.json").write_text(
+            json.dumps(out, indent=1, default=_plain, ensure_ascii=False) + "\n", encoding="utf-8"
+        )
+
+
+if __name__ == "__main__":  # rewrite the golden texts (and with --fixture, the fixtures first)
+    if "--fixture" in sys.argv:
+        _write_fixture()
+    for section in SECTIONS:
+        (GOLDEN / f"{section}.md").write_text(_rendered(section), encoding="utf-8")
+        print(f"wrote {GOLDEN / f'{section}.md'}")
