@@ -159,3 +159,14 @@ def test_literal_leaves_ids_and_plain_words_alone() -> None:
         r"| x\|y |",
         r"| \<i\> |",
     ]
+
+
+def test_an_include_inside_an_included_file_resolves_from_the_main_folder(tmp_path: Path) -> None:
+    """As in Quarto, a nested include's path is read from the main file's folder, so a section's
+    optional table (`_generated/<name>_table.md`) can include its table by the same path."""
+    gen = tmp_path / "_generated"
+    gen.mkdir()
+    (gen / "t.md").write_text("| a |\n|---|\n| 1 |\n", encoding="utf-8")
+    (gen / "t_table.md").write_text("{{< include _generated/t.md >}}\n\n: cap {#tbl-t}\n")
+    out = expand_shortcodes("{{< include _generated/t_table.md >}}\n", {}, tmp_path)
+    assert out == "| a |\n|---|\n| 1 |\n\n\n: cap {#tbl-t}\n\n"

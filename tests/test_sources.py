@@ -77,3 +77,18 @@ def test_a_figure_shown_only_when_the_run_has_it_is_listed_where_its_include_sta
     (gen / "eval_seeds_figure.md").write_text("", encoding="utf-8")  # a run without seeds
     rows = sources_table(qmd, run, {}, gen).splitlines()[2:]
     assert [r.split("|")[1].strip() for r in rows] == ["@fig-gains"]
+
+
+def test_a_table_shown_only_when_the_run_has_it_is_listed_only_then(tmp_path: Path) -> None:
+    run = RunDir(tmp_path / "run")
+    gen = tmp_path / "_generated"
+    gen.mkdir()
+    qmd = "{{< include _generated/eval_seeds_table.md >}}\n\n"
+    (gen / "eval_seeds_table.md").write_text(
+        "{{< include _generated/eval_seeds.md >}}\n\n: Seeds. {#tbl-seeds}\n", encoding="utf-8"
+    )
+    rows = sources_table(qmd, run, {}, gen).splitlines()[2:]
+    assert [r.split("|")[1].strip() for r in rows] == ["@tbl-seeds"]
+    assert "`rlxf seeds`" in rows[0]
+    (gen / "eval_seeds_table.md").write_text("", encoding="utf-8")  # a run without seeds
+    assert sources_table(qmd, run, {}, gen).splitlines()[2:] == []

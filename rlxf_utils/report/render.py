@@ -268,7 +268,8 @@ def placeholder_figures(folder: Path, figures: dict[str, str]) -> list[str]:
 
 
 def expand_shortcodes(text: str, variables: dict[str, Any], base: Path, depth: int = 0) -> str:
-    """Replace Quarto's `var` and `include` shortcodes as Quarto would (pandoc path)."""
+    """Replace Quarto's `var` and `include` shortcodes as Quarto would (pandoc path): an include
+    inside an included file resolves from the main file's folder (`base`), as in Quarto."""
     if depth > 5:
         raise ReportError("include nesting deeper than 5 levels")
 
@@ -279,7 +280,7 @@ def expand_shortcodes(text: str, variables: dict[str, Any], base: Path, depth: i
             if not path.is_file():
                 raise ReportError(f"report source includes {arg}, which was not generated ({path})")
             return expand_shortcodes(
-                path.read_text(encoding="utf-8"), variables, path.parent, depth + 1
+                path.read_text(encoding="utf-8"), variables, base, depth + 1
             )
         value: Any = variables
         for part in arg.split("."):

@@ -12,7 +12,7 @@ from typing import Any
 import pandas as pd
 
 from rlxf_utils.artifacts import RunDir
-from rlxf_utils.report.evaluation import family_level, table_note
+from rlxf_utils.report.evaluation import family_level
 from rlxf_utils.report.wording import (
     ABOVE,
     BELOW,
@@ -38,7 +38,12 @@ def seeds_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
         note = sentence("seeds", "one_seed")
         variables = {"sentence": note, "seeds": "1", "level": lvl,
                      "count_words": sentence("seeds", "count_words", 1)}  # fmt: skip
-        return variables, {"eval_seeds.md": table_note(note), "eval_seeds_figure.md": ""}
+        # no table, no caption: the sentence says why (`eval_seeds_table.md` holds both when shown)
+        return variables, {
+            "eval_seeds.md": "",
+            "eval_seeds_table.md": "",
+            "eval_seeds_figure.md": "",
+        }
     t = run.read_table("eval_seeds", "rlxf seeds")
     pooled = t[t["seed"] == "pooled"]
     n = int(pooled["seeds"].max())
@@ -72,6 +77,9 @@ def seeds_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
                  "count_words": sentence("seeds", "count_words", n), "level": lvl}  # fmt: skip
     return variables, {
         "eval_seeds.md": markdown_table(table),
+        "eval_seeds_table.md": "{{< include _generated/eval_seeds.md >}}\n\n: "
+        + sentence("seeds", "table_caption", lvl)
+        + " {#tbl-seeds}\n",
         "eval_seeds_figure.md": sentence("seeds", "figure", lvl),
     }
 

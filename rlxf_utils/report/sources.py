@@ -47,8 +47,9 @@ _TABLE = re.compile(
     r"\{\{< include _generated/([\w-]+)\.md >\}\}\s*\n\s*\n: [^\n]*\{#(tbl-[\w-]+)\}"
 )
 _FIGURE = re.compile(r"\]\(figures/([\w-]+)\.png\)\{#(fig-[\w-]+)")
-#: A figure the report shows only when the run has it: written by a section into `_generated/`.
-_FIGURE_INCLUDE = re.compile(r"\{\{< include _generated/([\w-]+_figure)\.md >\}\}")
+#: A figure or table (with its caption) the report shows only when the run has it: written by a
+#: section into `_generated/`, empty otherwise.
+_FIGURE_INCLUDE = re.compile(r"\{\{< include _generated/([\w-]+_(?:figure|table))\.md >\}\}")
 
 
 def writer(stem: str) -> str:
