@@ -279,9 +279,7 @@ def expand_shortcodes(text: str, variables: dict[str, Any], base: Path, depth: i
             path = base / arg
             if not path.is_file():
                 raise ReportError(f"report source includes {arg}, which was not generated ({path})")
-            return expand_shortcodes(
-                path.read_text(encoding="utf-8"), variables, base, depth + 1
-            )
+            return expand_shortcodes(path.read_text(encoding="utf-8"), variables, base, depth + 1)
         value: Any = variables
         for part in arg.split("."):
             if not isinstance(value, dict) or part not in value:
