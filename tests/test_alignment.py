@@ -700,14 +700,14 @@ def test_report_draws_a_placeholder_for_a_figure_the_run_lacks(tmp_path) -> None
 
 
 # -- the report's verdict words ----------------------------------------------------------------
-def test_gain_verb_follows_the_family_interval_not_the_sign() -> None:
-    from rlxf_utils.report.evaluation import gain_verb
+def test_a_gain_verdict_follows_the_family_interval_not_the_sign() -> None:
+    from rlxf_utils.stats import bound_verdict
 
-    assert gain_verb(0.01, 0.03) == "raised"
-    assert gain_verb(-0.03, -0.01) == "lowered"
+    assert bound_verdict(0.01, 0.03) == "above"
+    assert bound_verdict(-0.03, -0.01) == "below"
     # a point estimate far from zero is no verdict when its interval holds zero
-    assert gain_verb(-0.01, 0.61) == "did not significantly change"
-    assert gain_verb(float("nan"), 0.1) == "did not significantly change"
+    assert bound_verdict(-0.01, 0.61) == "not distinguishable"
+    assert bound_verdict(float("nan"), 0.1) == "not distinguishable"
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -735,10 +735,12 @@ def test_a_verdict_never_disagrees_with_its_test(seed) -> None:
     assert res["ci_level"] == pytest.approx(1 - 0.05 / m)
 
 
-def test_history_sentence_is_read_from_the_interval() -> None:
-    from rlxf_utils.report.evaluation import history_sentence
+def test_history_verdicts_are_read_from_the_interval() -> None:
+    from rlxf_utils.report.evaluation import history_context
+    from rlxf_utils.stats import bound_verdict
 
-    hist = {"history_met": 0.60, "history_nonmet": 0.65}  # the point estimates say "below"
+    # the point estimates say "below"
+    hist = pd.DataFrame({"ave_r": [0.60, 0.65]}, index=["history_met", "history_nonmet"])
     both = {"n": 24, "n_clusters": 14}
 
     def contrast(low: float, high: float, audit: tuple[float, float] | None = None) -> dict:
@@ -747,15 +749,15 @@ def test_history_sentence_is_read_from_the_interval() -> None:
             out["audit_reward"] = {**both, "mean_diff": sum(audit) / 2, "ci_low": audit[0], "ci_high": audit[1]}  # fmt: skip
         return out
 
-    text = history_sentence(hist, contrast(0.01, 0.03, (-0.04, 0.02)))
-    assert "the reward model places what was met above what was not" in text
-    assert "the audit model places what was met not distinguishably apart from what was not" in text
-    assert "24 prompts (14 countries)" in text
-    assert "the reward model places what was met below" in history_sentence(
-        hist, contrast(-0.03, -0.01)
-    )
-    assert "not distinguishably apart" in history_sentence(hist, contrast(-0.03, 0.01))
-    assert "do not hold both" in history_sentence({"history_met": 0.6}, contrast(0.01, 0.03))
+    def verdicts(c: dict) -> list[tuple[str, str]]:
+        return [(j["judge"], bound_verdict(j["low"], j["high"])) for j in c["judges"]]
+
+    c = history_context(hist, contrast(0.01, 0.03, (-0.04, 0.02)))
+    assert verdicts(c) == [("reward", "above"), ("audit_reward", "not distinguishable")]
+    assert (c["n"], c["clusters"], c["met"], c["nonmet"]) == (24, 14, 0.60, 0.65)
+    assert verdicts(history_context(hist, contrast(-0.03, -0.01))) == [("reward", "below")]
+    assert verdicts(history_context(hist, contrast(-0.03, 0.01))) == [("reward", "not distinguishable")]  # fmt: skip
+    assert history_context(hist.iloc[:1], contrast(0.01, 0.03)) is None  # not both
 
 
 def test_move_sentence_says_when_an_algorithm_logs_no_training_reward() -> None:

@@ -13,6 +13,7 @@ import pytest
 from rlxf_utils.evaluation.design import design_table, sampling_costs, variance_table
 from rlxf_utils.evaluation.overopt import overoptimisation_points
 from rlxf_utils.evaluation.tables import summary_table, vs_start_family
+from rlxf_utils.report.wording import ABOVE, UNCLEAR
 from rlxf_utils.stats import family_alpha
 
 POLICIES = ("base", "sft", "sft_met", "ppo", "grpo", "best_of_n", "history_met",
@@ -142,21 +143,26 @@ def _report_run(tmp_path, gains):
 
 
 def test_the_report_states_the_family_its_mde_and_every_null_as_a_bound(tmp_path) -> None:
+    from rlxf_utils.report import evaluation as ev
     from rlxf_utils.report.evaluation import eval_section
+    from rlxf_utils.stats import bound_verdict
 
     run, s, used_vars = _report_run(tmp_path, {"ppo": 0.05, "grpo": 0.0})
     variables, files = eval_section(run)
     assert used_vars <= set(variables)  # every eval variable the report quotes exists
-    fam = variables["family_sentence"]
-    assert "holds m = 4 comparisons under each measure (`sft_met`, `ppo`, `grpo` and " in fam
-    assert "its minimum detectable effect" in fam and "under the reward model" in fam
-    assert "The families: each method against `sft` (m = 4" in variables["families"]
-    assert "predict an MDE of +0." in variables["design_sentence"]
-    g = s.set_index("policy").loc["grpo"]
-    words = variables["algo_sentences"]
-    assert f"a gain of at most {g['gain_high']:+.3f}" in words  # grpo's null, as its bound
-    ppo = words.split("; ")[0]
-    assert ppo.startswith("PPO raised Ave(R)") and "at most" not in ppo.split(" and ")[0]
+    # which rows, sizes and verdicts the sentences read (their words: tests/test_report_eval.py)
+    paired = run.read_table("eval_paired")
+    fam = ev.family_context(paired, "sft", "99%", 0.8)
+    assert fam["policies"][:3] == ["sft_met", "ppo", "grpo"] and len(fam["policies"]) == 4
+    assert [m["judge"] for m in fam["mdes"]] == ["reward", "audit_reward"]
+    assert ev.families_context({}, paired, pd.DataFrame(), "sft")["vs_start"]["m"] == 4
+    design = ev.design_context(run.read_table("eval_design"), 0.004)
+    assert all(j["mde"] > 0 for j in design["judges"])
+    s = s.set_index("policy")
+    gains = {a["policy"]: a["gain"] for a in ev.algos_context(s, ["ppo", "grpo"], "sft", "99%", 0.01, None)["algos"]}  # fmt: skip
+    assert bound_verdict(gains["ppo"]["low"], gains["ppo"]["high"]) == ABOVE  # PPO raised
+    assert gains["grpo"]["high"] == s.loc["grpo", "gain_high"]  # grpo's null, as its bound
+    assert bound_verdict(gains["grpo"]["low"], gains["grpo"]["high"]) == UNCLEAR
     assert variables["margin"] == "0.010" and variables["power"] == "80%"
     assert (
         "| verdict |" in files["eval_paired.md"].replace("  ", " ")
@@ -170,12 +176,17 @@ def test_the_report_states_the_family_its_mde_and_every_null_as_a_bound(tmp_path
 
 
 def test_equivalence_within_the_margin_is_said_as_such() -> None:
-    from rlxf_utils.report.evaluation import null_clause
+    """Equivalence only where the whole interval lies within ±margin (the words, 'equivalent
+    within ±0.010: a gain of at most +0.006', are the golden file's)."""
+    from rlxf_utils.report.evaluation import gain
 
-    assert null_clause(0.001, 0.02, 0.01) == ""  # excludes zero: a direction, no bound clause
-    assert null_clause(-0.004, 0.006, 0.01) == "equivalent within ±0.010: a gain of at most +0.006"
-    assert null_clause(-0.004, 0.016, 0.01) == "a gain of at most +0.016"
-    assert null_clause(-0.004, 0.006, None) == "a gain of at most +0.006"
+    def equivalent(low: float, high: float, margin: float | None) -> bool:
+        return gain(pd.Series({"gain": 0.0, "gain_low": low, "gain_high": high}), "gain", margin)["equivalent"]  # fmt: skip
+
+    assert not equivalent(0.001, 0.02, 0.01)  # excludes zero: a direction, no bound clause
+    assert equivalent(-0.004, 0.006, 0.01)
+    assert not equivalent(-0.004, 0.016, 0.01)
+    assert not equivalent(-0.004, 0.006, None)
 
 
 def test_a_design_table_with_one_country_still_has_this_runs_row() -> None:

@@ -22,7 +22,13 @@ from rlxf_utils.evaluation.tables import summary_table
 from rlxf_utils.prompts import serialize_frame
 from rlxf_utils.reward.model import RewardModel, RewardModelError, output_layer, serialize_inputs
 from rlxf_utils.reward.tfidf import train_tfidf
-from rlxf_utils.reward.uncertainty import FOLDER, RewardHeads, RewardHeadsError, fit_or_load
+from rlxf_utils.reward.uncertainty import (
+    FOLDER,
+    MARKER,
+    RewardHeads,
+    RewardHeadsError,
+    fit_or_load,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXTS = [
@@ -325,19 +331,23 @@ def _report_run(tmp_path: Path, samples: pd.DataFrame, heads: bool) -> RunDir:
 
 
 def test_report_gives_reward_sd_beside_ave_r_and_a_verdict_from_its_interval(tmp_path) -> None:
-    from rlxf_utils.report.evaluation import eval_section, uncertainty_sentence
+    from rlxf_utils.report.evaluation import eval_section, uncertainty_context
+    from rlxf_utils.stats import bound_verdict
 
-    v, inc = eval_section(_report_run(tmp_path / "up", _sd_samples(0.05), heads=True))
+    run = _report_run(tmp_path / "up", _sd_samples(0.05), heads=True)
+    v, inc = eval_section(run)
     header = inc["eval_summary.md"].splitlines()[0]
     assert header.index(r"Ave(R) \[95% CI\]") < header.index(r"reward SD \[95% CI\]")
-    assert v["uncertainty_sentence"].startswith("This run fitted 3 heads on 300 training rows.")
-    assert "PPO moved into text the reward model is more unsure about" in v["uncertainty_sentence"]
-    for shift, words in ((-0.01, "moved into text the reward model is less unsure about"),
-                         (0.0, "did not clearly change the reward model's uncertainty")):  # fmt: skip
+    s = pd.DataFrame(run.read_json("eval/summary.json")["summary"]).set_index("policy")
+    c = uncertainty_context(s, ["ppo"], "base", "95%", run.read_json(f"{FOLDER}/{MARKER}"))
+    assert c["heads"] == {"n": 3, "rows": 300} and [p["policy"] for p in c["policies"]] == ["ppo"]
+    for shift, verdict in ((0.05, "above"), (-0.01, "below"), (0.0, "not distinguishable")):
         s, _ = summary_table(_sd_samples(shift), ["base", "ppo"], "base", 4, 300, 0.05, 0)
-        text = uncertainty_sentence(s.set_index("policy"), ["ppo"], "base", "95%", None)
-        assert text.startswith("Against the start policy base") and f"PPO {words} (mean SD" in text
-    v, inc = eval_section(_report_run(tmp_path / "none", _samples(0.1), heads=False))
-    assert v["uncertainty_sentence"].startswith("This run measured no reward uncertainty")
+        change = uncertainty_context(s.set_index("policy"), ["ppo"], "base", "95%", None)["policies"][0]["change"]  # fmt: skip
+        assert bound_verdict(change["low"], change["high"]) == verdict
+    run = _report_run(tmp_path / "none", _samples(0.1), heads=False)
+    v, inc = eval_section(run)
+    s = pd.DataFrame(run.read_json("eval/summary.json")["summary"]).set_index("policy")
+    assert not uncertainty_context(s, ["ppo"], "base", "95%", None)["measured"]
     row = next(r for r in inc["eval_summary.md"].splitlines() if r.startswith("| ppo "))
     assert row.split("|")[4].strip() == "·"  # policy, prompts, Ave(R), reward SD
