@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -17,6 +18,7 @@ from rlxf_utils.config import CompareEncoder, RewardConfig, RiskConfig, StudyCon
 from rlxf_utils.data.splits import make_splits
 from rlxf_utils.report import risk as prose
 from rlxf_utils.report.wording import ABOVE, BELOW, UNCLEAR, phrase, sentence
+from rlxf_utils.risk import stage
 
 # ---------------------------------------------------------------------------------------------
 # country swap
@@ -547,6 +549,7 @@ def test_run_risk_stage_writes_every_table_and_flags_what_is_missing(tmp_path, w
     flagged = "notebook 04 did not run: eval/samples.parquet missing"
     if not with_eval:
         assert flagged in stage.notes and summary["notes"] == stage.notes
+        assert stage.notes.count(flagged) == 1  # three families lack the samples: one note
         assert stage.tables["risk_area_diversity"].loc[0, "note"] == flagged
         assert (
             "eval/frontier.parquet missing" in stage.tables["risk_checkpoint_gains"].loc[0, "note"]
@@ -600,6 +603,191 @@ def test_run_risk_stage_names_a_country_missing_from_the_regions_file(tmp_path):
     cfg.risk.regions_path.write_text("country,region,region_name\nKENYA,AFR,a\n", encoding="utf-8")
     with pytest.raises(ValueError, match=r"regions\.csv.*\['CHILE', 'GHANA', 'NEPAL', 'PERU'\]"):
         risk.run_risk_stage(cfg, run, reward_model=_CountryReward())
+
+
+# ---------------------------------------------------------------------------------------------
+# the stage's families, each alone on the synthetic run's inputs
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def close_figures():
+    import matplotlib.pyplot as plt
+
+    yield
+    plt.close("all")
+
+
+def _inputs(tmp_path: Path, with_eval: bool = True) -> stage.RiskInputs:
+    cfg, run = _synthetic_run(tmp_path, with_eval)
+    return stage.load_inputs(cfg, run, _CountryReward())
+
+
+@pytest.mark.parametrize("with_eval", [False, True])
+def test_each_family_writes_the_tables_and_figures_it_declares(tmp_path, with_eval, close_figures):
+    inp = _inputs(tmp_path, with_eval)
+    for family in stage.RISK_FAMILIES.values():
+        measured = family.measure(inp)
+        assert tuple(measured.tables) == family.tables, family.key
+        assert tuple(measured.figures) == (
+            family.figures if measured.summary is not None else ()
+        ), family.key
+    assert stage.record_start_policy(inp).summary == "base"  # no eval/summary.json here
+    assert sorted(stage.RISK_FIGURES) == [
+        "risk_area_shares", "risk_checkpoint_gains", "risk_country_swap", "risk_drift",
+        "risk_group_bias", "risk_label_variants", "risk_length_reward",
+    ]  # fmt: skip
+
+
+def test_drift_family_measures_the_years_after_the_cutoff_or_says_why_not(tmp_path, close_figures):
+    inp = _inputs(tmp_path, with_eval=False)
+    m = stage.measure_drift(inp)
+    assert m.summary["test_years"] == [2011, 2012, 2013, 2014]
+    base = m.tables["risk_met_rate_by_year"].set_index("test_year")
+    in_2012 = inp.labelled[inp.labelled["test_year"] == 2012]
+    assert base.loc[2012, "met_rate"] == pytest.approx(in_2012["y"].astype(float).mean())
+    assert set(m.summary["tests"]) >= {"base_rate_shift", "vs_majority"}
+    gone = stage.measure_drift(dataclasses.replace(inp, temporal=None))
+    assert gone.summary is None and not gone.figures
+    assert gone.notes == [
+        "notebook 02 (temporal protocol) did not run: reward/predictions_temporal.parquet missing "
+        "(reward.protocols = ['random', 'grouped', 'temporal'])"
+    ]
+    assert gone.tables["risk_drift_by_year"].loc[0, "note"] == gone.notes[0]
+    assert gone.tables["risk_met_rate_by_year"].equals(m.tables["risk_met_rate_by_year"])
+
+
+def test_group_bias_family_summarises_the_whole_test_set(tmp_path, close_figures):
+    inp = _inputs(tmp_path, with_eval=False)
+    m = stage.measure_group_bias(inp)
+    overall = m.summary["overall"]
+    assert overall["n"] == len(inp.pred)
+    assert overall["met_rate"] == pytest.approx(inp.pred["y"].astype(float).mean())
+    assert overall["mean_p"] == pytest.approx(inp.pred["p_encoder"].mean())
+    region = m.tables["risk_group_bias"].query("dimension == 'region'")
+    assert set(region["group"]) <= {"AFR", "WHD", "APD", "other"}
+    assert m.summary["region"]["n_groups"] == int((region["n"] > 0).sum())
+
+
+def test_country_swap_family_on_texts_of_one_country(tmp_path, close_figures):
+    """Every drawn text is Kenyan (0.3 under the stand-in reward) or Nepali (0.4), and none of
+    the swapped-in countries': country c moves a text by base[c] - its own base, whatever it says."""
+    inp = _inputs(tmp_path, with_eval=False)
+    rates = {"GHANA": 0.2, "PERU": 0.5, "CHILE": 0.8}
+    train = pd.DataFrame(
+        {"row_id": np.arange(30), "country": np.repeat(list(rates), 10),
+         "y": [int(i < 10 * r) for r in rates.values() for i in range(10)]}
+    )  # fmt: skip
+    texts = inp.pred[inp.pred["country"].isin(["KENYA", "NEPAL"])]
+    own = texts["country"].map({"KENYA": 0.3, "NEPAL": 0.4}).mean()
+    cfg = inp.cfg.model_copy(update={"risk": inp.cfg.risk.model_copy(update={"swap_texts": 999})})
+    m = stage.measure_country_swap(
+        dataclasses.replace(
+            inp, cfg=cfg, labelled=train, splits={"grouped": {"train": list(range(30))}}, pred=texts
+        )
+    )
+    s = m.summary
+    assert s["countries"] == ["CHILE", "GHANA", "PERU"]
+    assert s["most_favoured"] == "CHILE" and s["most_favoured_delta"] == pytest.approx(0.7 - own)
+    assert s["least_favoured"] == "GHANA" and s["least_favoured_delta"] == pytest.approx(0.5 - own)
+    assert s["spearman_delta_vs_hist_met_rate"] == pytest.approx(1.0)
+    assert s["n_countries_up"] == 3 and s["n_countries_down"] == 0
+    assert s["generated_included"] is False
+    assert s["by_source"][0]["mean_abs_delta"] == pytest.approx(0.6 - own)
+    per = m.tables["risk_country_swap_by_country"].set_index("country")
+    assert per.loc["PERU", "hist_met_rate"] == pytest.approx(0.5)
+    assert per.loc["PERU", "mean_delta"] == pytest.approx(0.6 - own)
+    with_gen = stage.measure_country_swap(_inputs(tmp_path / "eval", with_eval=True))
+    assert with_gen.summary["generated_included"] is True
+    assert list(with_gen.tables["risk_country_swap"]["source"]) == ["historical", "generated"]
+
+
+def test_length_family_correlates_reward_with_words(tmp_path, close_figures):
+    m = stage.measure_length_reward(_inputs(tmp_path))
+    lr = m.tables["risk_length_reward"].set_index("policy")
+    # ppo writes 2 or 4 words and earns 0.01 a word; base always 4 words (no correlation)
+    assert lr.loc["ppo", "spearman"] == pytest.approx(1.0)
+    assert math.isnan(lr.loc["base", "spearman"])
+    assert lr.loc["ppo", "n"] == 12 and "history_met" not in lr.index
+    # audit reward and token counts are constant here: their correlations are undefined
+    assert lr[["audit_spearman", "tokens_spearman"]].isna().all().all()
+    assert m.summary["length_column"] == "n_words"
+    assert [r["policy"] for r in m.summary["by_policy"]] == list(lr.index)
+    assert lr.loc["all generated", "n"] == 36  # base, ppo and best_of_n; not the references
+    assert lr.loc["all generated", "spearman"] == pytest.approx(1.0)  # base's 4 words earn 0.54
+    bins = m.tables["risk_length_reward_bins"].set_index("policy")
+    assert bins.loc["ppo", "mean_reward"] == pytest.approx(0.53)
+    gone = stage.measure_length_reward(_inputs(tmp_path / "none", with_eval=False))
+    assert gone.summary is None and gone.notes == [stage.SAMPLES_NOTE]
+    assert set(gone.tables) == {"risk_length_reward", "risk_length_reward_bins"}
+
+
+def test_ngrams_family_needs_the_start_and_a_tuned_policy(tmp_path):
+    inp = _inputs(tmp_path)
+    m = stage.measure_rising_ngrams(inp)
+    assert m.summary == {"ppo": m.tables["risk_rising_ngrams"]["ngram"].head(5).tolist()}
+    assert m.summary["ppo"][0] == "strengthen governance"
+    no_base = inp.samples[inp.samples["policy"] != "base"]
+    gone = stage.measure_rising_ngrams(dataclasses.replace(inp, samples=no_base))
+    assert gone.summary is None
+    assert gone.notes == [
+        "no base and tuned policies in eval/samples.parquet (policies: ['ppo', 'best_of_n'])"
+    ]
+
+
+def test_gains_family_reads_the_frontier_and_the_samples(tmp_path, close_figures):
+    inp = _inputs(tmp_path)
+    # frontier alone: ppo's last checkpoint gained 0.6 - 0.5 in reward, 0.49 - 0.5 in audit
+    alone = stage.measure_checkpoint_gains(dataclasses.replace(inp, samples=None))
+    (last,) = alone.summary
+    assert (last["algo"], last["step"]) == ("ppo", 4)
+    assert last["reward_gain"] == pytest.approx(0.1) and last["gap"] == pytest.approx(0.11)
+    assert "reward_gain_low" not in last
+    assert alone.tables["risk_checkpoint_gains"]["gap"].tolist() == pytest.approx([0, 0.05, 0.11])
+    # with the samples, the last checkpoint's gains are theirs, with intervals over prompts
+    (last,) = stage.measure_checkpoint_gains(inp).summary
+    assert last["reward_gain"] == pytest.approx(0.53 - 0.54) and last["audit_gain"] == 0.0
+    assert last["reward_gain_low"] <= last["reward_gain"] <= last["reward_gain_high"]
+    base_only = inp.frontier[inp.frontier["algo"] == "base"]
+    gone = stage.measure_checkpoint_gains(dataclasses.replace(inp, frontier=base_only))
+    assert gone.notes == ["eval/frontier.parquet holds no tuned checkpoint (only the base policy)"]
+    gone = stage.measure_checkpoint_gains(dataclasses.replace(inp, frontier=None))
+    assert gone.notes == ["notebook 04 did not run: eval/frontier.parquet missing"]
+
+
+def test_diversity_family_against_history_or_the_requested_areas(tmp_path, close_figures):
+    inp = _inputs(tmp_path)
+    m = stage.measure_diversity(inp)
+    assert m.summary["reference"] == "history (pooled)" and not m.notes
+    div = m.tables["risk_area_diversity"].set_index("policy")
+    assert div.loc["history (pooled)", "kind"] == "reference"
+    assert div.loc["ppo", "coverage"] == 0.0 and div.loc["base", "coverage"] == 1.0
+    assert div.loc["base", "kl_to_reference"] == pytest.approx(0.0, abs=1e-12)
+    ch = m.tables["risk_diversity_changes"].set_index("measure")
+    assert ch.loc["kl_to_reference", "change"] == pytest.approx(div.loc["ppo", "kl_to_reference"])
+    # base pools 'tax reform p 0' and 'tax reform p 1' (4 distinct of 6 bigrams), ppo
+    # 'strengthen governance' and its double (2 of 4)
+    assert ch.loc["within_prompt_distinct_2", "change"] == pytest.approx(0.5 - 4 / 6)
+    no_hist = inp.samples[~inp.samples["policy"].str.startswith("history")]
+    alt = stage.measure_diversity(dataclasses.replace(inp, samples=no_hist))
+    assert alt.summary["reference"] == "requested areas (prompts)"
+    assert alt.notes == [
+        "no history policies in eval/samples.parquet: areas compared with the prompts' areas"
+    ]
+    ref = alt.tables["risk_area_diversity"].set_index("policy").loc["requested areas (prompts)"]
+    assert ref["n"] == 12 and ref["entropy"] == 0.0  # base's 12 prompts, all on tax policy
+
+
+def test_label_family_retrains_under_each_mapping(tmp_path, close_figures):
+    inp = _inputs(tmp_path, with_eval=False)
+    m = stage.measure_label_variants(inp)
+    t = m.tables["risk_label_variants"].set_index("variant")
+    assert list(t.index) == list(inp.cfg.risk.label_variants)
+    assert m.summary == m.tables["risk_label_variants"].to_dict("records")
+    assert t.loc["paper", "spearman_vs_reference"] == 1.0
+    assert t.loc["paper", "train_labels_changed"] == 0
+    train = inp.labelled[inp.labelled["row_id"].isin(inp.splits["grouped"]["train"])]
+    assert t.loc["md_as_met", "train_labels_changed"] == int((train["status"] == "MD").sum())
 
 
 # ---------------------------------------------------------------------------------------------

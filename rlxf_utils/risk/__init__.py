@@ -23,9 +23,10 @@ may resist policy innovation, and RL may amplify all of it. Each risk becomes a 
 One module per family (`drift`, `groups`, `swap`, `hacking`, `diversity`, `labels`), shared
 helpers in `common` (binary metrics come from `reward`, intervals from `stats`) and the
 orchestration in `stage`; the sentences are the report's (`rlxf_utils.report.risk`): every measure is a
-pure function of tables; `run_risk_stage` reads the run dir, calls them and writes tables
-`risk_*`, figures `risk_*` and `risk/summary.json`. Verdicts are read from intervals at
-`evaluation.alpha` (see `rlxf_utils.report.risk`).
+pure function of tables; `run_risk_stage` reads the run dir once and loops over `RISK_FAMILIES`
+(one small function per entry of the summary, returning its tables, entry and figures, or a note
+on the input it lacks), then writes tables `risk_*`, figures `risk_*` and `risk/summary.json`.
+Verdicts are read from intervals at `evaluation.alpha` (see `rlxf_utils.report.risk`).
 """
 
 from .common import (
