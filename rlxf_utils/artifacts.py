@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from rlxf_utils.markdown import markdown_table
 from rlxf_utils.names import relabel_figure
-from rlxf_utils.report.wording import markdown_table
 
 __all__ = [
     "ArtifactMissing",

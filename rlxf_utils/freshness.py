@@ -256,15 +256,26 @@ def notebook_imports(notebook: Path, package: Path = PACKAGE) -> set[str]:
     return out
 
 
+#: The report's words: a notebook shows sentences from these, but no stage writes with them
+#: (stages import nothing of the report), so they are in no code fingerprint: mending a sentence
+#: reruns no notebook, only `rlxf report`.
+REPORT = "rlxf_utils.report"
+
+
+def _is_report(mod: str) -> bool:
+    return mod == REPORT or mod.startswith(REPORT + ".")
+
+
 def code_modules(notebook: Path, package: Path = PACKAGE) -> tuple[str, ...]:
     """The package's modules `notebook` runs, sorted: what its code cells import, transitively
-    (`module_graph`), and every package whose `__init__` importing them executes."""
+    (`module_graph`), and every package whose `__init__` importing them executes; the report's
+    modules (`REPORT`) and what only they import are left out: they word what a stage computed."""
     graph = module_graph(package)
     seen: set[str] = set()
     todo = sorted(notebook_imports(notebook, package))
     while todo:
         mod = todo.pop()
-        if mod in seen or mod not in graph:
+        if mod in seen or mod not in graph or _is_report(mod):
             continue
         seen.add(mod)
         parents = [".".join(mod.split(".")[:i]) for i in range(1, mod.count(".") + 1)]

@@ -19,9 +19,9 @@ from rlxf_utils.evaluation.figures import plot_frontier
 from rlxf_utils.evaluation.history import history_references
 from rlxf_utils.evaluation.sampling import frame_logprobs, sample_tuned
 from rlxf_utils.evaluation.tables import frontier_points, summary_table
+from rlxf_utils.markdown import display_country
 from rlxf_utils.models.generation import autocast, generate, trim_response
 from rlxf_utils.models.policies import PolicySet
-from rlxf_utils.report.wording import display_country
 
 
 def _base(seed: int = 0):

@@ -15,8 +15,8 @@ from rlxf_utils.freshness import Import, package_imports, package_modules
 PKG = Path(__file__).resolve().parent.parent / "rlxf_utils"
 README = PKG.parent / "README.md"
 
-#: Room -> the rooms it may import. A room is a subpackage or a top-level module; the report's
-#: wording modules are rooms of their own because stages below the report use them.
+#: Room -> the rooms it may import. A room is a subpackage or a top-level module. No stage
+#: imports the report: what stages and the report both need to write tables is `markdown`.
 ROOMS: dict[str, set[str]] = {
     "algorithms": set(),
     "names": {"algorithms"},
@@ -24,12 +24,11 @@ ROOMS: dict[str, set[str]] = {
     "stats": set(),
     "config": {"algorithms"},
     "runtime": {"config"},
-    "report.wording": {"config", "stats", "names"},
-    "artifacts": {"report.wording", "names"},
+    "markdown": set(),
+    "artifacts": {"markdown", "names"},
     "plots": {"stats"},
     "compare": {"artifacts"},
     "freshness": {"config", "artifacts"},
-    "report.data": {"artifacts", "report.wording"},
     "data": {"config", "artifacts", "stats", "prompts", "plots"},
     "models": {"config", "algorithms", "artifacts", "prompts", "runtime", "data"},
     "reward": {"config", "artifacts", "stats", "prompts", "plots", "runtime", "data"},
@@ -55,7 +54,7 @@ ROOMS: dict[str, set[str]] = {
         "data",
         "models",
         "reward",
-        "report.wording",
+        "markdown",
     },
     "risk": {"stats", "prompts", "plots", "data", "reward", "evaluation"},
     "report": {
@@ -65,8 +64,7 @@ ROOMS: dict[str, set[str]] = {
         "artifacts",
         "stats",
         "prompts",
-        "report.wording",
-        "report.data",
+        "markdown",
         "reward",
         "evaluation",
         "risk",
@@ -92,8 +90,6 @@ def _modules() -> dict[str, Path]:
 
 def _room(module: str) -> str:
     parts = module.split(".")[1:]
-    if parts[:2] in (["report", "wording"], ["report", "data"]):
-        return ".".join(parts[:2])
     return parts[0] if parts else "rlxf_utils"
 
 

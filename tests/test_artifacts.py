@@ -8,7 +8,8 @@ import pandas as pd
 import pytest
 
 from rlxf_utils.artifacts import ArtifactMissing, RunDir, atomic_path, to_jsonable
-from rlxf_utils.report.wording import markdown_table, typeset_minus
+from rlxf_utils.markdown import markdown_table
+from rlxf_utils.report.wording import typeset_minus
 
 
 def test_atomic_write_keeps_old_file_when_writer_fails(tmp_path: Path) -> None:

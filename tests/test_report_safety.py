@@ -16,6 +16,7 @@ import pandas as pd
 import pytest
 
 from rlxf_utils.artifacts import RunDir
+from rlxf_utils.markdown import literal, markdown_table
 from rlxf_utils.report.data import area_range_sentence
 from rlxf_utils.report.render import (
     REPORT_SRC,
@@ -25,7 +26,7 @@ from rlxf_utils.report.render import (
     pandoc_typst,
 )
 from rlxf_utils.report.risk import ngrams_text
-from rlxf_utils.report.wording import literal, markdown_table, short_text
+from rlxf_utils.report.wording import short_text
 
 SECRET = "rlxf-secret-4f1c9e"
 

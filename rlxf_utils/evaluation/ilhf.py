@@ -35,8 +35,8 @@ import pandas as pd
 
 from rlxf_utils.algorithms import ILHF_ALGORITHMS, algorithm_label
 from rlxf_utils.evaluation.measures import area_distribution, entropy, kl_divergence
+from rlxf_utils.markdown import is_present
 from rlxf_utils.plots import ci_err
-from rlxf_utils.report.wording import is_present
 from rlxf_utils.stats import (
     bootstrap_ci,
     bound_verdict,

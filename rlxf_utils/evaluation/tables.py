@@ -14,10 +14,10 @@ from rlxf_utils.artifacts import RunDir
 from rlxf_utils.evaluation.best_of_n import best_of_n_kl_bound
 from rlxf_utils.evaluation.measures import text_table
 from rlxf_utils.evaluation.sampling import add_rewards, frame_logprobs, sample_tuned
+from rlxf_utils.markdown import display_country
 from rlxf_utils.models.generation import build_prompts, sampling_kwargs
 from rlxf_utils.models.logprobs import kl_estimate, perplexity
 from rlxf_utils.models.policies import PolicySet
-from rlxf_utils.report.wording import display_country
 from rlxf_utils.stats import (
     bootstrap_ci,
     paired_table,

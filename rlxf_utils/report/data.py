@@ -9,7 +9,8 @@ from typing import Any
 import pandas as pd
 
 from rlxf_utils.artifacts import ArtifactMissing, RunDir
-from rlxf_utils.report.wording import literal, sentence
+from rlxf_utils.markdown import literal
+from rlxf_utils.report.wording import sentence
 
 #: The data section's sentences, each a macro of `reports/templates/data.jinja`.
 SENTENCES = ("trend_sentence", "shift_sentence", "area_sentence", "arrangement_type_sentence")

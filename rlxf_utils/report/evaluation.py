@@ -11,13 +11,12 @@ import pandas as pd
 
 from rlxf_utils.artifacts import RunDir
 from rlxf_utils.evaluation.best_of_n import best_of_n_kl_bound
+from rlxf_utils.markdown import is_present, markdown_table
 from rlxf_utils.report.gold import gold_auc, gold_cannot_judge
 from rlxf_utils.report.wording import (
     EQUIVALENT,
     ci,
-    is_present,
     margin_verdict,
-    markdown_table,
     num,
     pval,
     sentence,

@@ -16,11 +16,12 @@ from typing import Any
 import pandas as pd
 
 from rlxf_utils.artifacts import RunDir
+from rlxf_utils.markdown import is_present
 from rlxf_utils.report.evaluation import family_level
 from rlxf_utils.report.gold import gold_auc
 from rlxf_utils.report.reward import reward_labels
 from rlxf_utils.report.seeds import seed_finding
-from rlxf_utils.report.wording import is_present, sentence
+from rlxf_utils.report.wording import sentence
 from rlxf_utils.reward.model import PAPER_ACCURACY
 
 #: The findings, in the order the abstract and the key-findings list state them.

@@ -9,18 +9,8 @@ from typing import Any
 import pandas as pd
 
 from rlxf_utils.artifacts import RunDir
-from rlxf_utils.report.wording import (
-    ABOVE,
-    BELOW,
-    UNCLEAR,
-    ci,
-    listing,
-    markdown_table,
-    num,
-    pct,
-    phrase,
-    sentence,
-)
+from rlxf_utils.markdown import markdown_table
+from rlxf_utils.report.wording import ABOVE, BELOW, UNCLEAR, ci, listing, num, pct, phrase, sentence
 from rlxf_utils.stats import bound_verdict, level
 
 FORENSIC_MEASURES = (("accuracy", "accuracy"), ("precision", "precision"), ("recall", "recall"), ("f1", "F1"))  # fmt: skip

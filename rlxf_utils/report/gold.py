@@ -9,7 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from rlxf_utils.artifacts import RunDir
-from rlxf_utils.report.wording import is_present, sentence
+from rlxf_utils.markdown import is_present
+from rlxf_utils.report.wording import sentence
 from rlxf_utils.stats import ci_sign, level
 
 #: The reference check's row of the gold judge (the audit trained on disjoint rows).

@@ -14,16 +14,9 @@ import pandas as pd
 from rlxf_utils.algorithms import ILHF_ALGORITHMS, algorithm_label
 from rlxf_utils.artifacts import RunDir
 from rlxf_utils.evaluation.ilhf import HISTORY, MEASURES, TEST_COLUMNS
+from rlxf_utils.markdown import is_present, markdown_table
 from rlxf_utils.report.evaluation import eval_meta, table_note
-from rlxf_utils.report.wording import (
-    ci,
-    is_present,
-    markdown_table,
-    num,
-    phrase,
-    sentence,
-    verdict_code,
-)
+from rlxf_utils.report.wording import ci, num, phrase, sentence, verdict_code
 from rlxf_utils.stats import level
 
 #: The verdicts' sentences: (measure of `eval_inclusive_tests`, sentence key).

@@ -12,8 +12,9 @@ import numpy as np
 import pandas as pd
 
 from rlxf_utils.artifacts import RunDir
+from rlxf_utils.markdown import is_present, markdown_table
 from rlxf_utils.report.evaluation import table_note
-from rlxf_utils.report.wording import ci, is_present, markdown_table, sentence
+from rlxf_utils.report.wording import ci, sentence
 
 #: The numbers of an `eval_methods` row that a method's clause reads.
 _GAINS = ("gain", "gain_low", "gain_high", "audit_gain", "audit_gain_low", "audit_gain_high", "kl")

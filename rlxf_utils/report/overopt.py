@@ -10,9 +10,10 @@ from typing import Any
 import pandas as pd
 
 from rlxf_utils.artifacts import RunDir
+from rlxf_utils.markdown import is_present, markdown_table
 from rlxf_utils.report.evaluation import table_note
 from rlxf_utils.report.gold import ceiling, gold_auc, gold_cannot_judge
-from rlxf_utils.report.wording import EQUIVALENT, is_present, markdown_table, sentence
+from rlxf_utils.report.wording import EQUIVALENT, sentence
 from rlxf_utils.stats import bound_verdict, level
 
 #: The section's sentences (the report's variables), each a macro of the template.

@@ -11,13 +11,13 @@ from typing import Any
 import pandas as pd
 
 from rlxf_utils.artifacts import ArtifactMissing, RunDir
+from rlxf_utils.markdown import markdown_table
 from rlxf_utils.report.wording import (
     ABOVE,
     BELOW,
     UNCLEAR,
     ci,
     interval,
-    markdown_table,
     num,
     pct,
     phrase,

@@ -12,16 +12,8 @@ import pandas as pd
 
 from rlxf_utils.artifacts import RunDir
 from rlxf_utils.config import CRITIC_INIT
-from rlxf_utils.report.wording import (
-    ci,
-    display_country,
-    is_present,
-    markdown_table,
-    num,
-    sentence,
-    short_text,
-    spaced,
-)
+from rlxf_utils.markdown import display_country, is_present, markdown_table
+from rlxf_utils.report.wording import ci, num, sentence, short_text, spaced
 
 
 def _value(x: Any) -> Any:

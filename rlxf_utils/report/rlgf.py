@@ -13,9 +13,10 @@ import pandas as pd
 from rlxf_utils.algorithms import RLGF_ALGORITHMS, algorithm_label
 from rlxf_utils.artifacts import RunDir
 from rlxf_utils.evaluation.rlgf import HALVES, MEASURES, guidance_comparator, policy_label
+from rlxf_utils.markdown import is_present, markdown_table
 from rlxf_utils.prompts import CONTEXT_FIELDS
 from rlxf_utils.report.evaluation import eval_meta, table_note
-from rlxf_utils.report.wording import ci, is_present, markdown_table, num, phrase, pval, sentence
+from rlxf_utils.report.wording import ci, num, phrase, pval, sentence
 from rlxf_utils.stats import level
 
 #: (question id, wording) of the two comparisons in `guidance_table`.

@@ -12,17 +12,9 @@ from typing import Any
 import pandas as pd
 
 from rlxf_utils.artifacts import RunDir
+from rlxf_utils.markdown import is_present, markdown_table
 from rlxf_utils.report.evaluation import family_level
-from rlxf_utils.report.wording import (
-    ABOVE,
-    BELOW,
-    EQUIVALENT,
-    ci,
-    is_present,
-    markdown_table,
-    num,
-    sentence,
-)
+from rlxf_utils.report.wording import ABOVE, BELOW, EQUIVALENT, ci, num, sentence
 from rlxf_utils.stats import MAX_SEEDS, bound_verdict, ci_sign, level
 
 #: The measures a pooled row gives: the gain under the reward model and under the audit.

@@ -9,7 +9,7 @@ from pathlib import Path
 import pandas as pd
 
 from rlxf_utils.artifacts import RunDir
-from rlxf_utils.report.wording import markdown_table
+from rlxf_utils.markdown import markdown_table
 
 #: Which step writes an artifact, by the start of its name (first match wins): the stage
 #: modules name their tables and figures this way (data/, reward/, rl/, evaluation/, risk/
