@@ -200,5 +200,5 @@ def test_report_says_how_to_add_seeds_when_there_are_none(tmp_path):
     assert "rlxf seeds" in variables["sentence"] and variables["seeds"] == "1"
     # no table, caption or figure without further seeds: the sentence alone says how to add them
     # (the smoke report used to show that sentence again as a one-cell table under the caption)
-    assert files["eval_seeds.md"] == files["eval_seeds_table.md"] == ""
+    assert files["eval_seeds.md"] == files["eval_seeds_optional.md"] == ""
     assert files["eval_seeds_figure.md"] == ""

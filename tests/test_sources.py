@@ -83,12 +83,18 @@ def test_a_table_shown_only_when_the_run_has_it_is_listed_only_then(tmp_path: Pa
     run = RunDir(tmp_path / "run")
     gen = tmp_path / "_generated"
     gen.mkdir()
-    qmd = "{{< include _generated/eval_seeds_table.md >}}\n\n"
-    (gen / "eval_seeds_table.md").write_text(
+    qmd = "{{< include _generated/eval_seeds_optional.md >}}\n\n"
+    (gen / "eval_seeds_optional.md").write_text(
         "{{< include _generated/eval_seeds.md >}}\n\n: Seeds. {#tbl-seeds}\n", encoding="utf-8"
     )
     rows = sources_table(qmd, run, {}, gen).splitlines()[2:]
     assert [r.split("|")[1].strip() for r in rows] == ["@tbl-seeds"]
     assert "`rlxf seeds`" in rows[0]
-    (gen / "eval_seeds_table.md").write_text("", encoding="utf-8")  # a run without seeds
+    (gen / "eval_seeds_optional.md").write_text("", encoding="utf-8")  # a run without seeds
     assert sources_table(qmd, run, {}, gen).splitlines()[2:] == []
+    # a table whose include merely ends in "_table" is an ordinary table: listed as such
+    (gen / "rlgf_table.md").write_text("| a |\n|---|\n| 1 |\n", encoding="utf-8")
+    qmd = "{{< include _generated/rlgf_table.md >}}\n\n: RLGF. {#tbl-rlgf}\n"
+    assert [r.split("|")[1].strip() for r in sources_table(qmd, run, {}, gen).splitlines()[2:]] == [
+        "@tbl-rlgf"
+    ]

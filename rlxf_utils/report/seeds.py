@@ -30,10 +30,10 @@ def seeds_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
         note = sentence("seeds", "one_seed")
         variables = {"sentence": note, "seeds": "1", "level": lvl,
                      "count_words": sentence("seeds", "count_words", 1)}  # fmt: skip
-        # no table, no caption: the sentence says why (`eval_seeds_table.md` holds both when shown)
+        # no table, no caption: the sentence says why (`eval_seeds_optional.md` holds both when shown)
         return variables, {
             "eval_seeds.md": "",
-            "eval_seeds_table.md": "",
+            "eval_seeds_optional.md": "",
             "eval_seeds_figure.md": "",
         }
     t = run.read_table("eval_seeds", "rlxf seeds")
@@ -69,7 +69,7 @@ def seeds_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
                  "count_words": sentence("seeds", "count_words", n), "level": lvl}  # fmt: skip
     return variables, {
         "eval_seeds.md": markdown_table(table),
-        "eval_seeds_table.md": "{{< include _generated/eval_seeds.md >}}\n\n: "
+        "eval_seeds_optional.md": "{{< include _generated/eval_seeds.md >}}\n\n: "
         + sentence("seeds", "table_caption", lvl)
         + " {#tbl-seeds}\n",
         "eval_seeds_figure.md": sentence("seeds", "figure", lvl),

@@ -49,7 +49,7 @@ _TABLE = re.compile(
 _FIGURE = re.compile(r"\]\(figures/([\w-]+)\.png\)\{#(fig-[\w-]+)")
 #: A figure or table (with its caption) the report shows only when the run has it: written by a
 #: section into `_generated/`, empty otherwise.
-_FIGURE_INCLUDE = re.compile(r"\{\{< include _generated/([\w-]+_(?:figure|table))\.md >\}\}")
+_FIGURE_INCLUDE = re.compile(r"\{\{< include _generated/([\w-]+_(?:figure|optional))\.md >\}\}")
 
 
 def writer(stem: str) -> str:
