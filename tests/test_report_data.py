@@ -79,3 +79,22 @@ if __name__ == "__main__":  # rewrite the golden text (and with --fixture, the f
     with tempfile.TemporaryDirectory() as tmp:
         TEXT.write_text(_rendered(Path(tmp)), encoding="utf-8")
     print(f"wrote {TEXT}")
+
+
+def test_the_pools_table_names_who_learns_from_each_pool(tmp_path: Path) -> None:
+    import pandas as pd
+
+    from rlxf_utils.report.data import POOL_LABELS, pools_table
+
+    run = RunDir(tmp_path / "run")
+    pools = pd.DataFrame({"pool": list(POOL_LABELS), "rows": [10, 2, 3, 1, 4, 5, 0],
+                          "share": [0.4, 0.08, 0.12, 0.04, 0.16, 0.2, 0.0],
+                          "share_of_training_countries": [0.5, 0.1, 0.15, 0.05, 0.2, None, 0.0],
+                          "countries": [3, 1, 1, 1, 2, 2, 0], "arrangements": [3, 1, 1, 1, 2, 2, 0],
+                          "contexts": [9, 2, 3, 1, 4, 5, 0],
+                          "met_share": [0.6, 0.5, 0.7, 1.0, 0.75, 0.8, None]})  # fmt: skip
+    run.write_table("data_pools", pools)
+    rows = [r.split("|")[1:-1] for r in pools_table(run).splitlines()[2:]]
+    assert [r[0].strip() for r in rows] == list(POOL_LABELS.values())  # no raw pool id is shown
+    assert [r[2].strip() for r in rows][:2] == ["40.0%", "8.0%"]
+    assert rows[5][3].strip() == "·" and rows[6][7].strip() == "·"  # references, unused: no share

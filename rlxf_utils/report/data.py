@@ -9,8 +9,8 @@ from typing import Any
 import pandas as pd
 
 from rlxf_utils.artifacts import ArtifactMissing, RunDir
-from rlxf_utils.markdown import literal
-from rlxf_utils.report.wording import sentence
+from rlxf_utils.markdown import is_present, literal, markdown_table
+from rlxf_utils.report.wording import pct, sentence
 
 #: The data section's sentences, each a macro of `reports/templates/data.jinja`.
 SENTENCES = ("trend_sentence", "shift_sentence", "area_sentence", "arrangement_type_sentence")
@@ -43,6 +43,37 @@ def data_section(run: RunDir) -> dict[str, Any]:
             "before the findings were stored as numbers); rerun notebook 01_data_exploration"
         )
     return {"level": f["level"], **findings_sentences(f)}
+
+
+#: The pools of `data.splits.carve_policy_pool` (tables/data_pools.csv) as the reader sees them:
+#: who learns from each.
+POOL_LABELS = {
+    "reward_train": "reward model: training",
+    "reward_val": "reward model: validation",
+    "audit_train": "audit: training",
+    "audit_val": "audit: calibration",
+    "policy": "policies (SFT, offline methods, RL contexts, MLE references)",
+    "reference": "evaluation references (held-out countries)",
+    "unused": "unused",
+}
+
+
+def pools_table(run: RunDir) -> str:
+    """Report Table 4: each pool of rows (who learns from it) with its rows, its shares as
+    percentages, its countries, arrangements and contexts, and its MET share."""
+    t = run.read_table("data_pools", "notebook 01_data_exploration")
+    shown = pd.DataFrame({
+        "pool": t["pool"].map(lambda p: POOL_LABELS.get(p, p)),
+        "rows": t["rows"],
+        "share of all rows": t["share"].map(pct),
+        "share of training countries' rows": t["share_of_training_countries"].map(
+            lambda x: pct(x) if is_present(x) else "·"),
+        "countries": t["countries"],
+        "arrangements": t["arrangements"],
+        "contexts": t["contexts"],
+        "MET share": t["met_share"].map(lambda x: pct(x) if is_present(x) else "·"),
+    })  # fmt: skip
+    return markdown_table(shown)
 
 
 # -- notebook 01's narrative --------------------------------------------------------------------

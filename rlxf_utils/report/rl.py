@@ -186,8 +186,17 @@ def rl_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], dic
         "rl_settings.md": markdown_table(settings),
         "rl_summary.md": markdown_table(_rl_summary_display(summ)),
         "rl_samples.md": markdown_table(shown),
-        "rl_train_experience.md": markdown_table(
-            run.read_table("rl_train_experience", stage).rename(columns=spaced), floatfmt=".3g"
-        ),
+        "rl_train_experience.md": markdown_table(_experience_display(run, stage), floatfmt=".3g"),
     }
     return variables, includes
+
+
+def _experience_display(run: RunDir, stage: str) -> pd.DataFrame:
+    """tables/rl_train_experience.csv as the reader sees it: 'method' for the id column, RL's
+    name capitalised, and whether a run resumed from a checkpoint as yes / no."""
+    t = run.read_table("rl_train_experience", stage)
+    if "resumed" in t:
+        t = t.assign(resumed=t["resumed"].map(lambda r: "yes" if bool(r) else "no"))
+    t = t.rename(columns={"algo": "method", "contexts_shared_with_rl": "contexts shared with RL",
+                          "resumed": "resumed from a checkpoint"})  # fmt: skip
+    return t.rename(columns=spaced)
