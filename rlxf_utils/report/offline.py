@@ -8,23 +8,15 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import pandas as pd
 
 from rlxf_utils.artifacts import RunDir
 from rlxf_utils.markdown import is_present, markdown_table
 from rlxf_utils.report.evaluation import table_note
-from rlxf_utils.report.wording import ci, sentence
+from rlxf_utils.report.wording import ci, sentence, value
 
 #: The numbers of an `eval_methods` row that a method's clause reads.
 _GAINS = ("gain", "gain_low", "gain_high", "audit_gain", "audit_gain_low", "audit_gain_high", "kl")
-
-
-def _value(x: Any) -> Any:
-    """A table's number for a template's context: a Python number, None where missing."""
-    if isinstance(x, np.generic):
-        x = x.item()
-    return x if is_present(x) else None
 
 
 def answer_context(answer: dict[str, Any]) -> dict[str, Any]:
@@ -47,7 +39,7 @@ def methods_context(table: pd.DataFrame, group: str) -> dict[str, Any]:
     rewards, its KL, its verdict against best-of-N at equal KL)."""
     rows = table[table["group"] == group]
     return {"group": group, "methods": [
-        {"method": r["method"], **{k: _value(r[k]) for k in _GAINS},
+        {"method": r["method"], **{k: value(r[k]) for k in _GAINS},
          "vs_best_of_n": r["vs_best_of_n"] if isinstance(r["vs_best_of_n"], str) and r["vs_best_of_n"] else None}
         for _, r in rows.iterrows()
     ]}  # fmt: skip

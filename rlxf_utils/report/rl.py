@@ -7,20 +7,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import numpy as np
 import pandas as pd
 
 from rlxf_utils.artifacts import RunDir
 from rlxf_utils.config import CRITIC_INIT
 from rlxf_utils.markdown import display_country, is_present, markdown_table
-from rlxf_utils.report.wording import ci, num, sentence, short_text, spaced
-
-
-def _value(x: Any) -> Any:
-    """A table's number for a template's context: a Python number, None where missing."""
-    if isinstance(x, np.generic):
-        x = x.item()
-    return x if is_present(x) else None
+from rlxf_utils.report.wording import ci, num, sentence, short_text, spaced, value
 
 
 def moves_context(rows: pd.DataFrame) -> dict[str, Any]:
@@ -31,13 +23,13 @@ def moves_context(rows: pd.DataFrame) -> dict[str, Any]:
     silent = rows[~moved]
     return {
         "moved": [
-            {"algorithm": algo, "first": _value(r["reward_first"]), "last": _value(r["reward_last"]),
-             "first_step": _value(r.get("reward_first_step", 1)), "kl": _value(r["kl_last"]),
-             "step_time_s": _value(r["step_time_s"])}
+            {"algorithm": algo, "first": value(r["reward_first"]), "last": value(r["reward_last"]),
+             "first_step": value(r.get("reward_first_step", 1)), "kl": value(r["kl_last"]),
+             "step_time_s": value(r["step_time_s"])}
             for algo, r in rows[moved].iterrows()
         ],
         "silent": {"algorithms": list(silent.index),
-                   "step_time_s": [_value(t) for t in silent["step_time_s"]]},
+                   "step_time_s": [value(t) for t in silent["step_time_s"]]},
     }  # fmt: skip
 
 
@@ -45,7 +37,7 @@ def ppo_context(rows: pd.DataFrame, rl: dict[str, Any]) -> dict[str, Any]:
     """`ppo_sentence`: PPO's critic and β (None where PPO did not run)."""
     r = rows.loc["PPO"] if "PPO" in rows.index else None
     ppo = None if r is None else {
-        k: _value(r.get(col, math.nan))
+        k: value(r.get(col, math.nan))
         for k, col in (("ev", "explained_variance_last_third"), ("ev_low", "explained_variance_low"),
                        ("ev_high", "explained_variance_high"),
                        ("prior_ev", "explained_variance_prior_last_third"),
@@ -63,7 +55,7 @@ def sft_context(sft: pd.DataFrame) -> dict[str, Any]:
     """`sft_sentence`: notebook 03's `sft_summary` rows (none when no supervised stage ran)."""
     cols = ("policy", "examples", "outcomes", "steps", "seconds", "tokens_per_s", "loss_first",
             "loss_last")  # fmt: skip
-    runs = [{k: _value(r[k]) for k in cols} for _, r in sft.iterrows()]
+    runs = [{k: value(r[k]) for k in cols} for _, r in sft.iterrows()]
     for r in runs:
         r["examples"], r["steps"] = int(r["examples"]), int(r["steps"])
     return {"runs": runs}

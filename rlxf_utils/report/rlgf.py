@@ -7,7 +7,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import pandas as pd
 
 from rlxf_utils.algorithms import RLGF_ALGORITHMS, algorithm_label
@@ -16,7 +15,7 @@ from rlxf_utils.evaluation.rlgf import HALVES, MEASURES, guidance_comparator, po
 from rlxf_utils.markdown import is_present, markdown_table
 from rlxf_utils.prompts import CONTEXT_FIELDS
 from rlxf_utils.report.evaluation import eval_meta, table_note
-from rlxf_utils.report.wording import ci, num, phrase, pval, sentence
+from rlxf_utils.report.wording import ci, num, phrase, pval, sentence, value
 from rlxf_utils.stats import level
 
 #: (question id, wording) of the two comparisons in `guidance_table`.
@@ -24,13 +23,6 @@ QUESTIONS = {
     "guidance_vs_ppo": "does guidance beat PPO?",
     "rl_vs_sft_met": "does RL beat supervised learning on what was met?",
 }
-
-
-def _value(x: Any) -> Any:
-    """A table's number for a template's context: a Python number, None where missing."""
-    if isinstance(x, np.generic):
-        x = x.item()
-    return x if is_present(x) else None
 
 
 def comparisons(g: pd.DataFrame, policies: Sequence[str], versus: str,
@@ -48,7 +40,7 @@ def comparisons(g: pd.DataFrame, policies: Sequence[str], versus: str,
             family = 1 - float(rows["ci_level"].dropna().iloc[0])
         measures = [
             {"measure": m, "verdict": rows.loc[m, "verdict"],
-             **{k: _value(rows.loc[m, k]) for k in ("diff", "low", "high")}}
+             **{k: value(rows.loc[m, k]) for k in ("diff", "low", "high")}}
             for m in MEASURES if m in rows.index
         ]  # fmt: skip
         out.append({"policy": a, "versus": versus, "alpha": family, "measures": measures})
@@ -65,8 +57,8 @@ def critics_context(guidance_log: pd.DataFrame) -> dict[str, Any]:
     algorithms = []
     for algo, g in guidance_log.groupby("algorithm", sort=False):
         critics = [
-            {"critic": r["critic"], "ev": _value(r["explained_variance"]), "steps": int(r["steps"]),
-             "prior": _value(r["explained_variance_prior"])}
+            {"critic": r["critic"], "ev": value(r["explained_variance"]), "steps": int(r["steps"]),
+             "prior": value(r["explained_variance_prior"])}
             for _, r in g.iterrows()
             if is_present(r["explained_variance"])
         ]  # fmt: skip
@@ -125,19 +117,19 @@ def easy_hard_context(easy_hard: pd.DataFrame | None, start: str, alpha: float,
         h = g.set_index("half")
         halves = [
             {"half": half, "verdict": h.loc[half, "gain_verdict"],
-             "gain": _value(h.loc[half, "gain"]), "low": _value(h.loc[half, "gain_low"]),
-             "high": _value(h.loc[half, "gain_high"])}
+             "gain": value(h.loc[half, "gain"]), "low": value(h.loc[half, "gain_low"]),
+             "high": value(h.loc[half, "gain_high"])}
             for half in HALVES if half in h.index and pd.notna(h.loc[half, "gain"])
         ]  # fmt: skip
         if not halves:
             continue
         d = h.loc["hard_minus_easy"] if "hard_minus_easy" in h.index else None
         diff = None if d is None or pd.isna(d["gain"]) else {
-            k: _value(d[c]) for k, c in (("gain", "gain"), ("low", "gain_low"), ("high", "gain_high"))
+            k: value(d[c]) for k, c in (("gain", "gain"), ("low", "gain_low"), ("high", "gain_high"))
         }  # fmt: skip
         policies.append({"label": labels[pol], "halves": halves, "diff": diff})
     return {"placed": True, "policies": policies, "start": labels.get(start, policy_label(start)),
-            "alpha": alpha, "median": _value(easy_hard["median_met_rate"].iloc[0]),
+            "alpha": alpha, "median": value(easy_hard["median_met_rate"].iloc[0]),
             "preamble": preamble}  # fmt: skip
 
 

@@ -12,11 +12,19 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+import numpy as np
 
 from rlxf_utils.config import PROJECT_ROOT
 from rlxf_utils.markdown import is_present, literal
 from rlxf_utils.names import display_label, outside_fences
 from rlxf_utils.stats import VERDICTS, bound_verdict, ci_sign, level
+
+
+def value(x: Any) -> Any:
+    """A table's number for a template's context: a Python number, None where missing."""
+    if isinstance(x, np.generic):
+        x = x.item()
+    return x if is_present(x) else None
 
 
 def listing(items: Sequence[str]) -> str:
