@@ -20,7 +20,7 @@ interleaved (A, B, C, A, B, C...) so drifting cores hit all alike; the load aver
 after is in the JSON (other engineers may share these cores).
 
     .venv/bin/python bench/generation.py [--params params/default.yaml] [--run-dir runs/default]
-        [--prompts 32] [--k 4] [--rollouts 4] [--reps 2] [--compile]
+        [--prompts 64] [--k evaluation.samples_per_prompt] [--rollouts 4] [--reps 2] [--compile]
         [--out bench/results/generation.json]
     .venv/bin/python bench/generation.py --plot-only     # redraw generation.png from the JSON
 """
@@ -210,8 +210,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--params", default="params/default.yaml")
     ap.add_argument("--run-dir", default=None, help="a run dir: its data/ and sft adapter")
-    ap.add_argument("--prompts", type=int, default=32)
-    ap.add_argument("--k", type=int, default=4, help="samples per prompt")
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--k", type=int, default=None,
+                    help="samples per prompt (default: evaluation.samples_per_prompt)")  # fmt: skip
     ap.add_argument("--rollouts", type=int, default=4, help="RL rollout batches per repetition")
     ap.add_argument("--reps", type=int, default=2, help="timed repetitions of each variant")
     ap.add_argument("--compile", action="store_true", help="also the torch.compile'd step")
@@ -233,6 +234,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     load_start = os.getloadavg()
     cfg = load_config(args.params)
+    args.k = args.k or cfg.evaluation.samples_per_prompt
     tmp = None
     if args.run_dir and (Path(args.run_dir) / "data").is_dir():
         run = RunDir(args.run_dir)

@@ -12,6 +12,7 @@ import torch
 from test_ppo import small_cfg, tiny_policy, toy_contexts, toy_reward
 from tiny import tiny_llama, word_tokenizer
 
+from rlxf_utils.models import decode
 from rlxf_utils.models.decode import draw, merged_lora, row_uniforms, sample_compact
 from rlxf_utils.models.generation import autocast, encode_prompts, generate
 from rlxf_utils.rl.core import logprobs_from_logits
@@ -84,6 +85,8 @@ def test_a_rows_tokens_do_not_depend_on_its_batch():
                progress=False)  # fmt: skip
     runs = [generate(model, tok, prompts, 3, batch_size=b, **gkw) for b in (1, 4, 18)]
     assert all(r["response_ids"].tolist() == runs[0]["response_ids"].tolist() for r in runs)
+    # batched by prompt length (1 to 3 words), returned in (prompt, sample) order
+    assert runs[1][["prompt_id", "sample_id"]].values.tolist() == [[i, j] for i in range(6) for j in range(3)]  # fmt: skip
     other = generate(model, tok, prompts, 3, batch_size=4, **{**gkw, "seed": 4})
     assert other["response_ids"].tolist() != runs[0]["response_ids"].tolist()
 
@@ -228,6 +231,36 @@ def test_ppos_ratio_is_to_the_policy_that_sampled(tmp_path, monkeypatch, precisi
     mask = pp.mask.bool()
     diff = (sampled.logprobs[mask] - pp.old_logprobs[mask]).abs().max().item()
     assert diff < (1e-4 if dtype is None else 0.1), diff
+
+
+def test_a_prompts_samples_share_one_prefill_and_draw_what_separate_prefills_draw():
+    """Rows repeating a prompt (a prompt's k samples, an RL group) prefill it once; each row then
+    draws what it draws with a prefill of its own (fp32: the same tokens, log-probs within
+    rounding). The first forward sees the distinct prompts only: the sharing has teeth."""
+    model, tok = _random_lora_policy(seed=3)
+    prompts = ["w1 w2 w3", "w4", "w1 w2 w3", "w5 w6", "w4", "w1 w2 w3"]  # 3 distinct
+    enc = encode_prompts(tok, prompts, return_tensors="pt", padding=True)
+    kw = dict(max_new_tokens=10, temperature=1.0, top_p=1.0, stop_ids=[tok.eos_token_id],
+              pad_id=tok.pad_token_id, seed=11)  # fmt: skip
+    seen: list[int] = []
+
+    def step(**inputs):
+        seen.append(inputs["input_ids"].shape[0])
+        return model(**inputs)
+
+    shared = sample_compact(model, enc["input_ids"], enc["attention_mask"], step=step, **kw)
+    assert seen[0] == 3 and seen[1] <= 6
+    for r in range(6):  # each row alone: nothing to share
+        one = sample_compact(model, enc["input_ids"][r : r + 1], enc["attention_mask"][r : r + 1],
+                             rows=[r], **kw)  # fmt: skip
+        n = one.ids.shape[1]
+        assert shared.ids[r, :n].tolist() == one.ids[0].tolist()
+        torch.testing.assert_close(shared.logprobs[r, :n], one.logprobs[0], atol=1e-5, rtol=0)
+    assert len({tuple(shared.ids[r].tolist()) for r in (0, 2, 5)}) > 1  # own streams per row
+    assert decode.shared_prefill(enc["input_ids"][:2], enc["attention_mask"][:2], None) is None
+    names = ["a", "b", "a", "a", "b", "b"]  # rows 0, 2 and 5 share a prompt, not an adapter
+    first, inverse = decode.shared_prefill(enc["input_ids"], enc["attention_mask"], names)
+    assert first.tolist() == [0, 1, 3, 5] and inverse.tolist() == [0, 1, 0, 2, 1, 3]
 
 
 def test_a_forced_prefix_is_continued_token_for_token():

@@ -159,6 +159,10 @@ def sample_compact(
     for token). `adapter_names`: peft's mixed-adapter batch, one adapter per row. `step`: the
     forward to call (default `model`; a compiled one). Runs under the caller's autocast, with
     the KV cache and frozen weights in the autocast dtype as `generate` does.
+
+    Rows with the same prompt (and adapter), such as a prompt's k samples or an RL group's
+    responses, share one prefill: the prompt's keys, values and next-token logits are computed
+    once and copied to each of its rows (`shared_prefill`).
     """
     device, B = input_ids.device, input_ids.shape[0]
     rows = list(range(B)) if rows is None else list(rows)
@@ -176,14 +180,23 @@ def sample_compact(
     pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)  # as generate: real tokens from 0
     ids, n = input_ids, 0
     forward = step or model
+    share = shared_prefill(input_ids, attention_mask, names)
     with frozen_weights_in_autocast_dtype(model):
         for t in range(max_new_tokens):
-            extra = {"adapter_names": names} if names else {}
+            prefill = t == 0 and share is not None  # the distinct prompts only
+            sel = share[0] if prefill else slice(None)
+            extra = {}
+            if names:
+                extra["adapter_names"] = [names[i] for i in share[0].tolist()] if prefill else names
             out = forward(
-                input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                use_cache=True, logits_to_keep=1, **extra,
+                input_ids=ids[sel], attention_mask=mask[sel], position_ids=pos[sel],
+                past_key_values=cache, use_cache=True, logits_to_keep=1, **extra,
             )  # fmt: skip
-            scores = out.logits[:, -1].float()
+            logits = out.logits[:, -1]
+            if prefill:  # each row takes its prompt's keys, values and logits
+                logits = logits[share[1]]
+                cache.batch_select_indices(share[1])
+            scores = logits.float()
             for w in warpers:
                 scores = w(ids, scores)
             tok = draw(scores, u[alive, t])
@@ -206,6 +219,29 @@ def sample_compact(
             mask = torch.cat([mask, mask.new_ones(len(alive), 1)], 1)
             pos = pos[:, -1:] + 1
     return Sampled(ids_out[:, :n], lp_out[:, :n])
+
+
+def shared_prefill(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, adapter_names: Sequence[str] | None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(first row of each distinct prompt, each row's index into them) when some rows repeat a
+    prompt (same padded ids and mask, same adapter), else None: the prefill runs on the distinct
+    prompts only and each row copies its prompt's cache and logits (one prefill for a prompt's
+    k samples)."""
+    keys: dict[tuple, int] = {}
+    first: list[int] = []
+    inverse: list[int] = []
+    ids, mask = input_ids.tolist(), attention_mask.tolist()
+    for i in range(len(ids)):
+        key = (tuple(ids[i]), tuple(mask[i]), adapter_names[i] if adapter_names else None)
+        if key not in keys:
+            keys[key] = len(first)
+            first.append(i)
+        inverse.append(keys[key])
+    if len(first) == len(ids):
+        return None
+    device = input_ids.device
+    return torch.tensor(first, device=device), torch.tensor(inverse, device=device)
 
 
 def compiled_forward(model: Any) -> Any:

@@ -173,7 +173,9 @@ def generate(
     `sampler` (`policy.sampler`): 'compact' (`models.decode.sample_compact`: finished rows leave
     the batch; response (i, j) draws from its own stream seeded by (seed, i x k + j), so it is
     the same whatever the batch size) or 'transformers' (`model.generate`, one torch seed per
-    call: the path before issue 44, kept for the bench). `merge` (`policy.merge_lora`): a LoRA
+    call: the path before issue 44, kept for the bench). The compact sampler batches prompts
+    of like length together (less left padding) and prefills a prompt once for its k samples
+    (`decode.shared_prefill`); rows come back in (prompt, sample) order. `merge` (`policy.merge_lora`): a LoRA
     policy samples from its adapter merged into a copy of the weights (`decode.merged_lora`; not
     with `adapter_names`). `compile_step` (`policy.compile_decode`): the compact loop's forward
     through `torch.compile`.
@@ -194,10 +196,12 @@ def generate(
     rows: list[dict[str, Any]] = []
     merged = decode.merged_lora(model) if merge and not adapter_names else _unmerged(model)
     step = decode.compiled_forward(model) if compile_step and sampler == "compact" else None
+    lengths = [len(i) for i in encode_prompts(tokenizer, list(prompts))["input_ids"]] if prompts else []  # fmt: skip
+    if sampler == "compact":  # prompts of like length share a batch: less left padding to
+        items.sort(key=lambda item: lengths[item[0]])  # prefill; a row's draws stay its own
     with merged:
         if batch_size == "auto":  # sized once the merged weights take their memory
-            ids = encode_prompts(tokenizer, list(prompts))["input_ids"] if prompts else []
-            longest = max((len(i) for i in ids), default=1)
+            longest = max(lengths, default=1)
             batch_size = decode.auto_batch_size(model, longest, max_new_tokens, n_items=len(items))
         elif not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size={batch_size!r}; expected a positive int or 'auto'")
@@ -223,6 +227,7 @@ def generate(
                     **({"adapter_names": names} if names else {}),
                 )[:, enc["input_ids"].shape[1] :]  # fmt: skip
             rows += _response_rows(enc, out, batch, stop, tokenizer, postprocess)
+    rows.sort(key=lambda r: (r["prompt_id"], r["sample_id"]))
     return pd.DataFrame(rows)
 
 
