@@ -1,5 +1,10 @@
 """The alignment-evaluation stage (notebook 04): every policy on the held-out contexts, measured.
 
+`load_inputs` loads the models, contexts and policies once; each family of `EVAL_FAMILIES` then
+runs in turn, a small function of the `Evaluation` so far (the samples first, then the measures
+on them) that returns its tables, its entries of `eval/summary.json`, its figures and files
+(`Measured`) and what later families read; the stage writes them all at the end.
+
 Policies: `base` (the zero-shot model), the supervised `sft` and `sft_met` (LoRA adapters on the
 base), each RL algorithm (`ppo`, `grpo`, `rloo`: LoRA adapters on the start policy, i.e. the base
 with `sft` merged in), `best_of_n` (N start-policy candidates per prompt, drawn independently of
@@ -37,8 +42,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -125,21 +130,63 @@ class PhaseTimer:
 
 
 @dataclass
-class EvalStage:
-    """What notebook 04 computes (also written to the run dir)."""
+class EvalInputs:
+    """What every family reads: the settings, the run dir, the held-out contexts and their
+    prompts, the reward and audit models (and the reward heads), the labelled data and the
+    policies (two sets of weights, adapters switched on them)."""
 
-    samples: pd.DataFrame
-    summary: pd.DataFrame
-    paired: pd.DataFrame
-    frontier: pd.DataFrame
-    table3: pd.DataFrame
+    cfg: Any
+    run: RunDir
+    progress: bool
+    #: wall seconds per phase: `evaluation.design` reads the sampling phases' (`PER_*_PHASES`)
+    timer: PhaseTimer
+    contexts: list[dict[str, Any]]
+    reward_model: Any
+    audit_model: Any
+    #: the reward heads of `reward_sd` (`reward.uncertainty`); None: no reward_sd
+    heads: Any
+    labelled: pd.DataFrame
+    #: `data/holdout.json`: the rows no policy trained on (`policy`) and the references' rows
+    holdout: dict[str, Any]
     algos: list[str]
-    tables: dict[str, pd.DataFrame]
+    pset: PolicySet
+    prompts: list[str]
+
+    @property
+    def ec(self) -> Any:
+        return self.cfg.evaluation
+
+    @property
+    def seed(self) -> int:
+        return self.cfg.run.seed
+
+    @property
+    def start(self) -> str:
+        return self.pset.start_name
+
+    @property
+    def curve_ns(self) -> list[int]:
+        """The best-of-N curve's N, each once, in order."""
+        return sorted(set(self.ec.best_of_n_curve))
+
+    @property
+    def country(self) -> pd.Series:
+        """Each prompt's country: the bootstrap's cluster."""
+        return pd.Series([c["country"] for c in self.contexts])
+
+    def sampling(self, name: str) -> dict[str, Any]:
+        """The sampling settings of policy `name`: RL's policies sample with their own seed."""
+        return sampling_kwargs(self.cfg, self.progress, trained=name in self.algos)
+
+    def score(self, df: pd.DataFrame) -> pd.DataFrame:
+        """`df` with `reward`, `reward_sd` and `audit_reward` (`sampling.add_rewards`, in place)."""
+        return add_rewards(df, self.contexts, self.reward_model, self.audit_model,
+                           self.cfg.rl.reward_batch_size, self.heads)  # fmt: skip
 
 
-def run_evaluation_stage(cfg: Any, run: RunDir, progress: bool = True) -> EvalStage:
-    """Generate, score, ground and compare every policy on the held-out contexts; write it all."""
-
+def load_inputs(cfg: Any, run: RunDir, progress: bool = True) -> EvalInputs:
+    """Load the models, contexts and policies once (phase `loading`); ArtifactMissing names what
+    an earlier notebook should have written."""
     ec, rl = cfg.evaluation, cfg.rl
     if ec.num_threads is not None:
         torch.set_num_threads(ec.num_threads)
@@ -157,269 +204,445 @@ def run_evaluation_stage(cfg: Any, run: RunDir, progress: bool = True) -> EvalSt
         labelled = labelled.reset_index(drop=True)
         algos = list(rl.algorithm)
         pset = PolicySet(cfg, run, algos)
-    start = pset.start_name
     prompts = build_prompts(contexts, pset.tok, rl.prompt_template, cfg.policy)
-    gen_kw = sampling_kwargs(cfg, progress)
-    trained_kw = sampling_kwargs(cfg, progress, trained=True)  # RL's policies: their own seed
-    k = ec.samples_per_prompt
+    return EvalInputs(cfg, run, progress, timer, contexts, reward_model, audit_model, heads,
+                      labelled, load_holdout(run), algos, pset, prompts)  # fmt: skip
+
+
+@dataclass
+class Measured:
+    """What one family produced: tables `eval_*`, entries of `eval/summary.json`, figures
+    (matplotlib figures, written by the stage), files under `eval/` (`.parquet`, `.jsonl`) and
+    what later families read (`products`: fields of `Evaluation`)."""
+
+    tables: dict[str, pd.DataFrame] = field(default_factory=dict)
+    entries: dict[str, Any] = field(default_factory=dict)
+    figures: dict[str, Any] = field(default_factory=dict)
+    files: dict[str, pd.DataFrame] = field(default_factory=dict)
+    products: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Evaluation:
+    """The inputs and what the families have produced so far (each family's `products` and
+    tables, filled in the order of `EVAL_FAMILIES`)."""
+
+    inp: EvalInputs
+    #: every response (the compared policies', best-of-N's, history's), one row each
+    samples: pd.DataFrame = field(default_factory=pd.DataFrame)
+    #: best-of-N's candidates: N start-policy responses per prompt, apart from its own samples
+    pool: pd.DataFrame = field(default_factory=pd.DataFrame)
+    #: the policies in the order of the tables and figures
+    order: list[str] = field(default_factory=list)
+    #: MiniLM sentence embeddings (grounding, and ILHF's similarity)
+    encoder: Any = None
+    #: one row per policy (`tables.summary_table`), and every paired comparison
+    summary: pd.DataFrame = field(default_factory=pd.DataFrame)
+    paired: pd.DataFrame = field(default_factory=pd.DataFrame)
+    #: the vs-start family: its size sets the simultaneous level
+    family: list[str] = field(default_factory=list)
+    #: each RL policy's last training step, and its snapshots' samples
+    trained: dict[str, int] = field(default_factory=dict)
+    snap_samples: pd.DataFrame = field(default_factory=pd.DataFrame)
+    frontier: pd.DataFrame = field(default_factory=pd.DataFrame)
+    #: every held-out description's NLL under every policy
+    ppl_rows: pd.DataFrame = field(default_factory=pd.DataFrame)
+    tables: dict[str, pd.DataFrame] = field(default_factory=dict)
+
+    @property
+    def alpha_family(self) -> float:
+        """The vs-start family's simultaneous level: the gains' bars and curve, as in the tables."""
+        return family_alpha(self.inp.ec.alpha, len(self.family))
+
+    def take(self, measured: Measured) -> None:
+        """Keep what a family produced: its products (fields above) and its tables."""
+        products = {f.name for f in fields(self)} - {"inp", "tables"}
+        for name, value in measured.products.items():
+            if name not in products:
+                raise AttributeError(f"{name!r} is not one of the evaluation's {sorted(products)}")
+            setattr(self, name, value)
+        self.tables |= measured.tables
+
+
+# -- the families, in the order they run (later ones read what earlier ones produced) ----------
+
+
+def sample_policies(ev: Evaluation) -> Measured:
+    """Samples of the compared policies: k responses per prompt from each (same prompts and
+    settings), their log-probs under it, the start policy and the base; then their rewards."""
+    inp, ec = ev.inp, ev.inp.ec
     frames = []
-    for name in pset.names:
-        with timer(f"samples {name}"):
-            kw = trained_kw if name in algos else gen_kw
-            frames.append(sample_tuned(pset, name, prompts, k, kw, ec.logprob_batch_size,
+    for name in inp.pset.names:
+        with inp.timer(f"samples {name}"):
+            frames.append(sample_tuned(inp.pset, name, inp.prompts, ec.samples_per_prompt,
+                                       inp.sampling(name), ec.logprob_batch_size,
                                        desc=name).assign(policy=name))  # fmt: skip
-    with timer("rewards"):
-        gen = add_rewards(pd.concat(frames, ignore_index=True), contexts, reward_model,
-                          audit_model, rl.reward_batch_size, heads)  # fmt: skip
-    # Best-of-N candidates: a separate draw from the start policy (another seed), so best-of-N is
-    # never compared with the very samples it was selected from.
-    with timer("best-of-N pool"):
+    with inp.timer("rewards"):
+        gen = inp.score(pd.concat(frames, ignore_index=True))
+    return Measured(products={"samples": gen})
+
+
+def sample_best_of_n(ev: Evaluation) -> Measured:
+    """Best-of-N: its candidates are a separate draw from the start policy (another seed), so it
+    is never compared with the very samples it was selected from; the reward keeps one."""
+    inp, ec = ev.inp, ev.inp.ec
+    with inp.timer("best-of-N pool"):
         n_pool = max(max(ec.best_of_n_curve), ec.best_of_n)
-        pool = best_of_n_pool(pset, prompts, n_pool, gen_kw, ec.logprob_batch_size)
-        add_rewards(pool, contexts, reward_model, audit_model, rl.reward_batch_size, heads)
+        pool = best_of_n_pool(inp.pset, inp.prompts, n_pool, inp.sampling(inp.start),
+                              ec.logprob_batch_size)  # fmt: skip
+        inp.score(pool)
         best = best_of_n_frame(pool[pool["sample_id"] < ec.best_of_n], "reward", ("prompt_id",))
         best = best.assign(policy="best_of_n", sample_id=0)
-        add_judge_logprobs(pset, best, start, ec.logprob_batch_size)
+        add_judge_logprobs(inp.pset, best, inp.start, ec.logprob_batch_size)
     best["logp_policy"] = np.nan  # best-of-N has no tractable density; its KL is bounded above
-    gen = pd.concat([gen, best], ignore_index=True)
+    samples = pd.concat([ev.samples, best], ignore_index=True)
+    return Measured(products={"samples": samples, "pool": pool})
 
-    with timer("history references"):
-        holdout = load_holdout(run)
-        hist = history_references(labelled, contexts, k, cfg.run.seed, holdout["reference"])
-        with pset.use("base") as m:
+
+def sample_history(ev: Evaluation) -> Measured:
+    """The references drawn from history for the same contexts (real MET and Non-MET
+    descriptions, the random policy), their log-probs under the base and their rewards."""
+    inp, ec = ev.inp, ev.inp.ec
+    with inp.timer("history references"):
+        hist = history_references(inp.labelled, inp.contexts, ec.samples_per_prompt, inp.seed,
+                                  inp.holdout["reference"])  # fmt: skip
+        with inp.pset.use("base") as m:
             lp, n_tok = sequence_logprobs(
-                m, pset.tok, [prompts[i] for i in hist["prompt_id"]], hist["response"].tolist(),
-                batch_size=ec.logprob_batch_size, append_eos=True, padding_side="left",
+                m, inp.pset.tok, [inp.prompts[i] for i in hist["prompt_id"]],
+                hist["response"].tolist(), batch_size=ec.logprob_batch_size, append_eos=True,
+                padding_side="left",
             )  # fmt: skip
         hist["logp_base"], hist["n_tokens"] = lp, n_tok
         hist["logp_policy"] = hist["logp_ref"] = np.nan
-        add_rewards(hist, contexts, reward_model, audit_model, rl.reward_batch_size, heads)
+        inp.score(hist)
+    return Measured(products={"samples": pd.concat([ev.samples, hist], ignore_index=True)})
 
-    samples = pd.concat([gen, hist], ignore_index=True)
-    with timer("grounding"):
-        encoder = minilm_encoder(str(pset.base.device))  # grounding, and ILHF's similarity
+
+def ground_samples(ev: Evaluation) -> Measured:
+    """Grounding: every response's nearest MONA conditions no policy trained on (their MET rate,
+    similarity, novelty, area); then each row's context, in the tables' policy order. Writes
+    `eval/samples.*`, the responses shown and the reward distributions."""
+    inp, samples = ev.inp, ev.samples.copy()
+    with inp.timer("grounding"):
+        encoder = minilm_encoder(str(inp.pset.base.device))  # grounding, and ILHF's similarity
         # no row any policy trained on (the policy pool) grounds a response
-        rows, position = grounding_rows(labelled, holdout["policy"])
+        rows, position = grounding_rows(inp.labelled, inp.holdout["policy"])
         index = HistoricalIndex.load_or_build(
-            run.path("eval/historical_index"), rows["description"].astype(str).tolist(),
+            inp.run.path("eval/historical_index"), rows["description"].astype(str).tolist(),
             rows["y"].to_numpy(), rows["econ_area"].astype(str).tolist(), encoder,
         )  # fmt: skip
         samples[["grounded_met_rate", "max_sim", "novelty", "top_area"]] = ground_frame(
             index, samples.assign(hist_idx=index_positions(samples["hist_idx"], position)),
-            ec.grounding_k, rows["arrangement_id"].astype(str).tolist(),
+            inp.ec.grounding_k, rows["arrangement_id"].astype(str).tolist(),
         )  # fmt: skip
     for key in (*CONTEXT_FIELDS, "econ_area"):
-        samples[key] = [contexts[i][key] for i in samples["prompt_id"]]
-    order = [*pset.names, "best_of_n", *HISTORY_POLICIES]
+        samples[key] = [inp.contexts[i][key] for i in samples["prompt_id"]]
+    order = [*inp.pset.names, "best_of_n", *HISTORY_POLICIES]
     samples["policy"] = pd.Categorical(samples["policy"], categories=order, ordered=True)
     samples = samples.sort_values(["policy", "prompt_id", "sample_id"]).reset_index(drop=True)
     samples["policy"] = samples["policy"].astype(str)
-
-    with timer("statistics"):
-        summary, paired = summary_table(samples, pset.names, start, ec.best_of_n, ec.n_boot,
-                                        ec.alpha, cfg.run.seed, ec.equivalence_margin, ec.power)  # fmt: skip
-        family = vs_start_family(samples["policy"].unique(), start)  # its size sets the level
-        country = pd.Series([c["country"] for c in contexts])  # the bootstrap's cluster, per prompt
-        per_prompt_bon, curve = best_of_n_curve(pool, sorted(set(ec.best_of_n_curve)), ec.n_boot,
-                                                ec.alpha, cfg.run.seed, country)  # fmt: skip
-        vs_bon = versus_best_of_n(
-            samples, per_prompt_bon, summary, algos, ec.n_boot, ec.alpha, cfg.run.seed, country
-        )
-    # each final policy at its own last step: ILHF from history counts its steps in pairs
-    trained = {a: trained_steps(run, a, rl.steps) for a in algos}
-    final = []
-    for name in pset.names:
-        r = summary[summary.policy == name].iloc[0]
-        final.append({"algo": name, "step": trained.get(name, 0), "reward": r["ave_r"],
-                      "reward_low": r["ave_r_low"], "reward_high": r["ave_r_high"], "audit_reward": r["audit"],
-                      "kl": r["kl"], "kl_se": r["kl_se"],
-                      "source": "final" if name in algos or name == start else "reference"})  # fmt: skip
-    with timer("frontier snapshots"):
-        snaps, snap_samples = (
-            frontier_points(pset, run, prompts, contexts, reward_model, audit_model, cfg, progress)
-            if ec.frontier
-            else (pd.DataFrame(), pd.DataFrame())
-        )
-    frontier = pd.concat([pd.DataFrame(final), snaps, curve], ignore_index=True)
-    with timer("over-optimisation curve"):
-        # at the vs-start family's level: a final policy's point is the number of the tables
-        over = overoptimisation_points(samples, snap_samples, pool, summary, algos, start,
-                                       sorted(set(ec.best_of_n_curve)), trained, country,
-                                       ec.n_boot, family_alpha(ec.alpha, len(family)), cfg.run.seed)  # fmt: skip
-        over_fits = overoptimisation_fits(over)
-        over_meta = overoptimisation_meta(over, pool)
-    with timer("held-out perplexity"):
-        held = heldout_rows(
-            labelled, run.read_parquet("data/contexts.parquet"), ec.heldout_rows, cfg.run.seed
-        )
-        ppl, ppl_rows = heldout_perplexity(
-            pset, held, rl.prompt_template, cfg, ec.logprob_batch_size
-        )
-    with timer("table 3"):
-        t3 = table3(pset, contexts, labelled, reward_model, audit_model, cfg)
-    with timer("RLGF and ILHF tables"):
-        extra = {
-            "eval_vs_best_of_n": vs_bon,
-            "eval_heldout_perplexity": ppl,
-            "eval_heldout_nll_rows": ppl_rows,
-            "eval_best_of_n_curve": curve,
-            "eval_overoptimisation": over,
-            "eval_overoptimisation_fit": over_fits,
-            # the RLGF paper's table, easy vs hard prompts and the guidance verdicts (rlgf_eval)
-            **rlgf_tables(
-                samples, summary, ppl, labelled, algos, start, ec.n_boot, ec.alpha, cfg.run.seed
-            ),  # fmt: skip
-            # the ILHF paper's questions: variety and closeness to the population, at what reward
-            **ilhf_tables(
-                samples, summary, ppl_rows, algos, start, ec.n_boot, ec.alpha, cfg.run.seed, encoder
-            ),  # fmt: skip
-        }
-    # the attainable ceiling: the contexts' own MET over Non-MET descriptions, under each judge
-    extra["eval_ceiling"] = ceiling_table(
-        history_contrast(samples, ec.n_boot, ec.alpha, cfg.run.seed), ec.alpha
-    )
-    with timer("offline methods against RL"):
-        extra["eval_methods"] = methods_table(summary, vs_bon, algos, ec.best_of_n)
-        extra["eval_rl_vs_offline"] = rl_vs_offline(samples, algos, ec.n_boot, ec.alpha, cfg.run.seed)  # fmt: skip
-    with timer("variance components and design"):
-        components = variance_table(samples, family, start)
-        available = load_contexts(run.root, "eval", None, cfg.run.seed)
-        extra["eval_variance_components"] = components
-        extra["eval_design"] = design_table(
-            components, pd.Series([c["country"] for c in available]).value_counts().to_dict(),
-            country.value_counts().to_dict(), k, timer.seconds, len(family), ec.alpha, ec.power,
-            ec.target_mde,
-        )  # fmt: skip
-    with timer("writing"):
-        stage = _write(run, samples, summary, paired, frontier, t3, algos, order, cfg, start,
-                       extra, timer.seconds, over_meta)  # fmt: skip
-    return stage
+    return Measured(products={"samples": samples, "order": order, "encoder": encoder})
 
 
-def _write(run: RunDir, samples: pd.DataFrame, summary: pd.DataFrame, paired: pd.DataFrame,
-           frontier: pd.DataFrame, t3: pd.DataFrame, algos: list[str], order: list[str], cfg: Any,
-           start: str, extra: dict[str, pd.DataFrame],
-           seconds: Mapping[str, float] | None = None,
-           overoptimisation: Mapping[str, Any] | None = None) -> EvalStage:  # fmt: skip
-    import matplotlib.pyplot as plt
-
-    keep = [c for c in samples.columns if c not in ("prompt_ids", "response_ids")]
-    run.write_parquet("eval/samples.parquet", samples[keep])
-    run.write_jsonl("eval/samples.jsonl", samples[keep].to_dict("records"))
-    run.write_parquet("eval/frontier.parquet", frontier)
-    run.write_parquet("eval/heldout_perplexity.parquet", extra["eval_heldout_perplexity"])
-    run.write_parquet("eval/variance_components.parquet", extra["eval_variance_components"])
-    run.write_parquet("eval/heldout_nll_rows.parquet", extra.pop("eval_heldout_nll_rows"))
+def record_samples(ev: Evaluation) -> Measured:
+    """The samples as written (`eval/samples.*`, token ids left out), the responses shown, the
+    reward distributions and the summary's counts."""
+    samples, ec = ev.samples, ev.inp.ec
+    keep = samples[[c for c in samples.columns if c not in ("prompt_ids", "response_ids")]]
     shown = (
         samples[samples["sample_id"] == 0]
         .groupby("policy", sort=False)
-        .head(cfg.evaluation.show_samples)[["policy", "country", "econ_descriptor", "response", "reward", "audit_reward"]]
+        .head(ec.show_samples)[["policy", "country", "econ_descriptor", "response", "reward", "audit_reward"]]
     )  # fmt: skip
-    hacking = summary.loc[
-        summary["policy"].isin([*algos, "sft_met", "best_of_n"]),
-        ["policy", "gain", "gain_low", "gain_high", "audit_gain", "audit_gain_low",
-         "audit_gain_high", "gap", "gap_low", "gap_high", "gap_p_family"],
-    ].copy()  # fmt: skip
-    tables = {
-        "eval_summary": summary,
-        "eval_paired": paired[
-            [
-                "measure",
-                "policy",
-                "vs",
-                "n",
-                "n_clusters",
-                "mean_a",
-                "mean_b",
-                "mean_diff",
-                "ci_low",
-                "ci_high",
-                "ci_level",
-                "method",
-                "se",
-                "df",
-                "p_value",
-                "p_family",
-                "mde",
-                "bound",
-                "verdict",
-                "margin",
-                "cohens_dz",
-                "rank_biserial",
-                "p_ttest",
-                "p_ttest_holm",
-                "p_wilcoxon",
-                "p_wilcoxon_holm",
-            ]
-        ],  # fmt: skip
-        "eval_hacking_gap": hacking,
-        "eval_frontier": frontier,
-        "eval_table3": t3,
-        "eval_samples_shown": shown,
-        **extra,
+    entries = {
+        "policies": [p for p in ev.order if p in set(samples["policy"])],
+        "n_prompts": int(samples.loc[samples.policy == "base", "prompt_id"].nunique()),
+        "samples_per_prompt": ec.samples_per_prompt,
+        "reference_rows": int(samples["hist_idx"].notna().sum()),
     }
+    return Measured(
+        {"eval_samples_shown": shown},
+        entries,
+        {"eval_reward_distributions": plot_distributions(samples, ev.order)},
+        {"eval/samples.parquet": keep, "eval/samples.jsonl": keep},
+    )
+
+
+#: `eval_paired`'s columns, in order.
+PAIRED_COLUMNS = [
+    "measure", "policy", "vs", "n", "n_clusters", "mean_a", "mean_b", "mean_diff", "ci_low",
+    "ci_high", "ci_level", "method", "se", "df", "p_value", "p_family", "mde", "bound", "verdict",
+    "margin", "cohens_dz", "rank_biserial", "p_ttest", "p_ttest_holm", "p_wilcoxon",
+    "p_wilcoxon_holm",
+]  # fmt: skip
+#: `eval_hacking_gap`'s columns: each gain under the reward and the audit, and their gap.
+GAP_COLUMNS = [
+    "policy", "gain", "gain_low", "gain_high", "audit_gain", "audit_gain_low", "audit_gain_high",
+    "gap", "gap_low", "gap_high", "gap_p_family",
+]  # fmt: skip
+
+
+def compare_policies(ev: Evaluation) -> Measured:
+    """Every policy's measures, and the paired tests of each against the start policy (the
+    vs-start family, Holm-corrected; clusters: countries): `eval_summary`, `eval_paired`, the
+    hacking gap, the gains, the reward's uncertainty and the grounding."""
+    inp, ec, samples = ev.inp, ev.inp.ec, ev.samples
+    start, alpha = inp.start, ec.alpha
+    with inp.timer("statistics"):
+        summary, paired = summary_table(samples, inp.pset.names, start, ec.best_of_n, ec.n_boot,
+                                        alpha, inp.seed, ec.equivalence_margin, ec.power)  # fmt: skip
+        family = vs_start_family(samples["policy"].unique(), start)  # its size sets the level
+    hacking = summary.loc[
+        summary["policy"].isin([*inp.algos, "sft_met", "best_of_n"]), GAP_COLUMNS
+    ].copy()
+    tables = {"eval_summary": summary, "eval_paired": paired[PAIRED_COLUMNS],
+              "eval_hacking_gap": hacking}  # fmt: skip
+    figures = {
+        "eval_gains": plot_gains(summary, start, family_alpha(alpha, len(family))),
+        "eval_reward_uncertainty": plot_reward_uncertainty(summary, start, alpha),
+        "eval_grounding": plot_grounding(summary),
+    }
+    entries = {
+        "families": {"vs_start": family},  # the report lists each family once, in its methods
+        "interval": "cluster t (CR2, Bell-McCaffrey df) over countries",
+        "cluster": "country",
+        "summary": summary.set_index("policy").reset_index().to_dict("records"),
+    }
+    products = {"summary": summary, "paired": paired, "family": family}
+    return Measured(tables, entries, figures, products=products)
+
+
+def best_of_n_curve_family(ev: Evaluation) -> Measured:
+    """The best-of-N curve (expected best-of-N reward for each N, KL at its bound) and each RL
+    policy against it at its own KL."""
+    inp, ec = ev.inp, ev.inp.ec
+    with inp.timer("statistics"):
+        per_prompt, curve = best_of_n_curve(ev.pool, inp.curve_ns, ec.n_boot, ec.alpha, inp.seed,
+                                            inp.country)  # fmt: skip
+        vs_bon = versus_best_of_n(ev.samples, per_prompt, ev.summary, inp.algos, ec.n_boot,
+                                  ec.alpha, inp.seed, inp.country)  # fmt: skip
+    tables = {"eval_vs_best_of_n": vs_bon, "eval_best_of_n_curve": curve}
+    entries = {"best_of_n_curve": inp.curve_ns, "vs_best_of_n": vs_bon.to_dict("records"),
+               "best_of_n": ec.best_of_n}  # fmt: skip
+    return Measured(tables, entries)
+
+
+def frontier_family(ev: Evaluation) -> Measured:
+    """Reward against KL: every final policy at its own last step, every RL snapshot
+    (`evaluation.frontier`) and the best-of-N curve."""
+    inp, ec, rl = ev.inp, ev.inp.ec, ev.inp.cfg.rl
+    # each final policy at its own last step: ILHF from history counts its steps in pairs
+    trained = {a: trained_steps(inp.run, a, rl.steps) for a in inp.algos}
+    final = []
+    for name in inp.pset.names:
+        r = ev.summary[ev.summary.policy == name].iloc[0]
+        final.append({"algo": name, "step": trained.get(name, 0), "reward": r["ave_r"],
+                      "reward_low": r["ave_r_low"], "reward_high": r["ave_r_high"], "audit_reward": r["audit"],
+                      "kl": r["kl"], "kl_se": r["kl_se"],
+                      "source": "final" if name in inp.algos or name == inp.start else "reference"})  # fmt: skip
+    with inp.timer("frontier snapshots"):
+        snaps, snap_samples = pd.DataFrame(), pd.DataFrame()
+        if ec.frontier:
+            snaps, snap_samples = frontier_points(inp.pset, inp.run, inp.prompts, inp.contexts,
+                                                  inp.reward_model, inp.audit_model, inp.cfg,
+                                                  inp.progress)  # fmt: skip
+    curve = ev.tables["eval_best_of_n_curve"]
+    frontier = pd.concat([pd.DataFrame(final), snaps, curve], ignore_index=True)
+    return Measured(
+        {"eval_frontier": frontier},
+        figures={"eval_frontier": plot_frontier(frontier, inp.start, ec.alpha)},
+        files={"eval/frontier.parquet": frontier},
+        products={"trained": trained, "snap_samples": snap_samples, "frontier": frontier},
+    )
+
+
+def overoptimisation_family(ev: Evaluation) -> Measured:
+    """Over-optimisation: the audit's gain against the reward's along every RL run and the
+    best-of-N curve, at the vs-start family's level (a final policy's point is the tables')."""
+    inp, ec = ev.inp, ev.inp.ec
+    with inp.timer("over-optimisation curve"):
+        over = overoptimisation_points(ev.samples, ev.snap_samples, ev.pool, ev.summary,
+                                       inp.algos, inp.start, inp.curve_ns, ev.trained,
+                                       inp.country, ec.n_boot, ev.alpha_family, inp.seed)  # fmt: skip
+        fits = overoptimisation_fits(over)
+        meta = overoptimisation_meta(over, ev.pool)
+    figure = plot_overoptimisation(over, fits, inp.start, ev.alpha_family)
+    return Measured(
+        {"eval_overoptimisation": over, "eval_overoptimisation_fit": fits},
+        {"overoptimisation": dict(meta or {})},
+        {"eval_overoptimisation": figure},
+    )
+
+
+def heldout_perplexity_family(ev: Evaluation) -> Measured:
+    """Does each policy still write conditions: the perplexity of held-out historical MET and
+    Non-MET descriptions under it (`eval_heldout_perplexity`; per row: `eval/heldout_nll_rows`)."""
+    inp, ec = ev.inp, ev.inp.ec
+    with inp.timer("held-out perplexity"):
+        held = heldout_rows(inp.labelled, inp.run.read_parquet("data/contexts.parquet"),
+                            ec.heldout_rows, inp.seed)  # fmt: skip
+        ppl, ppl_rows = heldout_perplexity(inp.pset, held, inp.cfg.rl.prompt_template, inp.cfg,
+                                           ec.logprob_batch_size)  # fmt: skip
+    return Measured(
+        {"eval_heldout_perplexity": ppl},
+        {"heldout_perplexity": ppl.to_dict("records")},
+        {"eval_heldout_perplexity": plot_heldout_perplexity(ppl)},
+        {"eval/heldout_perplexity.parquet": ppl, "eval/heldout_nll_rows.parquet": ppl_rows},
+        {"ppl_rows": ppl_rows},
+    )
+
+
+def table3_family(ev: Evaluation) -> Measured:
+    """The paper's Table 3: its completion prompts for held-out countries, pre- and post-RL."""
+    inp = ev.inp
+    with inp.timer("table 3"):
+        t3 = table3(inp.pset, inp.contexts, inp.labelled, inp.reward_model, inp.audit_model,
+                    inp.cfg)  # fmt: skip
+    return Measured({"eval_table3": t3})
+
+
+def rlgf_family(ev: Evaluation) -> Measured:
+    """The RLGF paper's evaluation: its table, easy vs hard prompts and the guidance verdicts."""
+    inp, ec = ev.inp, ev.inp.ec
+    with inp.timer("RLGF and ILHF tables"):
+        tables = rlgf_tables(ev.samples, ev.summary, ev.tables["eval_heldout_perplexity"],
+                             inp.labelled, inp.algos, inp.start, ec.n_boot, ec.alpha, inp.seed)  # fmt: skip
+    return Measured(tables, figures=rlgf_figures(tables, inp.start, ec.alpha))
+
+
+def ilhf_family(ev: Evaluation) -> Measured:
+    """The ILHF paper's questions: variety and closeness to the population, at what reward."""
+    inp, ec = ev.inp, ev.inp.ec
+    with inp.timer("RLGF and ILHF tables"):
+        tables = ilhf_tables(ev.samples, ev.summary, ev.ppl_rows, inp.algos, inp.start,
+                             ec.n_boot, ec.alpha, inp.seed, ev.encoder)  # fmt: skip
+    return Measured(tables, figures=ilhf_figures(tables, inp.start, ec.alpha))
+
+
+def ceiling_family(ev: Evaluation) -> Measured:
+    """The attainable ceiling: the contexts' own MET over Non-MET descriptions, under each judge."""
+    ec = ev.inp.ec
+    contrast = history_contrast(ev.samples, ec.n_boot, ec.alpha, ev.inp.seed)
+    return Measured(
+        {"eval_ceiling": ceiling_table(contrast, ec.alpha)}, {"history_contrast": contrast}
+    )
+
+
+def offline_family(ev: Evaluation) -> Measured:
+    """Learning from experience without RL (`sft_met`, best-of-N) against RL: does it need RL?"""
+    inp, ec = ev.inp, ev.inp.ec
+    with inp.timer("offline methods against RL"):
+        methods = methods_table(ev.summary, ev.tables["eval_vs_best_of_n"], inp.algos,
+                                ec.best_of_n)  # fmt: skip
+        vs_offline = rl_vs_offline(ev.samples, inp.algos, ec.n_boot, ec.alpha, inp.seed)
+    # does learning from experience need RL here? (`evaluation.offline.need_rl`)
+    entries = {"need_rl": {m: need_rl(vs_offline, m) for m in ("audit_reward", "reward")}}
+    figures = {"eval_methods": plot_methods(methods, ec.alpha)} if len(methods) else {}
+    return Measured({"eval_methods": methods, "eval_rl_vs_offline": vs_offline}, entries, figures)
+
+
+def design_family(ev: Evaluation) -> Measured:
+    """How large the evaluation must be: the variance components of each gain and the design
+    they call for, costed with this run's own phase times so far."""
+    inp, ec = ev.inp, ev.inp.ec
+    with inp.timer("variance components and design"):
+        components = variance_table(ev.samples, ev.family, inp.start)
+        available = load_contexts(inp.run.root, "eval", None, inp.seed)
+        design = design_table(
+            components, pd.Series([c["country"] for c in available]).value_counts().to_dict(),
+            inp.country.value_counts().to_dict(), ec.samples_per_prompt, inp.timer.seconds,
+            len(ev.family), ec.alpha, ec.power, ec.target_mde,
+        )  # fmt: skip
+    return Measured(
+        {"eval_variance_components": components, "eval_design": design},
+        files={"eval/variance_components.parquet": components},
+    )
+
+
+#: Every family, in the order it runs: later ones read earlier ones' products and tables (the
+#: samples first, then the statistics on them). Adding a measure is one entry here and one
+#: function above (the measures themselves live in the family modules).
+EVAL_FAMILIES: dict[str, Callable[[Evaluation], Measured]] = {
+    "samples": sample_policies,
+    "best_of_n": sample_best_of_n,
+    "history": sample_history,
+    "grounding": ground_samples,
+    "record_samples": record_samples,
+    "paired": compare_policies,
+    "best_of_n_curve": best_of_n_curve_family,
+    "frontier": frontier_family,
+    "overoptimisation": overoptimisation_family,
+    "heldout_perplexity": heldout_perplexity_family,
+    "table3": table3_family,
+    "rlgf": rlgf_family,
+    "ilhf": ilhf_family,
+    "ceiling": ceiling_family,
+    "offline": offline_family,
+    "design": design_family,
+}
+
+#: `eval/summary.json`'s entries, in order: the settings' and the families'.
+SUMMARY_KEYS = (
+    "algorithms", "start_policy", "policies", "best_of_n_curve", "vs_best_of_n",
+    "overoptimisation", "need_rl", "heldout_perplexity", "n_prompts", "samples_per_prompt",
+    "best_of_n", "alpha", "power", "equivalence_margin", "target_mde", "families", "interval",
+    "cluster", "history_contrast", "reference_rows", "summary", "seconds",
+)  # fmt: skip
+
+
+@dataclass
+class EvalStage:
+    """What notebook 04 computes (also written to the run dir)."""
+
+    samples: pd.DataFrame
+    summary: pd.DataFrame
+    paired: pd.DataFrame
+    frontier: pd.DataFrame
+    table3: pd.DataFrame
+    algos: list[str]
+    tables: dict[str, pd.DataFrame]
+
+
+def run_evaluation_stage(cfg: Any, run: RunDir, progress: bool = True) -> EvalStage:
+    """Generate, score, ground and compare every policy on the held-out contexts; write it all."""
+    inp = load_inputs(cfg, run, progress)
+    ev = Evaluation(inp)
+    ec = cfg.evaluation
+    entries: dict[str, Any] = {
+        "algorithms": inp.algos,
+        "start_policy": inp.start,
+        "alpha": ec.alpha,
+        "power": ec.power,
+        "equivalence_margin": ec.equivalence_margin,
+        "target_mde": ec.target_mde,
+    }
+    figures: dict[str, Any] = {}
+    files: dict[str, pd.DataFrame] = {}
+    for measure in EVAL_FAMILIES.values():
+        measured = measure(ev)
+        ev.take(measured)
+        entries |= measured.entries
+        figures |= measured.figures
+        files |= measured.files
+    with inp.timer("writing"):
+        entries["seconds"] = dict(inp.timer.seconds)  # wall time per phase, up to this write
+        _write(run, ev.tables, figures, files, {key: entries[key] for key in SUMMARY_KEYS})
+    return EvalStage(ev.samples, ev.summary, ev.paired, ev.frontier, ev.tables["eval_table3"],
+                     inp.algos, ev.tables)  # fmt: skip
+
+
+def _write(run: RunDir, tables: Mapping[str, pd.DataFrame], figures: Mapping[str, Any],
+           files: Mapping[str, pd.DataFrame], summary: Mapping[str, Any]) -> None:  # fmt: skip
+    import matplotlib.pyplot as plt
+
+    for rel, df in files.items():
+        if rel.endswith(".jsonl"):
+            run.write_jsonl(rel, df.to_dict("records"))
+        else:
+            run.write_parquet(rel, df)
     for name, df in tables.items():
         run.write_table(name, df)
-    # the gains' bars at their family's simultaneous level, as in the tables
-    a_family = family_alpha(cfg.evaluation.alpha, len(vs_start_family(samples["policy"].unique(), start)))  # fmt: skip
-    for name, fig in (
-        ("eval_reward_distributions", plot_distributions(samples, order)),
-        ("eval_gains", plot_gains(summary, start, a_family)),
-        ("eval_reward_uncertainty", plot_reward_uncertainty(summary, start, cfg.evaluation.alpha)),
-        ("eval_frontier", plot_frontier(frontier, start, cfg.evaluation.alpha)),
-        (
-            "eval_overoptimisation",
-            plot_overoptimisation(
-                extra["eval_overoptimisation"],
-                extra["eval_overoptimisation_fit"],
-                start,
-                a_family,
-            ),
-        ),  # fmt: skip
-        ("eval_heldout_perplexity", plot_heldout_perplexity(extra["eval_heldout_perplexity"])),
-        ("eval_grounding", plot_grounding(summary)),
-        *rlgf_figures(extra, start, cfg.evaluation.alpha).items(),
-        *ilhf_figures(extra, start, cfg.evaluation.alpha).items(),
-        *(
-            [("eval_methods", plot_methods(extra["eval_methods"], cfg.evaluation.alpha))]
-            if len(extra["eval_methods"])
-            else []
-        ),
-    ):
+    for name, fig in figures.items():
         run.write_figure(name, fig)
         plt.close(fig)
-    rec = summary.set_index("policy")
-    run.write_json(
-        "eval/summary.json",
-        {
-            "algorithms": algos,
-            "start_policy": start,
-            "policies": [p for p in order if p in set(samples["policy"])],
-            "best_of_n_curve": sorted(set(cfg.evaluation.best_of_n_curve)),
-            "vs_best_of_n": extra["eval_vs_best_of_n"].to_dict("records"),
-            "overoptimisation": dict(overoptimisation or {}),
-            # does learning from experience need RL here? (`evaluation.offline.need_rl`)
-            "need_rl": {
-                m: need_rl(extra["eval_rl_vs_offline"], m) for m in ("audit_reward", "reward")
-            },
-            "heldout_perplexity": extra["eval_heldout_perplexity"].to_dict("records"),
-            "n_prompts": int(samples.loc[samples.policy == "base", "prompt_id"].nunique()),
-            "samples_per_prompt": cfg.evaluation.samples_per_prompt,
-            "best_of_n": cfg.evaluation.best_of_n,
-            "alpha": cfg.evaluation.alpha,
-            "power": cfg.evaluation.power,
-            "equivalence_margin": cfg.evaluation.equivalence_margin,
-            "target_mde": cfg.evaluation.target_mde,
-            # each family's members and size (the report lists them once, in its methods)
-            "families": {"vs_start": vs_start_family(samples["policy"].unique(), start)},
-            "interval": "cluster t (CR2, Bell-McCaffrey df) over countries",
-            "cluster": "country",
-            "history_contrast": history_contrast(
-                samples, cfg.evaluation.n_boot, cfg.evaluation.alpha, cfg.run.seed
-            ),
-            "reference_rows": int(samples["hist_idx"].notna().sum()),
-            "summary": rec.reset_index().to_dict("records"),
-            "seconds": dict(seconds or {}),  # wall time per phase, up to this write
-        },
-    )
-    return EvalStage(samples, summary, paired, frontier, t3, algos, tables)
+    run.write_json("eval/summary.json", summary)
