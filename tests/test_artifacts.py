@@ -9,7 +9,7 @@ import pytest
 
 from rlxf_utils.artifacts import ArtifactMissing, RunDir, atomic_path, to_jsonable
 from rlxf_utils.markdown import markdown_table
-from rlxf_utils.report.wording import typeset_minus
+from rlxf_utils.report.wording import coef, typeset_minus
 
 
 def test_atomic_write_keeps_old_file_when_writer_fails(tmp_path: Path) -> None:
@@ -67,6 +67,16 @@ def test_figure_written(tmp_path: Path) -> None:
 def test_markdown_dashes_give_wordy_columns_room() -> None:
     md = markdown_table(pd.DataFrame({"k": ["a", "b"], "long": ["x" * 120, "y" * 100]}))
     assert md.splitlines()[1] == "|:-------|:" + "-" * 44 + "|"
+
+
+def test_a_coefficient_shows_its_standard_errors_two_significant_digits() -> None:
+    assert coef(0.0190, 0.0012) == "+0.0190 ± 0.0012"
+    assert coef(-0.00012, 0.00081) == "-0.00012 ± 0.00081"  # was '-0.000 ± 0.001'
+    assert coef(-0.025, 0.076) == "-0.025 ± 0.076"  # three decimals already show two digits
+    assert coef(0.31, 0.2) == "+0.310 ± 0.200"
+    assert coef(0.00004, 0.0) == "+0.00004 ± 0.00000"  # a zero SE: the value's first digit
+    assert coef(None, 0.1) == coef(float("nan"), 0.1) == "·"
+    assert coef(0.5, None) == "+0.500"
 
 
 def test_negative_numbers_get_a_minus_sign_and_nothing_else_changes() -> None:

@@ -13,7 +13,7 @@ from rlxf_utils.artifacts import RunDir
 from rlxf_utils.markdown import is_present, markdown_table
 from rlxf_utils.report.evaluation import table_note
 from rlxf_utils.report.gold import ceiling, gold_auc, gold_cannot_judge
-from rlxf_utils.report.wording import EQUIVALENT, sentence
+from rlxf_utils.report.wording import EQUIVALENT, coef, sentence
 from rlxf_utils.stats import bound_verdict, level
 
 #: The section's sentences (the report's variables), each a macro of the template.
@@ -35,10 +35,6 @@ def point(r: pd.Series, margin: float | None = None, gold: dict[str, Any] | None
 
 def _finite(v: Any) -> float | None:
     return float(v) if is_present(v) and math.isfinite(v) else None
-
-
-def _coef(value: float, se: float) -> str:
-    return "·" if _finite(value) is None else f"{value:+.3f} ± {se:.3f}"
 
 
 def curve(pts: pd.DataFrame, margin: float | None, gold: dict[str, Any] | None) -> list[dict]:
@@ -88,8 +84,8 @@ def overopt_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
     variables = {k: sentence("overopt", macros.get(k, k), v) for k, v in context.items()}
     table = fits.assign(
         family=fits["family"].map({"best_of_n": "best-of-n", "rl": "RL algorithms (pooled)"}),
-        alpha=[_coef(a, s) for a, s in zip(fits["alpha"], fits["alpha_se"], strict=True)],
-        beta=[_coef(b, s) for b, s in zip(fits["beta"], fits["beta_se"], strict=True)],
+        alpha=[coef(_finite(a), s) for a, s in zip(fits["alpha"], fits["alpha_se"], strict=True)],
+        beta=[coef(_finite(b), s) for b, s in zip(fits["beta"], fits["beta_se"], strict=True)],
         r2=fits["r2"].map(lambda v: "·" if _finite(v) is None else f"{v:.2f}"),
     )[["family", "reward", "form", "points", "alpha", "beta", "r2"]].rename(
         columns={"alpha": "α ± SE", "beta": "β ± SE", "r2": "R²"}

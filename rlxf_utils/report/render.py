@@ -27,7 +27,7 @@ from rlxf_utils.artifacts import ArtifactMissing, NotARun, RunDir, atomic_path, 
 from rlxf_utils.config import PROJECT_ROOT
 from rlxf_utils.markdown import markdown_table
 from rlxf_utils.names import humanise, humanise_values, map_strings
-from rlxf_utils.report.data import data_section, pools_table
+from rlxf_utils.report.data import data_section, pools_table, split_sizes_table
 from rlxf_utils.report.evaluation import eval_section
 from rlxf_utils.report.findings import findings_section
 from rlxf_utils.report.forensic import forensic_section
@@ -160,7 +160,6 @@ def _manifest_tables(run: RunDir) -> dict[str, str]:
 TABLE_INCLUDES = {
     "status_mapping.md": ("status_mapping", "notebook 01_data_exploration"),
     "table2_sample.md": ("table2_sample", "notebook 01_data_exploration"),
-    "split_sizes.md": ("split_sizes", "notebook 01_data_exploration"),
     "split_duplicates.md": ("split_duplicates", "notebook 01_data_exploration"),
     "met_rate_by_arrangement_type.md": (
         "met_rate_by_arrangement_type",
@@ -190,7 +189,8 @@ def build_sources(run: RunDir, build: Path, src: Path = REPORT_SRC) -> dict[str,
         "data": {**_data_variables(run), **data_section(run)},
     }
     params = run.read_json("manifest.json", stage="rlxf run")["params"]
-    includes: dict[str, str] = {"data_pools.md": pools_table(run)}
+    includes: dict[str, str] = {"data_pools.md": pools_table(run),
+                                "split_sizes.md": split_sizes_table(run)}  # fmt: skip
     for key, (vals, files) in (
         ("reward", reward_section(run)),
         ("forensic", forensic_section(run, params)),

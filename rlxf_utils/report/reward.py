@@ -360,10 +360,15 @@ def reference_check(run: RunDir, lvl: str) -> tuple[str, str]:
     holdout = run.read_json("data/holdout.json", "notebook 01_data_exploration")
     t = run.read_table("reward_reference_check", STAGE)
     md = markdown_table(
-        t.assign(**{f"AUC [{lvl} CI]": [ci(r.auc, r.auc_low, r.auc_high) for r in t.itertuples()]})[
-            ["model", "rows", "met_share", "mean_p", f"AUC [{lvl} CI]"]
-        ],
-        floatfmt=".3f",
+        pd.DataFrame(
+            {
+                "model": t["model"],
+                "rows": t["rows"],
+                "MET share": t["met_share"].map(pct),
+                "mean P(MET)": t["mean_p"].map(num),
+                f"AUC [{lvl} CI]": [ci(r.auc, r.auc_low, r.auc_high) for r in t.itertuples()],
+            }
+        )  # fmt: skip
     )
     c = {
         "holdout": True,

@@ -5,6 +5,7 @@ into words (`VOCABULARY`, `phrase`, `say`). Imports nothing of the study's but `
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Sequence
 from functools import cache
@@ -206,6 +207,19 @@ def num(x: Any, digits: int = 3, signed: bool = False, scale: float = 1.0) -> st
     return f"{v:.{digits}f}"
 
 
+def coef(value: Any, se: Any, digits: int = 3) -> str:
+    """A fitted coefficient with its standard error, '+0.019 ± 0.001', with the decimals that give
+    the SE two significant digits when `digits` would not ('−0.0002 ± 0.0010', not
+    '−0.000 ± 0.001'), at most `MAX_SIGN_DIGITS`; '·' when missing."""
+    if not is_present(value):
+        return "·"
+    d = digits
+    if is_present(se) and se > 0:
+        d = max(d, min(MAX_SIGN_DIGITS, 1 - math.floor(math.log10(se))))
+    d = max(d, sign_digits(value, d))
+    return f"{value:+.{d}f} ± {se:.{d}f}" if is_present(se) else f"{value:+.{d}f}"
+
+
 def pct(x: Any, digits: int = 1) -> str:
     """A share as a percentage for prose and tables ('12.3%'), or 'n/a' when missing."""
     return f"{100 * x:.{digits}f}%" if is_present(x) else "n/a"
@@ -292,7 +306,7 @@ def templates(folder: Path = TEMPLATES) -> jinja2.Environment:
     env.filters.update(num=num, pct=pct, pval=pval, name=display_name, names=display_names,
                        literal=literal, level=level)  # fmt: skip
     env.globals.update(phrase=phrase, say=say, interval=interval, ci=ci, listing=listing,
-                       pct_ci=pct_ci, level_ci=level_ci, bound=null_bound_clause)  # fmt: skip
+                       pct_ci=pct_ci, level_ci=level_ci, bound=null_bound_clause, coef=coef)  # fmt: skip
     return env
 
 
