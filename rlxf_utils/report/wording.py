@@ -194,17 +194,20 @@ def sign_digits(x: float, digits: int) -> int:
     return d
 
 
-def num(x: Any, digits: int = 3, signed: bool = False, scale: float = 1.0) -> str:
+def num(
+    x: Any, digits: int = 3, signed: bool = False, scale: float = 1.0, significant: bool = False
+) -> str:
     """A number for prose and tables: `digits` decimals, a sign when `signed`, times `scale`
     (100 for percentage points); 'n/a' when missing. A signed number (a difference, a gain, an
-    interval's bound) that is not zero but would round to zero gets the decimals that show its
-    first significant digit (`sign_digits`)."""
+    interval's bound), or with `significant` any number (a minimum detectable effect), that is
+    not zero but would round to zero gets the decimals that show its first significant digit
+    (`sign_digits`)."""
     if not is_present(x):
         return "n/a"
     v = scale * x
     if signed:
         return f"{v:+.{sign_digits(v, digits)}f}"
-    return f"{v:.{digits}f}"
+    return f"{v:.{sign_digits(v, digits) if significant else digits}f}"
 
 
 def coef(value: Any, se: Any, digits: int = 3) -> str:
