@@ -58,6 +58,11 @@ POOL_LABELS = {
 }
 
 
+def _share(x: Any) -> str:
+    """A share as a percentage in a table cell; '·' where it does not apply."""
+    return pct(x) if is_present(x) else "·"
+
+
 def pools_table(run: RunDir) -> str:
     """Report Table 4: each pool of rows (who learns from it) with its rows, its shares as
     percentages, its countries, arrangements and contexts, and its MET share."""
@@ -66,12 +71,23 @@ def pools_table(run: RunDir) -> str:
         "pool": t["pool"].map(lambda p: POOL_LABELS.get(p, p)),
         "rows": t["rows"],
         "share of all rows": t["share"].map(pct),
-        "share of training countries' rows": t["share_of_training_countries"].map(
-            lambda x: pct(x) if is_present(x) else "·"),
+        "share of training countries' rows": t["share_of_training_countries"].map(_share),
         "countries": t["countries"],
         "arrangements": t["arrangements"],
         "contexts": t["contexts"],
-        "MET share": t["met_share"].map(lambda x: pct(x) if is_present(x) else "·"),
+        "MET share": t["met_share"].map(_share),
+    })  # fmt: skip
+    return markdown_table(shown)
+
+
+def split_sizes_table(run: RunDir) -> str:
+    """Each protocol's training, validation and test parts: rows, MET share as a percentage,
+    arrangements and test years."""
+    t = run.read_table("split_sizes", "notebook 01_data_exploration")
+    shown = pd.DataFrame({
+        "protocol": t["protocol"], "part": t["part"], "rows": t["rows"],
+        "MET share": t["met_share"].map(_share),
+        "arrangements": t["arrangements"], "test years": t["years"],
     })  # fmt: skip
     return markdown_table(shown)
 
