@@ -92,18 +92,6 @@ def split_sizes_table(run: RunDir) -> str:
     return markdown_table(shown)
 
 
-def split_sizes_table(run: RunDir) -> str:
-    """Each protocol's training, validation and test parts: rows, MET share as a percentage,
-    arrangements and test years."""
-    t = run.read_table("split_sizes", "notebook 01_data_exploration")
-    shown = pd.DataFrame({
-        "protocol": t["protocol"], "part": t["part"], "rows": t["rows"],
-        "MET share": t["met_share"].map(lambda x: pct(x) if is_present(x) else "·"),
-        "arrangements": t["arrangements"], "test years": t["years"],
-    })  # fmt: skip
-    return markdown_table(shown)
-
-
 # -- notebook 01's narrative --------------------------------------------------------------------
 def load_sentence(stage: Any, max_rows: int | None) -> str:
     """What the file held, what was used and labelled, and what the loader repaired."""
