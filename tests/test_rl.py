@@ -215,6 +215,49 @@ def test_a_finished_algorithm_is_reused_only_while_its_inputs_are_unchanged(tmp_
     assert len(calls) == 4  # the start policy changed: retrained once, then reused
 
 
+def test_the_kernel_computes_the_marker_once_and_reads_what_the_worker_wrote(tmp_path, monkeypatch):
+    """Notebook 03 (issue 42): per algorithm, the kernel computes the marker once, starts the
+    worker only when `complete.json` does not record it, then reads the worker's log (no second
+    `run_algorithm`); a worker that ends without writing the marker is an error naming the file."""
+    from pathlib import Path
+
+    from rlxf_utils.artifacts import RunDir
+    from rlxf_utils.config import load_config
+    from rlxf_utils.rl import stage
+
+    cfg = load_config(Path(__file__).resolve().parent.parent / "params/smoke.yaml")
+    run = RunDir(tmp_path / "run")
+    markers, launched = [], []
+    monkeypatch.setattr(stage, "algorithm_marker",
+                        lambda algo, *a, **k: markers.append(algo) or {"algo": algo, "v": 1})  # fmt: skip
+    monkeypatch.setattr(stage, "run_algorithm", lambda *a, **k: pytest.fail("trained twice"))
+
+    def worker(cfg, params_file, run_dir, stage_name, algo, writes=True):
+        launched.append(algo)
+        out = Path(run_dir) / "policy" / algo
+        out.mkdir(parents=True, exist_ok=True)
+        pd.DataFrame({"algo": [algo], "step": [1]}).to_parquet(out / "train_log.parquet")
+        if writes:
+            (out / "complete.json").write_text(json.dumps({"algo": algo, "v": 1}))
+
+    monkeypatch.setattr(stage, "run_stage", worker)
+    go = lambda: stage.train_or_read("ppo", cfg, "p.yaml", run, toy_reward, [{}])  # noqa: E731
+    assert go()["algo"].tolist() == ["ppo"]
+    assert (markers, launched) == (["ppo"], ["ppo"])
+    assert go()["step"].tolist() == [1]  # up to date: read, not launched again
+    assert (markers, launched) == (["ppo", "ppo"], ["ppo"])
+    (run.path("policy/ppo/complete.json")).write_text(json.dumps({"algo": "ppo", "v": 0}))
+    monkeypatch.setattr(stage, "run_stage", lambda *a, **k: worker(*a, **k, writes=False))
+    with pytest.raises(RuntimeError, match="ppo: its training process ended without writing .*complete.json"):  # fmt: skip
+        go()
+    # `compute.processes: kernel`: trained in this process, with the marker computed here
+    kernel = cfg.model_copy(
+        update={"compute": cfg.compute.model_copy(update={"processes": "kernel"})}
+    )
+    monkeypatch.setattr(stage, "run_algorithm", lambda *a, marker, **k: pd.DataFrame([marker]))
+    assert stage.train_or_read("grpo", kernel, "p.yaml", run, toy_reward, [{}])["algo"].tolist() == ["grpo"]  # fmt: skip
+
+
 @pytest.mark.parametrize("algo", ["grpo", "rloo"])
 def test_trl_resumes_an_interrupted_run_where_it_stopped(tmp_path, algo):
     """Killed during its second batch, GRPO/RLOO resume from the Trainer checkpoint of the first

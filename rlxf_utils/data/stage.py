@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -147,18 +148,34 @@ def describe_data(stage: DataStage, cfg: Any, run: Any) -> DataDescription:
     and programmes, description lengths, the paper's Table 2 sample, the splits and their near
     duplicates, the contexts; their figures; and `data/summary.json` for the report."""
     alpha = cfg.evaluation.alpha
+    lab = stage.labelled
+    t = rate_tables(stage, cfg, run)
+    # groups too small to test: the one size the study uses for that (`risk.min_group_size`)
+    findings = data_findings(
+        lab, cfg.data.splits.temporal_cutoff_year, alpha, cfg.risk.min_group_size
+    )
+    t |= size_tables(lab, cfg, run)
+    t |= split_tables(stage, run)
+    for name, table in t.items():
+        run.write_table(name, table)
+    summary = data_summary(stage, cfg, t, findings)
+    run.write_json("data/summary.json", summary)
+    return DataDescription(t, findings, summary)
+
+
+def rate_tables(stage: DataStage, cfg: Any, run: Any) -> dict[str, pd.DataFrame]:
+    """The status mapping, where test years come from, and the MET rate (Wilson intervals) by
+    year, economic area, arrangement type and condition type; with their figures."""
+    alpha = cfg.evaluation.alpha
     z = wilson_z(alpha)
     lab = stage.labelled
-    n_met, n_non = int((lab["y"] == 1).sum()), int((lab["y"] == 0).sum())
-    met_share = n_met / len(lab)
+    met_share = int((lab["y"] == 1).sum()) / len(lab)
     t: dict[str, pd.DataFrame] = {}
-
     status = stage.table.report.status_table[["status_raw", "status", "meaning", "label", "count"]]
     t["status_mapping"] = status
     fig = plots.bar_counts(status.assign(code=status["status_raw"].map(repr)), "code", "count",
                            "label", "Raw MONA status codes and their label")  # fmt: skip
     _figure(run, "status_counts", fig)
-
     t["test_year_sources"] = (
         stage.conditions["test_year_source"]
         .value_counts()
@@ -176,11 +193,13 @@ def describe_data(stage: DataStage, cfg: Any, run: Any) -> DataDescription:
     ):
         t[name] = rate_by(lab, column, z=z)
         _figure(run, name, plots.rate_bars(t[name], column, title, overall=met_share, alpha=alpha))
-    # groups too small to test: the one size the study uses for that (`risk.min_group_size`)
-    findings = data_findings(
-        lab, cfg.data.splits.temporal_cutoff_year, alpha, cfg.risk.min_group_size
-    )
+    return t
 
+
+def size_tables(lab: pd.DataFrame, cfg: Any, run: Any) -> dict[str, pd.DataFrame]:
+    """Conditions per country and per programme, description lengths (with their figure) and
+    the paper's Table 2 sample."""
+    t: dict[str, pd.DataFrame] = {}
     t["conditions_per_country"] = (
         lab.groupby("country")
         .agg(conditions=("y", "size"), met_rate=("y", "mean"), programmes=("arrangement_id", "nunique"))
@@ -199,12 +218,17 @@ def describe_data(stage: DataStage, cfg: Any, run: Any) -> DataDescription:
     fig = plots.hist_by(words.clip(upper=120), lab["label"], "Condition description length",
                         "words (clipped at 120)")  # fmt: skip
     _figure(run, "description_length", fig)
-
     t["table2_sample"] = lab.sample(
         n=min(cfg.data.table2_sample_size, len(lab)), random_state=cfg.run.seed
     )[list(TABLE2_COLUMNS)].rename(columns=TABLE2_COLUMNS)
+    return t
 
-    t["split_sizes"] = split_summary(lab, stage.splits)
+
+def split_tables(stage: DataStage, run: Any) -> dict[str, pd.DataFrame]:
+    """The splits' sizes (with their figure), the pools of rows, the near duplicates across
+    splits and the contexts per split."""
+    lab = stage.labelled
+    t: dict[str, pd.DataFrame] = {"split_sizes": split_summary(lab, stage.splits)}
     _figure(
         run, "split_balance", plots.split_balance(t["split_sizes"], "Split sizes and MET share")
     )
@@ -221,16 +245,23 @@ def describe_data(stage: DataStage, cfg: Any, run: Any) -> DataDescription:
         )
         .reset_index()
     )
-    for name, table in t.items():
-        run.write_table(name, table)
+    return t
+
+
+def data_summary(
+    stage: DataStage, cfg: Any, t: Mapping[str, pd.DataFrame], findings: Any
+) -> dict[str, Any]:
+    """`data/summary.json`: the counts and tables the report's data section reads (numbers only)."""
+    lab = stage.labelled
+    n_met, n_non = int((lab["y"] == 1).sum()), int((lab["y"] == 0).sum())
     years = pd.to_datetime(stage.conditions["approval_date"], errors="coerce").dt.year
-    summary = {
+    return {
         "rows_read": stage.table.report.rows_read,
         "rows_used": len(stage.conditions),
         "labelled": len(lab),
         "met": n_met,
         "non_met": n_non,
-        "met_share": met_share,
+        "met_share": n_met / len(lab),
         "excluded": int((stage.conditions["label"] == "excluded").sum()),
         "countries": int(lab["country"].nunique()),
         "programmes": int(lab["arrangement_id"].nunique()),
@@ -243,8 +274,6 @@ def describe_data(stage: DataStage, cfg: Any, run: Any) -> DataDescription:
         "policy_contexts": int((stage.contexts.get("policy_rows", pd.Series(dtype=int)) > 0).sum()),
         "findings": findings,
     }
-    run.write_json("data/summary.json", summary)
-    return DataDescription(t, findings, summary)
 
 
 #: The paper's Table 2: the columns it shows and their headers.

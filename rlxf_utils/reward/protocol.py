@@ -118,6 +118,110 @@ def split_validation(
     )
 
 
+@dataclass
+class ProtocolRows:
+    """One protocol's rows: training, the validation slice's selection and calibration halves,
+    and test; their serialised texts (`x_*`) and labels (`y_*`)."""
+
+    train: pd.DataFrame
+    selection: pd.DataFrame
+    calibration: pd.DataFrame
+    test: pd.DataFrame
+    text_column: str
+
+    def __post_init__(self) -> None:
+        parts = (self.train, self.selection, self.calibration, self.test)
+        self.y_train, self.y_sel, self.y_cal, self.y_test = (d["y"].astype(int).to_numpy() for d in parts)  # fmt: skip
+        self.x_train, self.x_sel, self.x_cal, self.x_test = (serialize_frame(d, self.text_column) for d in parts)  # fmt: skip
+
+
+#: the test rows' columns kept beside the predictions
+PREDICTION_KEYS = ["row_id", *CONTEXT_FIELDS, "arrangement_id", "econ_code", "condition_type",
+                   "test_year", "description"]  # fmt: skip
+
+
+def protocol_rows(
+    conditions: pd.DataFrame,
+    splits: Mapping[str, Mapping[str, Sequence[int]]],
+    protocol: str,
+    seed: int,
+    text_column: str,
+) -> ProtocolRows:
+    """The rows `splits.json` gives `protocol`, checked (a missing protocol or part, unknown or
+    unlabelled rows are errors naming them), the validation slice split in two."""
+    if protocol not in splits:
+        raise KeyError(f"splits.json has no protocol {protocol!r}; found {sorted(splits)}")
+    sp = splits[protocol]
+    for part in ("train", "val", "test"):
+        if part not in sp:
+            raise KeyError(f"splits.json[{protocol!r}] lacks {part!r}; expected train, val, test")
+    tr = take_rows(conditions, sp["train"], f"{protocol}.train")
+    va = take_rows(conditions, sp["val"], f"{protocol}.val")
+    te = take_rows(conditions, sp["test"], f"{protocol}.test")
+    sel, cal = split_validation(va, protocol, seed)
+    log.info("protocol %s: train %d, val %d (selection %d, calibration %d), test %d",
+             protocol, len(tr), len(va), len(sel), len(cal), len(te))  # fmt: skip
+    return ProtocolRows(tr, sel, cal, te, text_column)
+
+
+@dataclass
+class _Scored:
+    """What the models of one protocol write as they are fitted: the test predictions
+    (`p_<model>`, `p_<model>_raw`), timings and calibration rows."""
+
+    pred: pd.DataFrame
+    timing: dict[str, float] = field(default_factory=dict)
+    cal_rows: list[dict[str, Any]] = field(default_factory=list)
+
+
+def fit_tfidf_models(
+    rows: ProtocolRows, cfg: RewardConfig, seed: int, out: _Scored
+) -> TfidfAuditModel:
+    """The majority class (the training MET share as a constant P(MET)), the calibrated TF-IDF
+    audit, and the two uncalibrated probes (context fields alone, text alone: what carries
+    signal); returns the audit."""
+    pred, col = out.pred, rows.text_column
+    pred["p_majority"] = float(rows.y_train.mean())
+    t0 = time.perf_counter()
+    audit = train_tfidf(rows.x_train, rows.y_train, rows.x_cal, rows.y_cal, cfg, seed)
+    out.timing["tfidf_train_s"] = time.perf_counter() - t0
+    pred["p_tfidf_raw"] = audit.score_texts(rows.x_test, calibrated=False)
+    pred["p_tfidf"] = audit.score_texts(rows.x_test)
+    out.cal_rows.append(_cal_row("tfidf", audit, audit.margins_texts(rows.x_test), rows.y_test, cfg.ece_bins))  # fmt: skip
+    context = lambda d: [serialize_condition(r, "") for r in d.to_dict("records")]  # noqa: E731
+    ctx_only = train_tfidf(context(rows.train), rows.y_train, None, None, cfg, seed, calibrate=False)  # fmt: skip
+    pred["p_context_only"] = ctx_only.score_texts(context(rows.test))
+    txt_only = train_tfidf(rows.train[col].fillna("").tolist(), rows.y_train, None, None, cfg,
+                           seed, calibrate=False)  # fmt: skip
+    pred["p_text_only"] = txt_only.score_texts(rows.test[col].fillna("").tolist())
+    return audit
+
+
+def fit_encoder(
+    name: str,
+    ecfg: RewardConfig,
+    rows: ProtocolRows,
+    seed: int,
+    model_factory: Callable[[], tuple[Any, Any]] | None,
+    out: _Scored,
+) -> tuple[RewardModel, pd.DataFrame]:
+    """One encoder on the training rows (early-stopped on the selection half, Platt-scaled on the
+    calibration half), scored on test as `p_<name>` and `p_<name>_raw`; with its training log."""
+    t0 = time.perf_counter()
+    enc, tlog = train_encoder(rows.x_train, rows.y_train, rows.x_sel, rows.y_sel, ecfg, seed,
+                              model_factory=model_factory, cal_texts=rows.x_cal, cal_y=rows.y_cal)  # fmt: skip
+    out.timing[f"{name}_train_s"] = time.perf_counter() - t0
+    out.timing[f"{name}_epochs_run"] = float(tlog["epoch"].max()) if len(tlog) else 0.0
+    t0 = time.perf_counter()
+    margin = enc.margins_texts(rows.x_test, ecfg.score_batch_size)
+    out.timing[f"{name}_score_texts_per_s"] = len(rows.x_test) / max(time.perf_counter() - t0, 1e-9)
+    out.pred[f"p_{name}_raw"] = sigmoid(margin)
+    out.pred[f"p_{name}"] = sigmoid(margin / enc.temperature + enc.offset)
+    out.cal_rows.append(_cal_row(name, enc, margin, rows.y_test, ecfg.ece_bins))
+    enc.meta["name"] = name
+    return enc, tlog.assign(model=name, encoder=ecfg.encoder)
+
+
 def run_protocol(
     conditions: pd.DataFrame,
     splits: Mapping[str, Mapping[str, Sequence[int]]],
@@ -144,151 +248,67 @@ def run_protocol(
     condition text the models read; an outcome column there is refused (`check_no_forbidden`).
     """
     check_no_forbidden([*CONTEXT_FIELDS, text_column])
-    if protocol not in splits:
-        raise KeyError(f"splits.json has no protocol {protocol!r}; found {sorted(splits)}")
-    sp = splits[protocol]
-    for part in ("train", "val", "test"):
-        if part not in sp:
-            raise KeyError(f"splits.json[{protocol!r}] lacks {part!r}; expected train, val, test")
-    tr = take_rows(conditions, sp["train"], f"{protocol}.train")
-    va = take_rows(conditions, sp["val"], f"{protocol}.val")
-    te = take_rows(conditions, sp["test"], f"{protocol}.test")
-    sel, cal = split_validation(va, protocol, seed)
-    ytr, ysel, ycal, yte = (d["y"].astype(int).to_numpy() for d in (tr, sel, cal, te))
-    xtr, xsel, xcal, xte = (serialize_frame(d, text_column) for d in (tr, sel, cal, te))
-    log.info(
-        "protocol %s: train %d, val %d (selection %d, calibration %d), test %d",
-        protocol,
-        len(tr),
-        len(va),
-        len(sel),
-        len(cal),
-        len(te),
-    )
-
-    keep = [
-        "row_id",
-        *CONTEXT_FIELDS,
-        "arrangement_id",
-        "econ_code",
-        "condition_type",
-        "test_year",
-        "description",
-    ]
-    pred = te[[c for c in keep if c in te.columns]].copy()
-    pred["y"] = yte
-    timing: dict[str, float] = {}
-    cal_rows = []
-
-    # majority class: the training MET share as a constant P(MET)
-    pred["p_majority"] = float(ytr.mean())
-
-    t0 = time.perf_counter()
-    audit = train_tfidf(xtr, ytr, xcal, ycal, cfg, seed)
-    timing["tfidf_train_s"] = time.perf_counter() - t0
-    pred["p_tfidf_raw"] = audit.score_texts(xte, calibrated=False)
-    pred["p_tfidf"] = audit.score_texts(xte)
-    cal_rows.append(_cal_row("tfidf", audit, audit.margins_texts(xte), yte, cfg.ece_bins))
-
-    # probes: context fields alone, text alone (uncalibrated TF-IDF LR; they answer "what carries signal")
-    ctx_only = train_tfidf(
-        [serialize_condition(r, "") for r in tr.to_dict("records")],
-        ytr,
-        None,
-        None,
-        cfg,
-        seed,
-        calibrate=False,
-    )
-    pred["p_context_only"] = ctx_only.score_texts(
-        [serialize_condition(r, "") for r in te.to_dict("records")]
-    )
-    txt_only = train_tfidf(
-        tr[text_column].fillna("").tolist(), ytr, None, None, cfg, seed, calibrate=False
-    )
-    pred["p_text_only"] = txt_only.score_texts(te[text_column].fillna("").tolist())
-
-    def fit_encoder(name: str, ecfg: RewardConfig) -> tuple[RewardModel, pd.DataFrame]:
-        t0 = time.perf_counter()
-        enc, tlog = train_encoder(
-            xtr, ytr, xsel, ysel, ecfg, seed, model_factory=model_factory, cal_texts=xcal, cal_y=ycal
-        )  # fmt: skip
-        timing[f"{name}_train_s"] = time.perf_counter() - t0
-        timing[f"{name}_epochs_run"] = float(tlog["epoch"].max()) if len(tlog) else 0.0
-        t0 = time.perf_counter()
-        margin = enc.margins_texts(xte, ecfg.score_batch_size)
-        timing[f"{name}_score_texts_per_s"] = len(xte) / max(time.perf_counter() - t0, 1e-9)
-        pred[f"p_{name}_raw"] = sigmoid(margin)
-        pred[f"p_{name}"] = sigmoid(margin / enc.temperature + enc.offset)
-        cal_rows.append(_cal_row(name, enc, margin, yte, ecfg.ece_bins))
-        enc.meta["name"] = name
-        return enc, tlog.assign(model=name, encoder=ecfg.encoder)
-
-    encoder = None
-    logs = []
+    rows = protocol_rows(conditions, splits, protocol, seed, text_column)
+    te = rows.test
+    out = _Scored(te[[c for c in PREDICTION_KEYS if c in te.columns]].copy().assign(y=rows.y_test))
+    audit = fit_tfidf_models(rows, cfg, seed, out)
+    encoder, logs = None, []
     if train_encoder_model:
-        encoder, tlog = fit_encoder("encoder", cfg)
+        encoder, tlog = fit_encoder("encoder", cfg, rows, seed, model_factory, out)
         logs.append(tlog)
     compared: dict[str, RewardModel] = {}
     for spec in compare:
-        log.info(
-            "protocol %s: training compared encoder %s (%s)", protocol, spec.name, spec.encoder
-        )
-        compared[spec.name], tlog = fit_encoder(spec.name, cfg.for_encoder(spec))
+        log.info("protocol %s: training compared encoder %s (%s)", protocol, spec.name, spec.encoder)  # fmt: skip
+        compared[spec.name], tlog = fit_encoder(spec.name, cfg.for_encoder(spec), rows, seed,
+                                                model_factory, out)  # fmt: skip
         logs.append(tlog)
-    train_log = pd.concat(logs, ignore_index=True) if logs else pd.DataFrame()
+    metrics, calibration, comparisons, acc_reps = _protocol_metrics(
+        out, protocol, cfg, encoder is not None, list(compared), alpha, n_boot,
+        seed if boot_seed is None else boot_seed,
+    )  # fmt: skip
+    by_model = metrics.set_index("model")
+    for name, enc in (("encoder", encoder), *compared.items()):
+        if enc is not None:
+            enc.meta.update({"protocol": protocol, "test_metrics": by_model.loc[name].to_dict()})
+    audit.meta.update({"protocol": protocol, "test_metrics": by_model.loc["tfidf"].to_dict()})
+    return ProtocolResult(
+        protocol, out.pred, metrics, calibration,
+        pd.concat(logs, ignore_index=True) if logs else pd.DataFrame(), out.timing, encoder, audit,
+        extra={"accuracy_replicates": acc_reps, "n_selection": len(rows.selection),
+               "n_calibration": len(rows.calibration)},
+        comparisons=comparisons.assign(protocol=protocol)[["protocol", *comparisons.columns]]
+        if len(comparisons) else comparisons,
+        compared=compared,
+    )  # fmt: skip
 
-    encoders = (["encoder"] if encoder is not None else []) + list(compared)
+
+def _protocol_metrics(
+    out: _Scored, protocol: str, cfg: RewardConfig, has_encoder: bool, compared: list[str],
+    alpha: float, n_boot: int, boot_seed: int,
+) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame, Any]:  # fmt: skip
+    """Every model's test metrics with bootstrap intervals, the calibration table with its ECE
+    test, the paired comparisons and the accuracy replicates."""
+    pred = out.pred
+    encoders = (["encoder"] if has_encoder else []) + compared
     models = ["majority", "tfidf", "context_only", "text_only", *encoders]
     calibrated = [m for m in ("tfidf", *encoders) if f"p_{m}_raw" in pred]
     stats_table, comparisons, acc_reps = protocol_statistics(
-        pred,
-        models + [f"{m}_raw" for m in calibrated],
-        n_boot=n_boot,
-        alpha=alpha,
-        seed=seed if boot_seed is None else boot_seed,
-        n_bins=cfg.ece_bins,
-        extra_comparisons=encoder_comparisons(list(compared), encoder is not None),
-    )
+        pred, models + [f"{m}_raw" for m in calibrated], n_boot=n_boot, alpha=alpha,
+        seed=boot_seed, n_bins=cfg.ece_bins,
+        extra_comparisons=encoder_comparisons(compared, has_encoder),
+    )  # fmt: skip
     by_model = stats_table.set_index("model")
-    mrows = []
-    for name in models:
-        m = classification_metrics(yte, pred[f"p_{name}"].to_numpy(), n_bins=cfg.ece_bins)
-        mrows.append({"protocol": protocol, "model": name, **m, **by_model.loc[name].to_dict()})
-    metrics = pd.DataFrame(mrows)
-    calibration = pd.DataFrame(cal_rows)
+    y = pred["y"].to_numpy()
+    metrics = pd.DataFrame([
+        {"protocol": protocol, "model": name,
+         **classification_metrics(y, pred[f"p_{name}"].to_numpy(), n_bins=cfg.ece_bins),
+         **by_model.loc[name].to_dict()}
+        for name in models
+    ])  # fmt: skip
+    calibration = pd.DataFrame(out.cal_rows)
     if len(calibration):
         calibration = _with_ece_test(calibration, by_model, comparisons)
-    for name, enc in (("encoder", encoder), *compared.items()):
-        if enc is not None:
-            enc.meta.update(
-                {
-                    "protocol": protocol,
-                    "test_metrics": metrics.set_index("model").loc[name].to_dict(),
-                }
-            )
-    audit.meta.update(
-        {"protocol": protocol, "test_metrics": metrics.set_index("model").loc["tfidf"].to_dict()}
-    )
-    return ProtocolResult(
-        protocol,
-        pred,
-        metrics,
-        calibration,
-        train_log,
-        timing,
-        encoder,
-        audit,
-        extra={
-            "accuracy_replicates": acc_reps,
-            "n_selection": len(sel),
-            "n_calibration": len(cal),
-        },
-        comparisons=comparisons.assign(protocol=protocol)[["protocol", *comparisons.columns]]
-        if len(comparisons)
-        else comparisons,
-        compared=compared,
-    )
+    return metrics, calibration, comparisons, acc_reps
 
 
 def encoder_comparisons(names: Sequence[str], has_main: bool) -> list[tuple[str, str, str, str]]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -65,12 +65,26 @@ def run_reward_stage(
     `reward_model/` (module docstring), `reward/metrics.json`, `reward/predictions_<protocol>.parquet`,
     tables `reward_*` and figures `reward_reliability`, `reward_confusion`.
     """
+    configure_threads(cfg.reward.num_threads)
+    labelled, splits = load_splits(run)
+    results = protocol_results(cfg, run, labelled, splits, model_factory)
+    chosen = next(r for r in results if r.protocol == cfg.reward.reward_protocol)
+    reward_dir, reference_check, score_check = save_rl_reward(cfg, run, labelled, splits, chosen)
+    tables = reward_tables(cfg, results, chosen, reference_check)
+    for name, df in tables.items():
+        run.write_table(name, df)
+    write_reward_summary(cfg, run, results, tables, score_check)
+    return RewardStage(results, tables, reward_dir)
 
+
+def protocol_results(
+    cfg: Any, run: Any, labelled: pd.DataFrame, splits: Any,
+    model_factory: Callable[[], tuple[Any, Any]] | None,
+) -> list[ProtocolResult]:  # fmt: skip
+    """Every protocol trained and scored (`reward.protocol.run_protocol`), or read back when its
+    cache records the same settings, seeds and data; their test predictions written."""
     rc = cfg.reward
     alpha, n_boot = cfg.evaluation.alpha, cfg.evaluation.n_boot
-    configure_threads(rc.num_threads)
-
-    labelled, splits = load_splits(run)
     data_hash = hash_path(run.path("data"))
     results = []
     for i, protocol in enumerate(rc.protocols):
@@ -89,7 +103,17 @@ def run_reward_stage(
             save_protocol_result(cache, res, key)
         run.write_parquet(f"reward/predictions_{protocol}.parquet", res.predictions)
         results.append(res)
-    chosen = next(r for r in results if r.protocol == rc.reward_protocol)
+    return results
+
+
+def save_rl_reward(
+    cfg: Any, run: Any, labelled: pd.DataFrame, splits: Any, chosen: ProtocolResult
+) -> tuple[Any, pd.DataFrame, dict[str, Any]]:
+    """The reward bundle RL and evaluation read (`reward_model/`): the chosen protocol's scorer,
+    its check in the precision they score in, and the audit trained on its own disjoint rows;
+    with the reference check (both judges on the held-out references). Returns (bundle dir,
+    reference check, precision check)."""
+    rc = cfg.reward
     holdout = load_holdout(run)
     audit = train_disjoint_audit(labelled, holdout, rc, cfg.run.seed)
     scorer = chosen.scorer(rc.reward_source)
@@ -108,20 +132,26 @@ def run_reward_stage(
     reference_check = reference_check_table(
         labelled, holdout, chosen, audit, cfg.evaluation.n_boot, cfg.evaluation.alpha, cfg.run.seed
     )
+    return reward_dir, reference_check, score_check
 
-    metrics = pd.concat([r.metrics for r in results], ignore_index=True)
+
+def _encoders(rc: Any) -> dict[str, str]:
+    """Each trained encoder's name -> its setting (the main one, then the compared ones)."""
+    return {"encoder": rc.encoder, **{c.name: c.encoder for c in rc.compare_encoders}}
+
+
+def reward_tables(
+    cfg: Any, results: list[ProtocolResult], chosen: ProtocolResult, reference_check: pd.DataFrame
+) -> dict[str, pd.DataFrame]:
+    """The stage's tables `reward_*`, in the order they are written."""
+    rc = cfg.reward
     calibration = pd.concat(
         [r.calibration.assign(protocol=r.protocol) for r in results], ignore_index=True
     )
-    train_log = pd.concat(
-        [r.train_log.assign(protocol=r.protocol) for r in results], ignore_index=True
-    )
-    main = rc.reward_source if rc.reward_source != "tfidf" else "tfidf"
-    comparisons, protocol_diffs = comparison_tables(results, alpha)
-    encoders = {"encoder": rc.encoder, **{c.name: c.encoder for c in rc.compare_encoders}}
-    tables = {
+    comparisons, protocol_diffs = comparison_tables(results, cfg.evaluation.alpha)
+    return {
         "reward_accuracy_vs_paper": accuracy_table(results),
-        "reward_metrics": metrics,
+        "reward_metrics": pd.concat([r.metrics for r in results], ignore_index=True),
         "reward_calibration": calibration[
             ["protocol", *[c for c in calibration.columns if c != "protocol"]]
         ],
@@ -129,38 +159,44 @@ def run_reward_stage(
         "reward_comparisons": comparisons,
         "reward_protocol_differences": protocol_diffs,
         "reward_reference_check": reference_check,
-        "reward_confident_errors": most_confident_errors(chosen.predictions, main, k=10),
+        "reward_confident_errors": most_confident_errors(
+            chosen.predictions, rc.reward_source, k=10
+        ),
         "reward_per_area": per_area_accuracy(chosen.predictions),
-        "reward_train_log": train_log,
+        "reward_train_log": pd.concat(
+            [r.train_log.assign(protocol=r.protocol) for r in results], ignore_index=True
+        ),
         "reward_timing": pd.DataFrame([{"protocol": r.protocol, **r.timing} for r in results]),
-        "reward_encoders": encoder_table(results, encoders),
+        "reward_encoders": encoder_table(results, _encoders(rc)),
     }
-    for name, df in tables.items():
-        run.write_table(name, df)
-    run.write_json(
-        "reward/metrics.json",
-        {
-            "reward_source": rc.reward_source,
-            "reward_protocol": rc.reward_protocol,
-            "alpha": alpha,
-            "n_boot": n_boot,
-            "calibration_share": CALIBRATION_SHARE,
-            "metrics": metrics.to_dict("records"),
-            "calibration": calibration.to_dict("records"),
-            "comparisons": comparisons.to_dict("records"),
-            "protocol_differences": protocol_diffs.to_dict("records"),
-            "timing": {r.protocol: r.timing for r in results},
-            "encoders": {k: {"setting": v, "label": encoder_label(v)} for k, v in encoders.items()},
-            "score_check": score_check,
-        },
-    )
+
+
+def write_reward_summary(
+    cfg: Any, run: Any, results: list[ProtocolResult], tables: Mapping[str, pd.DataFrame],
+    score_check: dict[str, Any],
+) -> None:  # fmt: skip
+    """`reward/metrics.json` and the figures `reward_reliability`, `reward_confusion` and
+    `reward_encoders`."""
     import matplotlib.pyplot as plt
 
+    rc, alpha = cfg.reward, cfg.evaluation.alpha
+    encoders = _encoders(rc)
+    run.write_json("reward/metrics.json", {
+        "reward_source": rc.reward_source, "reward_protocol": rc.reward_protocol,
+        "alpha": alpha, "n_boot": cfg.evaluation.n_boot, "calibration_share": CALIBRATION_SHARE,
+        "metrics": tables["reward_metrics"].to_dict("records"),
+        "calibration": pd.concat([r.calibration.assign(protocol=r.protocol) for r in results],
+                                 ignore_index=True).to_dict("records"),
+        "comparisons": tables["reward_comparisons"].to_dict("records"),
+        "protocol_differences": tables["reward_protocol_differences"].to_dict("records"),
+        "timing": {r.protocol: r.timing for r in results},
+        "encoders": {k: {"setting": v, "label": encoder_label(v)} for k, v in encoders.items()},
+        "score_check": score_check,
+    })  # fmt: skip
     for name, fig in (
         ("reward_reliability", plot_reliability(results, (*encoders, "tfidf"))),
-        ("reward_confusion", plot_confusion(results, main)),
+        ("reward_confusion", plot_confusion(results, rc.reward_source)),
         ("reward_encoders", plot_encoders(tables["reward_encoders"], alpha)),
     ):
         run.write_figure(name, fig)
         plt.close(fig)
-    return RewardStage(results, tables, reward_dir)

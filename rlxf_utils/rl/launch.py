@@ -8,10 +8,12 @@ their own process (`compute.processes: per_stage`, the default):
     notebook 03 --> run_stage("rl", "ppo")  --> accelerate launch [--config_file F] [--num_processes N]
                                                    -m rlxf_utils.rl.worker rl --params P --run-dir R --algo ppo
                 <-- its log lines, streamed       (each rank: reward model, prompts, run_algorithm)
-                --> run_algorithm(...)          reads what the process wrote (`complete.json`)
+                --> reads what the process wrote (`complete.json` with the marker the kernel
+                    computed once, then `train_log.parquet`)
 
-The worker is the same code the kernel would run (`run_algorithm`, `run_sft_stage`); the
-notebook then calls that code itself, which finds the stage complete and only reads its outputs.
+The worker is the same code the kernel would run (`run_algorithm`, `run_sft_stage`); for an RL
+algorithm the notebook only reads what it wrote (`rl.stage.rl_step`), for SFT it calls
+`run_sft_stage` itself, which finds both policies trained and reads their outputs.
 A failed process raises `StageFailed` naming the stage and showing the tail of its log
 (`policy/<name>/launch.log`). PPO and the RLGF algorithms (ours) and GRPO/RLOO (TRL) use all
 `compute.num_processes`; SFT and ILHF run one process (their loops are not data-parallel).

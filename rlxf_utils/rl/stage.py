@@ -1,5 +1,11 @@
 """Notebook 03's stage: which algorithms are up to date, running one (fresh, resumed or reused)
-from the start policy, and reading their logs back."""
+from the start policy, and reading their logs back.
+
+Each algorithm trains in its own process (`rl.launch.run_stage` -> `rl.worker` ->
+`run_algorithm`), which writes its log and, last, `policy/<algo>/complete.json` with the run's
+marker (`algorithm_marker`: settings, seed, prompts, processes, input hashes); the kernel
+computes the marker once, starts the process only when that file does not record it, and then
+reads what the process wrote."""
 
 from __future__ import annotations
 
@@ -99,20 +105,6 @@ def algorithm_marker(
     }  # fmt: skip
 
 
-def is_trained(
-    algo: str,
-    cfg: StudyConfig,
-    run_dir: str | Path,
-    contexts: Sequence[Mapping[str, Any]],
-    steps: int | None = None,
-) -> bool:
-    """True when `policy/<algo>/complete.json` matches what a run now would depend on."""
-    done = Path(run_dir) / "policy" / algo / "complete.json"
-    return done.is_file() and _matches(
-        done, algorithm_marker(algo, cfg, run_dir, len(contexts), steps)
-    )
-
-
 def _matches(path: Path, marker: Mapping[str, Any]) -> bool:
     """True when the marker file `path` exists and records `marker`."""
     return path.is_file() and json.loads(path.read_text(encoding="utf-8")) == marker
@@ -126,8 +118,11 @@ def run_algorithm(
     contexts: Sequence[Mapping[str, Any]] | None = None,
     progress: bool = True,
     steps: int | None = None,
+    marker: Mapping[str, Any] | None = None,
 ) -> pd.DataFrame:
-    """Load the start policy afresh, build prompts from the training contexts and run one algorithm."""
+    """Load the start policy afresh, build prompts from the training contexts and run one
+    algorithm (in the worker process, or in the kernel with `compute.processes: kernel`).
+    `marker`: the caller's `algorithm_marker` for these contexts, if it has one."""
     rd = RunDir(run_dir)
     if contexts is None:
         contexts = load_contexts(rd.root, "train", cfg.rl.max_prompts, cfg.run.seed)
@@ -138,7 +133,7 @@ def run_algorithm(
     out = rd.root / "policy" / algo
     # A finished run with the same settings and prompts is reused (the marker is written last),
     # checked before the start policy is loaded and merged.
-    marker = algorithm_marker(algo, cfg, rd.root, len(contexts), steps)
+    marker = marker or algorithm_marker(algo, cfg, rd.root, len(contexts), steps)
     done = out / "complete.json"
     if _matches(done, marker):
         log.info("%s: up to date (%s): reading its outputs", algo, done)
@@ -252,6 +247,32 @@ def training_inputs(cfg: StudyConfig, run: RunDir) -> tuple[list[dict[str, Any]]
     return contexts, make_reward_fn(reward_model, cfg.rl.reward_batch_size), reward_model
 
 
+def train_or_read(
+    algo: str,
+    cfg: StudyConfig,
+    params_file: str | Path,
+    run: RunDir,
+    reward_fn: RewardFn,
+    contexts: Sequence[Mapping[str, Any]],
+) -> pd.DataFrame:
+    """One algorithm's training log: trained in its own process unless `complete.json` already
+    records this run's marker (computed once, here), then read from what the process wrote;
+    with `compute.processes: kernel`, trained (or reused) in this process."""
+    marker = algorithm_marker(algo, cfg, run.root, len(contexts))
+    if cfg.compute.processes == "kernel":
+        return run_algorithm(algo, cfg, run.root, reward_fn, contexts, marker=marker)
+    done = run.path(f"policy/{algo}/complete.json")
+    if not _matches(done, marker):
+        run_stage(cfg, params_file, run.root, "rl", algo)  # its own process, streamed here
+        if not _matches(done, marker):
+            raise RuntimeError(
+                f"{algo}: its training process ended without writing {done} for this run's "
+                "settings and inputs (were the parameters or an input changed meanwhile?)"
+            )
+    log.info("%s: up to date (%s): reading its outputs", algo, done)
+    return run.read_parquet(f"policy/{algo}/train_log.parquet")
+
+
 def rl_step(
     cfg: StudyConfig,
     params_file: str | Path,
@@ -262,11 +283,9 @@ def rl_step(
     """Train every `algorithms.algorithm` in its own process unless up to date, then write the stacked
     logs (`policy/train_logs.parquet`), the settings, the training curves and summary, RLGF's
     guidance and ILHF's training tables. Returns (logs, tables)."""
-    frames = []
-    for algo in cfg.rl.algorithm:
-        if not is_trained(algo, cfg, run.root, contexts):
-            run_stage(cfg, params_file, run.root, "rl", algo)  # its own process, streamed here
-        frames.append(run_algorithm(algo, cfg, run.root, reward_fn, contexts=contexts))
+    frames = [
+        train_or_read(a, cfg, params_file, run, reward_fn, contexts) for a in cfg.rl.algorithm
+    ]
     logs = pd.concat(frames, ignore_index=True)
     run.write_parquet("policy/train_logs.parquet", logs)
     tables = {"rl_algorithm_settings": settings_table(run.root, cfg.rl.algorithm),
