@@ -212,13 +212,48 @@ def test_summary_table_finds_a_real_gain_and_only_it() -> None:
     assert s.loc["best_of_n", "kl"] == pytest.approx(math.log(4) - 3 / 4)
     assert s.loc["base", "perplexity"] == pytest.approx(math.exp(1.0))
     assert s.loc["ppo", "finished"] == pytest.approx(2 / 3)  # samples 0 and 2 of 3 finished
-    assert set(paired["measure"]) == {"reward", "audit_reward", "gap"}
+    assert set(paired["measure"]) == {"reward", "audit_reward", "gap", "reward_finished",
+                                      "audit_reward_finished"}  # fmt: skip
     assert s.loc["ppo", "gap"] == pytest.approx(0.1, abs=0.01) and s.loc["ppo", "gap_low"] > 0
     assert (paired["n_clusters"] == 10).all()  # tests run over the 10 countries, not 30 prompts
     null, _ = summary_table(
         _samples(0.0), ["base", "ppo"], "base", 4, n_boot=500, alpha=0.05, seed=0
     )
     assert null.set_index("policy").loc["ppo", "gain_p_family"] > 0.05
+
+
+def test_a_gain_made_by_cut_responses_is_gone_among_finished_ones() -> None:
+    # ppo finishes one response in three (base: all); its cut ones score +0.05 under the audit,
+    # its finished ones what base's do: a full audit gain of about +0.033, none among finished
+    frame = _samples(0.0)
+    ppo = frame["policy"] == "ppo"
+    frame["finished"] = ~ppo | (frame["sample_id"] == 0)
+    frame.loc[ppo & ~frame["finished"], "audit_reward"] += 0.05
+    s, paired = summary_table(frame, ["base", "ppo"], "base", 4, n_boot=500, alpha=0.05, seed=0)
+    s = s.set_index("policy")
+    assert s.loc["ppo", "audit_gain"] == pytest.approx(0.1 / 3, abs=0.005)
+    assert s.loc["ppo", "audit_gain_low"] > 0
+    assert abs(s.loc["ppo", "audit_gain_finished"]) < 0.005
+    assert s.loc["ppo", "audit_gain_finished_low"] < 0 < s.loc["ppo", "audit_gain_finished_high"]
+    assert s.loc["ppo", "audit_gain_finished_verdict"] != "above"
+    fin = paired[paired["measure"] == "audit_reward_finished"].set_index("policy")
+    assert fin.loc["ppo", "n"] == 30 and fin.loc["ppo", "n_clusters"] == 10
+    # with the cut responses scored like the finished ones, both gains vanish alike
+    frame.loc[ppo & ~frame["finished"], "audit_reward"] -= 0.05
+    s2, _ = summary_table(frame, ["base", "ppo"], "base", 4, n_boot=500, alpha=0.05, seed=0)
+    assert s2.set_index("policy").loc["ppo", "audit_gain_low"] < 0
+
+
+def test_a_check_on_one_country_of_finished_responses_has_no_interval() -> None:
+    frame = _samples(0.1)
+    ppo = frame["policy"] == "ppo"
+    frame["finished"] = ~ppo | (frame["country"] == "C3")  # ppo finishes in one country only
+    s, _ = summary_table(frame, ["base", "ppo"], "base", 4, n_boot=500, alpha=0.05, seed=0)
+    r = s.set_index("policy").loc["ppo"]
+    assert r["gain_finished"] == pytest.approx(0.1, abs=0.01)  # the point is kept
+    assert math.isnan(r["gain_finished_low"]) and math.isnan(r["gain_finished_high"])
+    assert r["gain_finished_verdict"] is None or pd.isna(r["gain_finished_verdict"])
+    assert r["gain_low"] > 0.08  # the full gain, over ten countries, keeps its interval
 
 
 def test_display_country() -> None:

@@ -10,7 +10,12 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from rlxf_utils.evaluation.design import design_table, sampling_costs, variance_table
+from rlxf_utils.evaluation.design import (
+    countries_needed,
+    design_table,
+    sampling_costs,
+    variance_table,
+)
 from rlxf_utils.evaluation.overopt import overoptimisation_points
 from rlxf_utils.evaluation.tables import summary_table, vs_start_family
 from rlxf_utils.report.wording import ABOVE, UNCLEAR
@@ -187,6 +192,31 @@ def test_equivalence_within_the_margin_is_said_as_such() -> None:
     assert equivalent(-0.004, 0.006, 0.01)
     assert not equivalent(-0.004, 0.016, 0.01)
     assert not equivalent(-0.004, 0.006, None)
+
+
+def test_where_no_held_out_design_reaches_the_target_it_says_how_many_countries_would() -> None:
+    # the default run's audit components (2026-11-27): countries 3.2e-5, prompts 1.0e-5,
+    # samples 4.9e-4; 19 held-out countries of about 16 contexts each
+    comp = {"var_country": 3.2e-5, "var_prompt": 1.0e-5, "var_sample": 4.9e-4}
+    available = {f"C{i}": 16 for i in range(19)}
+    need = countries_needed(comp, available, 4, 0.004, 6.8, 13.3, 10, 0.05, 0.8)
+    g = int(need["countries"])
+    assert need["mde"] <= 0.004 and need["prompts"] == 16 * g and need["df"] == pytest.approx(g - 1)
+    # the fewest: one country fewer misses the target; the country floor alone,
+    # (z + z) x sqrt(3.2e-5 / G), already needs more than the 19 held out
+    fewer = countries_needed(
+        comp, available, 4, 0.004, 6.8, 13.3, 10, 0.05, 0.8, max_countries=g - 1
+    )
+    assert fewer is None and 19 < g < 60
+    # in the design table: a row where every held-out context misses the target, none otherwise
+    used = {c: 2 for c in available}
+    rows = pd.DataFrame([{"policy": "ppo", "judge": "audit", **comp}])
+    d = design_table(rows, available, used, 4, {"samples ppo": 100.0}, 10, 0.05, 0.8, 0.004)
+    names = list(d["design"])
+    assert "countries needed for MDE 0.004" in names
+    assert d.set_index("design").loc["countries needed for MDE 0.004", "countries"] == g
+    easy = design_table(rows, available, used, 4, {"samples ppo": 100.0}, 10, 0.05, 0.8, 0.02)
+    assert not any(n.startswith("countries needed") for n in easy["design"])
 
 
 def test_a_design_table_with_one_country_still_has_this_runs_row() -> None:

@@ -4,6 +4,7 @@ each chosen from an interval."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pandas as pd
@@ -61,11 +62,21 @@ def test_rl_finding_names_only_the_methods_whose_interval_excludes_zero() -> Non
     assert (f["n"], f["start"], f["level"], f["gold_at_chance"]) == (3, "sft", "99.6%", False)
     # PPO's interval holds 0; KTO is offline, not counted
     assert _names(f["reward"]) == (["GRPO", "ILHF (history)"], [])
-    assert f["reward"]["up"][0] == {"method": "GRPO", "est": 0.026, "low": 0.022, "high": 0.032}
+    assert f["reward"]["up"][0] == {"method": "GRPO", "est": 0.026, "low": 0.022, "high": 0.032,
+                                    "finished": None, "check": None}  # fmt: skip
     # the nulls as a bound: the largest gain the other intervals allow
     assert (f["reward"]["nulls"], f["reward"]["top"]) == (1, 0.006)
     assert _names(f["audit"]) == (["ILHF (history)"], [])
     assert (f["audit"]["nulls"], f["audit"]["top"]) == (2, 0.011)
+    # a mover's gain among finished responses, where it has an interval, rides with it
+    checked = _methods().assign(finished=0.5, audit_gain_finished=0.004,
+                                audit_gain_finished_low=[-0.001, 0.001, 0.002, 0.0, 0.0],
+                                audit_gain_finished_high=0.01)  # fmt: skip
+    up = rl_finding(checked, "sft", "99.6%", start_finished=0.98)
+    assert up["start_finished"] == 0.98
+    assert up["audit"]["up"][0]["check"] == {"est": 0.004, "low": 0.002, "high": 0.01}
+    gone = rl_finding(checked.assign(audit_gain_finished_low=math.nan), "sft", "99.6%")
+    assert gone["audit"]["up"][0]["check"] is None
     nulls = rl_finding(_methods().assign(audit_gain_low=-0.001), "sft", "99.6%")["audit"]
     assert (nulls["up"], nulls["nulls"], nulls["top"]) == ([], 3, 0.013)
     none = rl_finding(_methods().assign(gain_low=-1.0, audit_gain_low=-1.0), "sft", "99%")

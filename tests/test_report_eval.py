@@ -100,7 +100,9 @@ def _cases() -> dict[str, tuple[str, list]]:
     design = _design([
         ("reward model", "this run", 6, 4, 2, 0.001, 180), ("reward model", "cheapest reaching +0.004", 6, 4, 1, 0.004, 120),
         ("audit", "this run", 6, 4, 2, 0.084, 180), ("audit", "every held-out context", 27, 4, 2, 0.065, 900),
-        ("gold", "this run", 6, 4, 1, 0.1, 90)])  # fmt: skip
+        ("gold", "this run", 6, 4, 1, 0.1, 90),
+        ("second audit", "this run", 48, 17, 4, 0.011, 1944), ("second audit", "every held-out context", 301, 19, 4, 0.0065, 12194),
+        ("second audit", "countries needed for MDE 0.004", 608, 38, 4, 0.00397, 24624)])  # fmt: skip
     guidance = pd.DataFrame({"question": ["guidance_vs_ppo", "rl_vs_sft_met", "rl_vs_sft_met"],
                              "measure": ["reward", "reward", "audit_reward"]})  # fmt: skip
     heads = {"n_heads": 5, "settings": {"n_rows": 166}}

@@ -78,6 +78,12 @@ def _findings() -> dict[str, tuple[str, list]]:
         "rl: raised, lowered, nulls beside them": ("rl_finding", [f.rl_finding(t, "sft", "99.6%")]),
         "rl: every interval off zero": (
             "rl_finding", [f.rl_finding(t.iloc[1:3].assign(audit_gain_low=0.001), "sft", "99%")]),
+        "rl: the audit's movers among finished responses": ("rl_finding", [f.rl_finding(
+            t.iloc[1:3].assign(audit_gain_low=0.001, finished=[0.59, 0.08],
+                               audit_gain_finished=[0.011, 0.010],
+                               audit_gain_finished_low=[0.001, -0.02],
+                               audit_gain_finished_high=[0.021, 0.04]), "sft", "99%",
+            start_finished=0.98)]),
         "rl: none moved": ("rl_finding", [f.rl_finding(none, "sft_met", "99%")]),
         "rl: gold at chance": ("rl_finding", [f.rl_finding(none, "sft", "99%", True)]),
         "rl: no policies": ("rl_finding", [f.rl_finding(t[t["group"] == "offline"], "sft", "99%")]),

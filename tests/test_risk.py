@@ -1017,6 +1017,10 @@ def test_gains_verdict_depends_on_the_intervals():
     assert reading((0.1, 0.05, 0.15), (0.08, 0.03, 0.13), (0.02, -0.01, 0.05)) == "followed"
     assert reading((0.1, 0.05, 0.15), (0.04, 0.01, 0.07), (0.06, 0.03, 0.09)) == "partly specific"
     assert reading((0.1, 0.05, 0.15), (0.0, -0.03, 0.02), (0.1, -0.01, 0.2)) == "unclear"
+    # the audit gaining more than the training reward (the gap below zero) is said as such,
+    # whether or not the audit's own interval excludes zero
+    assert reading((0.004, 0.003, 0.005), (0.014, 0.01, 0.019), (-0.01, -0.015, -0.006)) == "audit gains more"  # fmt: skip
+    assert reading((0.004, 0.003, 0.005), (0.01, -0.001, 0.02), (-0.006, -0.01, -0.002)) == "audit gains more"  # fmt: skip
     # a positive point estimate whose interval holds 0 is no gain
     assert reading((0.01, -0.01, 0.03), (0.0, -0.02, 0.02), (0.01, -0.02, 0.04)) == "not raised"
     assert reading((-0.05, -0.08, -0.02), (0.0, -0.02, 0.02), (-0.05, -0.1, 0.0)) == "lowered"

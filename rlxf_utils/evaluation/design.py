@@ -2,7 +2,8 @@
 paired gain over the start policy under each judge (`eval_variance_components`) and the design
 (prompts, samples per prompt) they call for (`eval_design`), with the run's own design, the best
 one at its sampling cost, the cheapest one that reaches `evaluation.target_mde`, and every
-held-out context at the run's samples per prompt.
+held-out context at the run's samples per prompt, and, where even that does not reach the
+target, how many held-out countries would (`countries_needed`).
 
 The cost of a design is the evaluation's own sampling time: the seconds it spent per response of
 a compared policy (sampling, scoring, grounding; k per prompt and policy) and per prompt
@@ -104,6 +105,11 @@ def design_table(
         ]
         if len(every):
             picks.append(("every held-out context", every.iloc[0]))
+            if target_mde is not None and not every.iloc[0]["mde"] <= target_mde:
+                more = countries_needed(comp, available, min(k, max_samples), target_mde,
+                                        c_sample, c_prompt, family_size, alpha, power)  # fmt: skip
+                if more is not None:
+                    picks.append((f"countries needed for MDE {target_mde:g}", pd.Series(more)))
         for name, r in picks:
             rows.append({"judge": judge, "design": name, "prompts": int(r["prompts"]),
                          "samples_per_prompt": int(r["samples_per_prompt"]),
@@ -112,6 +118,33 @@ def design_table(
                          "reaches_target": bool(target_mde is not None and r["mde"] <= target_mde),
                          **{c: comp[c] for c in COMPONENTS}})  # fmt: skip
     return pd.DataFrame(rows)
+
+
+def countries_needed(
+    comp: Mapping[str, float], available: Mapping[Any, int], k: int, target_mde: float,
+    c_sample: float, c_prompt: float, m: int, alpha: float, power: float,
+    max_countries: int = 5000,
+) -> dict[str, float] | None:  # fmt: skip
+    """Where no design within the held-out contexts reaches `target_mde`: the fewest held-out
+    countries that would, each holding as many contexts as the held-out countries do on average
+    (`available`), all used at k samples, under the same variance components (the row of
+    `_row` for that design); None where even `max_countries` would not. The between-country
+    component divides by the countries alone, so past a point only more countries lower the
+    MDE; this says how many, not whether the data has them."""
+    per = max(round(sum(available.values()) / max(len(available), 1)), 1)
+
+    def row(g: int) -> dict[str, float]:
+        return _row(comp, [per] * g, k, c_sample, c_prompt, m, alpha, power)
+
+    lo = hi = max(len(available), 2)  # the MDE falls as countries are added: double, then halve
+    while not row(hi)["mde"] <= target_mde:
+        if hi >= max_countries:
+            return None
+        lo, hi = hi, min(2 * hi, max_countries)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if row(mid)["mde"] <= target_mde else (mid, hi)
+    return row(hi) if not row(lo)["mde"] <= target_mde else row(lo)
 
 
 def _row(comp: Mapping[str, float], per_country: Sequence[int], k: int, c_sample: float,

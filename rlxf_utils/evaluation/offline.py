@@ -24,6 +24,10 @@ from rlxf_utils.plots import ci_err
 
 #: How the methods are grouped in the table and figure (registry family -> group)
 GROUPS = {"ppo": "RL", "trl": "RL", "rlgf": "RL", "ilhf": "ILHF", "offline": "offline"}
+#: The gains among finished responses only (`evaluation.tables.finished_only`), beside the
+#: finished share: a check on a gain made by a policy that finishes fewer responses.
+FINISHED_GAINS = tuple(f"{g}_finished{end}" for g in ("gain", "audit_gain")
+                       for end in ("", "_low", "_high"))  # fmt: skip
 #: Groups in display order, with the references
 GROUP_ORDER = ("RL", "ILHF", "offline", "supervised", "best-of-N")
 
@@ -40,7 +44,8 @@ def methods_table(
 ) -> pd.DataFrame:
     """One row per method (every algorithm, `sft_met`, best-of-N): its display name, group, gain
     over the start policy under the reward model and the audit with their intervals, KL to the
-    start policy, finished share and the verdict against best-of-N at equal KL."""
+    start policy, finished share, both gains among finished responses only (`FINISHED_GAINS`;
+    NaN for runs from before) and the verdict against best-of-N at equal KL."""
     labels = {"sft_met": "SFT on MET only", "best_of_n": f"best-of-{best_of_n or 'N'}"}
     names = [*algos, *(p for p in ("sft_met", "best_of_n") if p in set(summary["policy"]))]
     rec = summary.set_index("policy")
@@ -55,6 +60,7 @@ def methods_table(
                      "group": method_group(name),
                      **{c: float(r[c]) for c in ("gain", "gain_low", "gain_high", "audit_gain",
                                                  "audit_gain_low", "audit_gain_high", "kl", "finished")},
+                     **{c: float(r.get(c, np.nan)) for c in FINISHED_GAINS},
                      "kl_kind": r.get("kl_kind", ""),
                      "vs_best_of_n": v["verdict"] if v is not None else "",
                      "vs_best_of_n_diff": float(v["diff"]) if v is not None else np.nan})  # fmt: skip

@@ -52,6 +52,31 @@ def vs_start_family(policies: Sequence[str], start: str) -> list[str]:
     return [p for p in dict.fromkeys(policies) if p != start and p not in NOT_ASKED_VS_START]
 
 
+def finished_only(samples: pd.DataFrame) -> pd.DataFrame:
+    """The responses that ended before the token cap (`finished` true; the history references,
+    which have no cap, are left out). A truncated response is scored as written, so a policy that
+    finishes fewer responses than the start policy may gain or lose from length alone; its gain
+    among finished responses, on the prompts where both policies finished one, is the check. That
+    comparison conditions on an outcome of the policy (which responses finish), so it is a check
+    on the full gain, not a replacement for it."""
+    if "finished" not in samples:
+        return samples.iloc[:0]
+    return samples[samples["finished"].eq(True)]
+
+
+def _spread_only(paired: pd.DataFrame) -> pd.DataFrame:
+    """`paired` with no interval, verdict or p-value where a comparison rests on fewer than two
+    countries: a check on few finished responses has no spread to measure, and a point is no
+    interval (`paired_comparison` gives one for the smoke profile's single country)."""
+    if paired.empty or "n_clusters" not in paired:
+        return paired
+    few = paired["n_clusters"] < 2
+    out = paired.copy()
+    out.loc[few, ["ci_low", "ci_high", "p_value", "p_family", "mde", "bound"]] = math.nan
+    out.loc[few, "verdict"] = None
+    return out
+
+
 def summary_table(
     samples: pd.DataFrame,
     generated: Sequence[str],
@@ -71,9 +96,11 @@ def summary_table(
     per measure, `vs_start_family` (each at its simultaneous level; the other policies' gain
     columns are NaN), each with its verdict at the equivalence `margin` (`{prefix}_verdict`),
     its bound and its MDE at `power` (`{prefix}_mde`). `gap` is the gain under the reward minus
-    the gain under the audit, per prompt. `reward_sd` is the mean SD of the reward heads' P(MET)
-    (`reward.uncertainty`) with its CI and `sd_gain` its paired change against the start policy
-    (NaN where no response has one).
+    the gain under the audit, per prompt; `gain_finished` and `audit_gain_finished` the gains
+    among finished responses only (`finished_only`: one family per judge, of the members with a
+    finished response on a prompt where the start policy has one). `reward_sd` is the mean SD
+    of the reward heads' P(MET) (`reward.uncertainty`) with its CI and `sd_gain` its paired
+    change against the start policy (NaN where no response has one).
     """
     kw = dict(n_boot=n_boot, alpha=alpha, seed=seed, cluster_col="country")
     pkw = dict(kw, policies=vs_start_family(samples["policy"].unique(), start), margin=margin,
@@ -90,12 +117,19 @@ def summary_table(
         if start in set(with_sd["policy"])
         else []
     )
+    done = finished_only(samples)
+    fin_paired = [
+        _spread_only(paired_table(done, start, col, **pkw)).assign(measure=f"{col}_finished")
+        for col in ("reward", "audit_reward")
+        if start in set(done["policy"])
+    ]
     paired = pd.concat(
         [
             paired_table(samples, start, "reward", **pkw).assign(measure="reward"),
             paired_table(samples, start, "audit_reward", **pkw).assign(measure="audit_reward"),
             paired_table(samples, start, "reward_minus_audit", **pkw).assign(measure="gap"),
             *sd_paired,
+            *fin_paired,
         ],
         ignore_index=True,
     )
@@ -115,7 +149,8 @@ def summary_table(
         on="policy",
     )
     for measure, prefix in (("reward", "gain"), ("audit_reward", "audit_gain"), ("gap", "gap"),
-                            ("reward_sd", "sd_gain")):  # fmt: skip
+                            ("reward_sd", "sd_gain"), ("reward_finished", "gain_finished"),
+                            ("audit_reward_finished", "audit_gain_finished")):  # fmt: skip
         p = paired[paired["measure"] == measure].set_index("policy")
         out[prefix] = out["policy"].map(p["mean_diff"])
         out[f"{prefix}_low"] = out["policy"].map(p["ci_low"])

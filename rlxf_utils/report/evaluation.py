@@ -106,7 +106,7 @@ def family_context(paired: pd.DataFrame, start: str, fam: str, power: float) -> 
 
 def design_context(design: pd.DataFrame, target: float | None) -> dict[str, Any]:
     """Per judge, this run's design and the cheapest one reaching `target` (or, where none does,
-    every held-out context), from `eval_design`."""
+    every held-out context and how many held-out countries would reach it), from `eval_design`."""
     judges = []
     for judge, g in design.groupby("judge", sort=False) if len(design) else ():
         d = g.set_index("design")
@@ -121,7 +121,17 @@ def design_context(design: pd.DataFrame, target: float | None) -> dict[str, Any]
                           "minutes": r["cost_s"] / 60}  # fmt: skip
         elif target is not None and "every held-out context" in d.index:
             e = d.loc["every held-out context"]
-            j["every"] = {"prompts": int(e["prompts"]), "mde": e["mde"]}
+            j["every"] = {
+                "prompts": int(e["prompts"]),
+                "countries": int(e["countries"]),
+                "mde": e["mde"],
+                "needed": None,
+            }
+            more = [n for n in d.index if n.startswith("countries needed")]
+            if more:
+                n = d.loc[more[0]]
+                j["every"]["needed"] = {"countries": int(n["countries"]),
+                                        "prompts": int(n["prompts"]), "minutes": n["cost_s"] / 60}  # fmt: skip
         judges.append(j)
     return {"judges": judges, "target": target}
 

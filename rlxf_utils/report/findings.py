@@ -51,13 +51,25 @@ def reward_finding(meta: dict[str, Any]) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def _finished_check(r: pd.Series, key: str) -> dict[str, Any] | None:
+    """The gain `key` of a method among finished responses only (`est`, `low`, `high`), or None
+    where it has no interval (runs from before; too few finished responses)."""
+    low, high = r.get(f"{key}_finished_low"), r.get(f"{key}_finished_high")
+    if not (is_present(low) and is_present(high)):
+        return None
+    return {"est": r[f"{key}_finished"], "low": low, "high": high}
+
+
 def _moved(rows: pd.DataFrame, key: str) -> dict[str, Any]:
     """The methods whose interval lies above (`up`) and below (`down`) zero, and the nulls: how
-    many (`nulls`) and the largest gain they allow (`top`, the largest upper end)."""
+    many (`nulls`) and the largest gain they allow (`top`, the largest upper end). Each method
+    that moved carries its `finished` share and its gain among finished responses only
+    (`check`), the reading of a gain made by a policy whose responses the token cap cuts."""
 
     def listed(mask: pd.Series) -> list[dict[str, Any]]:
         return [{"method": r["method"], "est": r[key], "low": r[f"{key}_low"],
-                 "high": r[f"{key}_high"]} for _, r in rows[mask].iterrows()]  # fmt: skip
+                 "high": r[f"{key}_high"], "finished": r.get("finished"),
+                 "check": _finished_check(r, key)} for _, r in rows[mask].iterrows()]  # fmt: skip
 
     low, high = rows[f"{key}_low"], rows[f"{key}_high"]
     null = rows[(low <= 0) & (high >= 0)]
@@ -66,16 +78,19 @@ def _moved(rows: pd.DataFrame, key: str) -> dict[str, Any]:
 
 
 def rl_finding(
-    table: pd.DataFrame, start: str, ci_level: str, gold_at_chance: bool = False
-) -> dict[str, Any] | None:
+    table: pd.DataFrame, start: str, ci_level: str, gold_at_chance: bool = False,
+    start_finished: float | None = None,
+) -> dict[str, Any] | None:  # fmt: skip
     """Which RL (and ILHF) policies, one training seed each, moved the reward they were trained
     on, and the audit (`_moved`, per judge); under an audit whose own AUC on held-out rows does
-    not exclude chance (`gold_at_chance`) a null is what such a judge cannot tell. None without
+    not exclude chance (`gold_at_chance`) a null is what such a judge cannot tell;
+    `start_finished` is the start policy's finished share, beside the movers' own. None without
     RL policies. A claim about an algorithm rather than its one policy is the seeds'."""
     rows = table[table["group"].isin(["RL", "ILHF"])]
     if rows.empty:
         return None
     return {"n": len(rows), "start": start, "level": ci_level, "gold_at_chance": gold_at_chance,
+            "start_finished": start_finished,
             "reward": _moved(rows, "gain"), "audit": _moved(rows, "audit_gain")}  # fmt: skip
 
 
@@ -120,7 +135,9 @@ def findings_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
         table = run.read_table("eval_methods", stage)
         fam = family_level(run.read_table("eval_paired", stage))
         gold = gold_auc(run)
-        facts["rl"] = rl_finding(table, start, fam, gold is not None and not gold["can_judge"])
+        own = {r["policy"]: r for r in summary.get("summary", [])}.get(start, {})
+        facts["rl"] = rl_finding(table, start, fam, gold is not None and not gold["can_judge"],
+                                 own.get("finished"))  # fmt: skip
         facts["best_of_n"] = best_of_n_finding(table, start)
     found = {k: sentence("findings", f"{k}_finding", v) for k, v in facts.items()}
     if "rl" not in facts:

@@ -65,9 +65,15 @@ def offline_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
         kl=[f"{k:.2f}" + (" (bound)" if kind == "upper bound" else "")
             for k, kind in zip(table["kl"], table["kl_kind"].fillna(""), strict=True)],
         finished=[f"{f:.0%}" if is_present(f) else "·" for f in table["finished"]],
-    )[["method", "group", "reward_gain", "audit_gain", "kl", "finished", "vs_best_of_n"]]  # fmt: skip
+        audit_finished=[ci(r["audit_gain_finished"], r["audit_gain_finished_low"],
+                           r["audit_gain_finished_high"], signed=True)
+                        if is_present(r.get("audit_gain_finished_low")) else "·"
+                        for _, r in table.iterrows()],
+    )[["method", "group", "reward_gain", "audit_gain", "kl", "finished", "audit_finished",
+       "vs_best_of_n"]]  # fmt: skip
     shown.columns = ["method", "kind", f"gain over {start}: reward model", f"gain over {start}: audit",
-                     f"KL to {start} (nats)", "finished", "vs best-of-N at equal KL"]  # fmt: skip
+                     f"KL to {start} (nats)", "finished", "audit gain, finished responses only",
+                     "vs best-of-N at equal KL"]  # fmt: skip
     variables = {
         "answer": answer_sentence(need["audit_reward"]) if "audit_reward" in need else "",
         "answer_reward": answer_sentence(need["reward"]) if "reward" in need else "",

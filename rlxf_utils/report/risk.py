@@ -131,7 +131,9 @@ def gain_reading(r: Mapping[str, Any]) -> str:
     """What the audit reward says of a checkpoint's gain, from the intervals of the training
     reward's gain, the audit reward's gain and their gap: 'lowered' / 'not raised' (no training
     gain to confirm), 'audit falls', 'specific' (the audit does not rise and the training reward
-    gains more), 'unclear', 'partly specific' (both rise, the training reward more), 'followed'."""
+    gains more), 'unclear', 'audit gains more' (the audit's gain exceeds the training reward's,
+    whether or not the audit's own interval excludes zero), 'partly specific' (both rise, the
+    training reward more), 'followed' (both rise, their gap not distinguishable)."""
     rg = sign_of(r.get("reward_gain_low"), r.get("reward_gain_high"))
     if rg <= 0:
         return "lowered" if rg < 0 else "not raised"
@@ -139,6 +141,8 @@ def gain_reading(r: Mapping[str, Any]) -> str:
     gap = sign_of(r.get("gap_low"), r.get("gap_high"))
     if ag < 0:
         return "audit falls"
+    if gap < 0:
+        return "audit gains more"
     if ag == 0:
         return "specific" if gap > 0 else "unclear"
     return "partly specific" if gap > 0 else "followed"

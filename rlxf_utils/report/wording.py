@@ -68,6 +68,9 @@ VOCABULARY: dict[str, dict[str, str]] = {
     "move": {ABOVE: "raised", BELOW: "lowered", UNCLEAR: "did not distinguishably move"},
     # the reward model's gain against the audit's
     "gap": {ABOVE: "larger than", BELOW: "smaller than", UNCLEAR: "not distinguishable from"},
+    # a gain among finished responses only, the check on a policy the token cap cuts
+    "finished_check": {ABOVE: "still a gain", BELOW: "a loss there",
+                       UNCLEAR: "not distinguishable from zero there"},
     # a policy against the best-of-N curve at equal KL
     "curve": {ABOVE: "lies above", BELOW: "lies below", UNCLEAR: f"{TOLD_APART} from"},
     # the paired change of the reward heads' SD against the start policy
