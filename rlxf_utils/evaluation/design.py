@@ -141,10 +141,10 @@ def countries_needed(
         if hi >= max_countries:
             return None
         lo, hi = hi, min(2 * hi, max_countries)
-    while hi - lo > 1:
+    while hi - lo > 1:  # hi reaches the target, lo (when below hi) does not
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if row(mid)["mde"] <= target_mde else (mid, hi)
-    return row(hi) if not row(lo)["mde"] <= target_mde else row(lo)
+    return row(hi)
 
 
 def _row(comp: Mapping[str, float], per_country: Sequence[int], k: int, c_sample: float,
