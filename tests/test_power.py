@@ -26,6 +26,7 @@ from rlxf_utils.stats import (
     null_bound,
     paired_comparison,
     paired_differences,
+    paired_table,
     tail_resamples,
     variance_components,
 )
@@ -105,6 +106,23 @@ def test_a_comparison_carries_its_bound_and_mde() -> None:
     assert null_bound(-0.1, 0.2, direction=-1) == -0.1
     assert res["mde"] == pytest.approx(mde(res["se"], 10, 0.05, 0.8, res["df"]))
     assert res["ci_level"] == pytest.approx(0.995) and res["method"] == "t"
+
+
+@pytest.mark.parametrize("method", ["t", "bootstrap"])
+def test_a_comparison_within_one_country_has_no_interval_and_no_verdict(method) -> None:
+    """Eight prompts of one country that all gained: no spread between countries to measure, so
+    neither method may return the point as its interval (a verdict would then rest on it)."""
+    d = np.linspace(0.01, 0.03, 8)
+    res = paired_comparison(d, np.zeros(8), clusters=["C1"] * 8, method=method, n_boot=200)
+    assert res["mean_diff"] == pytest.approx(0.02)  # the estimate is kept
+    for key in ("ci_low", "ci_high", "p_value", "p_family", "mde", "bound"):
+        assert math.isnan(res[key]), key
+    frame = pd.DataFrame({"policy": ["a"] * 8 + ["base"] * 8, "prompt_id": list(range(8)) * 2,
+                          "reward": np.r_[d, np.zeros(8)], "country": "C1"})  # fmt: skip
+    row = paired_table(frame, "base", cluster_col="country", n_boot=200).iloc[0]
+    assert row["verdict"] is None
+    two = paired_comparison(d, np.zeros(8), clusters=["C1", "C2"] * 4, method=method, n_boot=200)
+    assert two["ci_low"] < two["ci_high"]  # two countries: an interval again
 
 
 # -- variance components ----------------------------------------------------------------------

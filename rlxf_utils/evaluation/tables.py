@@ -64,19 +64,6 @@ def finished_only(samples: pd.DataFrame) -> pd.DataFrame:
     return samples[samples["finished"].eq(True)]
 
 
-def _spread_only(paired: pd.DataFrame) -> pd.DataFrame:
-    """`paired` with no interval, verdict or p-value where a comparison rests on fewer than two
-    countries: a check on few finished responses has no spread to measure, and a point is no
-    interval (`paired_comparison` gives one for the smoke profile's single country)."""
-    if paired.empty or "n_clusters" not in paired:
-        return paired
-    few = paired["n_clusters"] < 2
-    out = paired.copy()
-    out.loc[few, ["ci_low", "ci_high", "p_value", "p_family", "mde", "bound"]] = math.nan
-    out.loc[few, "verdict"] = None
-    return out
-
-
 def summary_table(
     samples: pd.DataFrame,
     generated: Sequence[str],
@@ -119,7 +106,7 @@ def summary_table(
     )
     done = finished_only(samples)
     fin_paired = [
-        _spread_only(paired_table(done, start, col, **pkw)).assign(measure=f"{col}_finished")
+        paired_table(done, start, col, **pkw).assign(measure=f"{col}_finished")
         for col in ("reward", "audit_reward")
         if start in set(done["policy"])
     ]

@@ -63,7 +63,9 @@ def paired_comparison(
     difference / SD of the per-prompt differences, whose sign is the estimate's. Beside them, for
     reference: the paired t-test and Wilcoxon signed-rank p-values and the matched-pairs
     rank-biserial correlation, on per-cluster mean differences (`n_clusters` units) when
-    clustered. Pairs with a NaN on either side are dropped (`n_dropped`). Degenerate cases are
+    clustered. Fewer than two clusters give no interval, p-value or MDE (NaN): a point is no
+    interval, and a verdict must not rest on one. Pairs with a NaN on either side are dropped
+    (`n_dropped`). Degenerate cases are
     answered, not raised: all differences zero gives p = 1 and d_z = 0; a constant non-zero
     difference gives p = 0 and d_z = +/-inf.
     """
@@ -93,18 +95,16 @@ def paired_comparison(
         res = cluster_t(diff, g, a_family)
         mean_diff, low, high, p_value = res["mean"], res["low"], res["high"], res["p"]
         se, df = res["se"], res["df"]
-        if res["n_clusters"] < 2 and n:  # no spread to measure: the point, as before
-            low = high = mean_diff
     else:
         mean_diff, reps = bootstrap_reps(diff, n_boot=max(n_boot, tail_resamples(a_family)),
                                          seed=seed, clusters=g)  # fmt: skip
-        if reps.size:
+        if (n if g is None else np.unique(g).size) < 2:
+            reps = reps[:0]  # one cluster: resampling it shows no spread, only its point
+        low = high = se = df = math.nan
+        if reps.size > 1:
             low, high = (float(v) for v in np.quantile(reps, [a_family / 2, 1 - a_family / 2]))
-        else:
-            low = high = mean_diff
+            se = float(reps.std(ddof=1))
         p_value = interval_p(reps)
-        se = float(reps.std(ddof=1)) if reps.size > 1 else math.nan
-        df = math.nan
     prompt_sd = float(diff.std(ddof=1)) if n > 1 else math.nan
     out.update(mean_diff=mean_diff, ci_low=low, ci_high=high, family_size=int(family_size),
                ci_level=1 - a_family, method=method, se=se, df=df, p_value=p_value,
@@ -222,8 +222,9 @@ def paired_table(
     Rewards are averaged within each (policy, prompt) first; each comparison uses only the
     prompts both policies were scored on. The table is one family: each interval is at level
     1 - alpha / m for its m comparisons and `p_family` decides the verdict
-    (`paired_comparison`); `verdict` is `bound_verdict` at the equivalence `margin` and `bound`
-    the largest gain the interval allows. Holm is applied, for reference, to the t-test and the
+    (`paired_comparison`); `verdict` is `bound_verdict` at the equivalence `margin` (None where
+    there is no interval: fewer than two clusters) and `bound` the largest gain the interval
+    allows. Holm is applied, for reference, to the t-test and the
     Wilcoxon p-values (columns `p_ttest_holm`, `p_wilcoxon_holm`). With `cluster_col` (a column
     constant within a prompt, e.g. country) the intervals are over that cluster.
     """
@@ -242,7 +243,8 @@ def paired_table(
             power=power,
         )  # fmt: skip
         rows.append({"policy": pol, "vs": base, **res,
-                     "verdict": bound_verdict(res["ci_low"], res["ci_high"], margin)})  # fmt: skip
+                     "verdict": None if math.isnan(res["ci_low"])
+                     else bound_verdict(res["ci_low"], res["ci_high"], margin)})  # fmt: skip
     table = pd.DataFrame(rows)
     if table.empty:
         return table
