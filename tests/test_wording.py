@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from rlxf_utils.report import wording
-from rlxf_utils.report.wording import ABOVE, BELOW, EQUIVALENT, UNCLEAR, VOCABULARY
+from rlxf_utils.report.wording import ABOVE, BELOW, EQUIVALENT, UNCLEAR, vocabulary
 from rlxf_utils.stats import VERDICTS, bound_verdict
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,7 +43,7 @@ def test_an_interval_earns_one_verdict_code(low, high, margin, code) -> None:
 
 def test_say_reads_the_code_of_the_interval_and_legacy_values_read_as_codes() -> None:
     for low, high, code in ((0.1, 0.2, ABOVE), (-0.2, -0.1, BELOW), (-0.1, 0.1, UNCLEAR)):
-        for key in VOCABULARY:
+        for key in vocabulary():
             said = wording.say(key, low, high, level="95%", alpha="5%")
             assert said == wording.phrase(key, code, level="95%", alpha="5%")
     # runs from before the codes stored 'higher' / 'lower'; 'not tested' and NaN read as unclear
@@ -57,21 +57,29 @@ def test_say_reads_the_code_of_the_interval_and_legacy_values_read_as_codes() ->
 
 
 def test_every_phrase_set_has_the_three_codes_and_fills_its_fields() -> None:
-    for key, words in VOCABULARY.items():
+    for key, words in vocabulary().items():
         assert {ABOVE, BELOW, UNCLEAR} <= set(words) <= set(VERDICTS), key
         for text in words.values():
             assert text == text.strip() and text, key
             assert set(re.findall(r"{(\w+)}", text)) <= {"level", "alpha"}, key
 
 
-def test_the_null_phrase_of_a_comparison_is_spelled_once_in_the_package() -> None:
+def test_the_null_phrase_of_a_comparison_is_spelled_once() -> None:
+    files = [*sorted((ROOT / "rlxf_utils").rglob("*.py")), *sorted(wording.TEMPLATES.iterdir())]
     hits = [
         str(p.relative_to(ROOT))
-        for p in sorted((ROOT / "rlxf_utils").rglob("*.py"))
+        for p in files
         for line in p.read_text(encoding="utf-8").splitlines()
         if "told apart" in line and not line.lstrip().startswith("#")
     ]
-    assert hits == ["rlxf_utils/report/wording.py"], hits
+    assert hits == ["reports/templates/vocabulary.yaml"], hits
+
+
+def test_a_phrase_set_without_its_codes_is_refused_naming_the_file_and_key(tmp_path) -> None:
+    bad = tmp_path / "vocabulary.yaml"
+    bad.write_text('told_apart: "x"\nphrases:\n  gain:\n    above: "raised"\n', encoding="utf-8")
+    with pytest.raises(ValueError, match=r"vocabulary.yaml: phrases.gain needs"):
+        vocabulary(bad)
 
 
 def test_one_formatter_each_for_numbers_percentages_and_p_values() -> None:
@@ -89,7 +97,7 @@ def test_one_formatter_each_for_numbers_percentages_and_p_values() -> None:
 
 
 def _vocabulary_text() -> str:
-    return json.dumps(VOCABULARY, indent=1, ensure_ascii=False, sort_keys=True) + "\n"
+    return json.dumps(vocabulary(), indent=1, ensure_ascii=False, sort_keys=True) + "\n"
 
 
 def test_the_vocabulary_matches_its_golden_file() -> None:

@@ -1,7 +1,7 @@
 """Every number, interval and verdict word a reader sees is formatted here, each by one function:
 numbers (`num`), percentages (`pct`, `pct_ci`), p-values (`pval`), confidence intervals (`ci`,
 `interval`, `level_ci`), lists, markdown tables, and the one vocabulary that turns a verdict code
-into words (`VOCABULARY`, `phrase`, `say`). Imports nothing of the study's but `stats`."""
+into words (`vocabulary`, read from `reports/templates/vocabulary.yaml`; `phrase`, `say`). Imports nothing of the study's but `stats`."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from typing import Any
 
 import jinja2
 import numpy as np
+import yaml
 
 from rlxf_utils.config import PROJECT_ROOT
 from rlxf_utils.markdown import is_present, literal
@@ -43,98 +44,24 @@ ABOVE, BELOW, EQUIVALENT, UNCLEAR = VERDICTS
 #: Verdict values written by runs from before the codes ('higher' / 'lower'): read as codes.
 _LEGACY_CODES = {"higher": ABOVE, "lower": BELOW}
 
-#: The one spelling of the phrase every null of a comparison between two things ends in.
-TOLD_APART = "cannot be told apart"
+#: The study's one verdict vocabulary (`reports/templates/vocabulary.yaml`, which an author edits):
+#: for each kind of comparison, the phrase a sentence uses for each verdict code. Read once.
+VOCABULARY_FILE = PROJECT_ROOT / "reports" / "templates" / "vocabulary.yaml"
 
-#: The study's one verdict vocabulary: for each kind of comparison, the phrase a sentence uses for
-#: each verdict code (`ABOVE`, `BELOW`, `UNCLEAR`; `EQUIVALENT` where a margin applies). A phrase
-#: may hold `{fields}` the caller fills (`phrase`). Every verdict word the report and the
-#: notebooks write comes from here; the golden file `tests/golden/wording/vocabulary.json` shows
-#: them all (`python tests/test_wording.py` rewrites it after a deliberate change).
-VOCABULARY: dict[str, dict[str, str]] = {
-    # a table's verdict column, and a measure's direction in a list of measures
-    "direction": {ABOVE: "higher", BELOW: "lower", UNCLEAR: "not distinguishable"},
-    # a difference against zero, in a table with an equivalence margin
-    "position": {ABOVE: "above", BELOW: "below", UNCLEAR: "not distinguishable",
-                 EQUIVALENT: "equivalent"},
-    # 'X places A {..} B', 'AUC {..} chance', 'above the start policy on hard prompts'
-    "position_from": {ABOVE: "above", BELOW: "below", UNCLEAR: "not distinguishable from"},
-    "apart_from": {ABOVE: "above", BELOW: "below", UNCLEAR: "not distinguishably apart from"},
-    # a policy's gain over the start policy, and calibration's change of the ECE
-    "gain": {ABOVE: "raised", BELOW: "lowered", UNCLEAR: "did not significantly change"},
-    "versus_start": {ABOVE: "significantly higher than", BELOW: "significantly lower than",
-                     UNCLEAR: "not distinguishable from"},
-    "audit_move": {ABOVE: "rose", BELOW: "fell", UNCLEAR: "did not clearly change"},
-    "move": {ABOVE: "raised", BELOW: "lowered", UNCLEAR: "did not distinguishably move"},
-    # the reward model's gain against the audit's
-    "gap": {ABOVE: "larger than", BELOW: "smaller than", UNCLEAR: "not distinguishable from"},
-    # a gain among finished responses only, the check on a policy the token cap cuts
-    "finished_check": {ABOVE: "still a gain", BELOW: "a loss there",
-                       UNCLEAR: "not distinguishable from zero there"},
-    # a policy against the best-of-N curve at equal KL
-    "curve": {ABOVE: "lies above", BELOW: "lies below", UNCLEAR: f"{TOLD_APART} from"},
-    # the paired change of the reward heads' SD against the start policy
-    "uncertainty": {
-        ABOVE: "moved into text the reward model is more unsure about",
-        BELOW: "moved into text the reward model is less unsure about",
-        UNCLEAR: "did not clearly change the reward model's uncertainty",
-    },
-    "explained_variance": {ABOVE: "positive", BELOW: "negative", UNCLEAR: "no clearly positive"},
-    # one algorithm against another (RLGF's questions), and a variant against the paper's claim
-    "beat": {ABOVE: "beats", BELOW: "falls short of", UNCLEAR: f"{TOLD_APART} from"},
-    "claim": {ABOVE: "above", BELOW: "below", UNCLEAR: "indistinguishable"},
-    "hard_minus_easy": {ABOVE: "is larger on hard prompts", BELOW: "is larger on easy prompts",
-                        UNCLEAR: "is not shown to differ between them"},
-    # ILHF: a policy against a comparator, per measure; PPO against the start policy on variety
-    "ilhf_pairwise_sim": {ABOVE: "writes samples of one prompt more alike than",
-                          BELOW: "writes more varied samples of one prompt than",
-                          UNCLEAR: f"{TOLD_APART} in variety from"},
-    "ilhf_reward": {ABOVE: "reaches a higher Ave(R) than", BELOW: "reaches a lower Ave(R) than",
-                    UNCLEAR: f"{TOLD_APART} in Ave(R) from"},
-    "ilhf_xent_met": {ABOVE: "finds held-out MET descriptions less likely than",
-                      BELOW: "finds held-out MET descriptions likelier than",
-                      UNCLEAR: f"{TOLD_APART} on held-out MET descriptions from"},
-    "collapse": {ABOVE: "more alike than", BELOW: "more varied than",
-                 UNCLEAR: "not distinguishable in variety from"},
-    # the reward model: encoder against TF-IDF, a protocol against the first, the probes
-    "encoder_accuracy": {ABOVE: "more accurate", BELOW: "less accurate",
-                         UNCLEAR: "not distinguishable in accuracy"},
-    "encoder_vs_tfidf": {ABOVE: "the encoder is more accurate", BELOW: "TF-IDF LR is more accurate",
-                         UNCLEAR: f"the two {TOLD_APART}"},
-    "protocol_accuracy": {ABOVE: "rises", BELOW: "falls", UNCLEAR: "does not change significantly"},
-    "probes": {
-        ABOVE: "the text alone ranks conditions better than the context fields alone",
-        BELOW: "the context fields alone rank conditions better than the text alone",
-        UNCLEAR: f"the text alone and the context fields alone {TOLD_APART}",
-    },
-    # the risks
-    "base_rate": {ABOVE: "rose", BELOW: "fell", UNCLEAR: "shows no change distinguishable from zero"},
-    "overstates": {ABOVE: "it overstates the later MET rate",
-                   BELOW: "it understates the later MET rate",
-                   UNCLEAR: "the difference is not distinguishable from zero"},
-    "accuracy_trend": {ABOVE: "accuracy rises over the test years",
-                       BELOW: "accuracy falls over the test years",
-                       UNCLEAR: "no trend distinguishable from zero"},
-    "group_gap": {ABOVE: "the model overstates the MET rate",
-                  BELOW: "the model understates the MET rate",
-                  UNCLEAR: "the gap is not distinguishable from zero"},
-    "ratio": {ABOVE: "more than", BELOW: "less than",
-              UNCLEAR: "neither clearly more nor clearly less than"},
-    "length": {ABOVE: "reward rises with length", BELOW: "reward falls with length",
-               UNCLEAR: "no association distinguishable from none at the {level} level"},
-    "change": {ABOVE: "rises", BELOW: "falls", UNCLEAR: "does not change distinguishably"},
-    # the data: the MET rate's trend, its shift at the cut-off, its spread across groups
-    "met_trend": {ABOVE: "The MET rate rises over the test years",
-                  BELOW: "The MET rate falls over the test years",
-                  UNCLEAR: "The MET rate has no linear trend over the test years significant at "
-                           "the {alpha} level"},
-    "met_shift": {ABOVE: "significantly higher", BELOW: "significantly lower",
-                  UNCLEAR: "not significantly different"},
-    "met_groups": {ABOVE: "differ", BELOW: "differ", UNCLEAR: "do not differ significantly"},
-    "base_rate_short": {ABOVE: "a rise distinguishable from zero",
-                        BELOW: "a fall distinguishable from zero",
-                        UNCLEAR: "a difference not distinguishable from zero"},
-}  # fmt: skip
+
+@cache
+def vocabulary(path: Path = VOCABULARY_FILE) -> dict[str, dict[str, str]]:
+    """The phrases of `path` by key and verdict code, `{told_apart}` spelled out; a phrase set
+    without the three codes, or a code that is not one, is a ValueError naming the file and key."""
+    raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    told = raw["told_apart"]
+    out = {}
+    for key, words in raw["phrases"].items():
+        if not {ABOVE, BELOW, UNCLEAR} <= set(words) <= set(VERDICTS):
+            raise ValueError(f"{path}: phrases.{key} needs {ABOVE!r}, {BELOW!r} and {UNCLEAR!r} "
+                             f"(and may have {EQUIVALENT!r}); it has {sorted(words)}")  # fmt: skip
+        out[key] = {c: str(t).replace("{told_apart}", told) for c, t in words.items()}
+    return out
 
 
 def verdict_code(value: Any) -> str:
@@ -148,9 +75,10 @@ def phrase(key: str, code: Any, **fields: Any) -> str:
     """The vocabulary's phrase of `key` for a verdict `code` (a stored verdict value,
     `verdict_code`), its `{fields}` filled; `EQUIVALENT` reads as `UNCLEAR` where `key` has no
     phrase for it. A key the vocabulary lacks: a KeyError naming the keys it has."""
-    if key not in VOCABULARY:
-        raise KeyError(f"wording.VOCABULARY has no {key!r}; it has {sorted(VOCABULARY)}")
-    words = VOCABULARY[key]
+    vocab = vocabulary()
+    if key not in vocab:
+        raise KeyError(f"{VOCABULARY_FILE.name} has no {key!r}; it has {sorted(vocab)}")
+    words = vocab[key]
     c = verdict_code(code)
     return words.get(c, words[UNCLEAR]).format(**fields)
 
