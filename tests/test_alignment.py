@@ -699,7 +699,7 @@ def test_report_rlgf_section_words_follow_the_intervals(tmp_path) -> None:
     )
     assert (
         "hard − easy" in inc["rlgf_easy_hard.md"]
-        and r"gain over sft \[99.5% CI\]" in inc["rlgf_easy_hard.md"]
+        and r"gain over SFT \[99.5% CI\]" in inc["rlgf_easy_hard.md"]
     )
 
 

@@ -349,5 +349,5 @@ def test_report_gives_reward_sd_beside_ave_r_and_a_verdict_from_its_interval(tmp
     v, inc = eval_section(run)
     s = pd.DataFrame(run.read_json("eval/summary.json")["summary"]).set_index("policy")
     assert not uncertainty_context(s, ["ppo"], "base", "95%", None)["measured"]
-    row = next(r for r in inc["eval_summary.md"].splitlines() if r.startswith("| ppo "))
+    row = next(r for r in inc["eval_summary.md"].splitlines() if r.startswith("| PPO "))
     assert row.split("|")[4].strip() == "·"  # policy, prompts, Ave(R), reward SD

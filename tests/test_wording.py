@@ -109,3 +109,56 @@ def test_the_vocabulary_matches_its_golden_file() -> None:
 if __name__ == "__main__":  # rewrite the golden vocabulary (after a deliberate change of a phrase)
     GOLDEN.write_text(_vocabulary_text(), encoding="utf-8")
     print(f"wrote {GOLDEN}")
+
+
+# -- the tables' columns, in reports/templates/tables.yaml -------------------------------------
+SPEC = """
+t:
+  policy: r.policy | name
+  "gain [{{ lvl }} CI]": ci(r.gain, r.low, r.high, signed=True)
+  "{{ 'SD' if with_sd }}": r.sd
+  text: r.text
+named:
+  columns: [setting, value]
+  rows:
+    steps: cfg.steps
+    optimiser: "none if cfg.get('opt') is none else cfg.opt"
+"""
+
+
+def test_a_table_spec_names_ids_signs_numbers_and_shows_data_as_text(tmp_path) -> None:
+    spec = tmp_path / "tables.yaml"
+    spec.write_text(SPEC, encoding="utf-8")
+    rows = [{"policy": "ppo_mle", "gain": -0.012, "low": -0.02, "high": -0.004, "sd": 0.5,
+             "text": "<script>x</script> *bold*"}]  # fmt: skip
+    md = wording.table("t", rows, path=spec, lvl="95%", with_sd=False).splitlines()
+    assert md[0] == r"| policy | gain \[95% CI\] | text |"  # the empty header drops its column
+    cells = [c.strip() for c in md[2].split("|")[1:-1]]
+    assert cells[0] == "PPO + MLE"  # the display name, where the cell is written
+    assert cells[1] == r"-0.012 \[-0.020, -0.004\]"  # signed, one CI format
+    assert cells[2] == r"\<script\>x\</script\> \*bold\*"  # text, never markup
+    with_sd = wording.table("t", rows, path=spec, lvl="95%", with_sd=True)
+    assert with_sd.splitlines()[0].split("|")[3].strip() == "SD"
+    with pytest.raises(ValueError, match=r"tables.yaml: table 't'.*'lvl'"):
+        wording.table("t", rows, path=spec, with_sd=False)
+    with pytest.raises(ValueError, match=r"tables.yaml: no table 'u'"):
+        wording.table("u", rows, path=spec)
+
+
+def test_a_table_of_named_values_leaves_out_a_value_that_is_none(tmp_path) -> None:
+    spec = tmp_path / "tables.yaml"
+    spec.write_text(SPEC, encoding="utf-8")
+    two = wording.table("named", path=spec, cfg={"steps": 3, "opt": "AdamW"}).splitlines()
+    assert [r.split("|")[1:3] for r in two[2:]] == [[" steps ", " 3 "], [" optimiser ", " AdamW "]]
+    one = wording.table("named", path=spec, cfg={"steps": 3}).splitlines()
+    assert len(one) == 3 and "optimiser" not in one[2]
+
+
+def test_every_table_in_the_spec_is_written_by_the_report() -> None:
+    import yaml
+
+    names = set(yaml.safe_load(wording.TABLES_FILE.read_text(encoding="utf-8")))
+    code = "".join(
+        p.read_text(encoding="utf-8") for p in (ROOT / "rlxf_utils" / "report").glob("*.py")
+    )
+    assert {n for n in names if not re.search(rf'table\(\s*"{n}"', code)} == set()

@@ -9,8 +9,8 @@ from typing import Any
 import pandas as pd
 
 from rlxf_utils.artifacts import ArtifactMissing, RunDir
-from rlxf_utils.markdown import is_present, literal, markdown_table
-from rlxf_utils.report.wording import pct, sentence
+from rlxf_utils.markdown import is_present, literal
+from rlxf_utils.report.wording import pct, sentence, table
 
 #: The data section's sentences, each a macro of `reports/templates/data.jinja`.
 SENTENCES = ("trend_sentence", "shift_sentence", "area_sentence", "arrangement_type_sentence")
@@ -67,29 +67,13 @@ def pools_table(run: RunDir) -> str:
     """Report Table 4: each pool of rows (who learns from it) with its rows, its shares as
     percentages, its countries, arrangements and contexts, and its MET share."""
     t = run.read_table("data_pools", "notebook 01_data_exploration")
-    shown = pd.DataFrame({
-        "pool": t["pool"].map(lambda p: POOL_LABELS.get(p, p)),
-        "rows": t["rows"],
-        "share of all rows": t["share"].map(pct),
-        "share of training countries' rows": t["share_of_training_countries"].map(_share),
-        "countries": t["countries"],
-        "arrangements": t["arrangements"],
-        "contexts": t["contexts"],
-        "MET share": t["met_share"].map(_share),
-    })  # fmt: skip
-    return markdown_table(shown)
+    return table("data_pools", t, pools=POOL_LABELS)
 
 
 def split_sizes_table(run: RunDir) -> str:
     """Each protocol's training, validation and test parts: rows, MET share as a percentage,
     arrangements and test years."""
-    t = run.read_table("split_sizes", "notebook 01_data_exploration")
-    shown = pd.DataFrame({
-        "protocol": t["protocol"], "part": t["part"], "rows": t["rows"],
-        "MET share": t["met_share"].map(_share),
-        "arrangements": t["arrangements"], "test years": t["years"],
-    })  # fmt: skip
-    return markdown_table(shown)
+    return table("split_sizes", run.read_table("split_sizes", "notebook 01_data_exploration"))
 
 
 # -- notebook 01's narrative --------------------------------------------------------------------

@@ -13,15 +13,7 @@ from rlxf_utils.artifacts import RunDir
 from rlxf_utils.evaluation.best_of_n import best_of_n_kl_bound
 from rlxf_utils.markdown import is_present, markdown_table
 from rlxf_utils.report.gold import gold_auc, gold_cannot_judge
-from rlxf_utils.report.wording import (
-    EQUIVALENT,
-    ci,
-    margin_verdict,
-    num,
-    pval,
-    sentence,
-    short_text,
-)
+from rlxf_utils.report.wording import EQUIVALENT, num, sentence, table
 from rlxf_utils.reward.uncertainty import FOLDER as HEADS_FOLDER
 from rlxf_utils.reward.uncertainty import MARKER as HEADS_MARKER
 from rlxf_utils.stats import bound_verdict, level
@@ -265,81 +257,33 @@ def _optional(run: RunDir, name: str) -> pd.DataFrame:
     return run.read_table(name, STAGE) if run.exists(f"tables/{name}.csv") else pd.DataFrame()
 
 
-# -- the tables ---------------------------------------------------------------------------------
-def _gain_cell(r: pd.Series, col: str) -> str:
-    if pd.isna(r.get(col)):
-        return "·"
-    low, high = r[col + "_low"], r[col + "_high"]
-    return f"{ci(r[col], low, high, signed=True)} ({pval(r.get(col + '_p_family', math.nan), prose=True)})"
-
-
+# -- the tables (their columns: reports/templates/tables.yaml) ----------------------------------
 def summary_md(s: pd.DataFrame, start: str, lvl: str, fam: str) -> str:
     """Per policy: Ave(R), the reward heads' SD, the gain over the start policy, the audit and its
     gain, and the reward − audit gap, each with its interval."""
-    rows = [{
-        "policy": pol, "prompts": int(r["n_prompts"]),
-        f"Ave(R) [{lvl} CI]": ci(r["ave_r"], r["ave_r_low"], r["ave_r_high"]),
-        f"reward SD [{lvl} CI]": ci(r["reward_sd"], r["reward_sd_low"], r["reward_sd_high"]) if is_present(r.get("reward_sd")) else "·",
-        f"gain vs {start} [{fam} CI] (family p)": _gain_cell(r, "gain"),
-        f"audit [{lvl} CI]": ci(r["audit"], r["audit_low"], r["audit_high"]),
-        f"audit gain [{fam} CI] (family p)": _gain_cell(r, "audit_gain"),
-        f"reward − audit gap [{fam} CI]": "·" if pd.isna(r.get("gap")) else ci(r["gap"], r["gap_low"], r["gap_high"], signed=True),
-    } for pol, r in s.iterrows()]  # fmt: skip
-    return markdown_table(pd.DataFrame(rows))
+    return table("eval_summary", s.reset_index(), lvl=lvl, fam=fam, start=start)
 
 
 def cost_md(s: pd.DataFrame, lvl: str) -> str:
     """Per policy: what its reward cost (KL, perplexity, length, variety) and its grounding."""
-    rows = [{
-        "policy": pol,
-        "KL (nats)": "·" if pd.isna(r["kl"]) else (f"≤ {r['kl']:.2f}" if r["kl_kind"] == "upper bound" else f"{r['kl']:.2f}"),
-        "perplexity": f"{r['perplexity']:.1f}",
-        "finished": "·" if pd.isna(r.get("finished")) else f"{r['finished']:.0%}",
-        "words": f"{r['mean_words']:.1f}",
-        "distinct-2": num(r["distinct_2"]),
-        "rep-3": num(r["rep_3"]),
-        f"grounded MET [{lvl} CI]": ci(r["grounded_met"], r["grounded_low"], r["grounded_high"]),
-        "max similarity": num(r["max_sim"]),
-    } for pol, r in s.iterrows()]  # fmt: skip
-    return markdown_table(pd.DataFrame(rows))
+    return table("eval_cost", s.reset_index(), lvl=lvl)
 
 
 def paired_md(paired: pd.DataFrame, fam: str, margin: float | None) -> str:
     """Each comparison of the vs-start families with its verdict and reference tests."""
-    pt = paired.assign(
-        **{
-            f"difference [{fam} CI]": [ci(a, b, c, signed=True) for a, b, c in zip(paired.mean_diff, paired.ci_low, paired.ci_high, strict=True)],
-            "family p": paired["p_family"].map(pval) if "p_family" in paired else "·",
-            "verdict": [margin_verdict(lo, hi, margin) for lo, hi in zip(paired.ci_low, paired.ci_high, strict=True)],
-            "MDE": paired["mde"].map(lambda v: num(v)) if "mde" in paired else "·",
-            "d_z": paired["cohens_dz"].map(lambda x: f"{x:.2f}"),
-            "p (t, Holm)": paired["p_ttest_holm"].map(pval),
-            "p (Wilcoxon, Holm)": paired["p_wilcoxon_holm"].map(pval),
-        }
-    )[["measure", "policy", "n", "n_clusters", f"difference [{fam} CI]", "family p", "verdict", "MDE", "d_z", "p (t, Holm)", "p (Wilcoxon, Holm)"]]  # fmt: skip
-    return markdown_table(pt)
+    return table("eval_paired", paired, fam=fam, margin=margin)
 
 
 def table3_md(t3: pd.DataFrame) -> str:
     """Example responses with their rewards."""
-    return markdown_table(
-        t3.assign(
-            prompt=t3["prompt"].map(lambda x: short_text(x, 70)),
-            response=t3["response"].map(short_text),
-        )[["prompt", "policy", "response", "reward"]]
-    )
+    return table("eval_table3", t3)
 
 
 def perplexity_md(ppl: pd.DataFrame) -> str:
     """Held-out perplexity per policy, of MET, Non-MET and all descriptions."""
     if ppl.empty:
         return sentence("eval", "no_perplexity")
-    return markdown_table(
-        ppl[["policy", "rows", "ppl_met", "ppl_nonmet", "ppl_all"]].rename(
-            columns={"ppl_met": "MET", "ppl_nonmet": "Non-MET", "ppl_all": "all"}
-        ),
-        floatfmt=".1f",
-    )
+    return table("eval_heldout_perplexity", ppl, floatfmt=".1f")
 
 
 def variance_md(components: pd.DataFrame) -> str:
@@ -347,23 +291,7 @@ def variance_md(components: pd.DataFrame) -> str:
     (×10⁴), the predicted SE and the mean paired difference."""
     if components.empty:
         return table_note(sentence("eval", "no_components"))
-    t = components.assign(
-        **{
-            "between countries ×10⁴": components["var_country"] * 1e4,
-            "between prompts ×10⁴": components["var_prompt"] * 1e4,
-            "within a prompt ×10⁴": components["var_sample"] * 1e4,
-            "mean difference": [num(v, signed=True) for v in components["mean"]],
-            "SE": components["se"].map(lambda v: num(v, 4)),
-        }
-    )
-    cols = ["policy", "judge", "n_countries", "n_prompts", "samples_per_prompt",
-            "between countries ×10⁴", "between prompts ×10⁴", "within a prompt ×10⁴",
-            "mean difference", "SE"]  # fmt: skip
-    return markdown_table(
-        t[cols].rename(columns={"n_countries": "countries", "n_prompts": "prompts",
-                                "samples_per_prompt": "k"}),
-        floatfmt=".2f",
-    )  # fmt: skip
+    return table("eval_variance_components", components, floatfmt=".2f")
 
 
 def design_md(design: pd.DataFrame) -> str:
@@ -371,20 +299,7 @@ def design_md(design: pd.DataFrame) -> str:
     degrees of freedom, MDE and sampling minutes, per judge."""
     if design.empty:
         return table_note(sentence("eval", "no_design"))
-    t = design.assign(
-        se=design["se"].map(lambda v: num(v, 4)),
-        df=design["df"].map(lambda v: f"{v:.1f}"),
-        mde=design["mde"].map(lambda v: num(v, signed=True)),
-        minutes=(design["cost_s"] / 60).map(lambda v: f"{v:.0f}"),
-        reaches_target=design["reaches_target"].map(lambda v: "yes" if v else "no"),
-    )
-    return markdown_table(
-        t[["judge", "design", "prompts", "samples_per_prompt", "countries", "se", "df", "mde",
-           "minutes", "reaches_target"]].rename(
-            columns={"samples_per_prompt": "k", "se": "SE", "mde": "MDE",
-                     "minutes": "sampling (min)", "reaches_target": "reaches target"}
-        )
-    )  # fmt: skip
+    return table("eval_design", design)
 
 
 def table_note(text: str) -> str:

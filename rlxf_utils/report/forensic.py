@@ -10,7 +10,7 @@ import pandas as pd
 
 from rlxf_utils.artifacts import RunDir
 from rlxf_utils.markdown import markdown_table
-from rlxf_utils.report.wording import ABOVE, BELOW, UNCLEAR, ci, listing, num, pct, phrase, sentence
+from rlxf_utils.report.wording import ABOVE, BELOW, UNCLEAR, listing, num, pct, sentence, table
 from rlxf_utils.stats import bound_verdict, level
 
 FORENSIC_MEASURES = (("accuracy", "accuracy"), ("precision", "precision"), ("recall", "recall"), ("f1", "F1"))  # fmt: skip
@@ -81,27 +81,17 @@ def forensic_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any
                 "seconds": "n/a", "fields": "n/a", "encoder_note": "", "models": "n/a"}, {
                 "reward_forensic.md": empty}  # fmt: skip
     stage = "notebook 02_reward_model (forensic arm)"
-    table = run.read_parquet("reward/forensic.parquet", stage)
+    results = run.read_parquet("reward/forensic.parquet", stage)
     meta = run.read_json("reward/forensic.json", stage)
     claim, alpha = float(meta["paper_claim"]), float(meta["alpha"])
     lvl = level(alpha)
-    rows = []
-    for _, r in table.iterrows():
-        row = {"inputs": r["variant"], "model": MODEL_NAMES.get(r["model"], r["model"]),
-               "paper allows": "yes" if r["allowed_by_protocol"] else "no"}  # fmt: skip
-        for m, label in (*FORENSIC_MEASURES, ("roc_auc", "AUC")):
-            row[f"{label} [{lvl} CI]"] = ci(r[m], r[f"{m}_low"], r[f"{m}_high"])
-        row[f"vs {pct(claim, 0)}"] = (
-            "·" if r["model"] == "majority" else phrase("claim", claim_position(r, claim))
-        )
-        rows.append(row)
     fields = meta["fields_read"]
     vintage = fields.get("mona_2002_vintage", {})
     read = [*fields.get("staff_comments", [])[:1], *[c for c in vintage.values() if c]]
-    families = sorted(set(table["model"]) - {"majority"}, key=list(MODEL_NAMES).index)
+    families = sorted(set(results["model"]) - {"majority"}, key=list(MODEL_NAMES).index)
     variables = {
         "models": listing([MODEL_NAMES[m] for m in families]),
-        "verdict": forensic_verdict(table, claim, alpha),
+        "verdict": forensic_verdict(results, claim, alpha),
         "protocol": meta["protocol"],
         "claim": pct(claim, 0),
         "claim_source": meta["paper_claim_source"],
@@ -112,4 +102,12 @@ def forensic_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any
             "forensic", "encoder_note", list(meta.get("encoder_variants", []))
         ),
     }
-    return variables, {"reward_forensic.md": markdown_table(pd.DataFrame(rows))}
+    md = table(
+        "reward_forensic",
+        results,
+        lvl=lvl,
+        claim=claim,
+        models=MODEL_NAMES,
+        position=claim_position,
+    )
+    return variables, {"reward_forensic.md": md}

@@ -5,18 +5,16 @@ are the author's, in `reports/templates/ilhf.jinja`."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pandas as pd
 
-from rlxf_utils.algorithms import ILHF_ALGORITHMS, algorithm_label
+from rlxf_utils.algorithms import ILHF_ALGORITHMS
 from rlxf_utils.artifacts import RunDir
 from rlxf_utils.evaluation.ilhf import HISTORY, MEASURES, TEST_COLUMNS
-from rlxf_utils.markdown import is_present, markdown_table
 from rlxf_utils.report.evaluation import eval_meta, table_note
-from rlxf_utils.report.wording import ci, num, phrase, sentence, verdict_code
+from rlxf_utils.report.wording import sentence, table, verdict_code
 from rlxf_utils.stats import level
 
 #: The verdicts' sentences: (measure of `eval_inclusive_tests`, sentence key).
@@ -127,42 +125,14 @@ def ilhf_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], d
     variables.update({f"{k}_sentence": v for k, v in sentences.items()})
     t = tables["eval_inclusive"]
 
-    def cell(r: pd.Series, col: str, signed: bool = False) -> str:
-        if not is_present(r[col]):
-            return "·"
-        lo, hi = r.get(f"{col}_low", math.nan), r.get(f"{col}_high", math.nan)
-        if is_present(lo) and is_present(hi):
-            return ci(r[col], lo, hi, signed=signed)
-        return num(r[col], signed=signed)
-
-    with_sd = t["reward_sd"].notna().any()
-    rows = [
-        {"policy": r["label"], f"Ave(R) [{lvl} CI]": cell(r, "ave_r"),
-         **({f"reward SD [{lvl} CI]": cell(r, "reward_sd")} if with_sd else {}),
-         "KL (nats)": f"{r['kl']:.2f}" if is_present(r["kl"]) else "·",
-         "MET cross-entropy": cell(r, "xent_met"),
-         f"vs {start} [{lvl} CI]": cell(r, "xent_met_vs_start", signed=True),
-         "area entropy": cell(r, "area_entropy"), "area KL from history": cell(r, "area_kl_to_history"),
-         "distinct-2": cell(r, "distinct_2"),
-         f"pairwise similarity [{lvl} CI]": cell(r, "pairwise_sim")}
-        for _, r in t.iterrows()
-    ]  # fmt: skip
     tests = tables["eval_inclusive_tests"]
     if tests.empty:
         tests_md = table_note(_say("no_tests_note", sentences))
     else:
-        tt = tests.assign(
-            measure=tests["measure"].map(MEASURES),
-            policy=tests["policy"].map(algorithm_label),
-            versus=tests["versus"].map(algorithm_label),
-            **{f"difference [{lvl} CI]": [ci(a, b, c, signed=True) for a, b, c in zip(tests["diff"], tests["low"], tests["high"], strict=True)]},
-        )  # fmt: skip
-        tests_md = markdown_table(
-            tt[["measure", "policy", "versus", "n", "n_clusters", f"difference [{lvl} CI]",
-                "verdict"]].assign(verdict=tt["verdict"].map(lambda v: phrase("direction", v)))
-            .rename(columns={"n": "units", "n_clusters": "countries"})
-        )  # fmt: skip
+        tests_md = table("ilhf_tests", tests, lvl=lvl, measures=MEASURES)
     return variables, {
-        "ilhf_table.md": markdown_table(pd.DataFrame(rows)),
+        "ilhf_table.md": table(
+            "ilhf_table", t, lvl=lvl, start=start, with_sd=bool(t["reward_sd"].notna().any())
+        ),  # fmt: skip
         "ilhf_tests.md": tests_md,
     }

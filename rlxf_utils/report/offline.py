@@ -11,9 +11,9 @@ from typing import Any
 import pandas as pd
 
 from rlxf_utils.artifacts import RunDir
-from rlxf_utils.markdown import is_present, markdown_table
+from rlxf_utils.markdown import is_present
 from rlxf_utils.report.evaluation import table_note
-from rlxf_utils.report.wording import ci, sentence, value
+from rlxf_utils.report.wording import sentence, table, value
 
 #: The numbers of an `eval_methods` row that a method's clause reads.
 _GAINS = ("gain", "gain_low", "gain_high", "audit_gain", "audit_gain_low", "audit_gain_high", "kl")
@@ -55,30 +55,14 @@ def offline_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
         note = sentence("offline", "predates_note", {"stage": stage})
         return ({"answer": note, "answer_reward": note, "offline": note, "references": note,
                  "present": False}, {"eval_methods.md": table_note(note)})  # fmt: skip
-    table = run.read_table("eval_methods", stage)
+    methods = run.read_table("eval_methods", stage)
     need = meta.get("need_rl", {})
-    present = bool((table["group"] == "offline").any()) if len(table) else False
-    shown = table.assign(
-        reward_gain=[ci(r["gain"], r["gain_low"], r["gain_high"], signed=True) for _, r in table.iterrows()],
-        audit_gain=[ci(r["audit_gain"], r["audit_gain_low"], r["audit_gain_high"], signed=True)
-                    for _, r in table.iterrows()],
-        kl=[f"{k:.2f}" + (" (bound)" if kind == "upper bound" else "")
-            for k, kind in zip(table["kl"], table["kl_kind"].fillna(""), strict=True)],
-        finished=[f"{f:.0%}" if is_present(f) else "·" for f in table["finished"]],
-        audit_finished=[ci(r["audit_gain_finished"], r["audit_gain_finished_low"],
-                           r["audit_gain_finished_high"], signed=True)
-                        if is_present(r.get("audit_gain_finished_low")) else "·"
-                        for _, r in table.iterrows()],
-    )[["method", "group", "reward_gain", "audit_gain", "kl", "finished", "audit_finished",
-       "vs_best_of_n"]]  # fmt: skip
-    shown.columns = ["method", "kind", f"gain over {start}: reward model", f"gain over {start}: audit",
-                     f"KL to {start} (nats)", "finished", "audit gain, finished responses only",
-                     "vs best-of-N at equal KL"]  # fmt: skip
+    present = bool((methods["group"] == "offline").any()) if len(methods) else False
     variables = {
         "answer": answer_sentence(need["audit_reward"]) if "audit_reward" in need else "",
         "answer_reward": answer_sentence(need["reward"]) if "reward" in need else "",
-        "offline": sentence("offline", "method_clauses", methods_context(table, "offline")),
-        "references": sentence("offline", "method_clauses", methods_context(table, "best-of-N")),
+        "offline": sentence("offline", "method_clauses", methods_context(methods, "offline")),
+        "references": sentence("offline", "method_clauses", methods_context(methods, "best-of-N")),
         "present": present,
     }
-    return variables, {"eval_methods.md": markdown_table(shown.fillna(""))}
+    return variables, {"eval_methods.md": table("eval_methods", methods, start=start)}

@@ -10,10 +10,10 @@ from typing import Any
 import pandas as pd
 
 from rlxf_utils.artifacts import RunDir
-from rlxf_utils.markdown import is_present, markdown_table
+from rlxf_utils.markdown import is_present
 from rlxf_utils.report.evaluation import table_note
 from rlxf_utils.report.gold import ceiling, gold_auc, gold_cannot_judge
-from rlxf_utils.report.wording import EQUIVALENT, coef, sentence
+from rlxf_utils.report.wording import EQUIVALENT, sentence, table
 from rlxf_utils.stats import bound_verdict, level
 
 #: The section's sentences (the report's variables), each a macro of the template.
@@ -82,15 +82,7 @@ def overopt_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
         context["distinct_sentence"]["distinct"] = None
     macros = {"sentence": "curve_sentence"}
     variables = {k: sentence("overopt", macros.get(k, k), v) for k, v in context.items()}
-    table = fits.assign(
-        family=fits["family"].map({"best_of_n": "best-of-n", "rl": "RL algorithms (pooled)"}),
-        alpha=[coef(_finite(a), s) for a, s in zip(fits["alpha"], fits["alpha_se"], strict=True)],
-        beta=[coef(_finite(b), s) for b, s in zip(fits["beta"], fits["beta_se"], strict=True)],
-        r2=fits["r2"].map(lambda v: "·" if _finite(v) is None else f"{v:.2f}"),
-    )[["family", "reward", "form", "points", "alpha", "beta", "r2"]].rename(
-        columns={"alpha": "α ± SE", "beta": "β ± SE", "r2": "R²"}
-    )
     return (
         {**variables, "level": level(alpha)},
-        {"eval_overoptimisation_fit.md": markdown_table(table)},
+        {"eval_overoptimisation_fit.md": table("eval_overoptimisation_fit", fits, finite=_finite)},
     )

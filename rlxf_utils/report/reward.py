@@ -11,7 +11,6 @@ from typing import Any
 import pandas as pd
 
 from rlxf_utils.artifacts import ArtifactMissing, RunDir
-from rlxf_utils.markdown import markdown_table
 from rlxf_utils.report.wording import (
     ABOVE,
     BELOW,
@@ -20,8 +19,8 @@ from rlxf_utils.report.wording import (
     interval,
     num,
     pct,
-    phrase,
     sentence,
+    table,
     verdict_code,
 )
 from rlxf_utils.reward.encoders import ENCODER_NAMES
@@ -98,65 +97,15 @@ def reward_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
     labels = reward_labels(meta)
     scorers = m[~m["model"].isin(["context_only", "text_only"])]
 
-    rows = []
-    for r in scorers.itertuples():
-        rows.append({"protocol": r.protocol, "model": labels[r.model], "accuracy": r.accuracy,
-                     "precision": r.precision, "recall": r.recall, "F1": r.f1, "macro-F1": r.macro_f1,
-                     "AUC": r.roc_auc, "Brier": r.brier, "ECE": r.ece})  # fmt: skip
-    metrics_md = markdown_table(pd.DataFrame(rows))
-
-    def diff_ci(d: pd.Series) -> str:
-        return ci(d["diff"], d["diff_low"], d["diff_high"], signed=True)
+    metrics_md = table("reward_metrics", scorers, labels=labels)
 
     acc = comp[(comp["measure"] == "accuracy") & (comp["comparison"] == "encoder vs TF-IDF")]
     pm = pdiff[pdiff["model"] == main] if len(pdiff) else pdiff
     cal_main = cal[(cal["protocol"] == proto) & (cal["model"] == main)].iloc[0]
-    cal_md = markdown_table(
-        pd.DataFrame(
-            {
-                "protocol": cal["protocol"],
-                "model": cal["model"].map(labels),
-                "T": cal["temperature"].map(lambda x: f"{x:.2f}"),
-                "offset": cal["offset"].map(lambda x: f"{x:+.2f}"),
-                "calibration rows": cal["n_calibration"].astype(int),
-                f"ECE before [{lvl} CI]": [ci(a, b, c) for a, b, c in zip(cal.test_ece_before, cal.test_ece_before_low, cal.test_ece_before_high, strict=True)],
-                f"ECE after [{lvl} CI]": [ci(a, b, c) for a, b, c in zip(cal.test_ece_after, cal.test_ece_after_low, cal.test_ece_after_high, strict=True)],
-                f"after − before [{lvl} CI]": [ci(a - b, lo, hi, signed=True) for a, b, lo, hi in zip(cal.test_ece_after, cal.test_ece_before, cal.ece_diff_low, cal.ece_diff_high, strict=True)],
-                "Brier before": cal["test_brier_before"].map(num),
-                "Brier after": cal["test_brier_after"].map(num),
-            }
-        )
-    )  # fmt: skip
+    cal_md = table("reward_calibration", cal, labels=labels, lvl=lvl)
     within = m[m["model"] != "majority"]
-    within_md = markdown_table(
-        pd.DataFrame(
-            {
-                "protocol": within["protocol"],
-                "model": within["model"].map(labels),
-                f"AUC [{lvl} CI]": [ci(r.roc_auc, r.roc_auc_low, r.roc_auc_high) for r in within.itertuples()],
-                **{
-                    f"within {name} [{lvl} CI]": [
-                        ci(getattr(r, f"auc_within_{stem}"), getattr(r, f"auc_within_{stem}_low"), getattr(r, f"auc_within_{stem}_high"))
-                        for r in within.itertuples()
-                    ]
-                    for stem, name in (("country", "country"), ("area", "area"), ("context", "context"))
-                },
-            }
-        )
-    )  # fmt: skip
-    tests_md = markdown_table(
-        pd.DataFrame(
-            {
-                "protocol": comp["protocol"],
-                "comparison": comp["comparison"],
-                "measure": comp["measure"].map({"accuracy": "accuracy", "roc_auc": "AUC", "ece": "ECE"}),
-                "a": comp["value_a"].map(num),
-                "b": comp["value_b"].map(num),
-                f"a − b [{lvl} CI]": [diff_ci(r) for _, r in comp.iterrows()],
-                "verdict": comp["verdict"].map(lambda v: phrase("direction", v)),
-            }
-        )
-    )  # fmt: skip
+    within_md = table("reward_within", within, labels=labels, lvl=lvl)
+    tests_md = table("reward_tests", comp, lvl=lvl)
 
     wc = m[m["protocol"] == proto].set_index("model")
     mm = wc.loc[main]
@@ -246,21 +195,7 @@ def encoders_section(
     if not run.exists("tables/reward_encoders.csv") or not encoders:
         return dict.fromkeys(keys, _say("encoders_stale", {})), ""
     t = run.read_table("reward_encoders", STAGE)
-    md = markdown_table(
-        pd.DataFrame(
-            {
-                "protocol": t["protocol"],
-                "model": t["label"],
-                "parameters (M)": t["parameters_m"].map(lambda x: "–" if pd.isna(x) else f"{x:.0f}"),
-                "train (s)": t["train_s"].map(lambda x: f"{x:.0f}"),
-                "epochs run": t["epochs_run"].map(lambda x: "–" if pd.isna(x) else f"{x:.1f}"),
-                "scoring (texts/s)": t["score_texts_per_s"].map(lambda x: "–" if pd.isna(x) else f"{x:.0f}"),
-                f"accuracy [{lvl} CI]": [ci(r.accuracy, r.accuracy_low, r.accuracy_high) for r in t.itertuples()],
-                f"AUC [{lvl} CI]": [ci(r.roc_auc, r.roc_auc_low, r.roc_auc_high) for r in t.itertuples()],
-                f"AUC within context [{lvl} CI]": [ci(r.auc_within_context, r.auc_within_context_low, r.auc_within_context_high) for r in t.itertuples()],
-            }
-        )
-    )  # fmt: skip
+    md = table("reward_encoders", t, lvl=lvl)
     compared = [k for k in encoders if k != "encoder"]
     proto = meta["reward_protocol"]
 
@@ -359,17 +294,7 @@ def reference_check(run: RunDir, lvl: str) -> tuple[str, str]:
         return _say("reference_sentence", {"holdout": None}), ""
     holdout = run.read_json("data/holdout.json", "notebook 01_data_exploration")
     t = run.read_table("reward_reference_check", STAGE)
-    md = markdown_table(
-        pd.DataFrame(
-            {
-                "model": t["model"],
-                "rows": t["rows"],
-                "MET share": t["met_share"].map(pct),
-                "mean P(MET)": t["mean_p"].map(num),
-                f"AUC [{lvl} CI]": [ci(r.auc, r.auc_low, r.auc_high) for r in t.itertuples()],
-            }
-        )  # fmt: skip
-    )
+    md = table("reward_reference_check", t, lvl=lvl)
     c = {
         "holdout": True,
         "countries": len(holdout["eval_countries"]),

@@ -11,8 +11,8 @@ import pandas as pd
 
 from rlxf_utils.artifacts import RunDir
 from rlxf_utils.config import CRITIC_INIT
-from rlxf_utils.markdown import display_country, is_present, markdown_table
-from rlxf_utils.report.wording import ci, num, sentence, short_text, spaced, value
+from rlxf_utils.markdown import is_present, markdown_table
+from rlxf_utils.report.wording import sentence, spaced, table, value
 
 
 def moves_context(rows: pd.DataFrame) -> dict[str, Any]:
@@ -70,54 +70,6 @@ def kl_short(estimator: Any) -> str:
     return next((v for k, v in KL_SHORT.items() if str(estimator).startswith(k)), "·")
 
 
-def _rl_summary_display(summ: pd.DataFrame) -> pd.DataFrame:
-    """notebook 03's `rl_summary` with short headers a page can hold: one cell per quantity."""
-
-    def cell(x: Any, digits: int) -> str:
-        return num(x, digits) if is_present(x) else "·"
-
-    def arrow(a: Any, b: Any, digits: int) -> str:
-        return f"{cell(a, digits)} → {cell(b, digits)}" if is_present(a) else "·"
-
-    rows = []
-    for _, r in summ.iterrows():
-        ev = r.get("explained_variance_last_third")
-        rows.append({
-            "algorithm": r["algorithm"], "steps": int(r["steps"]),
-            "reward (first → last 3 steps)": arrow(r.get("reward_first"), r.get("reward_last"), 3),
-            "final KL": cell(r.get("kl_last"), 2),
-            "KL measured as": kl_short(r.get("kl_estimator")),
-            "entropy": cell(r.get("entropy_last"), 2),
-            "critic EV, last third [CI]": ci(ev, r.get("explained_variance_low"), r.get("explained_variance_high")) if is_present(ev) else "·",
-            "β (first → last)": arrow(r.get("beta_first"), r.get("beta_last"), 4),
-            "s / step": cell(r.get("step_time_s"), 1), "tokens / s": cell(r.get("tokens_per_s"), 0),
-        })  # fmt: skip
-    return pd.DataFrame(rows)
-
-
-def optimiser_rows(rl: dict[str, Any]) -> list[tuple[str, str]]:
-    """The settings table's rows for the one optimiser every algorithm shares and the
-    approximate-KL early stop (none for runs from before `rl.optimizer`)."""
-    o = rl.get("optimizer")
-    if o is None:
-        return []
-    stop = rl.get("approx_kl_stop")
-    return [
-        (
-            "optimiser, every algorithm (ours and TRL's)",
-            f"AdamW, eps {o['eps']:g}, weight decay {o['weight_decay']:g}, betas "
-            f"({o['beta1']:g}, {o['beta2']:g}), {o['lr_schedule']} learning rate, "
-            f"gradients clipped at norm {o['max_grad_norm']:g}",
-        ),
-        (
-            "approximate-KL early stop of a batch's epochs",
-            "none (TRL's GRPO and RLOO have none)"
-            if stop is None
-            else f"at {stop:g}, every RL algorithm",
-        ),
-    ]
-
-
 def rl_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
     """The RL section's variables (its sentences, macros of `reports/templates/rl.jinja`, and
     the run's settings) and tables, from notebook 03's tables and the run's parameters."""
@@ -128,29 +80,6 @@ def rl_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], dic
     sft = run.read_table("sft_summary", stage) if params["sft"]["enabled"] else pd.DataFrame()
     rl, pol = params["rl"], params["policy"]
     critic_init = rl.get("critic_init", "mean")  # runs from before the setting: the head alone
-    settings = pd.DataFrame(
-        [
-            ("policy", pol["model"] if pol["model"] != "embedded" else "SmolLM2-135M-Instruct (embedded)"),
-            ("LoRA rank / alpha / targets", f"{pol['lora']['rank']} / {pol['lora']['alpha']} / {', '.join(pol['lora']['target_modules'])}"),
-            ("start policy (and KL reference)", rl["start_policy"]),
-            ("steps x prompts x responses per prompt", f"{rl['steps']} x {rl['batch_size'] // rl['num_generations']} x {rl['num_generations']}"),
-            ("max new tokens, temperature, top-p", f"{rl['max_new_tokens']}, {rl['temperature']}, {rl['top_p']}"),
-            ("learning rate", f"{rl['learning_rate']:g}"),
-            *optimiser_rows(rl),
-            ("KL coefficient (initial), adaptive (every RL algorithm), target, K_beta", f"{rl['kl_coef']:g}, {rl['adaptive_kl']}, {rl['target_kl']:g}, {rl['kl_adapt_rate']:g}"),
-            ("update epochs x minibatches (optimiser steps per batch, every algorithm)", f"{rl['update_epochs']} x {rl['batch_size'] // rl['minibatch_size']}"),
-            ("PPO clip (policy / value), value coefficient", f"{rl['clip_range']} / {rl['clip_range_value'] if rl['clip_range_value'] is not None else 'none'}, {rl['vf_coef']:g}"),
-            ("mixed precision", pol.get("autocast") or "none (fp32)"),
-            ("GAE gamma / lambda", f"{rl['gamma']} / {rl['lam']}"),
-            ("PPO critic at the start", CRITIC_INIT[critic_init]),
-            ("training prompts", "all training contexts" if rl["max_prompts"] is None else str(rl["max_prompts"])),
-        ],
-        columns=["setting", "value"],
-    )  # fmt: skip
-    shown = samples.assign(
-        response=samples["response"].map(short_text),
-        country=samples["country"].map(display_country),
-    )[["policy", "country", "econ_descriptor", "response", "reward"]]
     rows = summ.set_index("algorithm")
     variables = {
         "algorithms": sentence("rl", "algorithms", {"algorithms": list(rows.index)}),
@@ -175,9 +104,9 @@ def rl_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], dic
         "sft_summary.md": markdown_table(sft.rename(columns=spaced), floatfmt=".3f")
         if not sft.empty
         else sentence("rl", "sft_table_missing", {}),
-        "rl_settings.md": markdown_table(settings),
-        "rl_summary.md": markdown_table(_rl_summary_display(summ)),
-        "rl_samples.md": markdown_table(shown),
+        "rl_settings.md": table("rl_settings", rl=rl, pol=pol, critic=CRITIC_INIT[critic_init]),
+        "rl_summary.md": table("rl_summary", summ, kl_short=kl_short),
+        "rl_samples.md": table("rl_samples", samples),
         "rl_train_experience.md": markdown_table(_experience_display(run, stage), floatfmt=".3g"),
     }
     return variables, includes

@@ -9,20 +9,14 @@ from typing import Any
 
 import pandas as pd
 
-from rlxf_utils.algorithms import RLGF_ALGORITHMS, algorithm_label
+from rlxf_utils.algorithms import RLGF_ALGORITHMS
 from rlxf_utils.artifacts import RunDir
 from rlxf_utils.evaluation.rlgf import HALVES, MEASURES, guidance_comparator, policy_label
-from rlxf_utils.markdown import is_present, markdown_table
+from rlxf_utils.markdown import is_present
 from rlxf_utils.prompts import CONTEXT_FIELDS
 from rlxf_utils.report.evaluation import eval_meta, table_note
-from rlxf_utils.report.wording import ci, num, phrase, pval, sentence, value
+from rlxf_utils.report.wording import num, sentence, table, value
 from rlxf_utils.stats import level
-
-#: (question id, wording) of the two comparisons in `guidance_table`.
-QUESTIONS = {
-    "guidance_vs_ppo": "does guidance beat PPO?",
-    "rl_vs_sft_met": "does RL beat supervised learning on what was met?",
-}
 
 
 def comparisons(g: pd.DataFrame, policies: Sequence[str], versus: str,
@@ -186,7 +180,6 @@ def rlgf_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], d
             "rlgf_easy_hard.md": text,
         }
 
-    table = run.read_table("eval_rlgf", stage)
     easy_hard = run.read_table("eval_easy_hard", stage)
     guidance = run.read_table("eval_guidance", stage)
     verdicts = guidance_context(guidance, algos, alpha)
@@ -201,57 +194,17 @@ def rlgf_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], d
         median=num(easy_hard["median_met_rate"].iloc[0]) if len(easy_hard) else "n/a",
     )  # fmt: skip
 
-    def kl_cell(r: pd.Series) -> str:
-        if not is_present(r["kl"]):
-            return "·"
-        return f"≤ {r['kl']:.2f}" if r["kl_kind"] == "upper bound" else f"{r['kl']:.2f}"
-
-    rows = [
-        {"policy": r["label"], f"Ave(R) [{lvl} CI]": ci(r["ave_r"], r["ave_r_low"], r["ave_r_high"]),
-         f"audit [{lvl} CI]": ci(r["audit"], r["audit_low"], r["audit_high"]), "KL (nats)": kl_cell(r),
-         "output perplexity": f"{r['output_ppl']:.1f}" if is_present(r["output_ppl"]) else "·",
-         "MET perplexity": f"{r['met_ppl']:.1f}" if is_present(r["met_ppl"]) else "·",
-         "distinct-2": num(r["distinct_2"]),
-         "finished": f"{r['finished']:.0%}" if is_present(r["finished"]) else "·"}
-        for _, r in table.iterrows()
-    ]  # fmt: skip
-    table_md = markdown_table(pd.DataFrame(rows))
+    table_md = table("rlgf_table", run.read_table("eval_rlgf", stage), lvl=lvl)
     if easy_hard.empty:
         eh_md = table_note(sentence("rlgf", "no_split_note", {}))
     else:
         levels = easy_hard.get("gain_ci_level", pd.Series(dtype=float)).dropna()
         eh_lvl = level(1 - float(levels.iloc[0])) if len(levels) else lvl  # the gains' family
-        eh = easy_hard.assign(
-            half=easy_hard["half"].replace({"hard_minus_easy": "hard − easy"}),
-            **{
-                f"Ave(R) [{lvl} CI]": [ci(a, b, c) for a, b, c in zip(easy_hard.ave_r, easy_hard.ave_r_low, easy_hard.ave_r_high, strict=True)],
-                f"gain over {start} [{eh_lvl} CI]": [ci(a, b, c) if is_present(a) else "·" for a, b, c in zip(easy_hard.gain, easy_hard.gain_low, easy_hard.gain_high, strict=True)],
-                "verdict": easy_hard["gain_verdict"].fillna("").map(lambda v: phrase("direction", v) if v else ""),
-            },
-        )  # fmt: skip
-        eh_md = markdown_table(
-            eh[["label", "half", "n_prompts", "n_countries", f"Ave(R) [{lvl} CI]",
-                f"gain over {start} [{eh_lvl} CI]", "verdict"]].rename(
-                columns={"label": "policy", "n_prompts": "prompts", "n_countries": "countries"})
-        )  # fmt: skip
+        eh_md = table("rlgf_easy_hard", easy_hard, lvl=lvl, eh_lvl=eh_lvl, start=start)
     if guidance.empty:
         g_md = table_note(sentence("rlgf", "no_comparison_note", verdicts["guidance"]))
     else:
-        g = guidance.assign(
-            question=guidance["question"].map(QUESTIONS),
-            measure=guidance["measure"].map(MEASURES),
-            policy=guidance["policy"].map(algorithm_label),
-            versus=guidance["versus"].map(algorithm_label),
-            **{"difference [family CI]": [ci(a, b, c) for a, b, c in zip(guidance["diff"], guidance["low"], guidance["high"], strict=True)],
-               "level": guidance.get("ci_level", pd.Series(1 - alpha, index=guidance.index)).map(lambda v: level(1 - v)),
-               "family p": guidance["p_family"].map(pval) if "p_family" in guidance else "·",
-               "verdict": guidance["verdict"].map(lambda v: phrase("direction", v))},
-        )  # fmt: skip
-        g_md = markdown_table(
-            g[["question", "measure", "policy", "versus", "n", "n_clusters",
-               "difference [family CI]", "level", "verdict", "family p"]].rename(
-                columns={"n": "prompts", "n_clusters": "countries"})
-        )  # fmt: skip
+        g_md = table("rlgf_guidance", guidance, measures=MEASURES, alpha=alpha)
     return variables, {
         "rlgf_table.md": table_md,
         "rlgf_guidance.md": g_md,

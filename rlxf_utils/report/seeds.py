@@ -12,9 +12,9 @@ from typing import Any
 import pandas as pd
 
 from rlxf_utils.artifacts import RunDir
-from rlxf_utils.markdown import is_present, markdown_table
+from rlxf_utils.markdown import is_present
 from rlxf_utils.report.evaluation import family_level
-from rlxf_utils.report.wording import ABOVE, BELOW, EQUIVALENT, ci, num, sentence
+from rlxf_utils.report.wording import ABOVE, BELOW, EQUIVALENT, sentence, table
 from rlxf_utils.stats import MAX_SEEDS, bound_verdict, ci_sign, level
 
 #: The measures a pooled row gives: the gain under the reward model and under the audit.
@@ -45,47 +45,21 @@ def seeds_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
     context = {"n": n, "labels": [str(x) for x in pooled["label"]], "level": lvl, "margin": margin,
                "start": meta.get("start_policy", "sft"), "needed": seeds_needed(pooled),
                "measures": [by_verdict(pooled, col, margin) for col in MEASURES]}  # fmt: skip
-    shown = []
-    for _, r in t.iterrows():
-        pooled_row = r["seed"] == "pooled"
-        shown.append({
-            "algorithm": r["label"], "seed": r["seed"],
-            "gain": ci(r["gain"], r["gain_low"], r["gain_high"], signed=True),
-            "audit gain": ci(r["audit_gain"], r["audit_gain_low"], r["audit_gain_high"], signed=True),
-            "KL (nats)": f"{r['kl']:.2f}",
-            "seed SD of gain": f"{r['gain_seed_sd']:.3f}" if pooled_row and is_present(r.get("gain_seed_sd")) else "·",
-            "seeds for the target MDE": _needed_cell(r) if pooled_row else "·",
-        })  # fmt: skip
     # the algorithms in the study's order; per algorithm its seeds in numeric order, then pooled
     algo_order = t["algorithm"].map({a: i for i, a in enumerate(pooled["algorithm"])})
     seed_order = pd.to_numeric(t["seed"], errors="coerce").fillna(float("inf"))
-    table = (
-        pd.DataFrame(shown)
-        .assign(_algo=algo_order.to_numpy(), _seed=seed_order.to_numpy())
-        .sort_values(["_algo", "_seed"], kind="stable")
-        .drop(columns=["_algo", "_seed"])
-    )
+    shown = t.assign(
+        _algo=algo_order.to_numpy(), _seed=seed_order.to_numpy(), seed=t["seed"].astype(str)
+    ).sort_values(["_algo", "_seed"], kind="stable")
     variables = {"sentence": sentence("seeds", "seeds_sentence", context), "seeds": str(n),
                  "count_words": sentence("seeds", "count_words", n), "level": lvl}  # fmt: skip
     return variables, {
-        "eval_seeds.md": markdown_table(table),
+        "eval_seeds.md": table("eval_seeds", shown, most=MAX_SEEDS),
         "eval_seeds_optional.md": "{{< include _generated/eval_seeds.md >}}\n\n: "
         + sentence("seeds", "table_caption", lvl)
         + " {#tbl-seeds}\n",
         "eval_seeds_figure.md": sentence("seeds", "figure", lvl),
     }
-
-
-def _needed_cell(r: pd.Series) -> str:
-    """A pooled row's seeds for the target MDE under the reward model: the count, or 'none'
-    with the floor no number of seeds passes."""
-    if not is_present(r.get("target_mde")):
-        return "·"
-    if is_present(r.get("gain_seeds_needed")):
-        k = r["gain_seeds_needed"]
-        return str(int(k)) if math.isfinite(k) else f"more than {MAX_SEEDS}"
-    floor = r.get("gain_mde_floor")
-    return f"none (floor {num(floor)})" if is_present(floor) else "·"
 
 
 def seeds_needed(pooled: pd.DataFrame) -> dict[str, Any] | None:

@@ -14,10 +14,11 @@ from typing import Any
 
 import jinja2
 import numpy as np
+import pandas as pd
 import yaml
 
 from rlxf_utils.config import PROJECT_ROOT
-from rlxf_utils.markdown import is_present, literal
+from rlxf_utils.markdown import display_country, is_present, literal, markdown_table
 from rlxf_utils.names import display_label, outside_fences
 from rlxf_utils.stats import VERDICTS, bound_verdict, ci_sign, level
 
@@ -238,10 +239,80 @@ def templates(folder: Path = TEMPLATES) -> jinja2.Environment:
         lstrip_blocks=True,
     )
     env.filters.update(num=num, pct=pct, pval=pval, name=display_name, names=display_names,
-                       literal=literal, level=level)  # fmt: skip
+                       literal=literal, level=level, fmt=_fmt, spaced=spaced,
+                       country=display_country)  # fmt: skip
+    env.tests["present"] = is_present
     env.globals.update(phrase=phrase, say=say, interval=interval, ci=ci, listing=listing,
-                       pct_ci=pct_ci, level_ci=level_ci, bound=null_bound_clause, coef=coef)  # fmt: skip
+                       pct_ci=pct_ci, level_ci=level_ci, bound=null_bound_clause, coef=coef,
+                       margin_verdict=margin_verdict, short_text=short_text,
+                       estimate=estimate)  # fmt: skip
     return env
+
+
+def _fmt(x: Any, spec: str) -> str:
+    """`format(x, spec)` for a present number ('+.2f', '.0%'), 'n/a' for a missing one: the
+    templates' `fmt` filter, for the few cells the named formatters do not cover."""
+    return format(float(x), spec) if is_present(x) else "n/a"
+
+
+#: The report's tables that an author edits: per table, each column's header (a template, which
+#: may quote the table's context: `{{ level }}`) and its cell (an expression over the row `r`); or,
+#: for a table of named values, its two `columns` and its `rows` (label: expression).
+TABLES_FILE = TEMPLATES / "tables.yaml"
+
+
+@cache
+def _table_spec(
+    name: str, path: Path = TABLES_FILE
+) -> tuple[list[str] | None, list[tuple[Any, Any]]]:
+    specs = yaml.safe_load(path.read_text(encoding="utf-8"))
+    if name not in specs:
+        raise ValueError(f"{path}: no table {name!r}; it has {sorted(specs)}")
+    env, spec = templates(path.parent), specs[name]
+    named = isinstance(spec.get("rows"), dict)
+    try:
+        return (spec["columns"] if named else None), [
+            (env.from_string(str(h)), env.compile_expression(str(e), undefined_to_none=False))
+            for h, e in (spec["rows"] if named else spec).items()
+        ]
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"{path}: table {name!r}: {e.message}") from e
+
+
+def estimate(r: Any, col: str, signed: bool = False) -> str:
+    """A table row's `col` with its interval (`col_low`, `col_high`) where the row has one, the
+    number alone where it has none, '·' where the value is missing: the templates' `estimate`."""
+    x, low, high = r.get(col), r.get(f"{col}_low"), r.get(f"{col}_high")
+    if not is_present(x):
+        return "·"
+    return ci(x, low, high, signed=signed) if is_present(low) and is_present(high) else num(x, signed=signed)  # fmt: skip
+
+
+def _defined(x: Any) -> Any:
+    if isinstance(x, jinja2.Undefined):
+        str(x)  # a StrictUndefined raises, naming what was missing
+    return x
+
+
+def table(name: str, rows: Any = (), floatfmt: str = ".3f", path: Path = TABLES_FILE, **context: Any) -> str:  # fmt: skip
+    """The markdown table `name` of `reports/templates/tables.yaml` over `rows` (records, or a
+    DataFrame's rows), each column's header rendered with `context` and its cell evaluated with
+    the row as `r`; cells are shown as written (`markdown.markdown_table`). A column whose header
+    renders empty is left out (a column only some runs have). A table of named values takes no
+    rows: one row per label whose expression is not none. A field the spec names that the rows
+    or context lack raises a ValueError naming the table."""
+    records = rows.to_dict("records") if isinstance(rows, pd.DataFrame) else list(rows)
+    named, spec = _table_spec(name, path)
+    try:
+        if named:
+            pairs = [(h.render(**context), _defined(v(**context))) for h, v in spec]
+            cols = dict(zip(named, zip(*[(h, v) for h, v in pairs if v is not None], strict=True), strict=True))  # fmt: skip
+        else:
+            heads = [(h.render(**context), cell) for h, cell in spec]
+            cols = {h: [_defined(cell(r=r, **context)) for r in records] for h, cell in heads if h}
+    except jinja2.UndefinedError as e:
+        raise ValueError(f"{path}: table {name!r}: {e.message}") from e
+    return markdown_table(pd.DataFrame({h: list(v) for h, v in cols.items()}), floatfmt=floatfmt)
 
 
 def display_name(name: Any) -> str:
