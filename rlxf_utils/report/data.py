@@ -9,7 +9,7 @@ from typing import Any
 import pandas as pd
 
 from rlxf_utils.artifacts import ArtifactMissing, RunDir
-from rlxf_utils.markdown import is_present, literal
+from rlxf_utils.markdown import is_present
 from rlxf_utils.report.wording import pct, sentence, table
 
 #: The data section's sentences, each a macro of `reports/templates/data.jinja`.
@@ -80,63 +80,38 @@ def split_sizes_table(run: RunDir) -> str:
 def load_sentence(stage: Any, max_rows: int | None) -> str:
     """What the file held, what was used and labelled, and what the loader repaired."""
     rep, lab = stage.table.report, stage.labelled
-    n_met, n_non = int((lab["y"] == 1).sum()), int((lab["y"] == 0).sum())
-    sub = (
-        f" The profile caps the study at {max_rows} rows, so {len(stage.conditions):,} rows of whole "
-        f"arrangements were drawn (seeded) from the {stage.subsampled_from:,} read."
-        if stage.subsampled_from
-        else ""
-    )
-    excluded = int((stage.conditions["label"] == "excluded").sum())
-    return (
-        f"The file ({rep.schema}, {rep.encoding}, sha256 `{rep.sha256[:12]}…`) holds **{rep.rows_read:,} "
-        f"conditions**.{sub} Of the rows used, **{len(lab):,} are assessed** and labelled: "
-        f"{n_met:,} MET and {n_non:,} Non-MET, a MET share of **{n_met / len(lab):.1%}**; "
-        f"{excluded:,} were not assessed yet and are excluded. "
-        f"Repairs: {literal('; '.join(rep.repairs)) if rep.repairs else 'none needed'}."
-    )
+    return sentence("data", "load_sentence", {
+        "schema": rep.schema, "encoding": rep.encoding, "sha256": rep.sha256,
+        "rows_read": rep.rows_read, "max_rows": max_rows, "rows_used": len(stage.conditions),
+        "subsampled_from": stage.subsampled_from, "labelled": len(lab),
+        "met": int((lab["y"] == 1).sum()), "nonmet": int((lab["y"] == 0).sum()),
+        "excluded": int((stage.conditions["label"] == "excluded").sum()),
+        "repairs": list(rep.repairs)})  # fmt: skip
 
 
 def area_range_sentence(by_area: pd.DataFrame, min_n: int) -> str:
     """The lowest and highest MET rate among economic areas with at least `min_n` conditions."""
-    hi, lo = (
-        by_area.loc[by_area["n"] >= min_n].sort_values("met_rate").iloc[[-1, 0]].itertuples(index=False)
-    )  # fmt: skip
-    return (
-        f"Among economic areas with at least {min_n} conditions, the MET rate ranges from "
-        f"{lo.met_rate:.1%} (*{literal(lo.econ_descriptor)}*, n={lo.n}) to {hi.met_rate:.1%} "
-        f"(*{literal(hi.econ_descriptor)}*, n={hi.n})."
-    )
+    ranked = by_area.loc[by_area["n"] >= min_n].sort_values("met_rate")
+    hi, lo = (ranked.iloc[i].to_dict() for i in (-1, 0))
+    return sentence("data", "area_range_sentence", min_n, lo, hi)
 
 
 def findings_paragraph(findings: dict[str, Any]) -> str:
     """The tested findings (trend, shift, areas, arrangement types) as one paragraph."""
-    w = findings_sentences(findings)
-    return (
-        f"{w['trend_sentence']}; {w['shift_sentence']}. {w['area_sentence']}; "
-        f"{w['arrangement_type_sentence']}."
-    )
+    return sentence("data", "findings_paragraph", findings_sentences(findings))
 
 
 def programmes_sentence(lab: pd.DataFrame, per_programme: pd.DataFrame) -> str:
     """Countries, programmes, conditions per programme and description length."""
-    words = lab["description"].str.split().str.len()
-    return (
-        f"{lab['country'].nunique()} countries and {lab['arrangement_id'].nunique()} programmes; the "
-        f"median programme has {per_programme['conditions'].median():.0f} assessed conditions (max "
-        f"{per_programme['conditions'].max()}). Descriptions have a median of {words.median():.0f} words."
-    )
+    return sentence("data", "programmes_sentence", {
+        "countries": lab["country"].nunique(), "programmes": lab["arrangement_id"].nunique(),
+        "median_conditions": per_programme["conditions"].median(),
+        "max_conditions": per_programme["conditions"].max(),
+        "median_words": lab["description"].str.split().str.len().median()})  # fmt: skip
 
 
 def duplicates_sentence(dups: pd.DataFrame, threshold: float) -> str:
     """How much test text repeats training text under each protocol."""
-    r = dups.set_index("protocol")
-    return (
-        f"Under the paper's random split, **{r.loc['random', 'exact_in_train']:,} of "
-        f"{r.loc['random', 'test_rows']:,} test conditions ({r.loc['random', 'exact_share']:.1%})** "
-        f"have an identical description on the training side, and {r.loc['random', 'near_share']:.1%} "
-        f"a near-duplicate (cosine ≥ {threshold}). Holding out whole arrangements brings this to "
-        f"{r.loc['grouped', 'near_share']:.1%}; the temporal split has "
-        f"{r.loc['temporal', 'near_share']:.1%}. A classifier can score well on the random split by "
-        "remembering repeated text."
+    return sentence(
+        "data", "duplicates_sentence", dups.set_index("protocol").to_dict("index"), threshold
     )

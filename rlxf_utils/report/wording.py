@@ -252,7 +252,7 @@ def templates(folder: Path = TEMPLATES) -> jinja2.Environment:
 def _fmt(x: Any, spec: str) -> str:
     """`format(x, spec)` for a present number ('+.2f', '.0%'), 'n/a' for a missing one: the
     templates' `fmt` filter, for the few cells the named formatters do not cover."""
-    return format(float(x), spec) if is_present(x) else "n/a"
+    return format(x.item() if isinstance(x, np.generic) else x, spec) if is_present(x) else "n/a"
 
 
 #: The report's tables that an author edits: per table, each column's header (a template, which
