@@ -684,7 +684,7 @@ def test_report_rlgf_section_words_follow_the_intervals(tmp_path) -> None:
 
     run = _eval_run(tmp_path, ALGOS, alpha=0.1)
     v, inc = rlgf_section(run, {"rlgf": {"guide": "sft_met"}})
-    assert v["level"] == "90%" and v["start"] == "sft"
+    assert v["level"] == "90%" and v["start"] == "SFT"
     assert v["context_key"] == "country × arrangement type × economic descriptor"
     # the sentences' words: tests/golden/report/rlgf.md; here, that the run's numbers reach them
     assert "95%" in v["guidance_sentence"] and "90%" in v["easy_hard_sentence"]  # 1 - 0.1 / 2

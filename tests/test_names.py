@@ -60,3 +60,20 @@ def test_a_written_figure_shows_display_names(tmp_path: Path) -> None:
     assert ax.get_title() == "gain over SFT"
     assert (tmp_path / "figures/f.png").stat().st_size > 0
     plt.close(fig)
+
+
+def test_a_table_is_named_cell_by_cell_where_the_report_writes_it() -> None:
+    import pandas as pd
+
+    from rlxf_utils.names import name_cells, name_table
+
+    df = pd.DataFrame({"policy": ["ppo_mle", "sft step 0"], "kl_to_reference": [0.1, 0.2],
+                       "note": ["base", "a text about sft_met"]})  # fmt: skip
+    shown = name_cells(df)
+    assert list(shown.columns) == ["policy", "KL to start policy", "note"]
+    assert list(shown["policy"]) == ["PPO + MLE", "SFT step 0"]
+    assert shown["note"].iloc[0] == "zero-shot model"  # an id as the whole cell
+    md = "| policy | econ_descriptor |\n|:---|:---|\n| sft_met | the ppo_mle of sft |\n"
+    # a table a stage wrote: whole-cell ids and headers only; data text stays as written
+    assert name_table(md).splitlines()[0] == "| policy | economic descriptor |"
+    assert name_table(md).splitlines()[2] == "| SFT on MET rows | the ppo_mle of sft |"

@@ -13,7 +13,7 @@ from rlxf_utils.artifacts import RunDir
 from rlxf_utils.evaluation.best_of_n import best_of_n_kl_bound
 from rlxf_utils.markdown import is_present, markdown_table
 from rlxf_utils.report.gold import gold_auc, gold_cannot_judge
-from rlxf_utils.report.wording import EQUIVALENT, num, sentence, table
+from rlxf_utils.report.wording import EQUIVALENT, display_name, num, sentence, table
 from rlxf_utils.reward.uncertainty import FOLDER as HEADS_FOLDER
 from rlxf_utils.reward.uncertainty import MARKER as HEADS_MARKER
 from rlxf_utils.stats import bound_verdict, level
@@ -242,7 +242,7 @@ def eval_numbers(meta: dict[str, Any], s: pd.DataFrame, lvl: str, fam: str) -> d
         "n_prompts": str(meta["n_prompts"]), "level": lvl,
         "k": str(meta["samples_per_prompt"]), "best_n": str(meta["best_of_n"]),
         "random_policy": num(s["ave_r"].get("random_policy", math.nan)),
-        "base_ave_r": num(s.loc["base", "ave_r"]), "start": meta.get("start_policy", "base"),
+        "base_ave_r": num(s.loc["base", "ave_r"]), "start": display_name(meta.get("start_policy", "base")),
         "family_level": fam, "margin": num(margin if margin is not None else math.nan),
         "power": f"{meta.get('power', 0.8):.0%}",
         "start_ave_r": num(s.loc[meta.get("start_policy", "base"), "ave_r"]),

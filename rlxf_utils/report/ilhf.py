@@ -14,7 +14,7 @@ from rlxf_utils.algorithms import ILHF_ALGORITHMS
 from rlxf_utils.artifacts import RunDir
 from rlxf_utils.evaluation.ilhf import HISTORY, MEASURES, TEST_COLUMNS
 from rlxf_utils.report.evaluation import eval_meta, table_note
-from rlxf_utils.report.wording import sentence, table, verdict_code
+from rlxf_utils.report.wording import display_name, sentence, table, verdict_code
 from rlxf_utils.stats import level
 
 #: The verdicts' sentences: (measure of `eval_inclusive_tests`, sentence key).
@@ -110,7 +110,7 @@ def ilhf_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], d
     setup = {"algos": algos, "ilhf": _ran(algos), "particles": int(ic.get("particles", 1)),
              "paper_prior": ic.get("prior_scaling", "map") == "paper",
              "eta": ic.get("prior_reg", 1.0), "max_pairs": ic.get("history_max_pairs", 256)}  # fmt: skip
-    variables: dict[str, Any] = {"level": lvl, "start": start,
+    variables: dict[str, Any] = {"level": lvl, "start": display_name(start),
                                  "ran_sentence": _say("ran_sentence", setup),
                                  "departures_sentence": _say("departures_sentence", setup)}  # fmt: skip
     missing = [t for t in ILHF_TABLES if not run.exists(f"tables/{t}.csv")]

@@ -26,7 +26,7 @@ import yaml
 from rlxf_utils.artifacts import ArtifactMissing, NotARun, RunDir, atomic_path, read_manifest
 from rlxf_utils.config import PROJECT_ROOT
 from rlxf_utils.markdown import markdown_table
-from rlxf_utils.names import humanise, humanise_values, map_strings
+from rlxf_utils.names import map_strings, name_table
 from rlxf_utils.report.data import data_section, pools_table, split_sizes_table
 from rlxf_utils.report.evaluation import eval_section
 from rlxf_utils.report.findings import findings_section
@@ -169,9 +169,9 @@ TABLE_INCLUDES = {
 
 
 def for_reader(markdown: str) -> str:
-    """Markdown as the reader sees it: display names (`names.humanise`), then minus signs
-    (`wording.typeset_minus`)."""
-    return typeset_minus(humanise(markdown))
+    """Markdown as the reader sees it: minus signs (`wording.typeset_minus`). Display names are
+    written where the text is (the templates' `name` filter, `names.name_cells` on a table)."""
+    return typeset_minus(markdown)
 
 
 def build_sources(run: RunDir, build: Path, src: Path = REPORT_SRC) -> dict[str, Any]:
@@ -206,8 +206,7 @@ def build_sources(run: RunDir, build: Path, src: Path = REPORT_SRC) -> dict[str,
     ):
         variables[key] = vals
         includes.update(files)
-    # one mapping from internal ids to display names, for prose, variables and tables alike
-    variables = map_strings(humanise_values(variables), typeset_minus)
+    variables = map_strings(variables, typeset_minus)
     with atomic_path(build / "_variables.yml") as tmp:
         tmp.write_text(yaml.safe_dump(variables, sort_keys=True, allow_unicode=True))
     qmd = build / QMD
@@ -218,7 +217,7 @@ def build_sources(run: RunDir, build: Path, src: Path = REPORT_SRC) -> dict[str,
         (gen / name).write_text(for_reader(text), encoding="utf-8")
     for name, (table, stage) in TABLE_INCLUDES.items():
         md = run.require(f"tables/{table}.md", stage).read_text(encoding="utf-8")
-        (gen / name).write_text(for_reader(md), encoding="utf-8")
+        (gen / name).write_text(for_reader(name_table(md)), encoding="utf-8")
     for name, text in _manifest_tables(run).items():
         (gen / name).write_text(for_reader(text), encoding="utf-8")
     copies = {Path(k).stem: t for k, (t, _) in TABLE_INCLUDES.items()}

@@ -18,7 +18,8 @@ import pandas as pd
 
 from rlxf_utils.artifacts import RunDir
 from rlxf_utils.markdown import markdown_table
-from rlxf_utils.report.wording import ABOVE, BELOW, UNCLEAR, num, pct, sentence
+from rlxf_utils.names import name_cells
+from rlxf_utils.report.wording import ABOVE, BELOW, UNCLEAR, num, pct, sentence, spaced
 from rlxf_utils.report.wording import is_present as _ok
 from rlxf_utils.risk.common import RiskError, missing_note
 from rlxf_utils.stats import bound_verdict, level, sign_of
@@ -289,12 +290,13 @@ def report_content(run: Any) -> tuple[dict[str, Any], dict[str, str]]:
         df = run.read_table(table, stage)
         if cols is not None and "note" not in df.columns:
             df = df[[c for c in cols if c in df.columns]]
-        # identifiers read as words, and may wrap in a narrow PDF column ('arrangement type')
+        # display names, then identifiers as words that may wrap in a narrow PDF column
+        df = name_cells(df)
         text = [
             c for c in df.columns if df[c].dtype == object or pd.api.types.is_string_dtype(df[c])
         ]
         df = df.assign(**{c: df[c].astype(str).str.replace("_", " ") for c in text})
-        df.columns = [str(c).replace("_", " ") for c in df.columns]
+        df.columns = [spaced(c) for c in df.columns]
         includes[fname] = markdown_table(df)
     return variables, includes
 

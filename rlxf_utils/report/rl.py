@@ -5,6 +5,7 @@ contexts (numbers, flags, ids) and writes the tables."""
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import pandas as pd
@@ -12,7 +13,8 @@ import pandas as pd
 from rlxf_utils.artifacts import RunDir
 from rlxf_utils.config import CRITIC_INIT
 from rlxf_utils.markdown import is_present, markdown_table
-from rlxf_utils.report.wording import sentence, spaced, table, value
+from rlxf_utils.names import name_cells
+from rlxf_utils.report.wording import display_name, sentence, spaced, table, value
 
 
 def moves_context(rows: pd.DataFrame) -> dict[str, Any]:
@@ -86,12 +88,17 @@ def rl_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], dic
         "steps": str(rl["steps"]),
         "batch_size": str(rl["batch_size"]),
         "moves": sentence("rl", "moves", moves_context(rows)),
-        "template": " ".join(rl["prompt_template"].split()),
+        # the template's fields ({arrangement_type}) by the names the reader knows them by
+        "template": re.sub(
+            r"\{(\w+)\}",
+            lambda m: "{" + display_name(m.group(1)) + "}",
+            " ".join(rl["prompt_template"].split()),
+        ),  # fmt: skip
         "ppo_sentence": sentence("rl", "ppo_sentence", ppo_context(rows, rl)),
         "prompts_per_step": str(rl["batch_size"] // rl["num_generations"]),
         "num_generations": str(rl["num_generations"]),
         "opt_steps": str(rl["update_epochs"] * (rl["batch_size"] // rl["minibatch_size"])),
-        "start_policy": rl["start_policy"],
+        "start_policy": display_name(rl["start_policy"]),
         "sft_sentence": sentence("rl", "sft_sentence", sft_context(sft)),
         "critic": sentence("rl", "critic_sentence", {"init": critic_init}),
         "kl_regime": sentence("rl", "kl_regime_sentence", kl_context(rl)),
@@ -99,15 +106,17 @@ def rl_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], dic
     includes = {
         # spaces, not underscores: long names wrap in the PDF's narrow columns
         "rl_algorithm_settings.md": markdown_table(
-            algo_settings.assign(setting=algo_settings["setting"].map(spaced))
+            name_cells(algo_settings.assign(setting=algo_settings["setting"].map(spaced)))
         ),
-        "sft_summary.md": markdown_table(sft.rename(columns=spaced), floatfmt=".3f")
+        "sft_summary.md": markdown_table(name_cells(sft).rename(columns=spaced), floatfmt=".3f")
         if not sft.empty
         else sentence("rl", "sft_table_missing", {}),
         "rl_settings.md": table("rl_settings", rl=rl, pol=pol, critic=CRITIC_INIT[critic_init]),
         "rl_summary.md": table("rl_summary", summ, kl_short=kl_short),
         "rl_samples.md": table("rl_samples", samples),
-        "rl_train_experience.md": markdown_table(_experience_display(run, stage), floatfmt=".3g"),
+        "rl_train_experience.md": markdown_table(
+            name_cells(_experience_display(run, stage)), floatfmt=".3g"
+        ),
     }
     return variables, includes
 

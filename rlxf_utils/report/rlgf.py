@@ -15,7 +15,7 @@ from rlxf_utils.evaluation.rlgf import HALVES, MEASURES, guidance_comparator, po
 from rlxf_utils.markdown import is_present
 from rlxf_utils.prompts import CONTEXT_FIELDS
 from rlxf_utils.report.evaluation import eval_meta, table_note
-from rlxf_utils.report.wording import num, sentence, table, value
+from rlxf_utils.report.wording import display_name, num, sentence, table, value
 from rlxf_utils.stats import level
 
 
@@ -161,11 +161,11 @@ def rlgf_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], d
            if run.exists("tables/rlgf_guidance.csv") else pd.DataFrame())  # fmt: skip
     variables: dict[str, Any] = {
         "level": lvl,
-        "start": start,
+        "start": display_name(start),
         "ran_sentence": sentence("rlgf", "ran_sentence",
                                  {"algorithms": algos, "guided": guided, "guide": guide}),
         "critics_sentence": sentence("rlgf", "critics_sentence", critics_context(log)),
-        "guide": guide,
+        "guide": display_name(guide),
     }  # fmt: skip
     missing = [t for t in RLGF_TABLES if not run.exists(f"tables/{t}.csv")]
     if missing:
