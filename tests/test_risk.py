@@ -546,14 +546,12 @@ def test_run_risk_stage_writes_every_table_and_flags_what_is_missing(tmp_path, w
     assert summary["country_swap"]["by_source"][0]["mean_abs_delta"] > 0.05
     for fig in ("risk_drift", "risk_group_bias", "risk_country_swap", "risk_label_variants"):
         assert run.exists(f"figures/{fig}.png")
-    flagged = "notebook 04 did not run: eval/samples.parquet missing"
+    flagged = {"note": "missing", "artifact": "eval/samples.parquet", "notebook": "notebook 04"}
     if not with_eval:
-        assert flagged in stage.notes and summary["notes"] == stage.notes
+        assert flagged in stage.notes and summary["notes"] == stage.notes  # fields, no sentence
         assert stage.notes.count(flagged) == 1  # three families lack the samples: one note
-        assert stage.tables["risk_area_diversity"].loc[0, "note"] == flagged
-        assert (
-            "eval/frontier.parquet missing" in stage.tables["risk_checkpoint_gains"].loc[0, "note"]
-        )
+        assert stage.tables["risk_area_diversity"].iloc[0].to_dict() == flagged
+        assert stage.tables["risk_checkpoint_gains"].loc[0, "artifact"] == "eval/frontier.parquet"
         assert (
             summary["diversity"] is None and summary["country_swap"]["generated_included"] is False
         )
@@ -594,7 +592,9 @@ def test_a_compared_encoder_as_rl_reward_is_read_where_it_was_trained(tmp_path):
     stage = risk.run_risk_stage(cfg, run, reward_model=_CountryReward())
     summary = json.loads(run.path("risk/summary.json").read_text())
     assert summary["prediction_column"] == "p_mpnet" and summary["drift"] is None
-    assert any("'mpnet' was not trained on the temporal protocol" in n for n in stage.notes)
+    assert {"note": "not_temporal", "reward": "mpnet", "protocols": ["grouped"]} in stage.notes
+    words = [prose.note_text(n) for n in stage.notes]
+    assert any("'mpnet' was not trained on the temporal protocol" in n for n in words)
     assert "overall" in summary["group_bias"]
 
 
@@ -649,11 +649,13 @@ def test_drift_family_measures_the_years_after_the_cutoff_or_says_why_not(tmp_pa
     assert set(m.summary["tests"]) >= {"base_rate_shift", "vs_majority"}
     gone = stage.measure_drift(dataclasses.replace(inp, temporal=None))
     assert gone.summary is None and not gone.figures
-    assert gone.notes == [
+    assert [prose.note_text(n) for n in gone.notes] == [
         "notebook 02 (temporal protocol) did not run: reward/predictions_temporal.parquet missing "
         "(reward.protocols = ['random', 'grouped', 'temporal'])"
     ]
-    assert gone.tables["risk_drift_by_year"].loc[0, "note"] == gone.notes[0]
+    # the note table holds the note's fields; the report words them the same way
+    note_row = gone.tables["risk_drift_by_year"].iloc[0].to_dict()
+    assert prose.note_text(note_row) == prose.note_text(gone.notes[0])
     assert gone.tables["risk_met_rate_by_year"].equals(m.tables["risk_met_rate_by_year"])
 
 
@@ -730,7 +732,7 @@ def test_ngrams_family_needs_the_start_and_a_tuned_policy(tmp_path):
     no_base = inp.samples[inp.samples["policy"] != "base"]
     gone = stage.measure_rising_ngrams(dataclasses.replace(inp, samples=no_base))
     assert gone.summary is None
-    assert gone.notes == [
+    assert [prose.note_text(n) for n in gone.notes] == [
         "no base and tuned policies in eval/samples.parquet (policies: ['ppo', 'best_of_n'])"
     ]
 
@@ -750,9 +752,12 @@ def test_gains_family_reads_the_frontier_and_the_samples(tmp_path, close_figures
     assert last["reward_gain_low"] <= last["reward_gain"] <= last["reward_gain_high"]
     base_only = inp.frontier[inp.frontier["algo"] == "base"]
     gone = stage.measure_checkpoint_gains(dataclasses.replace(inp, frontier=base_only))
-    assert gone.notes == ["eval/frontier.parquet holds no tuned checkpoint (only the base policy)"]
+    said = prose.note_text(gone.notes[0])
+    assert said == "eval/frontier.parquet holds no tuned checkpoint (only the base policy)"
     gone = stage.measure_checkpoint_gains(dataclasses.replace(inp, frontier=None))
-    assert gone.notes == ["notebook 04 did not run: eval/frontier.parquet missing"]
+    assert [prose.note_text(n) for n in gone.notes] == [
+        "notebook 04 did not run: eval/frontier.parquet missing"
+    ]
 
 
 def test_diversity_family_against_history_or_the_requested_areas(tmp_path, close_figures):
@@ -771,7 +776,7 @@ def test_diversity_family_against_history_or_the_requested_areas(tmp_path, close
     no_hist = inp.samples[~inp.samples["policy"].str.startswith("history")]
     alt = stage.measure_diversity(dataclasses.replace(inp, samples=no_hist))
     assert alt.summary["reference"] == "requested areas (prompts)"
-    assert alt.notes == [
+    assert [prose.note_text(n) for n in alt.notes] == [
         "no history policies in eval/samples.parquet: areas compared with the prompts' areas"
     ]
     ref = alt.tables["risk_area_diversity"].set_index("policy").loc["requested areas (prompts)"]
@@ -997,7 +1002,11 @@ def test_missing_inputs_become_visible_notes():
     f = prose.length_text(None, note=note)
     assert f.markdown() == f"> ⚠ {note}"
     assert f.paragraph() == sentence("risk", "not_measured", note) and note in f.paragraph()
-    assert prose.gains_text(None).note == risk.missing_note("eval/frontier.parquet")
+    assert prose.gains_text(None).note == prose.note_text(
+        risk.missing_note("eval/frontier.parquet")
+    )
+    # a run from before the notes were fields stored the sentence itself: shown as it is
+    assert prose.note_text(note) == note == prose.note_text({"note": note})
     assert prose.drift_text(None).note is not None
 
 

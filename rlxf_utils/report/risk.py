@@ -123,7 +123,7 @@ def length_text(
 ) -> Finding:
     """Whether reward rises or falls with response length, per generated policy."""
     if lr is None:
-        return Finding("", note=note or missing_note("eval/samples.parquet"))
+        return Finding("", note=note or note_text(missing_note("eval/samples.parquet")))
     rows = [{**r, "defined": _ok(r["spearman"])} for r in lr["by_policy"]]
     return Finding.of("length_reward", rows, alpha)
 
@@ -154,7 +154,7 @@ def gains_text(
 ) -> Finding:
     """Whether the audit reward follows the training reward's gain at the last checkpoint."""
     if cg is None:
-        return Finding("", note=note or missing_note("eval/frontier.parquet"))
+        return Finding("", note=note or note_text(missing_note("eval/frontier.parquet")))
     rows = [{**r, "has_ci": _ok(r.get("reward_gain_low")), "reading": gain_reading(r)} for r in cg]
     return Finding.of("checkpoint_gains", rows, alpha)
 
@@ -164,7 +164,7 @@ def ngrams_text(
 ) -> Finding:
     """The bigrams each tuned policy uses more than the start policy (descriptive)."""
     if ng is None:
-        return Finding("", note=note or missing_note("eval/samples.parquet"))
+        return Finding("", note=note or note_text(missing_note("eval/samples.parquet")))
     return Finding.of("rising_ngrams", ng, start)
 
 
@@ -173,7 +173,7 @@ def diversity_text(
 ) -> Finding:
     """Areas covered per generated policy, and start -> tuned changes judged by their intervals."""
     if dv is None:
-        return Finding("", note=note or missing_note("eval/samples.parquet"))
+        return Finding("", note=note or note_text(missing_note("eval/samples.parquet")))
     rows = {r["policy"]: r for r in dv["by_policy"]}
     changes: dict[str, list[Mapping[str, Any]]] = {}
     for r in dv.get("changes") or []:
@@ -212,13 +212,26 @@ def stored_alpha(summary: Mapping[str, Any], alpha: float | None = None) -> floa
     return stored
 
 
+def _note(n: Any) -> dict[str, Any]:
+    """A stored note as its fields; a run from before stored the sentence itself."""
+    return dict(n) if isinstance(n, Mapping) else {"note": str(n), "artifact": str(n)}
+
+
+def note_text(n: Any) -> str:
+    """A note of the risk stage (`risk.common.missing_note` and the like: an input it lacked) in
+    words, from `reports/templates/risk.jinja`."""
+    return sentence("risk", "note", _note(n))
+
+
 def interpret(summary: Mapping[str, Any], alpha: float | None = None) -> dict[str, Finding]:
     """Every section's `Finding` from `risk/summary.json` (or `RiskStage.summary`)."""
     a = stored_alpha(summary, alpha)
     notes = list(summary.get("notes", []))
 
     def note_for(artifact: str) -> str | None:
-        return next((n for n in notes if artifact in n), None)
+        return next(
+            (note_text(n) for n in notes if artifact in str(_note(n).get("artifact"))), None
+        )
 
     start = summary.get("start_policy", "base")
     return {
@@ -275,7 +288,7 @@ def report_content(run: Any) -> tuple[dict[str, Any], dict[str, str]]:
         (r for r in summary["country_swap"]["by_source"] if r["source"] == "historical"), {}
     )
     variables |= {
-        "notes": sentence("risk", "notes", summary.get("notes", [])),
+        "notes": sentence("risk", "notes", [note_text(n) for n in summary.get("notes", [])]),
         "level": level(alpha),
         "reward_source": summary["reward_source"],
         "reward_protocol": summary["reward_protocol"],
@@ -288,7 +301,9 @@ def report_content(run: Any) -> tuple[dict[str, Any], dict[str, str]]:
     includes = {}
     for fname, (table, cols) in REPORT_TABLES.items():
         df = run.read_table(table, stage)
-        if cols is not None and "note" not in df.columns:
+        if "note" in df.columns:  # its input was missing: the note, in words
+            df = pd.DataFrame({"note": [note_text(df.iloc[0].dropna().to_dict())]})
+        elif cols is not None:
             df = df[[c for c in cols if c in df.columns]]
         # display names, then identifiers as words that may wrap in a narrow PDF column
         df = name_cells(df)

@@ -34,14 +34,17 @@ class RiskError(ValueError):
     """An input the risk stage cannot use; the message names the file or field and what was expected."""
 
 
-def missing_note(artifact: str, notebook: str = "notebook 04") -> str:
-    """The visible note shown (and stored) when an earlier notebook's artifact is absent."""
-    return f"{notebook} did not run: {artifact} missing"
+def missing_note(artifact: str, notebook: str = "notebook 04", **detail: Any) -> dict[str, Any]:
+    """The note stored when an earlier notebook's artifact is absent: its fields (`note`: the
+    kind, 'missing'), which the report and notebook 05 put into words (`report.risk.note_text`,
+    `reports/templates/risk.jinja`); no stage stores a sentence."""
+    return {"note": "missing", "artifact": artifact, "notebook": notebook, **detail}
 
 
-def note_table(note: str) -> pd.DataFrame:
-    """A one-row table that says why a measurement is absent (written instead of a hole)."""
-    return pd.DataFrame({"note": [note]})
+def note_table(note: dict[str, Any]) -> pd.DataFrame:
+    """A one-row table that says why a measurement is absent (written instead of a hole): the
+    note's fields, a list as its text."""
+    return pd.DataFrame([{k: str(v) if isinstance(v, list) else v for k, v in note.items()}])
 
 
 def require_columns(df: pd.DataFrame, columns: Iterable[str], where: str) -> None:

@@ -126,10 +126,10 @@ class Measured:
     summary: Any = None
     tables: dict[str, pd.DataFrame] = field(default_factory=dict)
     figures: dict[str, Any] = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)
+    notes: list[dict[str, Any]] = field(default_factory=list)
 
 
-def missing(note: str, *tables: str) -> Measured:
+def missing(note: dict[str, Any], *tables: str) -> Measured:
     """A family whose input is absent: `note`, a note table for each of `tables`, no entry."""
     return Measured(None, {name: note_table(note) for name in tables}, notes=[note])
 
@@ -206,18 +206,12 @@ def measure_drift(inp: RiskInputs) -> Measured:
     return Measured(summary, tables, {"risk_drift": fig})
 
 
-def _temporal_note(rc: Any) -> str:
+def _temporal_note(rc: Any) -> dict[str, Any]:
     if trained_temporal(rc):
-        return (
-            missing_note("reward/predictions_temporal.parquet", "notebook 02 (temporal protocol)")
-            + f" (reward.protocols = {list(rc.protocols)})"
-        )
+        return missing_note("reward/predictions_temporal.parquet", "notebook 02 (temporal protocol)",
+                            protocols=list(rc.protocols))  # fmt: skip
     protocols = rc.encoder_protocols({c.name: c for c in rc.compare_encoders}[rc.reward_source])
-    return (
-        f"The RL reward {rc.reward_source!r} was not trained on the temporal protocol "
-        f"(reward.compare_encoders[{rc.reward_source!r}].protocols = {protocols}), "
-        "so its drift is not measured"
-    )
+    return {"note": "not_temporal", "reward": rc.reward_source, "protocols": list(protocols)}
 
 
 def measure_group_bias(inp: RiskInputs) -> Measured:
@@ -333,7 +327,7 @@ def measure_rising_ngrams(inp: RiskInputs) -> Measured:
         return missing(SAMPLES_NOTE, "risk_rising_ngrams")
     tuned = tuned_policies(inp.gen)
     if inp.start not in set(inp.samples["policy"]) or not tuned:
-        note = f"no {inp.start} and tuned policies in eval/samples.parquet (policies: {inp.gen})"
+        note = {"note": "no_tuned", "start": inp.start, "policies": list(inp.gen)}
         return missing(note, "risk_rising_ngrams")
     ng = rising_ngrams(inp.samples, inp.start, tuned, 2, inp.cfg.risk.top_ngrams)
     summary = {p: ng.loc[ng["policy"] == p, "ngram"].head(5).tolist() for p in tuned}
@@ -350,8 +344,7 @@ def measure_checkpoint_gains(inp: RiskInputs) -> Measured:
         frontier = frontier[frontier["source"].isin(["final", "snapshot"])]
     gains = checkpoint_gains(frontier, base=inp.start)
     if gains.empty:
-        note = "eval/frontier.parquet holds no tuned checkpoint (only the base policy)"
-        return missing(note, "risk_checkpoint_gains")
+        return missing({"note": "no_checkpoint"}, "risk_checkpoint_gains")
     last = gains.groupby("algo", sort=False).tail(1)
     last = last[["algo", "step", "baseline", "reward_gain", "audit_gain", "gap"]]
     if inp.samples is not None:  # the last checkpoint is the final policy notebook 04 sampled
@@ -399,7 +392,7 @@ def measure_diversity(inp: RiskInputs) -> Measured:
 
 def area_reference(
     samples: pd.DataFrame, hist_rows: pd.DataFrame, gen: list[str]
-) -> tuple[pd.DataFrame, str, list[str]]:
+) -> tuple[pd.DataFrame, str, list[dict[str, Any]]]:
     """The areas diversity is measured against (`prompt_id`, `area` per row), their name, and a
     note when they are not history's: the areas the prompts of the first generated policy asked for."""
     if len(hist_rows):
@@ -412,8 +405,7 @@ def area_reference(
     first = gen[0] if gen else samples["policy"].iloc[0]
     ref = samples.loc[samples["policy"] == first, "econ_area"].map(str)
     rows = pd.DataFrame({"prompt_id": samples.loc[ref.index, "prompt_id"], "area": ref})
-    note = "no history policies in eval/samples.parquet: areas compared with the prompts' areas"
-    return rows, "requested areas (prompts)", [note]
+    return rows, "requested areas (prompts)", [{"note": "no_history"}]
 
 
 def measure_label_variants(inp: RiskInputs) -> Measured:
@@ -501,7 +493,7 @@ class RiskStage:
 
     tables: dict[str, pd.DataFrame]
     summary: dict[str, Any]
-    notes: list[str] = field(default_factory=list)
+    notes: list[dict[str, Any]] = field(default_factory=list)
     figures: dict[str, Path] = field(default_factory=dict)
 
 
@@ -531,7 +523,7 @@ def run_risk_stage(cfg: Any, run: Any, reward_model: Any | None = None) -> RiskS
         "n_boot": inp.n_boot,
     }
     tables: dict[str, pd.DataFrame] = {}
-    notes: list[str] = []
+    notes: list[dict[str, Any]] = []
     figures: dict[str, Path] = {}
     for family in RISK_FAMILIES.values():
         measured = family.measure(inp)
