@@ -162,3 +162,13 @@ def test_every_table_in_the_spec_is_written_by_the_report() -> None:
         p.read_text(encoding="utf-8") for p in (ROOT / "rlxf_utils" / "report").glob("*.py")
     )
     assert {n for n in names if not re.search(rf'table\(\s*"{n}"', code)} == set()
+
+
+def test_a_report_table_gives_each_column_room_for_its_longest_word() -> None:
+    md = "| kind | gain |\n|:---|---:|\n| supervised | +0.001 \\[−0.002, +0.004\\] a\\|b |\n"
+    sep = wording.fit_words(md).splitlines()[1]
+    left, right = sep.strip("|").split("|")
+    assert left == ":" + "-" * (3 * 10 // 2 + 4)  # 'supervised': 10 characters, aligned left
+    assert right.endswith(":") and len(right) - 1 == 3 * len("\\[−0.002,") // 2 + 4
+    wide = "| a |\n|:" + "-" * 40 + "|\n| x |\n"
+    assert wording.fit_words(wide) == wide  # a column already wider keeps its dashes
