@@ -112,22 +112,6 @@ def display_label(text: str, names: Mapping[str, str] = DISPLAY_NAMES) -> str:
     return names[text] if text in names else humanise(text, names)
 
 
-def name_cells(df: Any, names: Mapping[str, str] = DISPLAY_NAMES) -> Any:
-    """A DataFrame as the reader sees it, where the report writes it: every header and every text
-    cell by `display_label` ('ppo_mle' -> 'PPO + MLE', 'sft step 0' -> 'SFT step 0')."""
-    shown = df.rename(columns=lambda c: display_label(str(c), names))
-    return shown.apply(
-        lambda col: col.map(lambda v: display_label(v, names) if isinstance(v, str) else v)
-    )
-
-
-def name_table(markdown: str, names: Mapping[str, str] = DISPLAY_NAMES) -> str:
-    """A markdown table a stage wrote (`tables/*.md`) with each cell, headers included, that is
-    exactly an id shown by its display name; any other text (data, descriptions) as written."""
-    return "\n".join("|".join(_cell(c, names) for c in line.split("|")) if line.lstrip().startswith("|") else line
-                     for line in markdown.split("\n"))  # fmt: skip
-
-
 def relabel_figure(fig: Any, names: Mapping[str, str] = DISPLAY_NAMES) -> Any:
     """`fig` with every text a reader sees shown by display names (`display_label`): titles,
     axis labels, legend entries, annotations and tick labels (categorical and fixed ticks keep

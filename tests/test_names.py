@@ -65,7 +65,7 @@ def test_a_written_figure_shows_display_names(tmp_path: Path) -> None:
 def test_a_table_is_named_cell_by_cell_where_the_report_writes_it() -> None:
     import pandas as pd
 
-    from rlxf_utils.names import name_cells, name_table
+    from rlxf_utils.report.wording import name_cells, name_table
 
     df = pd.DataFrame({"policy": ["ppo_mle", "sft step 0"], "kl_to_reference": [0.1, 0.2],
                        "note": ["base", "a text about sft_met"]})  # fmt: skip

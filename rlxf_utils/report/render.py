@@ -26,7 +26,7 @@ import yaml
 from rlxf_utils.artifacts import ArtifactMissing, NotARun, RunDir, atomic_path, read_manifest
 from rlxf_utils.config import PROJECT_ROOT
 from rlxf_utils.markdown import markdown_table
-from rlxf_utils.names import map_strings, name_table
+from rlxf_utils.names import map_strings
 from rlxf_utils.report.data import data_section, pools_table, split_sizes_table
 from rlxf_utils.report.evaluation import eval_section
 from rlxf_utils.report.findings import findings_section
@@ -40,7 +40,7 @@ from rlxf_utils.report.rl import rl_section
 from rlxf_utils.report.rlgf import rlgf_section
 from rlxf_utils.report.seeds import seeds_section
 from rlxf_utils.report.sources import sources_table
-from rlxf_utils.report.wording import pct, typeset_minus
+from rlxf_utils.report.wording import name_table, pct, typeset_minus
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,7 @@ import pandas as pd
 
 from rlxf_utils.artifacts import RunDir
 from rlxf_utils.markdown import markdown_table
-from rlxf_utils.names import name_cells
-from rlxf_utils.report.wording import ABOVE, BELOW, UNCLEAR, num, pct, sentence, spaced
+from rlxf_utils.report.wording import ABOVE, BELOW, UNCLEAR, name_cells, num, pct, sentence, spaced
 from rlxf_utils.report.wording import is_present as _ok
 from rlxf_utils.risk.common import RiskError, missing_note
 from rlxf_utils.stats import bound_verdict, level, sign_of

@@ -13,8 +13,7 @@ import pandas as pd
 from rlxf_utils.artifacts import RunDir
 from rlxf_utils.config import CRITIC_INIT
 from rlxf_utils.markdown import is_present, markdown_table
-from rlxf_utils.names import name_cells
-from rlxf_utils.report.wording import display_name, sentence, spaced, table, value
+from rlxf_utils.report.wording import display_name, name_cells, sentence, spaced, table, value
 
 
 def moves_context(rows: pd.DataFrame) -> dict[str, Any]:

@@ -19,7 +19,7 @@ import yaml
 
 from rlxf_utils.config import PROJECT_ROOT
 from rlxf_utils.markdown import display_country, is_present, literal, markdown_table
-from rlxf_utils.names import display_label, outside_fences
+from rlxf_utils.names import DISPLAY_NAMES, display_label, outside_fences
 from rlxf_utils.stats import VERDICTS, bound_verdict, ci_sign, level
 
 
@@ -344,6 +344,24 @@ def display_name(name: Any) -> str:
     """A method, judge or protocol id as the reader sees it ('ppo_mle' -> 'PPO + MLE'): the
     templates' `name` filter, applied where the text is written."""
     return display_label(str(name))
+
+
+def name_cells(df: pd.DataFrame) -> pd.DataFrame:
+    """A DataFrame as the reader sees it, named where the report writes it: every header and every
+    text cell by `display_name` ('ppo_mle' -> 'PPO + MLE', 'sft step 0' -> 'SFT step 0')."""
+    shown = df.rename(columns=display_name)
+    return shown.apply(lambda col: col.map(lambda v: display_name(v) if isinstance(v, str) else v))
+
+
+def name_table(markdown: str) -> str:
+    """A markdown table a stage wrote (`tables/*.md`) with each cell, headers included, that is
+    exactly an id shown by its display name; any other text (data, descriptions) as written."""
+
+    def cell(c: str) -> str:
+        return c.replace(c.strip(), DISPLAY_NAMES[c.strip()]) if c.strip() in DISPLAY_NAMES else c
+
+    return "\n".join("|".join(map(cell, line.split("|"))) if line.lstrip().startswith("|") else line
+                     for line in markdown.split("\n"))  # fmt: skip
 
 
 def display_names(names: Sequence[Any]) -> str:
