@@ -266,7 +266,7 @@ def test_report_section_reads_the_tables(tmp_path) -> None:
     from rlxf_utils.report.ilhf import ilhf_section
 
     v, inc = ilhf_section(_eval_run(tmp_path, ALGOS), {"ilhf": {"particles": 3}})
-    assert v["level"] == "90%" and v["start"] == "sft"
+    assert v["level"] == "90%" and v["start"] == "SFT"
     assert "PPO, GRPO and ILHF (history);" in v["ran_sentence"] and " 3 " in v["ran_sentence"]
     assert phrase("ilhf_pairwise_sim", BELOW) in v["verdicts_sentence"]
     assert "90% cluster-bootstrap CI" in v["collapse_sentence"]
