@@ -62,6 +62,14 @@ def _cell(cell: str, names: Mapping[str, str]) -> str:
     return cell
 
 
+def name_table_cells(line: str, names: Mapping[str, str] = DISPLAY_NAMES) -> str:
+    """A markdown table line with each cell (headers included) that is exactly an id shown by its
+    display name, any other text as written; a line that is not a table row as it is."""
+    if not line.lstrip().startswith("|"):
+        return line
+    return "|".join(_cell(c, names) for c in line.split("|"))
+
+
 def humanise(text: str, names: Mapping[str, str] = DISPLAY_NAMES) -> str:
     """`text` (markdown) with internal ids shown by their display names: ids in backticks, whole
     table cells (headers included) and, but for `ENGLISH_WORDS`, anywhere else. Fenced code
@@ -70,8 +78,7 @@ def humanise(text: str, names: Mapping[str, str] = DISPLAY_NAMES) -> str:
 
     def line_names(line: str) -> str:
         line = _TICKED.sub(lambda m: names.get(m.group(1), m.group(0)), line)
-        if line.lstrip().startswith("|"):
-            line = "|".join(_cell(c, names) for c in line.split("|"))
+        line = name_table_cells(line, names)
         return pattern.sub(lambda m: names[m.group(1)], line)
 
     return outside_fences(text, line_names)

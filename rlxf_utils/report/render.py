@@ -170,7 +170,8 @@ TABLE_INCLUDES = {
 
 def for_reader(markdown: str) -> str:
     """Markdown as the reader sees it: minus signs (`wording.typeset_minus`). Display names are
-    written where the text is (the templates' `name` filter, `names.name_cells` on a table)."""
+    written where the text is (the templates' `name` filter, `wording.name_cells` and
+    `wording.name_table` on a table)."""
     return typeset_minus(markdown)
 
 

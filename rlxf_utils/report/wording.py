@@ -1,7 +1,8 @@
 """Every number, interval and verdict word a reader sees is formatted here, each by one function:
 numbers (`num`), percentages (`pct`, `pct_ci`), p-values (`pval`), confidence intervals (`ci`,
 `interval`, `level_ci`), lists, markdown tables, and the one vocabulary that turns a verdict code
-into words (`vocabulary`, read from `reports/templates/vocabulary.yaml`; `phrase`, `say`). Imports nothing of the study's but `stats`."""
+into words (`vocabulary`, read from `reports/templates/vocabulary.yaml`; `phrase`, `say`), and
+the report's tables (`table`, from `reports/templates/tables.yaml`)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import yaml
 
 from rlxf_utils.config import PROJECT_ROOT
 from rlxf_utils.markdown import display_country, is_present, literal, markdown_table
-from rlxf_utils.names import DISPLAY_NAMES, display_label, outside_fences
+from rlxf_utils.names import display_label, name_table_cells, outside_fences
 from rlxf_utils.stats import VERDICTS, bound_verdict, ci_sign, level
 
 
@@ -356,12 +357,7 @@ def name_cells(df: pd.DataFrame) -> pd.DataFrame:
 def name_table(markdown: str) -> str:
     """A markdown table a stage wrote (`tables/*.md`) with each cell, headers included, that is
     exactly an id shown by its display name; any other text (data, descriptions) as written."""
-
-    def cell(c: str) -> str:
-        return c.replace(c.strip(), DISPLAY_NAMES[c.strip()]) if c.strip() in DISPLAY_NAMES else c
-
-    return "\n".join("|".join(map(cell, line.split("|"))) if line.lstrip().startswith("|") else line
-                     for line in markdown.split("\n"))  # fmt: skip
+    return "\n".join(name_table_cells(line) for line in markdown.split("\n"))
 
 
 def display_names(names: Sequence[Any]) -> str:

@@ -65,9 +65,8 @@ def paired_comparison(
     rank-biserial correlation, on per-cluster mean differences (`n_clusters` units) when
     clustered. Fewer than two clusters give no interval, p-value or MDE (NaN): a point is no
     interval, and a verdict must not rest on one. Pairs with a NaN on either side are dropped
-    (`n_dropped`). Degenerate cases are
-    answered, not raised: all differences zero gives p = 1 and d_z = 0; a constant non-zero
-    difference gives p = 0 and d_z = +/-inf.
+    (`n_dropped`). Degenerate cases are answered, not raised: all differences zero gives p = 1
+    and d_z = 0; a constant non-zero difference gives p = 0 and d_z = +/-inf.
     """
     if method not in ("t", "bootstrap"):
         raise ValueError(f"method must be 't' or 'bootstrap'; got {method!r}")
@@ -224,9 +223,9 @@ def paired_table(
     1 - alpha / m for its m comparisons and `p_family` decides the verdict
     (`paired_comparison`); `verdict` is `bound_verdict` at the equivalence `margin` (None where
     there is no interval: fewer than two clusters) and `bound` the largest gain the interval
-    allows. Holm is applied, for reference, to the t-test and the
-    Wilcoxon p-values (columns `p_ttest_holm`, `p_wilcoxon_holm`). With `cluster_col` (a column
-    constant within a prompt, e.g. country) the intervals are over that cluster.
+    allows. Holm is applied, for reference, to the t-test and the Wilcoxon p-values (columns
+    `p_ttest_holm`, `p_wilcoxon_holm`). With `cluster_col` (a column constant within a prompt,
+    e.g. country) the intervals are over that cluster.
     """
     wide = per_prompt_means(df, reward_col, policy_col, prompt_col)
     if base not in wide.columns:
