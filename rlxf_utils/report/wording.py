@@ -321,10 +321,16 @@ def table(name: str, rows: Any = (), floatfmt: str = ".3f", path: Path = TABLES_
 _CELL = re.compile(r"(?<!\\)\|")
 
 
+#: About how many characters of a table's font fill the PDF's text width.
+LINE_CHARS = 110
+
+
 def fit_words(md: str) -> str:
-    """A pipe table whose separator gives each column at least 1.5 times its longest word in dashes
-    (plus a margin): pandoc turns the dashes into relative widths, and a PDF column narrower than
-    a word it cannot break runs that word into the next column ('supervised+0.0003')."""
+    """A pipe table whose separator gives each column room for its longest word: at least 1.5
+    times that word in dashes (plus a margin), and, since pandoc turns the dashes into relative
+    widths, a share of all the dashes no smaller than the word's share of a line (`LINE_CHARS`,
+    the word and two characters of padding). A PDF column narrower than a word it cannot break
+    runs that word into the next column ('supervised+0.0003', 'staff_commentsTF-IDF')."""
     lines = md.split("\n")
     if len(lines) < 2 or not lines[1].startswith("|"):
         return md
@@ -335,8 +341,13 @@ def fit_words(md: str) -> str:
     longest = [
         max((len(w) for r in rows for w in r[i].split()), default=0) for i in range(len(seps))
     ]
-    dashes = [(":" if s.startswith(":") else "") + "-" * max(len(s.strip(":")), 3 * n // 2 + 4)
-              + (":" if s.endswith(":") else "") for s, n in zip(seps, longest, strict=True)]  # fmt: skip
+    widths = [max(len(s.strip(":")), 3 * n // 2 + 4) for s, n in zip(seps, longest, strict=True)]
+    if sum(n + 2 for n in longest) < LINE_CHARS:  # else no widths fit every word: leave them
+        for _ in range(8):  # the shares grow the total: a few rounds reach the fixed point
+            total = sum(widths)
+            widths = [max(w, math.ceil((n + 2) * total / LINE_CHARS)) for w, n in zip(widths, longest, strict=True)]  # fmt: skip
+    dashes = [(":" if s.startswith(":") else "") + "-" * w + (":" if s.endswith(":") else "")
+              for s, w in zip(seps, widths, strict=True)]  # fmt: skip
     lines[1] = "|" + "|".join(dashes) + "|"
     return "\n".join(lines)
 
