@@ -172,3 +172,13 @@ def test_a_report_table_gives_each_column_room_for_its_longest_word() -> None:
     assert right.endswith(":") and len(right) - 1 == 3 * len("\\[−0.002,") // 2 + 4
     wide = "| a |\n|:" + "-" * 40 + "|\n| x |\n"
     assert wording.fit_words(wide) == wide  # a column already wider keeps its dashes
+
+
+def test_a_column_among_many_wide_ones_keeps_its_word_s_share_of_the_line() -> None:
+    wide = " ".join(["0.735 [0.667, 0.823]"] * 2)  # long but wrappable: 44 dashes each
+    md = "| inputs |" + " x |" * 8 + "\n|:---|" + "-" * 44 + "|" + ("-" * 44 + "|") * 7 + "\n| staff_comments |" + f" {wide} |" * 8 + "\n"  # fmt: skip
+    widths = [len(c) for c in wording.fit_words(md).splitlines()[1].strip("|").split("|")]
+    words = [len("staff_comments")] + [len("[0.667,")] * 8
+    for w, n in zip(widths, words, strict=True):
+        assert w / sum(widths) >= (n + 2) / wording.LINE_CHARS - 1e-9  # room for the word
+    assert widths[0] > 1 + 3 * len("staff_comments") // 2 + 4  # more than 1.5 words, here
