@@ -10,7 +10,6 @@ from typing import Any
 
 from rlxf_utils.artifacts import RunDir
 from rlxf_utils.markdown import is_present
-from rlxf_utils.report.wording import sentence
 from rlxf_utils.stats import ci_sign, level
 
 #: The reference check's row of the gold judge (the audit trained on disjoint rows).
@@ -34,12 +33,6 @@ def gold_auc(run: RunDir) -> dict[str, Any] | None:
     return {"auc": float(r["auc"]), "low": float(r["auc_low"]), "high": float(r["auc_high"]),
             "rows": int(r["rows"]), "level": level(alpha),
             "can_judge": bool(is_present(r["auc_low"]) and r["auc_low"] > 0.5)}  # fmt: skip
-
-
-def gold_auc_words(gold: dict[str, Any], whose: str = "its") -> str:
-    """'its AUC on 120 held-out rows, 0.55 [0.47, 0.63] (95% CI), does not exclude chance'
-    (`auc_words` of `reports/templates/gold.jinja`)."""
-    return sentence("gold", "auc_words", gold, whose)
 
 
 def gold_cannot_judge(gold: dict[str, Any] | None, low: Any, high: Any) -> bool:

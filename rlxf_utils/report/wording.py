@@ -217,12 +217,6 @@ def short_text(text: Any, n: int = 160) -> str:
     return s if len(s) <= n else s[: n - 1].rstrip() + "…"
 
 
-def sd_verdict(low: float, high: float) -> str:
-    """What a policy did to the reward model's uncertainty, read from the CI of its `sd_gain`
-    (the paired change of mean `reward_sd` against the start policy), never from its sign."""
-    return say("uncertainty", low, high)
-
-
 #: The report's prose that an author edits: one Jinja2 file per section, each sentence a macro.
 TEMPLATES = PROJECT_ROOT / "reports" / "templates"
 

@@ -97,9 +97,7 @@ def paired_comparison(
     else:
         mean_diff, reps = bootstrap_reps(diff, n_boot=max(n_boot, tail_resamples(a_family)),
                                          seed=seed, clusters=g)  # fmt: skip
-        if (n if g is None else np.unique(g).size) < 2:
-            reps = reps[:0]  # one cluster: resampling it shows no spread, only its point
-        low = high = se = df = math.nan
+        low = high = se = df = math.nan  # one cluster: no replicates, so these stay NaN
         if reps.size > 1:
             low, high = (float(v) for v in np.quantile(reps, [a_family / 2, 1 - a_family / 2]))
             se = float(reps.std(ddof=1))
