@@ -88,6 +88,8 @@ def _findings() -> dict[str, tuple[str, list]]:
         "rl: gold at chance": ("rl_finding", [f.rl_finding(none, "sft", "99%", True)]),
         "rl: no policies": ("rl_finding", [f.rl_finding(t[t["group"] == "offline"], "sft", "99%")]),
         "best-of-N: below only": ("best_of_n_finding", [f.best_of_n_finding(t, "sft")]),
+        "best-of-N: all below": ("best_of_n_finding", [f.best_of_n_finding(
+            t.iloc[:4].assign(vs_best_of_n="below"), "sft")]),
         "best-of-N: one above": ("best_of_n_finding", [f.best_of_n_finding(
             t.assign(vs_best_of_n=["above", "below", "below", "below", None]), "sft")]),
         "best-of-N: two above, no best-of-N row": ("best_of_n_finding", [f.best_of_n_finding(
