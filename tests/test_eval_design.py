@@ -219,6 +219,20 @@ def test_where_no_held_out_design_reaches_the_target_it_says_how_many_countries_
     assert not any(n.startswith("countries needed") for n in easy["design"])
 
 
+def test_uneven_countries_need_more_of_them_than_even_ones_of_the_same_mean() -> None:
+    """The default run's 19 held-out countries hold 7 to 30 contexts (mean 15.8): kept uneven,
+    the audit's MDE target needs more countries than 19 countries of 16 each would say, as the
+    real split at 39 held-out countries showed (MDE 0.0046 against 0.004 needed)."""
+    comp = {"var_country": 3.2e-5, "var_prompt": 1.0e-5, "var_sample": 4.9e-4}
+    sizes = [7, 10, 10, 10, 11, 11, 14, 14, 15, 15, 16, 17, 18, 18, 19, 21, 21, 24, 30]
+    uneven = countries_needed(comp, {f"C{i}": n for i, n in enumerate(sizes)}, 4, 0.004, 6.8,
+                              13.3, 10, 0.05, 0.8)  # fmt: skip
+    even = countries_needed(comp, {f"C{i}": 16 for i in range(19)}, 4, 0.004, 6.8, 13.3, 10,
+                            0.05, 0.8)  # fmt: skip
+    assert uneven["countries"] > even["countries"]
+    assert uneven["mde"] <= 0.004 and abs(uneven["prompts"] / uneven["countries"] - 15.8) < 1
+
+
 def test_a_design_table_with_one_country_still_has_this_runs_row() -> None:
     """The smoke profile's few prompts may all fall in one country: no country component and no
     t interval (its MDE falls back to z quantiles), and the stage does not stop there."""

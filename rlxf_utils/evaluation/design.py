@@ -126,15 +126,19 @@ def countries_needed(
     max_countries: int = 5000,
 ) -> dict[str, float] | None:  # fmt: skip
     """Where no design within the held-out contexts reaches `target_mde`: the fewest held-out
-    countries that would, each holding as many contexts as the held-out countries do on average
-    (`available`), all used at k samples, under the same variance components (the row of
-    `_row` for that design); None where even `max_countries` would not. The between-country
-    component divides by the countries alone, so past a point only more countries lower the
-    MDE; this says how many, not whether the data has them."""
-    per = max(round(sum(available.values()) / max(len(available), 1)), 1)
+    countries that would, their contexts spread as the held-out countries' are (`available`: g
+    countries take the g evenly spaced quantiles of those counts), all used at k samples, under
+    the same variance components (the row of `_row` for that design); None where even
+    `max_countries` would not. Uneven countries need more of them than even ones of the same
+    mean (the cluster t's df and the weights), so the spread is kept, not averaged away. The
+    between-country component divides by the countries alone, so past a point only more
+    countries lower the MDE; this says how many, not whether the data has them."""
+    counts = np.asarray(sorted(v for v in available.values() if v > 0), dtype=float)
+    counts = counts if counts.size else np.ones(1)
 
     def row(g: int) -> dict[str, float]:
-        return _row(comp, [per] * g, k, c_sample, c_prompt, m, alpha, power)
+        per = np.maximum(np.rint(np.quantile(counts, (np.arange(g) + 0.5) / g)), 1.0)
+        return _row(comp, per.tolist(), k, c_sample, c_prompt, m, alpha, power)
 
     lo = hi = max(len(available), 2)  # the MDE falls as countries are added: double, then halve
     while not row(hi)["mde"] <= target_mde:
