@@ -133,7 +133,7 @@ def countries_needed(
     mean (the cluster t's df and the weights), so the spread is kept, not averaged away. The
     between-country component divides by the countries alone, so past a point only more
     countries lower the MDE; this says how many, not whether the data has them."""
-    counts = np.asarray(sorted(v for v in available.values() if v > 0), dtype=float)
+    counts = np.asarray([v for v in available.values() if v > 0], dtype=float)  # quantile sorts
     counts = counts if counts.size else np.ones(1)
 
     def row(g: int) -> dict[str, float]:
