@@ -92,6 +92,8 @@ def _findings() -> dict[str, tuple[str, list]]:
             t.iloc[:4].assign(vs_best_of_n="below"), "sft")]),
         "best-of-N: one above": ("best_of_n_finding", [f.best_of_n_finding(
             t.assign(vs_best_of_n=["above", "below", "below", "below", None]), "sft")]),
+        "best-of-N: one above, none below": ("best_of_n_finding", [f.best_of_n_finding(
+            t.assign(vs_best_of_n=["above", "x", "x", "x", None]), "sft")]),
         "best-of-N: two above, no best-of-N row": ("best_of_n_finding", [f.best_of_n_finding(
             t.iloc[:4].assign(vs_best_of_n=["above", "above", "below", "x"]), "sft")]),
         "best-of-N: none distinguishable, no row": ("best_of_n_finding", [f.best_of_n_finding(
