@@ -53,6 +53,8 @@ def _pattern(names: Mapping[str, str]) -> re.Pattern[str]:
 
 _SAFE = _pattern(DISPLAY_NAMES)
 _TICKED = re.compile(r"`([^`\n]+)`")
+#: A markdown table's cell separator: a pipe not escaped (`\|` is a pipe inside a cell's text).
+CELL_SEPARATOR = re.compile(r"(?<!\\)\|")
 
 
 def _cell(cell: str, names: Mapping[str, str]) -> str:
@@ -67,7 +69,7 @@ def name_table_cells(line: str, names: Mapping[str, str] = DISPLAY_NAMES) -> str
     display name, any other text as written; a line that is not a table row as it is."""
     if not line.lstrip().startswith("|"):
         return line
-    return "|".join(_cell(c, names) for c in line.split("|"))
+    return "|".join(_cell(c, names) for c in CELL_SEPARATOR.split(line))
 
 
 def humanise(text: str, names: Mapping[str, str] = DISPLAY_NAMES) -> str:

@@ -77,3 +77,6 @@ def test_a_table_is_named_cell_by_cell_where_the_report_writes_it() -> None:
     # a table a stage wrote: whole-cell ids and headers only; data text stays as written
     assert name_table(md).splitlines()[0] == "| policy | economic descriptor |"
     assert name_table(md).splitlines()[2] == "| SFT on MET rows | the ppo_mle of sft |"
+    # an escaped pipe is text inside a cell, not a border: its pieces are not cells
+    escaped = "| sft | a \\| ppo |"
+    assert name_table(escaped) == "| SFT | a \\| ppo |"

@@ -20,7 +20,7 @@ import yaml
 
 from rlxf_utils.config import PROJECT_ROOT
 from rlxf_utils.markdown import display_country, is_present, literal, markdown_table
-from rlxf_utils.names import display_label, name_table_cells, outside_fences
+from rlxf_utils.names import CELL_SEPARATOR, display_label, name_table_cells, outside_fences
 from rlxf_utils.stats import VERDICTS, bound_verdict, ci_sign, level
 
 
@@ -312,9 +312,6 @@ def table(name: str, rows: Any = (), floatfmt: str = ".3f", path: Path = TABLES_
     )
 
 
-_CELL = re.compile(r"(?<!\\)\|")
-
-
 #: About how many characters of a table's font fill the PDF's text width.
 LINE_CHARS = 110
 
@@ -329,7 +326,9 @@ def fit_words(md: str) -> str:
     if len(lines) < 2 or not lines[1].startswith("|"):
         return md
     rows = [
-        [c.strip() for c in _CELL.split(ln.strip())[1:-1]] for ln in lines if ln.startswith("|")
+        [c.strip() for c in CELL_SEPARATOR.split(ln.strip())[1:-1]]
+        for ln in lines
+        if ln.startswith("|")
     ]
     seps = rows.pop(1)
     longest = [
