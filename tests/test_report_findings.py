@@ -90,6 +90,10 @@ def _findings() -> dict[str, tuple[str, list]]:
         "best-of-N: below only": ("best_of_n_finding", [f.best_of_n_finding(t, "sft")]),
         "best-of-N: all below": ("best_of_n_finding", [f.best_of_n_finding(
             t.iloc[:4].assign(vs_best_of_n="below"), "sft")]),
+        "best-of-N: the one method, below": ("best_of_n_finding", [f.best_of_n_finding(
+            t.iloc[1:2].assign(vs_best_of_n="below"), "sft")]),
+        "best-of-N: the one method, not distinguishable": ("best_of_n_finding", [
+            f.best_of_n_finding(t.iloc[1:2].assign(vs_best_of_n="not distinguishable"), "sft")]),
         "best-of-N: one above": ("best_of_n_finding", [f.best_of_n_finding(
             t.assign(vs_best_of_n=["above", "below", "below", "below", None]), "sft")]),
         "best-of-N: one above, none below": ("best_of_n_finding", [f.best_of_n_finding(
