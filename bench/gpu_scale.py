@@ -210,15 +210,15 @@ def bench_rl(algo: str, model, tok, prompts, contexts, reward_fn, rl, policy, st
              sampler: str = "compact") -> dict:  # fmt: skip
     """`steps` steps of the project's own `algo` run (the first a warm-up): step and generation
     seconds from its log rows, peak memory. The LoRA is removed again afterwards."""
-    job = TrainJob(algo=algo, model=model, tokenizer=tok, prompts=prompts, contexts=contexts,
-                   reward_fn=reward_fn, rl=rl.model_copy(update={"steps": steps}),
-                   policy=policy.model_copy(update={"sampler": sampler}),
-                   output_dir=Path(tempfile.mkdtemp(prefix=f"gpu_scale_{algo}_")), seed=0,
-                   progress=False, steps=steps)  # fmt: skip
-    reset_peak(device)
-    t0 = time.perf_counter()
-    log = (run_ppo if algo == "ppo" else run_trl)(job)
-    wall = time.perf_counter() - t0
+    with tempfile.TemporaryDirectory(prefix=f"gpu_scale_{algo}_") as out:  # checkpoints, logs
+        job = TrainJob(algo=algo, model=model, tokenizer=tok, prompts=prompts, contexts=contexts,
+                       reward_fn=reward_fn, rl=rl.model_copy(update={"steps": steps}),
+                       policy=policy.model_copy(update={"sampler": sampler}),
+                       output_dir=Path(out), seed=0, progress=False, steps=steps)  # fmt: skip
+        reset_peak(device)
+        t0 = time.perf_counter()
+        log = (run_ppo if algo == "ppo" else run_trl)(job)
+        wall = time.perf_counter() - t0
     timed = log.iloc[1:] if len(log) > 1 else log
     return {
         "algo": algo, "sampler": sampler if algo == "ppo" else "TRL's generate",
