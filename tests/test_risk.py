@@ -1039,6 +1039,21 @@ def test_gains_verdict_depends_on_the_intervals():
     assert "no interval" in prose.gains_text([bare]).paragraph()
 
 
+def test_a_null_gain_states_its_bound_and_a_missing_interval_none():
+    # the training reward's gain holds zero: its upper end is said as a bound
+    held = prose.gains_text([_gain((0.01, -0.01, 0.03), (0.0, -0.02, 0.02), (0.01, -0.02, 0.04))])
+    assert "raise the training reward (a gain of at most +0.030)" in held.paragraph()
+    # the audit's gain holds zero and the gap lies above it: the audit's bound, no gap bound
+    specific = _gain((0.1, 0.05, 0.15), (-0.01, -0.03, 0.012), (0.11, 0.06, 0.16))
+    text = prose.gains_text([specific]).paragraph()
+    assert "does not rise distinguishably (a gain of at most +0.012)" in text
+    assert "gap of at most" not in text
+    # an audit interval that is missing: the same reading, with no empty parentheses
+    gone = {**specific, "audit_gain_low": None, "audit_gain_high": None}
+    text = prose.gains_text([gone]).paragraph()
+    assert "does not rise distinguishably and" in text and "()" not in text
+
+
 @pytest.mark.parametrize("with_eval", [False, True])
 def test_report_content_reads_the_stage_artifacts(tmp_path, with_eval):
     from rlxf_utils.artifacts import ArtifactMissing
