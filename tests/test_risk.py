@@ -1042,11 +1042,11 @@ def test_gains_verdict_depends_on_the_intervals():
 def test_a_null_gain_states_its_bound_and_a_missing_interval_none():
     # the training reward's gain holds zero: its upper end is said as a bound
     held = prose.gains_text([_gain((0.01, -0.01, 0.03), (0.0, -0.02, 0.02), (0.01, -0.02, 0.04))])
-    assert "raise the training reward (a gain of at most +0.030)" in held.paragraph()
+    assert "raise the training reward (a gain of at most +0.0300)" in held.paragraph()
     # the audit's gain holds zero and the gap lies above it: the audit's bound, no gap bound
     specific = _gain((0.1, 0.05, 0.15), (-0.01, -0.03, 0.012), (0.11, 0.06, 0.16))
     text = prose.gains_text([specific]).paragraph()
-    assert "does not rise distinguishably (a gain of at most +0.012)" in text
+    assert "does not rise distinguishably (a gain of at most +0.0120)" in text
     assert "gap of at most" not in text
     # an audit interval that is missing: the same reading, with no empty parentheses
     gone = {**specific, "audit_gain_low": None, "audit_gain_high": None}

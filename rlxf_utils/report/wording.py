@@ -100,12 +100,13 @@ def margin_verdict(low: float, high: float, margin: float | None, key: str = "po
     return phrase(key, v)
 
 
-def null_bound_clause(low: Any, high: Any, what: str = "gain") -> str:
+def null_bound_clause(low: Any, high: Any, what: str = "gain", digits: int = 3) -> str:
     """How large an effect a null leaves open, for a sentence: 'a gain of at most +0.004' where
-    the interval holds zero (its upper end, `stats.null_bound`), '' where it excludes zero."""
+    the interval holds zero (its upper end, `stats.null_bound`, at the `digits` its interval is
+    printed with), '' where it excludes zero."""
     if ci_sign(low, high) or not is_present(high):
         return ""
-    return f"a {what} of at most {num(high, signed=True)}"
+    return f"a {what} of at most {num(high, digits, signed=True)}"
 
 
 def spaced(name: Any) -> str:
