@@ -47,7 +47,6 @@ from rlxf_utils.data.contexts import load_contexts  # noqa: E402
 from rlxf_utils.models.generation import build_prompts  # noqa: E402
 from rlxf_utils.models.loading import load_start_policy  # noqa: E402
 from rlxf_utils.rl import offline  # noqa: E402
-from rlxf_utils.rl.stage import training_seed  # noqa: E402
 from rlxf_utils.rl.trainer import TrainJob  # noqa: E402
 
 LAYOUTS = ("every position (TRL on the CPU)", "labelled positions only (the study)")
@@ -132,7 +131,7 @@ def main() -> None:
                     model, tok = load_start_policy(cfg.policy, cfg.rl.start_policy, run.root)
                     prompts = build_prompts(contexts, tok, cfg.rl.prompt_template, cfg.policy)
                     job = TrainJob(method, model, tok, prompts, contexts, None, cfg.rl, cfg.policy,
-                                   folder, seed=training_seed(cfg), progress=False, steps=1,
+                                   folder, seed=cfg.training_seed, progress=False, steps=1,
                                    study=cfg, run_dir=run.root)  # fmt: skip
                     frame, rows, ids, extra = offline.offline_dataset(job)
                     with layout(name):

@@ -52,6 +52,8 @@ class NotARun(ValueError):
     names the folder or file and what was expected."""
 
 
+#: The run's frozen parameters, beside its manifest: every notebook and stage reads this copy.
+FROZEN_PARAMS = "params.yaml"
 #: What every manifest `rlxf run` writes holds, and what the report and `rlxf seeds` read.
 MANIFEST_FIELDS = ("params.run.title", "params.run.authors", "params.run.wp_number",
                    "data.sha256", "environment.packages", "notebooks")  # fmt: skip

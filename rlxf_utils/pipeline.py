@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlxf_utils.artifacts import RunDir, sha256_file
+from rlxf_utils.artifacts import FROZEN_PARAMS, RunDir, sha256_file
 from rlxf_utils.config import PROJECT_ROOT, load_config
 from rlxf_utils.data.checks import load_data
 from rlxf_utils.freshness import clear_record, fingerprint, stage_spec, up_to_date, write_record
@@ -199,8 +199,6 @@ def write_manifest(
     return run.write_json("manifest.json", manifest)
 
 
-#: The run's frozen parameters, beside its manifest: every notebook and stage reads this copy.
-FROZEN_PARAMS = "params.yaml"
 #: The advisory lock one `rlxf run` holds on its run directory (released when the process ends).
 LOCK = ".rlxf/lock"
 

@@ -32,9 +32,9 @@ import yaml
 from scipy import stats
 
 from rlxf_utils.algorithms import algorithm_label
-from rlxf_utils.artifacts import NotARun, RunDir, atomic_path, read_manifest
+from rlxf_utils.artifacts import FROZEN_PARAMS, NotARun, RunDir, atomic_path, read_manifest
 from rlxf_utils.config import load_config
-from rlxf_utils.pipeline import FROZEN_PARAMS, run_study
+from rlxf_utils.pipeline import run_study
 from rlxf_utils.stats import family_alpha, level, mde, replicated_gain, seeds_for_mde
 
 log = logging.getLogger(__name__)
@@ -88,7 +88,7 @@ def prepare_seed(run_dir: str | Path, seed: int, algorithms: Sequence[str] | Non
                 f"expected one or more of the run's rl.algorithm {keep}"
             )
         keep = [a for a in keep if a in set(algorithms)]
-    if cfg.rl.seed == seed or (cfg.rl.seed is None and cfg.run.seed == seed):
+    if cfg.training_seed == seed:
         raise ValueError(f"seed {seed} is the run's own training seed; choose another")
     missing = [
         p for p in ("data", "reward_model", f"policy/{cfg.rl.start_policy}") if not run.exists(p)
@@ -152,7 +152,7 @@ def seed_runs(run_dir: str | Path) -> dict[int, Path]:
     """The run and every evaluated seed under it: training seed -> run directory."""
     run = RunDir(run_dir)
     cfg = load_config(run.require(FROZEN_PARAMS, stage="rlxf run"))
-    out = {cfg.run.seed if cfg.rl.seed is None else cfg.rl.seed: run.root}
+    out = {cfg.training_seed: run.root}
     for d in sorted((run.root / "seeds").glob("seed_*")):
         if (d / "eval" / "summary.json").is_file():
             out[int(d.name.split("_", 1)[1])] = d

@@ -144,12 +144,10 @@ def test_sampling_must_be_the_distribution_kl_is_computed_for(tmp_path: Path, ke
 
 
 def test_rl_seed_defaults_to_the_run_seed(tmp_path: Path) -> None:
-    from rlxf_utils.rl.stage import training_seed
-
     cfg = load_config(write_params(tmp_path, lambda r: None))
-    assert cfg.rl.seed is None and training_seed(cfg) == cfg.run.seed
+    assert cfg.rl.seed is None and cfg.training_seed == cfg.run.seed
     cfg = load_config(write_params(tmp_path, lambda r: r["rl"].update(seed=7)))
-    assert training_seed(cfg) == 7 and cfg.run.seed != 7
+    assert cfg.training_seed == 7 and cfg.run.seed != 7
 
 
 def test_unknown_key_names_file_key_and_allowed(tmp_path: Path) -> None:

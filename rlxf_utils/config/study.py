@@ -262,6 +262,12 @@ class StudyConfig(Section):
         """Plain-JSON form of every parameter, defaults filled in (for the manifest)."""
         return self.model_dump(mode="json")
 
+    @property
+    def training_seed(self) -> int:
+        """The RL algorithms' training seed: `rl.seed`, or `run.seed` when it is null (a further
+        seed of `rlxf seeds` sets `rl.seed`; the run's own leaves it null)."""
+        return self.run.seed if self.rl.seed is None else self.rl.seed
+
     @model_validator(mode="after")
     def _start_exists(self) -> StudyConfig:
         if self.rl.start_policy == "sft" and not self.sft.enabled:

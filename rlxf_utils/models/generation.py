@@ -300,7 +300,7 @@ def sampling_kwargs(cfg: Any, progress: bool = True, trained: bool = False) -> d
     (`rl.seed`, null: `run.seed`), so a further training seed (`rlxf seeds`) samples its own
     policies with its own draws while the start policy's samples stay shared across seeds."""
     rl = cfg.rl
-    seed = cfg.rl.seed if trained and cfg.rl.seed is not None else cfg.run.seed
+    seed = cfg.training_seed if trained else cfg.run.seed
     return dict(max_new_tokens=rl.max_new_tokens, temperature=rl.temperature, top_p=rl.top_p,
                 postprocess=rl.response_postprocess, seed=seed,
                 batch_size=cfg.evaluation.batch_size, progress=progress,

@@ -77,11 +77,6 @@ def make_reward_fn(reward_model: Any, batch_size: int = 32) -> RewardFn:
 STALE_OUTPUTS = ("checkpoints", "trl", "snapshots", "pool.parquet")
 
 
-def training_seed(cfg: StudyConfig) -> int:
-    """The RL algorithms' training seed: `rl.seed`, or `run.seed` when it is null."""
-    return cfg.run.seed if cfg.rl.seed is None else cfg.rl.seed
-
-
 def algorithm_marker(
     algo: str, cfg: StudyConfig, run_dir: str | Path, n_prompts: int, steps: int | None = None
 ) -> dict[str, Any]:
@@ -93,7 +88,7 @@ def algorithm_marker(
         "policy": cfg.policy.model_dump(mode="json"),
         **{s: getattr(cfg, s).model_dump(mode="json") for s in algorithm(algo).sections},
         "steps": steps or cfg.rl.steps,
-        "seed": training_seed(cfg),
+        "seed": cfg.training_seed,
         "prompts": n_prompts,
         # each process samples its own share: another process count is another run
         "processes": processes_for(cfg, "rl", algo),
@@ -163,14 +158,14 @@ def run_algorithm(
         with atomic_path(started) as tmp:
             tmp.write_text(json.dumps(marker, indent=2), encoding="utf-8")
     barrier()
-    seed_everything(training_seed(cfg))
+    seed_everything(cfg.training_seed)
     model, tok = load_start_policy(
         cfg.policy, cfg.rl.start_policy, rd.root, device=resolve_device(cfg.compute.device)
     )
     prompts = build_prompts(contexts, tok, cfg.rl.prompt_template, cfg.policy)
     log.info("%s: %d training prompts -> %s", algo, len(prompts), out)
     job = TrainJob(algo, model, tok, prompts, contexts, reward_fn, cfg.rl, cfg.policy, out,
-                   seed=training_seed(cfg), progress=progress, steps=steps, study=cfg,
+                   seed=cfg.training_seed, progress=progress, steps=steps, study=cfg,
                    run_dir=rd.root)  # fmt: skip
     resumed = has_checkpoint(out)
     with counting_optimizer_steps() as counted:
