@@ -113,6 +113,7 @@ def _findings() -> dict[str, tuple[str, list]]:
         "offline: did not run": ("offline_finding", [f.offline_finding({})]),
         "seeds: one seed": ("seeds_finding", [None]),
         "seeds: further seeds": ("seeds_finding", [_seed_findings()[0]]),
+        "seeds: the run's seed's verdicts checked": ("seeds_finding", [_seed_findings()[3]]),
         "predates": ("predates", ["notebook 04_evaluation"]),
     }  # fmt: skip
 
@@ -131,13 +132,31 @@ def _pooled(gain_low: list[float], floors: bool = True) -> pd.DataFrame:
     })  # fmt: skip
 
 
+def _check(key: str, label: str, one: tuple, pooled: tuple, held: bool) -> dict[str, Any]:
+    """A verdict of the run's own seed (`one`: est, low, high) against its seeds' (`pooled`)."""
+    return {"key": key, "label": label, **dict(zip(("est", "low", "high"), one, strict=True)),
+            "pooled": dict(zip(("est", "low", "high"), pooled, strict=True)), "held": held}  # fmt: skip
+
+
 def _seed_findings() -> list[dict[str, Any]]:
     return [
         {"n": 3, "labels": ["PPO", "GRPO"], "level": "97.5%", "reward": ["PPO"], "audit": [],
-         "top": None},
+         "top": None, "checks": []},
         {"n": 2, "labels": ["PPO", "GRPO", "KTO"], "level": "98.3%", "reward": [], "audit": [],
-         "top": 0.0123},
-        {"n": 2, "labels": ["PPO"], "level": "95%", "reward": [], "audit": [], "top": None},
+         "top": 0.0123, "checks": []},
+        {"n": 2, "labels": ["PPO"], "level": "95%", "reward": [], "audit": [], "top": None,
+         "checks": []},
+        # the run's seed raised GRPO under both judges; over seeds only the reward model's holds
+        {"n": 3, "labels": ["PPO", "GRPO"], "level": "97.5%", "reward": ["GRPO"], "audit": [],
+         "top": None, "checks": [
+             _check("gain", "GRPO", (0.0069, 0.0045, 0.0093), (0.0055, 0.0022, 0.0087), True),
+             _check("audit_gain", "GRPO", (0.0115, 0.0033, 0.0196), (0.0042, -0.0137, 0.0221),
+                    False)]},
+        # none held: one reversed over seeds, one no longer distinguishable
+        {"n": 2, "labels": ["PPO", "KTO"], "level": "97.5%", "reward": ["PPO"], "audit": [],
+         "top": None, "checks": [
+             _check("gain", "PPO", (-0.004, -0.007, -0.001), (0.003, 0.001, 0.005), False),
+             _check("audit_gain", "KTO", (0.01, 0.002, 0.018), (0.002, -0.01, 0.014), False)]},
     ]  # fmt: skip
 
 
@@ -164,6 +183,8 @@ def _seeds() -> dict[str, tuple[str, list]]:
         "finding: some moved": ("seed_finding", [finding[0]]),
         "finding: none moved, a bound": ("seed_finding", [finding[1]]),
         "finding: none moved, no bound": ("seed_finding", [finding[2]]),
+        "finding: the run's seed's verdicts, one held, one not": ("seed_finding", [finding[3]]),
+        "finding: the run's seed's verdicts, none held": ("seed_finding", [finding[4]]),
     }  # fmt: skip
 
 

@@ -166,18 +166,23 @@ def test_seed_table_pools_seeds_as_replications(tmp_path):
     ppo_rows = [
         row.split("|") for row in files["eval_seeds.md"].splitlines() if row.startswith("| PPO |")
     ]
-    assert [r[2].strip() for r in ppo_rows] == [
-        "3",
-        "11",
-        str(cfg.run.seed),
-        "pooled",
-    ]  # numeric order
+    # the run's own seed first and marked, the further seeds in numeric order, then pooled
+    assert [r[2].strip() for r in ppo_rows] == [f"{cfg.run.seed} (the run's)", "3", "11", "pooled"]
     assert ppo_rows[-1][-2].strip() == "2"  # seeds for the target MDE
     labels = [row.split("|")[1].strip() for row in files["eval_seeds.md"].splitlines()[2:]]
     assert labels == ["PPO"] * 4 + ["GRPO"] * 4  # the study's order, not the alphabet's
-    assert seed_finding(run) == {"n": 3, "labels": ["PPO", "GRPO"], "level": "97.5%",
-                                 "reward": ["PPO"], "audit": ["PPO"],
-                                 "top": pytest.approx(pooled["gain_high"].max())}  # fmt: skip
+    found = seed_finding(run)
+    checks = found.pop("checks")
+    assert found == {"n": 3, "labels": ["PPO", "GRPO"], "level": "97.5%",
+                     "reward": ["PPO"], "audit": ["PPO"],
+                     "top": pytest.approx(pooled["gain_high"].max())}  # fmt: skip
+    # the run's own seed moved PPO's and GRPO's reward-model gain and GRPO's audit gain (PPO's
+    # audit interval [0, 0.02] touches zero); over seeds only PPO's holds
+    assert [(c["key"], c["label"], c["held"]) for c in checks] == [
+        ("gain", "PPO", True), ("gain", "GRPO", False), ("audit_gain", "GRPO", False)]  # fmt: skip
+    assert checks[1]["low"] == pytest.approx(0.04) and checks[1]["pooled"] == pytest.approx(
+        {"est": grpo["gain"], "low": grpo["gain_low"], "high": grpo["gain_high"]}
+    )
 
 
 def test_the_seeds_needed_say_where_no_number_suffices():

@@ -11,7 +11,8 @@ from typing import Any
 
 import pandas as pd
 
-from rlxf_utils.artifacts import RunDir
+from rlxf_utils.artifacts import FROZEN_PARAMS, RunDir
+from rlxf_utils.config import load_config
 from rlxf_utils.markdown import is_present
 from rlxf_utils.report.evaluation import family_level
 from rlxf_utils.report.wording import ABOVE, BELOW, EQUIVALENT, sentence, table
@@ -45,11 +46,17 @@ def seeds_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
     context = {"n": n, "labels": [str(x) for x in pooled["label"]], "level": lvl, "margin": margin,
                "start": meta.get("start_policy", "sft"), "needed": seeds_needed(pooled),
                "measures": [by_verdict(pooled, col, margin) for col in MEASURES]}  # fmt: skip
-    # the algorithms in the study's order; per algorithm its seeds in numeric order, then pooled
+    # the algorithms in the study's order; per algorithm the run's own seed (marked `own`), the
+    # further seeds in numeric order, then pooled
+    own = own_seed(run)
+    seed = t["seed"].astype(str)
     algo_order = t["algorithm"].map({a: i for i, a in enumerate(pooled["algorithm"])})
-    seed_order = pd.to_numeric(t["seed"], errors="coerce").fillna(float("inf"))
+    seed_order = pd.to_numeric(seed, errors="coerce").fillna(float("inf"))
     shown = t.assign(
-        _algo=algo_order.to_numpy(), _seed=seed_order.to_numpy(), seed=t["seed"].astype(str)
+        _algo=algo_order.to_numpy(),
+        _seed=seed_order.mask(seed == own, -math.inf).to_numpy(),
+        seed=seed,
+        own=(seed == own).to_numpy(),
     ).sort_values(["_algo", "_seed"], kind="stable")
     variables = {"sentence": sentence("seeds", "seeds_sentence", context), "seeds": str(n),
                  "count_words": sentence("seeds", "count_words", n), "level": lvl}  # fmt: skip
@@ -100,10 +107,45 @@ def by_verdict(pooled: pd.DataFrame, col: str, margin: float | None = None) -> d
             "still": [r for r in rows if r["code"] not in (ABOVE, BELOW)]}  # fmt: skip
 
 
+def own_seed(run: RunDir) -> str | None:
+    """The run's own training seed as the across-seed table writes it (`StudyConfig.training_seed`
+    of the run's frozen parameters); None where the run has no parameters file."""
+    if not run.exists(FROZEN_PARAMS):
+        return None
+    return str(load_config(run.path(FROZEN_PARAMS)).training_seed)
+
+
+def own_seed_checks(table: pd.DataFrame, own: str | None) -> list[dict[str, Any]]:
+    """Each gain the run's own training seed found distinguishable from zero (one trained policy's
+    verdict, the one the rest of the report gives) read against the algorithm's seeds: per judge
+    (`key`) and pooled algorithm, the seed's row (`label`, `est`, `low`, `high`), the pooled row
+    (`pooled`: `est`, `low`, `high`) and whether the pooled interval lies on the same side of zero
+    (`held`)."""
+    seed = table["seed"].astype(str)
+    pooled = table[seed == "pooled"]
+    checks = []
+    for col in MEASURES:
+        for _, p in pooled.iterrows():
+            one = table[(seed == own) & (table["algorithm"] == p["algorithm"])]
+            if one.empty:
+                continue
+            r = one.iloc[0]
+            sign = ci_sign(r[f"{col}_low"], r[f"{col}_high"])
+            if sign == 0:
+                continue
+            checks.append({"key": col, "label": str(p["label"]), "est": float(r[col]),
+                           "low": float(r[f"{col}_low"]), "high": float(r[f"{col}_high"]),
+                           "pooled": {"est": float(p[col]), "low": float(p[f"{col}_low"]),
+                                      "high": float(p[f"{col}_high"])},
+                           "held": ci_sign(p[f"{col}_low"], p[f"{col}_high"]) == sign})  # fmt: skip
+    return checks
+
+
 def seed_finding(run: RunDir) -> dict[str, Any] | None:
     """The across-seed finding for the key findings (None without further seeds): which
     algorithms' mean gain over seeds the pooled intervals (seeds and the evaluation's error
-    together) place above or below zero, under the reward model and the audit; the context of
+    together) place above or below zero, under the reward model and the audit, and whether each
+    gain the run's own seed found held over seeds (`checks`, `own_seed_checks`); the context of
     `seed_finding` in `reports/templates/seeds.jinja`."""
     if not run.exists("tables/eval_seeds.csv"):
         return None
@@ -116,4 +158,5 @@ def seed_finding(run: RunDir) -> dict[str, Any] | None:
     top = max((float(h) for h in pooled["gain_high"] if is_present(h)), default=math.nan)
     return {"n": int(pooled["seeds"].max()), "labels": [str(x) for x in pooled["label"]],
             "level": family_level(pooled), "reward": moved["gain"], "audit": moved["audit_gain"],
-            "top": top if math.isfinite(top) else None}  # fmt: skip
+            "top": top if math.isfinite(top) else None,
+            "checks": own_seed_checks(t, own_seed(run))}  # fmt: skip
