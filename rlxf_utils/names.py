@@ -28,6 +28,26 @@ FIELD_NAMES: dict[str, str] = {
     "kl to reference": "KL to start policy",
     "kl_to_reference": "KL to start policy",
     "n_clusters": "countries",
+    # the measures of the paired comparisons (`eval_paired`'s `measure`)
+    "audit_reward": "audit reward",
+    "reward_sd": "reward heads' SD",
+    "reward_finished": "reward, finished responses",
+    "audit_reward_finished": "audit reward, finished responses",
+    # the data section's tables (notebook 01)
+    "status_raw": "MONA code",
+    "n_met": "MET",
+    "met_rate": "MET rate",
+    "ci_low": "CI low",
+    "ci_high": "CI high",
+    "test_rows": "test rows",
+    "exact_in_train": "exact in training",
+    "exact_share": "exact share",
+    "near_in_train": "near in training",
+    "near_share": "near share",
+    # the forensic arm's input variants (`reward.forensic.VARIANTS`)
+    "paper_input": "paper's four fields",
+    "staff_comments": "staff comments",
+    "arrangement_id": "arrangement id",
 }
 
 #: Every internal id the report may meet, with the name it shows instead.

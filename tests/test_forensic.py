@@ -361,7 +361,7 @@ def test_forensic_verdict_is_chosen_from_the_intervals() -> None:
     assert [r["variant"] for r in forbidden["mid"]] == ["dates"]  # the majority class is left out
     assert forbidden["up"][0]["label"] == "TF-IDF + LR"
     v = rs.forensic_verdict(leak, 0.82, 0.05)
-    assert "95%" in v and "82%" in v and "staff_comments (TF-IDF + LR)" in v
+    assert "95%" in v and "82%" in v and "staff comments (TF-IDF + LR)" in v
     allowed_up = leak.assign(**{c: 0.85 for c in ("accuracy_low", "precision_low", "recall_low", "f1_low")})  # fmt: skip
     assert rs.claim_groups(allowed_up, 0.82)[1] == "allowed"
     assert "90%" in rs.forensic_verdict(allowed_up, 0.82, 0.1)
@@ -380,7 +380,7 @@ def test_forensic_section_from_the_stage_and_when_off(tmp_path: Path, small_mona
         v["fields"].startswith("`Comments`, `TestDate`") and "encoder_variants" in v["encoder_note"]
     )
     md = inc["reward_forensic.md"]
-    assert "| staff_comments | TF-IDF + LR | no |" in md and r"accuracy \[95% CI\]" in md
-    assert "82%" in v["verdict"] and "staff_comments" in v["verdict"]
+    assert "| staff comments | TF-IDF + LR | no |" in md and r"accuracy \[95% CI\]" in md
+    assert "82%" in v["verdict"] and "staff comments" in v["verdict"]
     off, inc_off = rs.forensic_section(run, {"forensic": {"enabled": False}})
     assert "not run" in off["verdict"] and "not run" in inc_off["reward_forensic.md"]

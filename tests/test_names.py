@@ -80,3 +80,24 @@ def test_a_table_is_named_cell_by_cell_where_the_report_writes_it() -> None:
     # an escaped pipe is text inside a cell, not a border: its pieces are not cells
     escaped = "| sft | a \\| ppo |"
     assert name_table(escaped) == "| SFT | a \\| ppo |"
+
+
+#: An id as the code writes it: lower case words joined by underscores ('ppo_mle', 'paper_input').
+SNAKE_ID = r"(?<![\w/.`-])[a-z][a-z0-9]*(?:_[a-z0-9]+)+(?![\w/`-])"
+
+
+def test_no_golden_report_text_shows_a_raw_id() -> None:
+    """Every golden text of the report's sections (`tests/golden/report/*.md`, its case headings
+    and the macro name that starts each line aside) names what it writes as a reader reads it: no
+    id such as `guidance_vs_ppo` or `paper_input` reaches the prose (in backticks, a path or a
+    parameter it may)."""
+    import re
+
+    leaks = []
+    for golden in sorted((Path(__file__).parent / "golden" / "report").glob("*.md")):
+        for n, line in enumerate(golden.read_text(encoding="utf-8").splitlines(), 1):
+            if line.startswith("#"):
+                continue
+            prose = re.sub(r"^\w+: ", "", line)
+            leaks += [f"{golden.name}:{n}: {m}" for m in re.findall(SNAKE_ID, prose)]
+    assert leaks == []
