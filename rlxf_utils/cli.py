@@ -175,7 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
     sd.add_argument("--seeds", required=True, nargs="+", type=int, help="training seeds to add")
     sd.add_argument("--algorithms", default=None,
                     help="comma-separated ids of the run's rl.algorithm to train and evaluate "
-                    "for the further seeds (default: all); the across-seed table pools only "
+                    "for the further seeds (default: the RL and ILHF algorithms; an offline method "
+                    "only when named); the across-seed table pools only "
                     "algorithms with two seeds or more")  # fmt: skip
     sd.add_argument("--quiet", action="store_true", help="no per-cell progress bar")
     sd.set_defaults(func=_cmd_seeds)

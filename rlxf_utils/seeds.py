@@ -31,7 +31,7 @@ import pandas as pd
 import yaml
 from scipy import stats
 
-from rlxf_utils.algorithms import algorithm_label
+from rlxf_utils.algorithms import OFFLINE_ALGORITHMS, algorithm_label
 from rlxf_utils.artifacts import FROZEN_PARAMS, NotARun, RunDir, atomic_path, read_manifest
 from rlxf_utils.config import load_config
 from rlxf_utils.pipeline import run_study
@@ -74,13 +74,21 @@ def _link_tree(src: Path, dst: Path) -> None:
 def prepare_seed(run_dir: str | Path, seed: int, algorithms: Sequence[str] | None = None) -> Path:
     """`<run>/seeds/seed_<seed>/` with the run's reusable outputs linked in and a parameters file
     (the run's frozen parameters with `rl.seed` and the run name changed, and `rl.algorithm`
-    cut to `algorithms` when given: ids among the run's, kept in the run's order); returns that
-    file."""
+    cut to `algorithms` when given: ids among the run's, kept in the run's order; else to the
+    run's RL and ILHF algorithms, whose seeds the across-seed section is about: an offline method
+    trains for a further seed only when named); returns that file."""
     run = RunDir(run_dir)
     frozen = run.require(FROZEN_PARAMS, stage="rlxf run (the run the seeds extend)")
     cfg = load_config(frozen)
     keep = list(cfg.rl.algorithm)
-    if algorithms is not None:
+    if algorithms is None:
+        keep = [a for a in keep if a not in OFFLINE_ALGORITHMS]
+        if not keep:
+            raise ValueError(
+                f"{frozen}: rl.algorithm {list(cfg.rl.algorithm)} holds no RL algorithm; name the "
+                "offline methods to train for further seeds with --algorithms"
+            )
+    else:
         unknown = sorted(set(algorithms) - set(keep))
         if unknown or not algorithms:
             raise ValueError(

@@ -9,6 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from rlxf_utils.algorithms import OFFLINE_ALGORITHMS
 from rlxf_utils.artifacts import RunDir
 from rlxf_utils.config import PROJECT_ROOT, load_config
 from rlxf_utils.models.generation import sampling_kwargs
@@ -96,7 +97,11 @@ def test_a_seed_can_train_only_some_algorithms(tmp_path):
     algos = list(cfg.rl.algorithm)
     pick = algos[-1:]
     assert load_config(prepare_seed(run.root, 7, pick)).rl.algorithm == pick
-    assert load_config(prepare_seed(run.root, 8)).rl.algorithm == algos
+    # by default the RL and ILHF algorithms; an offline method only when named
+    assert load_config(prepare_seed(run.root, 8)).rl.algorithm == [
+        a for a in algos if a not in OFFLINE_ALGORITHMS
+    ] and set(algos) & set(OFFLINE_ALGORITHMS)
+    assert load_config(prepare_seed(run.root, 10, ["kto", "ppo"])).rl.algorithm == ["ppo", "kto"]
     with pytest.raises(ValueError, match=r"\['nope'\].*expected one or more of the run's"):
         prepare_seed(run.root, 9, ["nope"])
 
