@@ -6,9 +6,10 @@ evaluates them, each seed in `<run>/seeds/seed_<s>/`, reusing what does not depe
 training seed: the data, the reward and audit models and the SFT policies are the run's own files
 (hard links: nothing is copied, and every artifact is replaced atomically, so a seed never changes
 the run's files). Evaluation draws the same prompts, and the start policy's and the references'
-samples with the same sampling seeds (`run.seed`: the same texts, shared for pairing), while each
-seed's trained policies sample with their own training seed (`models.generation.sampling_kwargs`),
-so the seeds are replications, not one draw counted again. Then `seed_table` sets every
+samples with the same sampling seeds (`run.seed`: the same texts, shared for pairing; read back
+from the run's `eval/draws/` rather than drawn again, `evaluation.draws`), while each seed's
+trained policies sample with their own training seed (`models.generation.sampling_kwargs`), so the
+seeds are replications, not one draw counted again. Then `seed_table` sets every
 algorithm's gain over the start policy (reward model and audit), KL and finished share side by
 side per seed and, for every algorithm with two seeds or more, pooled over seeds with an interval
 that carries both the seed-to-seed spread and the evaluation's error (`stats.replicated_gain`)
@@ -41,7 +42,7 @@ log = logging.getLogger(__name__)
 
 #: What a seed reuses from its run: everything the training seed does not change.
 REUSED = ("data", "reward", "reward_model", "policy/sft", "policy/sft_met",
-          "eval/historical_index", "tables", "figures")  # fmt: skip
+          "eval/historical_index", "eval/draws", "tables", "figures")  # fmt: skip
 #: The notebooks a seed runs: RL and evaluation.
 SEED_NOTEBOOKS = ("03", "04")
 #: Per algorithm and seed, the columns of `eval/summary.json`'s summary the table carries.

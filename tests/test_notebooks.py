@@ -436,6 +436,14 @@ def test_a_further_seed_of_the_smoke_run(smoke_run: Path, tmp_path: Path) -> Non
     )  # same prompts, seeds
     ppo_a, ppo_b = (s[s.policy == "ppo"].reset_index(drop=True) for s in (sa, sb))
     assert ppo_a[same].equals(ppo_b[same]) and not ppo_a["response"].equals(ppo_b["response"])
+    # the draws that do not depend on the training seed are read back from the run's, not drawn
+    import json
+
+    reused = json.loads((seed / "eval/summary.json").read_text(encoding="utf-8"))["reused_draws"]
+    assert {"samples base", "samples sft", "samples sft_met", "best-of-N pool"} <= set(reused)
+    assert "samples ppo" not in reused
+    run_draws = json.loads((run_dir / "eval/summary.json").read_text(encoding="utf-8"))
+    assert run_draws["reused_draws"] == []  # the run drew its own
     assert not (seed / "policy/grpo").exists()  # only the algorithms asked for
     table = pd.read_csv(run_dir / "tables/eval_seeds.csv")
     pooled = table[table["seed"] == "pooled"]

@@ -85,13 +85,18 @@ def best_of_n_kl_bound(n: int) -> float:
     return math.log(n) - (n - 1) / n
 
 
+def pool_sampling(gen_kw: Mapping[str, Any]) -> dict[str, Any]:
+    """The sampling settings of best-of-N's pool of start-policy candidates: the start policy's,
+    with another seed than the policies' own samples (`gen_kw['seed'] + 1`), so best-of-N is never
+    the maximum of the very samples it is compared with."""
+    return {**gen_kw, "seed": int(gen_kw["seed"]) + 1}
+
+
 def best_of_n_pool(pset: PolicySet, prompts: Sequence[str], n: int, gen_kw: Mapping[str, Any],
                    logprob_batch: int) -> pd.DataFrame:  # fmt: skip
-    """n candidates per prompt from the start policy for best-of-N, drawn with another seed than
-    the policies' own samples (`gen_kw['seed'] + 1`), so best-of-N is never the maximum of the very
-    samples it is compared with."""
-    kw = {**gen_kw, "seed": int(gen_kw["seed"]) + 1}
-    return sample_tuned(pset, pset.start_name, prompts, n, kw, logprob_batch,
+    """n candidates per prompt from the start policy for best-of-N (`pool_sampling`); notebook 04
+    draws the same through `EvalInputs.draw`, which keeps it."""
+    return sample_tuned(pset, pset.start_name, prompts, n, pool_sampling(gen_kw), logprob_batch,
                         desc="best-of-N pool", judges=False)  # fmt: skip
 
 

@@ -13,7 +13,7 @@ from rlxf_utils.data.contexts import heldout_rows, load_contexts
 from rlxf_utils.evaluation.best_of_n import (
     best_of_n_curve,
     best_of_n_frame,
-    best_of_n_pool,
+    pool_sampling,
     versus_best_of_n,
 )
 from rlxf_utils.evaluation.design import design_table, variance_table
@@ -48,7 +48,7 @@ from rlxf_utils.evaluation.overopt import (
     plot_overoptimisation,
 )
 from rlxf_utils.evaluation.rlgf import rlgf_figures, rlgf_tables
-from rlxf_utils.evaluation.sampling import add_judge_logprobs, sample_tuned
+from rlxf_utils.evaluation.sampling import add_judge_logprobs
 from rlxf_utils.evaluation.tables import (
     frontier_points,
     heldout_perplexity,
@@ -70,10 +70,10 @@ def sample_policies(ev: Evaluation) -> Measured:
     inp, ec = ev.inp, ev.inp.ec
     frames = []
     for name in inp.pset.names:
-        with inp.timer(f"samples {name}"):
-            frames.append(sample_tuned(inp.pset, name, inp.prompts, ec.samples_per_prompt,
-                                       inp.sampling(name), ec.logprob_batch_size,
-                                       desc=name).assign(policy=name))  # fmt: skip
+        phase = f"samples {name}"
+        with inp.timer(phase):
+            df = inp.draw("samples", name, ec.samples_per_prompt, inp.sampling(name), phase)
+            frames.append(df.assign(policy=name))
     with inp.timer("rewards"):
         gen = inp.score(pd.concat(frames, ignore_index=True))
     return Measured(products={"samples": gen})
@@ -85,8 +85,8 @@ def sample_best_of_n(ev: Evaluation) -> Measured:
     inp, ec = ev.inp, ev.inp.ec
     with inp.timer("best-of-N pool"):
         n_pool = max(max(ec.best_of_n_curve), ec.best_of_n)
-        pool = best_of_n_pool(inp.pset, inp.prompts, n_pool, inp.sampling(inp.start),
-                              ec.logprob_batch_size)  # fmt: skip
+        pool = inp.draw("pool", inp.start, n_pool, pool_sampling(inp.sampling(inp.start)),
+                        "best-of-N pool", judges=False)  # fmt: skip
         inp.score(pool)
         best = best_of_n_frame(pool[pool["sample_id"] < ec.best_of_n], "reward", ("prompt_id",))
         best = best.assign(policy="best_of_n", sample_id=0)

@@ -18,6 +18,7 @@ import torch
 from rlxf_utils.artifacts import ArtifactMissing, RunDir
 from rlxf_utils.data.contexts import load_contexts
 from rlxf_utils.data.splits import load_holdout, load_splits
+from rlxf_utils.evaluation.draws import draw
 from rlxf_utils.evaluation.sampling import add_rewards
 from rlxf_utils.models.generation import build_prompts, sampling_kwargs
 from rlxf_utils.models.policies import PolicySet
@@ -35,7 +36,18 @@ class PhaseTimer:
 
     def __init__(self, stage: str):
         self.stage, self.seconds = stage, {}
+        #: the phases whose draws were read back (`evaluation.draws`), not drawn again
+        self.reused: list[str] = []
         self._t0 = time.perf_counter()
+
+    def reuse(self, phase: str, seconds: float) -> None:
+        """Phase `phase` read back a draw that took `seconds` when it was drawn: those seconds
+        count in its time (the cost of drawing, which the design reads), and it is listed in
+        `reused`."""
+        self.seconds[phase] = round(self.seconds.get(phase, 0.0) + seconds, 1)
+        self.reused.append(phase)
+        log.info("%s: %s read back from %s (drawn in %.0f s)", self.stage, phase, "eval/draws",
+                 seconds)  # fmt: skip
 
     @contextlib.contextmanager
     def __call__(self, phase: str) -> Iterator[None]:
@@ -95,6 +107,14 @@ class EvalInputs:
     def sampling(self, name: str) -> dict[str, Any]:
         """The sampling settings of policy `name`: RL's policies sample with their own seed."""
         return sampling_kwargs(self.cfg, self.progress, trained=name in self.algos)
+
+    def draw(self, kind: str, name: str, k: int, gen_kw: dict[str, Any], phase: str,
+             judges: bool = True) -> pd.DataFrame:  # fmt: skip
+        """Policy `name`'s k responses per prompt with their log-probs (`draws.draw`: read back
+        where the same draw was kept, else drawn and kept), timed in `phase`."""
+        return draw(self.cfg, self.run, self.pset, kind, name, self.prompts, k, gen_kw,
+                    self.ec.logprob_batch_size, desc=name if kind == "samples" else phase,
+                    judges=judges, timer=self.timer, phase=phase)  # fmt: skip
 
     def score(self, df: pd.DataFrame) -> pd.DataFrame:
         """`df` with `reward`, `reward_sd` and `audit_reward` (`sampling.add_rewards`, in place)."""

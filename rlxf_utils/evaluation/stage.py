@@ -22,6 +22,8 @@ settings and seed (`run.seed`; the RL algorithms' policies their training seed, 
 shared start-policy ones). Gains and paired tests are against the start policy. Written to the
 run dir:
 
+* `eval/draws/`: each policy's samples and best-of-N's pool as drawn, kept for a rerun or a
+  further seed to read back (`evaluation.draws`);
 * `eval/samples.parquet` and `eval/samples.jsonl`: one row per response (context, text, reward,
   the reward heads' SD of P(MET) `reward_sd` (`reward.uncertainty`), audit reward, log-probs,
   whether it finished before the cap, grounding);
@@ -54,7 +56,7 @@ SUMMARY_KEYS = (
     "algorithms", "start_policy", "policies", "best_of_n_curve", "vs_best_of_n",
     "overoptimisation", "need_rl", "heldout_perplexity", "n_prompts", "samples_per_prompt",
     "best_of_n", "alpha", "power", "equivalence_margin", "target_mde", "families", "interval",
-    "cluster", "history_contrast", "reference_rows", "summary", "seconds",
+    "cluster", "history_contrast", "reference_rows", "summary", "reused_draws", "seconds",
 )  # fmt: skip
 
 
@@ -93,7 +95,9 @@ def run_evaluation_stage(cfg: Any, run: RunDir, progress: bool = True) -> EvalSt
         figures |= measured.figures
         files |= measured.files
     with inp.timer("writing"):
-        entries["seconds"] = dict(inp.timer.seconds)  # wall time per phase, up to this write
+        # wall time per phase, up to this write (a draw read back: the seconds it took when drawn)
+        entries["seconds"] = dict(inp.timer.seconds)
+        entries["reused_draws"] = list(inp.timer.reused)
         _write(run, ev.tables, figures, files, {key: entries[key] for key in SUMMARY_KEYS})
     return EvalStage(ev.samples, ev.summary, ev.paired, ev.frontier, ev.tables["eval_table3"],
                      inp.algos, ev.tables)  # fmt: skip

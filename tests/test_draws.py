@@ -1,0 +1,109 @@
+"""Draws kept in `eval/draws/` (`evaluation.draws`): read back only when everything that decides
+them is the same, replaced when it is not, and as usable as a fresh draw."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from types import MethodType, SimpleNamespace
+
+import pytest
+from test_ppo import tiny_tokenizer
+from tiny import tiny_llama
+
+from rlxf_utils.artifacts import RunDir
+from rlxf_utils.config import PROJECT_ROOT, load_config
+from rlxf_utils.evaluation import draws
+from rlxf_utils.evaluation.inputs import PhaseTimer
+from rlxf_utils.evaluation.sampling import frame_logprobs
+from rlxf_utils.models.policies import PolicySet
+
+PROMPTS = ["w10 w11 w12", "w13", "w14 w15"]
+KW = dict(max_new_tokens=8, temperature=1.0, top_p=1.0, postprocess="none", progress=False,
+          seed=7, batch_size=4)  # fmt: skip
+
+
+def _pset():
+    tok = tiny_tokenizer()
+    model = tiny_llama(tok, 0, init=0.3).eval()
+
+    @contextmanager
+    def use(name):
+        yield model
+
+    pset = SimpleNamespace(use=use, tok=tok, start_name="sft", particles={}, model=model)
+    for name in ("generate", "sequence_logprobs"):  # PolicySet's own, on the fake
+        setattr(pset, name, MethodType(getattr(PolicySet, name), pset))
+    return pset
+
+
+@pytest.fixture
+def setup(tmp_path, monkeypatch):
+    cfg = load_config(PROJECT_ROOT / "params/smoke.yaml")
+    run = RunDir(tmp_path / "run")
+    run.write_text("policy/sft/adapter/adapter_model.safetensors", "sft weights")
+    run.write_text("policy/ppo/adapter/adapter_model.safetensors", "ppo weights")
+    calls = []
+    real = draws.sample_tuned
+
+    def counted(*args, **kwargs):
+        calls.append(args[1])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(draws, "sample_tuned", counted)
+    return cfg, run, _pset(), calls
+
+
+def _draw(setup, name="sft", kw=KW, kind="samples", timer=None):
+    cfg, run, pset, _ = setup
+    return draws.draw(cfg, run, pset, kind, name, PROMPTS, 2, kw, 4, desc=name, timer=timer,
+                      phase=f"{kind} {name}")  # fmt: skip
+
+
+def _kept(run: RunDir) -> list[str]:
+    return sorted(p.name for p in run.path(draws.FOLDER).iterdir())
+
+
+def test_a_draw_is_read_back_only_when_all_that_decides_it_is_the_same(setup):
+    cfg, run, pset, calls = setup
+    first = _draw(setup)
+    assert calls == ["sft"] and len(_kept(run)) == 2  # the frame and its record
+    timer = PhaseTimer("evaluation")
+    again = _draw(setup, timer=timer)
+    assert calls == ["sft"]  # read back, not drawn
+    assert again.equals(first)  # token ids as lists of ints, as drawn
+    assert again["response_ids"].tolist() == first["response_ids"].tolist()
+    assert timer.reused == ["samples sft"] and timer.seconds["samples sft"] >= 0
+    # read back, it scores as the fresh draw does
+    assert frame_logprobs(pset.model, pset.tok, again, 4) == pytest.approx(
+        frame_logprobs(pset.model, pset.tok, first, 4)
+    )
+    # another sampling seed, another kind, another policy: drawn, each kept beside the others
+    _draw(setup, kw={**KW, "seed": 8})
+    _draw(setup, kind="pool")
+    _draw(setup, name="ppo")
+    assert calls == ["sft", "sft", "sft", "ppo"]
+    assert len(_kept(run)) == 6  # the seed-8 draw replaced the seed-7 one of samples-sft
+    assert len([p for p in _kept(run) if p.startswith("samples-sft-")]) == 2
+    _draw(setup)  # the seed-7 draw again: it was replaced, so it is drawn anew
+    assert calls[-1] == "sft" and len(calls) == 5
+
+
+def test_new_weights_or_code_draw_afresh(setup, monkeypatch):
+    cfg, run, pset, calls = setup
+    _draw(setup, name="ppo")
+    run.write_text("policy/sft/adapter/adapter_model.safetensors", "sft retrained")
+    _draw(setup, name="ppo")  # the start policy changed: logp_ref (and the policy) with it
+    assert calls == ["ppo", "ppo"]
+    monkeypatch.setattr(draws, "code_digest", lambda: "other code")
+    _draw(setup, name="ppo")
+    assert calls == ["ppo", "ppo", "ppo"]
+    assert len(_kept(run)) == 2  # one draw of ppo kept, the last
+
+
+def test_a_record_that_does_not_match_its_parts_is_not_trusted(setup):
+    cfg, run, pset, calls = setup
+    _draw(setup)
+    record = next(p for p in run.path(draws.FOLDER).iterdir() if p.suffix == ".json")
+    record.write_text('{"parts": {"policy": "other"}, "seconds": 1.0}', encoding="utf-8")
+    _draw(setup)
+    assert calls == ["sft", "sft"]
