@@ -141,22 +141,31 @@ def _check(key: str, label: str, one: tuple, pooled: tuple, held: bool) -> dict[
 def _seed_findings() -> list[dict[str, Any]]:
     return [
         {"n": 3, "labels": ["PPO", "GRPO"], "level": "97.5%", "reward": ["PPO"], "audit": [],
-         "top": None, "checks": []},
+         "top": None, "checks": [], "finished": []},
         {"n": 2, "labels": ["PPO", "GRPO", "KTO"], "level": "98.3%", "reward": [], "audit": [],
-         "top": 0.0123, "checks": []},
+         "top": 0.0123, "checks": [], "finished": []},
         {"n": 2, "labels": ["PPO"], "level": "95%", "reward": [], "audit": [], "top": None,
-         "checks": []},
+         "checks": [], "finished": []},
         # the run's seed raised GRPO under both judges; over seeds only the reward model's holds
         {"n": 3, "labels": ["PPO", "GRPO"], "level": "97.5%", "reward": ["GRPO"], "audit": [],
          "top": None, "checks": [
              _check("gain", "GRPO", (0.0069, 0.0045, 0.0093), (0.0055, 0.0022, 0.0087), True),
              _check("audit_gain", "GRPO", (0.0115, 0.0033, 0.0196), (0.0042, -0.0137, 0.0221),
-                    False)]},
+                    False)],
+         "finished": [{"label": "GRPO", "finished": 0.69}]},
         # none held: one reversed over seeds, one no longer distinguishable
         {"n": 2, "labels": ["PPO", "KTO"], "level": "97.5%", "reward": ["PPO"], "audit": [],
          "top": None, "checks": [
              _check("gain", "PPO", (-0.004, -0.007, -0.001), (0.003, 0.001, 0.005), False),
-             _check("audit_gain", "KTO", (0.01, 0.002, 0.018), (0.002, -0.01, 0.014), False)]},
+             _check("audit_gain", "KTO", (0.01, 0.002, 0.018), (0.002, -0.01, 0.014), False)],
+         "finished": [{"label": "PPO", "finished": 0.98}]},
+        # a mover that finishes few of its responses: the length caveat
+        {"n": 3, "labels": ["GRPO", "ILHF (history)"], "level": "99%", "reward": ["GRPO"],
+         "audit": ["ILHF (history)"], "top": None,
+         "checks": [_check("gain", "GRPO", (0.0069, 0.0045, 0.0093), (0.0055, 0.0022, 0.0087),
+                           True)],
+         "finished": [{"label": "GRPO", "finished": 0.69},
+                      {"label": "ILHF (history)", "finished": 0.14}]},
     ]  # fmt: skip
 
 
@@ -185,6 +194,7 @@ def _seeds() -> dict[str, tuple[str, list]]:
         "finding: none moved, no bound": ("seed_finding", [finding[2]]),
         "finding: the run's seed's verdicts, one held, one not": ("seed_finding", [finding[3]]),
         "finding: the run's seed's verdicts, none held": ("seed_finding", [finding[4]]),
+        "finding: a mover that finishes few responses": ("seed_finding", [finding[5]]),
     }  # fmt: skip
 
 

@@ -178,6 +178,8 @@ def test_seed_table_pools_seeds_as_replications(tmp_path):
     assert labels == ["PPO"] * 4 + ["GRPO"] * 4  # the study's order, not the alphabet's
     found = seed_finding(run)
     checks = found.pop("checks")
+    # each mover with its finished share over seeds (PPO moved under both judges)
+    assert found.pop("finished") == [{"label": "PPO", "finished": pytest.approx(0.8)}]
     assert found == {"n": 3, "labels": ["PPO", "GRPO"], "level": "97.5%",
                      "reward": ["PPO"], "audit": ["PPO"],
                      "top": pytest.approx(pooled["gain_high"].max())}  # fmt: skip

@@ -156,7 +156,14 @@ def seed_finding(run: RunDir) -> dict[str, Any] | None:
     moved = {col: [str(r["label"]) for _, r in pooled.iterrows()
                    if ci_sign(r[f"{col}_low"], r[f"{col}_high"]) != 0] for col in MEASURES}  # fmt: skip
     top = max((float(h) for h in pooled["gain_high"] if is_present(h)), default=math.nan)
+    # each mover's finished share over seeds: a gain among responses cut at the token cap may be
+    # the cut's (the single-seed finding checks the run's seed among finished responses alone)
+    movers = {lab for labels in moved.values() for lab in labels}
+    finished = [{"label": str(r["label"]), "finished": float(r["finished"])}
+                for _, r in pooled.iterrows()
+                if r["label"] in movers and is_present(r.get("finished"))]  # fmt: skip
     return {"n": int(pooled["seeds"].max()), "labels": [str(x) for x in pooled["label"]],
             "level": family_level(pooled), "reward": moved["gain"], "audit": moved["audit_gain"],
+            "finished": finished,
             "top": top if math.isfinite(top) else None,
             "checks": own_seed_checks(t, own_seed(run))}  # fmt: skip
