@@ -14,7 +14,7 @@ from tiny import tiny_llama
 
 from rlxf_utils.artifacts import ArtifactMissing, RunDir
 from rlxf_utils.config import ComputeConfig, LoraSettings, PolicyConfig
-from rlxf_utils.evaluation.best_of_n import best_of_n_pool, versus_best_of_n
+from rlxf_utils.evaluation.best_of_n import pool_sampling, versus_best_of_n
 from rlxf_utils.evaluation.figures import plot_frontier
 from rlxf_utils.evaluation.history import history_references
 from rlxf_utils.evaluation.sampling import frame_logprobs, sample_tuned
@@ -174,12 +174,13 @@ def test_best_of_n_pool_is_drawn_apart_from_the_compared_samples() -> None:
     kw = dict(max_new_tokens=8, temperature=1.0, top_p=1.0, postprocess="none", progress=False,
               seed=7, batch_size=4)  # fmt: skip
     own = sample_tuned(pset, "sft", prompts, 3, kw, 4, desc="sft", judges=False)
-    pool = best_of_n_pool(pset, prompts, 3, kw, 4)
+    # the pool as notebook 04 draws it: the start policy with `pool_sampling`'s settings
+    pool = sample_tuned(pset, "sft", prompts, 3, pool_sampling(kw), 4, desc="pool", judges=False)
     for pid in range(len(prompts)):
         a = {tuple(r) for r in own.loc[own.prompt_id == pid, "response_ids"]}
         b = {tuple(r) for r in pool.loc[pool.prompt_id == pid, "response_ids"]}
         assert a.isdisjoint(b)  # another seed: no candidate is one of the compared samples
-    again = best_of_n_pool(pset, prompts, 3, kw, 4)
+    again = sample_tuned(pset, "sft", prompts, 3, pool_sampling(kw), 4, desc="pool", judges=False)
     assert again["response_ids"].tolist() == pool["response_ids"].tolist()  # still seeded
 
 

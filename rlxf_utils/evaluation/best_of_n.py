@@ -10,8 +10,6 @@ from typing import Any, TypeVar
 import numpy as np
 import pandas as pd
 
-from rlxf_utils.evaluation.sampling import sample_tuned
-from rlxf_utils.models.policies import PolicySet
 from rlxf_utils.stats import (
     bootstrap_ci,
     bound_verdict,
@@ -90,14 +88,6 @@ def pool_sampling(gen_kw: Mapping[str, Any]) -> dict[str, Any]:
     with another seed than the policies' own samples (`gen_kw['seed'] + 1`), so best-of-N is never
     the maximum of the very samples it is compared with."""
     return {**gen_kw, "seed": int(gen_kw["seed"]) + 1}
-
-
-def best_of_n_pool(pset: PolicySet, prompts: Sequence[str], n: int, gen_kw: Mapping[str, Any],
-                   logprob_batch: int) -> pd.DataFrame:  # fmt: skip
-    """n candidates per prompt from the start policy for best-of-N (`pool_sampling`); notebook 04
-    draws the same through `EvalInputs.draw`, which keeps it."""
-    return sample_tuned(pset, pset.start_name, prompts, n, pool_sampling(gen_kw), logprob_batch,
-                        desc="best-of-N pool", judges=False)  # fmt: skip
 
 
 def best_of_n_curve(pool: pd.DataFrame, ns: Sequence[int], n_boot: int, alpha: float,

@@ -109,13 +109,15 @@ def draw(cfg: Any, run: RunDir, pset: Any, kind: str, name: str, prompts: Sequen
     """`sampling.sample_tuned`'s frame for policy `name` (`kind`: 'samples', 'pool', ...), read
     from `eval/draws/` where a draw with the same parts is there, else drawn and kept there. A
     draw read back adds the seconds it took when drawn to `timer`'s `phase` (`timer.reuse`)."""
-    parts = draw_parts(cfg, run, name, prompts, k, gen_kw, logprob_batch, judges)
-    key = hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    # as its record holds them (plain JSON), so that a kept record compares equal
+    parts = json.loads(json.dumps(draw_parts(cfg, run, name, prompts, k, gen_kw, logprob_batch,
+                                             judges), default=str))  # fmt: skip
+    key = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
     stem = f"{FOLDER}/{kind}-{name}-{key}"
     record = run.path(f"{stem}.json")
     if record.is_file() and run.exists(f"{stem}.parquet"):
         kept = json.loads(record.read_text(encoding="utf-8"))
-        if kept.get("parts") == json.loads(json.dumps(parts, default=str)):
+        if kept.get("parts") == parts:
             if timer is not None and phase is not None:
                 timer.reuse(phase, float(kept["seconds"]))
             return _as_drawn(run.read_parquet(f"{stem}.parquet"))

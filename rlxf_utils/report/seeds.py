@@ -48,15 +48,12 @@ def seeds_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
                "measures": [by_verdict(pooled, col, margin) for col in MEASURES]}  # fmt: skip
     # the algorithms in the study's order; per algorithm the run's own seed (marked `own`), the
     # further seeds in numeric order, then pooled
-    own = own_seed(run)
     seed = t["seed"].astype(str)
+    own = seed == own_seed(run)
     algo_order = t["algorithm"].map({a: i for i, a in enumerate(pooled["algorithm"])})
-    seed_order = pd.to_numeric(seed, errors="coerce").fillna(float("inf"))
+    seed_order = pd.to_numeric(seed, errors="coerce").fillna(float("inf")).mask(own, -math.inf)
     shown = t.assign(
-        _algo=algo_order.to_numpy(),
-        _seed=seed_order.mask(seed == own, -math.inf).to_numpy(),
-        seed=seed,
-        own=(seed == own).to_numpy(),
+        _algo=algo_order.to_numpy(), _seed=seed_order.to_numpy(), seed=seed, own=own.to_numpy()
     ).sort_values(["_algo", "_seed"], kind="stable")
     variables = {"sentence": sentence("seeds", "seeds_sentence", context), "seeds": str(n),
                  "count_words": sentence("seeds", "count_words", n), "level": lvl}  # fmt: skip
@@ -123,13 +120,13 @@ def own_seed_checks(table: pd.DataFrame, own: str | None) -> list[dict[str, Any]
     (`held`)."""
     seed = table["seed"].astype(str)
     pooled = table[seed == "pooled"]
+    own_rows = table[seed == own].drop_duplicates("algorithm").set_index("algorithm")
     checks = []
     for col in MEASURES:
         for _, p in pooled.iterrows():
-            one = table[(seed == own) & (table["algorithm"] == p["algorithm"])]
-            if one.empty:
+            if p["algorithm"] not in own_rows.index:
                 continue
-            r = one.iloc[0]
+            r = own_rows.loc[p["algorithm"]]
             sign = ci_sign(r[f"{col}_low"], r[f"{col}_high"])
             if sign == 0:
                 continue
