@@ -51,6 +51,7 @@ import torch  # noqa: E402
 from rlxf_utils.algorithms import RL_ALGORITHMS  # noqa: E402
 from rlxf_utils.config import load_config  # noqa: E402
 from rlxf_utils.models.decode import auto_batch_size, merged_lora, sample_compact  # noqa: E402
+from rlxf_utils.models.generation import cache_in_autocast_dtype  # noqa: E402
 from rlxf_utils.models.loading import apply_lora  # noqa: E402
 from rlxf_utils.rl.ppo import run_ppo  # noqa: E402
 from rlxf_utils.rl.trainer import TrainJob  # noqa: E402
@@ -81,9 +82,12 @@ def word_tokenizer(vocab: int):
     return tok
 
 
-def build_policy(fields: dict, device: str, dtype: torch.dtype, hazard: float):
+def build_policy(fields: dict, device: str, dtype: torch.dtype, hazard: float, merge_lora: bool):
     """A random Llama from `fields` on `device` in `dtype`, its end token (0) forced to
-    probability `hazard` at every position by a hook on the LM head."""
+    probability `hazard` at every position by a hook on the LM head, its `generate` made the
+    study's (`models.generation.cache_in_autocast_dtype`, as `load_policy` does: a LoRA added
+    later samples from merged weights when `merge_lora`, `policy.merge_lora`). Without this the
+    bench's PPO and GRPO rollouts sampled an unmerged LoRA, which the study does not."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(**fields, pad_token_id=0, eos_token_id=0, bos_token_id=1)
@@ -99,7 +103,7 @@ def build_policy(fields: dict, device: str, dtype: torch.dtype, hazard: float):
         return torch.cat([(others + shift).to(logits.dtype)[..., None], logits[..., 1:]], -1)
 
     model.lm_head.register_forward_hook(end_hazard)
-    return model
+    return cache_in_autocast_dtype(model, merge_lora=merge_lora)
 
 
 def stand_in_reward(fields: dict, device: str, dtype: torch.dtype, tok, batch: int):
@@ -159,19 +163,29 @@ def sample_once(model, enc, path: str, cap: int, seed: int) -> int:
     return int((~after).sum())
 
 
+#: evaluation sampling paths: (how, LoRA merged); the first is the path before issue 44
+PATHS = {
+    "generate, unmerged (before)": ("generate", False),
+    "generate, merged": ("generate", True),
+    "compact, merged": ("compact", True),
+}
+#: `policy.sampler` -> the path the study samples with (merge_lora: true)
+SAMPLER_PATH = {"transformers": "generate, merged", "compact": "compact, merged"}
+
+
 def bench_sampling(model, tok, prompts, sizes, cap, device) -> dict:
-    """Useful tokens/s per batch size and path; merged and compact alone at the smallest."""
-    paths = {
-        "generate, unmerged (before)": ("generate", False),
-        "compact, merged (now)": ("compact", True),
-    }
-    alone = {"generate, merged": ("generate", True), "compact, unmerged": ("compact", False)}
+    """Useful tokens/s per batch size and path (`PATHS`); the compact loop unmerged at the
+    smallest size too (what merging alone buys it)."""
+    alone = {"compact, unmerged": ("compact", False)}
+    inner = model.get_base_model()  # whose `generate` merges the LoRA unless told not to
+    study_merges = inner.rlxf_merge_lora
     rows = []
     for i, size in enumerate(sizes):
         enc = tok([prompts[j % len(prompts)] for j in range(size)], return_tensors="pt",
                   padding=True).to(device)  # fmt: skip
-        for name, (path, merge) in {**paths, **(alone if i == 0 else {})}.items():
+        for name, (path, merge) in {**PATHS, **(alone if i == 0 else {})}.items():
             reset_peak(device)
+            inner.rlxf_merge_lora = merge
             with torch.no_grad(), merged_lora(model) if merge else _null():
                 if i == 0:
                     sample_once(model, {k: v[:2] for k, v in enc.items()}, path, 4, 0)  # warm-up
@@ -184,7 +198,75 @@ def bench_sampling(model, tok, prompts, sizes, cap, device) -> dict:
                          "useful_tokens_per_s": n / s, "mean_length": n / size,
                          "peak_gib": peak_gib(device)})  # fmt: skip
             print(f"  sampling batch {size:4d} {name:28s} {n / s:9.1f} useful tokens/s", flush=True)
+    inner.rlxf_merge_lora = study_merges
     return {"rows": rows}
+
+
+def profile_paths(model, tok, prompts, batch, cap, device) -> dict:
+    """Where a decoding step's time goes on each path (`PATHS` merged, at `batch` rows, `cap`
+    new tokens, after a warm-up): torch.profiler's busiest operators by self CPU time and by self
+    device time, and how many host syncs each path made (`aten::_local_scalar_dense`: a tensor
+    read into Python; `cudaStreamSynchronize` / `cudaDeviceSynchronize`) per sampled step. What
+    a GPU session needs to see why one loop is slower than another at a small batch."""
+    from torch.profiler import ProfilerActivity, profile
+
+    inner = model.get_base_model()
+    study_merges = inner.rlxf_merge_lora
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    enc = tok([prompts[j % len(prompts)] for j in range(batch)], return_tensors="pt",
+              padding=True).to(device)  # fmt: skip
+    out = {"batch": batch, "max_new_tokens": cap, "paths": {}}
+    for name in ("generate, merged", "compact, merged"):
+        path, merge = PATHS[name]
+        inner.rlxf_merge_lora = merge
+        with torch.no_grad(), merged_lora(model):
+            sample_once(model, enc, path, cap, seed=1)  # warm-up at this batch
+            sync(device)
+            with profile(activities=activities) as prof:
+                sample_once(model, enc, path, cap, seed=1)
+                sync(device)
+        events = prof.key_averages()
+        dev = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
+
+        def top(key, events=events, n=15):
+            rows = sorted(events, key=lambda e: getattr(e, key, 0), reverse=True)[:n]
+            return [{"op": e.key, "calls": e.count, "self_cpu_ms": e.self_cpu_time_total / 1e3,
+                     "self_device_ms": getattr(e, "self_device_time_total", 0) / 1e3}
+                    for e in rows]  # fmt: skip
+
+        syncs = {e.key: e.count for e in events if e.key in (
+            "aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaDeviceSynchronize",
+            "aten::nonzero", "aten::item")}  # fmt: skip
+        out["paths"][name] = {
+            "wall_cpu_ms": sum(e.self_cpu_time_total for e in events) / 1e3,
+            "syncs_per_step": {k: v / cap for k, v in syncs.items()},
+            "kernel_launches_per_step": sum(
+                e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel")
+            ) / cap,
+            "top_self_cpu": top("self_cpu_time_total"),
+            "top_self_device": top(dev),
+        }  # fmt: skip
+        print(f"  profiled {name}: syncs per step {out['paths'][name]['syncs_per_step']}",
+              flush=True)  # fmt: skip
+    inner.rlxf_merge_lora = study_merges
+    return out
+
+
+def rollout_against_generate(sampling: dict, rl_rows: list[dict], batch: int) -> list[dict]:
+    """Each PPO rollout's generation against plain `generate` on the same (merged) weights at
+    the rollout's batch: the ratio of useful tokens/s (issue 44 asks for at most 1.3). None
+    where sampling did not measure that batch."""
+    plain = {r["batch"]: r["useful_tokens_per_s"] for r in sampling["rows"]
+             if r["path"] == "generate, merged"}  # fmt: skip
+    out = []
+    for r in rl_rows:
+        if r["algo"] != "ppo" or "error" in r:
+            continue
+        ref = plain.get(batch)
+        out.append({"sampler": r["sampler"], "batch": batch, "plain_tokens_per_s": ref,
+                    "rollout_tokens_per_s": r["tokens_per_s"],
+                    "slower_by": ref / r["tokens_per_s"] if ref else None})  # fmt: skip
+    return out
 
 
 def _null():
@@ -252,14 +334,21 @@ def project(cfg, sampling: dict, scoring_tps: float, rl_rows: list[dict], eval_p
     """Hours per stage of the profile from the measured rates (assumptions in `assumptions`)."""
     rl, ev = cfg.rl, cfg.evaluation
     algos = list(rl.algorithm)
+    sampler = cfg.policy.sampler  # the profile's: RL rollouts and evaluation sample this way
     step = {r["algo"]: r["step_s"] for r in rl_rows
-            if "error" not in r and r["sampler"] != "transformers"}  # fmt: skip
+            if "error" not in r and r["sampler"] in (sampler, "TRL's generate")}  # fmt: skip
     ppo_s, grpo_s = step.get("ppo", np.nan), step.get("grpo", step.get("ppo", np.nan))
     per_algo = {a: rl.steps * (grpo_s if a in ("grpo", "rloo") else ppo_s) for a in algos}
-    now = [r for r in sampling["rows"] if r["path"] == "compact, merged (now)"]
-    before = [r for r in sampling["rows"] if r["path"] == "generate, unmerged (before)"]
-    best_now = max(now, key=lambda r: r["useful_tokens_per_s"])
-    at_eval = [r for r in before if r["batch"] == ev.batch_size] or before[:1]
+    rows = sampling["rows"]
+    now = [r for r in rows if r["path"] == SAMPLER_PATH[sampler]]
+    before = [r for r in rows if r["path"] == "generate, unmerged (before)"]
+    if ev.batch_size == "auto" and sampling.get("auto_batch"):
+        at_batch = sampling["auto_batch"]
+    else:
+        at_batch = ev.batch_size if isinstance(ev.batch_size, int) else before[-1]["batch"]
+    at_now = [r for r in now if r["batch"] == at_batch] or now[-1:]
+    at_before = before[:1]  # the smallest batch: paper.yaml's 32 before `auto`
+    best = max((r for r in rows if r["path"] in PATHS), key=lambda r: r["useful_tokens_per_s"])
     rl_algos = [a for a in algos if a in RL_ALGORITHMS]  # the ones with frontier snapshots
     snapshots = rl.steps // rl.checkpoint_every
     if ev.frontier_max_checkpoints is not None:
@@ -268,14 +357,16 @@ def project(cfg, sampling: dict, scoring_tps: float, rl_rows: list[dict], eval_p
     responses = eval_prompts * (ev.samples_per_prompt * policies + ev.best_of_n
                                 + ev.frontier_samples_per_prompt * snapshots * len(rl_algos))  # fmt: skip
     tokens = responses * mean_length
-    sample_now = tokens / best_now["useful_tokens_per_s"]
-    sample_before = tokens / at_eval[0]["useful_tokens_per_s"]
+    sample_now = tokens / at_now[0]["useful_tokens_per_s"]
+    sample_before = tokens / at_before[0]["useful_tokens_per_s"]
+    sample_best = tokens / best["useful_tokens_per_s"]
     scoring = 3 * tokens / scoring_tps
     hours = {
         "rl_per_algorithm": {a: s / 3600 for a, s in per_algo.items()},
         "rl": sum(per_algo.values()) / 3600,
         "evaluation_sampling_now": sample_now / 3600,
         "evaluation_sampling_before": sample_before / 3600,
+        "evaluation_sampling_best_path": sample_best / 3600,
         "evaluation_scoring": scoring / 3600,
     }
     hours["total_now"] = hours["rl"] + hours["evaluation_sampling_now"] + scoring / 3600
@@ -283,18 +374,25 @@ def project(cfg, sampling: dict, scoring_tps: float, rl_rows: list[dict], eval_p
         "hours": hours,
         "rl_algorithms": algos,
         "evaluation_responses": responses,
-        "evaluation_batch_now": best_now["batch"],
+        "evaluation_batch_now": at_now[0]["batch"],
+        "evaluation_path_now": at_now[0]["path"],
+        "evaluation_best_path": {k: best[k] for k in ("path", "batch", "useful_tokens_per_s")},
         "assumptions": [
             f"RL: rl.steps ({rl.steps}) x the measured step for each of the {len(algos)} "
-            "algorithms: GRPO's step for grpo and rloo, PPO's (sampler now) for every other one "
+            f"algorithms: GRPO's step for grpo and rloo, PPO's (policy.sampler: {sampler}) for "
+            "every other one "
             "(the PPO family and RLGF add a roll-in or a guide, ILHF and the offline methods "
             "sample less: a stand-in, not a measurement)",
             f"evaluation: {eval_prompts} held-out prompts x ({ev.samples_per_prompt} samples x "
             f"{policies} policies + best-of-N's {ev.best_of_n} + {ev.frontier_samples_per_prompt}"
             f" x {snapshots} snapshots x {len(rl_algos)} RL algorithms) = {responses} responses "
             f"of {mean_length:.1f} tokens on average (the imposed end-token hazard)",
-            f"evaluation sampling now at the best measured batch ({best_now['batch']}), before at "
-            f"evaluation.batch_size ({ev.batch_size}) with generate and the LoRA unmerged",
+            f"evaluation sampling now the profile's way (policy.sampler: {sampler}, "
+            f"{at_now[0]['path']}) at evaluation.batch_size ({ev.batch_size}: "
+            f"{at_now[0]['batch']} rows), before with generate and the LoRA unmerged at "
+            f"{at_before[0]['batch']} rows (the paper profile's batch before `auto`); the fastest "
+            f"measured path and batch ({best['path']}, {best['batch']}) in "
+            "evaluation_sampling_best_path",
             "scoring: three teacher-forced passes per response (policy, reference, base) at the "
             "measured scoring rate",
             "random weights with an imposed end-token hazard; the stand-in reward is a random "
@@ -311,7 +409,7 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for i, name in enumerate(("generate, unmerged (before)", "compact, merged (now)")):
+    for i, name in enumerate(PATHS):
         rows = [r for r in result["sampling"]["rows"] if r["path"] == name]
         ax.plot([r["batch"] for r in rows], [r["useful_tokens_per_s"] for r in rows], "o-",
                 color=f"C{i}", label=name)  # fmt: skip
@@ -348,6 +446,9 @@ def main() -> None:
                     "evaluation.max_prompts, else 600: all held-out contexts, an assumption)")  # fmt: skip
     ap.add_argument("--rl-steps", type=int, default=3, help="RL steps per run (first: warm-up)")
     ap.add_argument("--no-grpo", action="store_true", help="skip TRL's GRPO step")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile generate and the compact loop (merged) at the smallest "
+                    "batch into gpu_profile.json")  # fmt: skip
     ap.add_argument("--sampling-only", action="store_true",
                     help="only (a), at the batch sizes and `auto`'s, into gpu_auto_batch.json")  # fmt: skip
     args = ap.parse_args()
@@ -375,7 +476,7 @@ def main() -> None:
                  "econ_descriptor": "1.1"} for i in range(len(prompts))]  # fmt: skip
     print(f"device {device}; building the policy ({'tiny' if args.tiny else 'Llama-2-7B shape'})",
           flush=True)  # fmt: skip
-    base = build_policy(llama, device, dtype, hazard)
+    base = build_policy(llama, device, dtype, hazard, policy.merge_lora)
     reward_fn = stand_in_reward(bert, device, dtype, tok, cfg.rl.reward_batch_size)
     model = apply_lora(base, policy.lora).eval()
     with torch.no_grad():  # a LoRA that changes the output: merged and unmerged differ
@@ -393,6 +494,11 @@ def main() -> None:
     print("(a) evaluation sampling", flush=True)
     sampling = bench_sampling(model, tok, prompts, sizes, cap, device)
     sampling["auto_batch"] = auto
+    if args.profile:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        prof = profile_paths(model, tok, prompts, sizes[0], min(cap, 32), device)
+        (out / "gpu_profile.json").write_text(json.dumps(prof, indent=2) + "\n", encoding="utf-8")
     if device == "cuda":
         sampling["gpu_total_gib"] = torch.cuda.mem_get_info()[1] / 2**30
     if args.sampling_only:
@@ -419,8 +525,7 @@ def main() -> None:
         rl_rows.append(row)
         base = strip_lora(base)
         print(f"  {row}", flush=True)
-    now = [r for r in sampling["rows"] if r["path"] == "compact, merged (now)"]
-    mean_length = float(np.mean([r["mean_length"] for r in now]))
+    mean_length = float(np.mean([r["mean_length"] for r in sampling["rows"]]))
     eval_prompts = args.eval_prompts or cfg.evaluation.max_prompts or 600
     result = {
         "params": args.params, "tiny": args.tiny, "device": torch.cuda.get_device_name()
@@ -432,6 +537,7 @@ def main() -> None:
                         "gradient_checkpointing", "steps")},
         "eos_hazard": hazard, "prompt_tokens": prompt_len, "sampling": sampling,
         "scoring_tokens_per_s": score_tps, "rl_steps": rl_rows,
+        "rollout_against_generate": rollout_against_generate(sampling, rl_rows, rl.batch_size),
         "projection": project(cfg, sampling, score_tps, rl_rows, eval_prompts, mean_length),
         "versions": {"torch": torch.__version__},
     }  # fmt: skip
@@ -442,6 +548,9 @@ def main() -> None:
                                         encoding="utf-8")  # fmt: skip
     plot(result, out / "gpu_scale.png")
     print(json.dumps(result["projection"]["hours"], indent=2))
+    for r in result["rollout_against_generate"]:
+        print(f"PPO rollout ({r['sampler']}): x{r['slower_by'] or float('nan'):.2f} the time "
+              f"of plain generate on the same merged weights at batch {r['batch']}")  # fmt: skip
     print(f"wrote {out / 'gpu_scale.json'} and {out / 'gpu_scale.png'} in {result['wall_s']:.0f} s")
 
 
