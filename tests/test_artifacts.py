@@ -9,7 +9,7 @@ import pytest
 
 from rlxf_utils.artifacts import ArtifactMissing, RunDir, atomic_path, to_jsonable
 from rlxf_utils.markdown import markdown_table
-from rlxf_utils.report.wording import coef, typeset_minus
+from rlxf_utils.report.wording import coef, typeset_apostrophes, typeset_minus
 
 
 def test_atomic_write_keeps_old_file_when_writer_fails(tmp_path: Path) -> None:
@@ -95,6 +95,18 @@ def test_negative_numbers_get_a_minus_sign_and_nothing_else_changes() -> None:
     ]
     assert out.split("\n", 2)[2] == text.split("\n", 2)[2].replace("x=-1", f"x={m}1")
     assert typeset_minus(out) == out  # idempotent
+
+
+def test_a_possessive_after_a_bracket_or_full_stop_gets_the_typographic_apostrophe() -> None:
+    # pandoc's smart quotes read "(history)'s" as an opening quote: the PDF showed "(history)‘s"
+    text = "ILHF (history)'s gain, et al.'s form, [x]'s; GRPO's, 'quoted', `a)'s`, $b)'s$\n```\nc)'s\n```"
+    out = typeset_apostrophes(text)
+    r = "’"
+    assert out.split("\n")[0] == (
+        f"ILHF (history){r}s gain, et al.{r}s form, [x]{r}s; GRPO's, 'quoted', `a)'s`, $b)'s$"
+    )
+    assert out.split("\n", 1)[1] == text.split("\n", 1)[1]  # fenced code as written
+    assert typeset_apostrophes(out) == out
 
 
 def test_table_csvs_quote_what_a_spreadsheet_would_run_and_read_back_as_written(

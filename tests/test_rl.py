@@ -397,3 +397,20 @@ def test_training_reward_is_the_learners_own_in_the_curves_the_table_and_the_sen
     assert summary_table(ppo).iloc[0]["reward_first_step"] == 1
     (said,) = moves_context(summary_table(ppo).set_index("algorithm"))["moved"]
     assert said["first_step"] == 1
+
+
+def test_the_settings_table_writes_a_group_of_settings_as_words(tmp_path):
+    """Notebook 03's settings side by side: the optimiser's settings read 'eps 1e-05, weight
+    decay 0, ...', not a Python dict (the report printed "{'eps': 1e-05, ...}")."""
+    from rlxf_utils.artifacts import RunDir
+    from rlxf_utils.rl.tables import settings_table
+
+    run = RunDir(tmp_path)
+    for algo in ("ppo", "grpo"):
+        run.write_json(f"policy/{algo}/settings.json", {
+            "algo": algo, "learning_rate": 0.001, "temperature": None,
+            "optimizer": {"eps": 1e-05, "weight_decay": 0.0, "lr_schedule": "constant"}})  # fmt: skip
+    table = settings_table(tmp_path, ["ppo", "grpo"]).set_index("setting")
+    assert list(table.columns) == ["PPO", "GRPO"]
+    assert table.loc["optimizer", "PPO"] == "eps 1e-05, weight decay 0, lr schedule constant"
+    assert (table.loc["learning_rate", "GRPO"], table.loc["temperature", "GRPO"]) == ("0.001", "·")

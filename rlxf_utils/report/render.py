@@ -40,7 +40,7 @@ from rlxf_utils.report.rl import rl_section
 from rlxf_utils.report.rlgf import rlgf_section
 from rlxf_utils.report.seeds import seeds_section
 from rlxf_utils.report.sources import sources_table
-from rlxf_utils.report.wording import name_table, pct, typeset_minus
+from rlxf_utils.report.wording import name_table, pct, typeset_apostrophes, typeset_minus
 
 log = logging.getLogger(__name__)
 
@@ -169,10 +169,10 @@ TABLE_INCLUDES = {
 
 
 def for_reader(markdown: str) -> str:
-    """Markdown as the reader sees it: minus signs (`wording.typeset_minus`). Display names are
-    written where the text is (the templates' `name` filter, `wording.name_cells` and
-    `wording.name_table` on a table)."""
-    return typeset_minus(markdown)
+    """Markdown as the reader sees it: minus signs (`wording.typeset_minus`) and possessive
+    apostrophes (`wording.typeset_apostrophes`). Display names are written where the text is (the
+    templates' `name` filter, `wording.name_cells` and `wording.name_table` on a table)."""
+    return typeset_apostrophes(typeset_minus(markdown))
 
 
 def build_sources(run: RunDir, build: Path, src: Path = REPORT_SRC) -> dict[str, Any]:
@@ -207,7 +207,7 @@ def build_sources(run: RunDir, build: Path, src: Path = REPORT_SRC) -> dict[str,
     ):
         variables[key] = vals
         includes.update(files)
-    variables = map_strings(variables, typeset_minus)
+    variables = map_strings(variables, for_reader)
     with atomic_path(build / "_variables.yml") as tmp:
         tmp.write_text(yaml.safe_dump(variables, sort_keys=True, allow_unicode=True))
     qmd = build / QMD
@@ -357,7 +357,9 @@ def pandoc_typst(md: Path) -> Path:
     _run(
         [
             *_pandoc_args(md),
-            "--to=typst",
+            # pandoc's own quotes and apostrophes as characters: left to Typst's smart quotes,
+            # "ILHF (history)'s" came out with an opening quote (U+2018) where the HTML is right
+            "--to=typst-smart",
             "--standalone",
             "--include-in-header=typst-header.typ",
             "--variable=papersize:a4",

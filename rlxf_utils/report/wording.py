@@ -213,6 +213,23 @@ def typeset_minus(text: str) -> str:
     return outside_fences(text, line_minus)
 
 
+#: a possessive's apostrophe after a closing bracket or a full stop ("ILHF (history)'s", "et
+#: al.'s"), which pandoc's smart quotes take for an opening quote (U+2018)
+_POSSESSIVE = re.compile(r"(?<=[)\].])'(?=s\b)")
+
+
+def typeset_apostrophes(text: str) -> str:
+    """Markdown with each possessive apostrophe after ')', ']' or '.' made a right single quote
+    (U+2019), the typographic apostrophe: pandoc's smart quotes turned "ILHF (history)'s" into
+    "ILHF (history)‘s". Code, math and fenced blocks are left as written."""
+
+    def line(text: str) -> str:
+        parts = _CODE_OR_MATH.split(text)
+        return "".join(p if i % 2 else _POSSESSIVE.sub("’", p) for i, p in enumerate(parts))
+
+    return outside_fences(text, line)
+
+
 def short_text(text: Any, n: int = 160) -> str:
     s = " ".join(str(text).split())
     return s if len(s) <= n else s[: n - 1].rstrip() + "…"

@@ -28,8 +28,12 @@ def settings_table(run_dir: str | Path, algos: Sequence[str]) -> pd.DataFrame:
 
 
 def _cell(v: Any) -> str:
+    """A setting as a reader reads it: '·' for none, floats in %g, a group of settings (the
+    optimiser's) as 'name value' pairs ('eps 1e-05, weight decay 0, ...'), not a Python dict."""
     if v is None:
         return "·"
+    if isinstance(v, dict):
+        return ", ".join(f"{str(k).replace('_', ' ')} {_cell(x)}" for k, x in v.items())
     return f"{v:g}" if isinstance(v, float) else str(v)
 
 
