@@ -35,6 +35,7 @@ from scipy import stats
 from rlxf_utils.algorithms import OFFLINE_ALGORITHMS, algorithm_label
 from rlxf_utils.artifacts import FROZEN_PARAMS, NotARun, RunDir, atomic_path, read_manifest
 from rlxf_utils.config import load_config
+from rlxf_utils.evaluation.tables import finished_only
 from rlxf_utils.pipeline import run_study
 from rlxf_utils.stats import family_alpha, level, mde, replicated_gain, seeds_for_mde
 
@@ -47,9 +48,14 @@ REUSED = ("data", "reward", "reward_model", "policy/sft", "policy/sft_met",
 SEED_NOTEBOOKS = ("03", "04")
 #: Per algorithm and seed, the columns of `eval/summary.json`'s summary the table carries.
 MEASURES = {"gain": "reward-model gain over the start policy", "audit_gain": "audit gain",
+            "gain_finished": "reward-model gain among finished responses",
+            "audit_gain_finished": "audit gain among finished responses",
             "kl": "KL to the start policy (nats)", "finished": "finished share"}  # fmt: skip
-#: The gains pooled with `stats.replicated_gain`: table column -> the samples' score column.
-GAINS = {"gain": "reward", "audit_gain": "audit_reward"}
+#: The gains pooled with `stats.replicated_gain`: table column -> (the samples' score column,
+#: whether among finished responses only, `evaluation.tables.finished_only`: a gain of a policy
+#: whose responses the token cap cuts may come from their length, and this is its check).
+GAINS = {"gain": ("reward", False), "audit_gain": ("audit_reward", False),
+         "gain_finished": ("reward", True), "audit_gain_finished": ("audit_reward", True)}  # fmt: skip
 
 
 def seed_dir(run_dir: str | Path, seed: int) -> Path:
@@ -208,10 +214,8 @@ def seed_table(run_dir: str | Path, alpha: float = 0.05) -> pd.DataFrame:
             r = s.loc[algo]
             rows.append({"algorithm": algo, "label": algorithm_label(algo), "seed": str(seed),
                          **{m: float(r.get(m, math.nan)) for m in MEASURES},
-                         "gain_low": float(r.get("gain_low", math.nan)),
-                         "gain_high": float(r.get("gain_high", math.nan)),
-                         "audit_gain_low": float(r.get("audit_gain_low", math.nan)),
-                         "audit_gain_high": float(r.get("audit_gain_high", math.nan))})  # fmt: skip
+                         **{f"{m}_{end}": float(r.get(f"{m}_{end}", math.nan))
+                            for m in GAINS for end in ("low", "high")}})  # fmt: skip
     per_seed = pd.DataFrame(rows)
     if per_seed.empty:
         return per_seed
@@ -232,9 +236,13 @@ def seed_table(run_dir: str | Path, alpha: float = 0.05) -> pd.DataFrame:
         rec: dict[str, Any] = {"algorithm": algo, "label": algorithm_label(algo), "seed": "pooled",
                                "seeds": len(g), "ci_level": 1 - a_family,
                                "method": "t over seeds and countries (seeds as replications)"}  # fmt: skip
-        for m, col in GAINS.items():
-            diffs = pd.concat([seed_differences(samples[s], algo, start, col).assign(seed=s)
+        for m, (col, done) in GAINS.items():
+            diffs = pd.concat([seed_differences(finished_only(samples[s]) if done else samples[s],
+                                                algo, start, col).assign(seed=s)
                                for s in g["seed"]], ignore_index=True)  # fmt: skip
+            if diffs.empty:  # no prompt where both finished a response, at any seed
+                rec.update({m: math.nan, f"{m}_low": math.nan, f"{m}_high": math.nan})
+                continue
             r = replicated_gain(diffs, a_family)
             need = (
                 seeds_for_mde(

@@ -70,7 +70,7 @@ ROOMS: dict[str, set[str]] = {
         "risk",
     },
     "pipeline": {"config", "artifacts", "runtime", "freshness", "data"},
-    "seeds": {"config", "algorithms", "artifacts", "pipeline", "stats"},
+    "seeds": {"config", "algorithms", "artifacts", "pipeline", "stats", "evaluation"},
     "cli": {"config", "artifacts", "data", "pipeline", "report", "compare", "seeds"},
 }
 #: Modules that import some of the package inside functions, and why (nothing else may).

@@ -22,6 +22,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from rlxf_utils.report.seeds import finished_checks
 from rlxf_utils.report.wording import sentence
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "report"
@@ -152,20 +153,34 @@ def _seed_findings() -> list[dict[str, Any]]:
              _check("gain", "GRPO", (0.0069, 0.0045, 0.0093), (0.0055, 0.0022, 0.0087), True),
              _check("audit_gain", "GRPO", (0.0115, 0.0033, 0.0196), (0.0042, -0.0137, 0.0221),
                     False)],
-         "finished": [{"label": "GRPO", "finished": 0.69}]},
+         "finished": [{"label": "GRPO", "finished": 0.69, "checks": []}]},
         # none held: one reversed over seeds, one no longer distinguishable
         {"n": 2, "labels": ["PPO", "KTO"], "level": "97.5%", "reward": ["PPO"], "audit": [],
          "top": None, "checks": [
              _check("gain", "PPO", (-0.004, -0.007, -0.001), (0.003, 0.001, 0.005), False),
              _check("audit_gain", "KTO", (0.01, 0.002, 0.018), (0.002, -0.01, 0.014), False)],
-         "finished": [{"label": "PPO", "finished": 0.98}]},
+         "finished": [{"label": "PPO", "finished": 0.98, "checks": []}]},
         # a mover that finishes few of its responses: the length caveat
         {"n": 3, "labels": ["GRPO", "ILHF (history)"], "level": "99%", "reward": ["GRPO"],
          "audit": ["ILHF (history)"], "top": None,
          "checks": [_check("gain", "GRPO", (0.0069, 0.0045, 0.0093), (0.0055, 0.0022, 0.0087),
                            True)],
-         "finished": [{"label": "GRPO", "finished": 0.69},
-                      {"label": "ILHF (history)", "finished": 0.14}]},
+         "finished": [{"label": "GRPO", "finished": 0.69, "checks": []},
+                      {"label": "ILHF (history)", "finished": 0.14, "checks": []}]},
+        # the same with each mover's gain among finished responses alone over seeds: GRPO's holds,
+        # ILHF (history)'s (on one prompt) does not
+        {"n": 3, "labels": ["GRPO", "ILHF (history)"], "level": "99%", "reward": ["GRPO"],
+         "audit": ["ILHF (history)"], "top": None, "checks": [],
+         "finished": [
+             {"label": "GRPO", "finished": 0.69, "checks": finished_checks(pd.Series(
+                 {"gain": 0.0055, "gain_low": 0.0012, "gain_high": 0.0097, "gain_finished": 0.0048,
+                  "gain_finished_low": 0.0016, "gain_finished_high": 0.008,
+                  "gain_finished_prompts": 40}), ["gain"])},
+             {"label": "ILHF (history)", "finished": 0.14, "checks": finished_checks(pd.Series(
+                 {"audit_gain": 0.013, "audit_gain_low": 0.0013, "audit_gain_high": 0.0247,
+                  "audit_gain_finished": 0.003, "audit_gain_finished_low": -0.0119,
+                  "audit_gain_finished_high": 0.0179, "audit_gain_finished_prompts": 1}),
+                 ["audit_gain"])}]},
     ]  # fmt: skip
 
 
@@ -195,6 +210,7 @@ def _seeds() -> dict[str, tuple[str, list]]:
         "finding: the run's seed's verdicts, one held, one not": ("seed_finding", [finding[3]]),
         "finding: the run's seed's verdicts, none held": ("seed_finding", [finding[4]]),
         "finding: a mover that finishes few responses": ("seed_finding", [finding[5]]),
+        "finding: the movers' gains among finished responses over seeds": ("seed_finding", [finding[6]]),
     }  # fmt: skip
 
 

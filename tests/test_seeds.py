@@ -179,7 +179,7 @@ def test_seed_table_pools_seeds_as_replications(tmp_path):
     found = seed_finding(run)
     checks = found.pop("checks")
     # each mover with its finished share over seeds (PPO moved under both judges)
-    assert found.pop("finished") == [{"label": "PPO", "finished": pytest.approx(0.8)}]
+    assert found.pop("finished") == [{"label": "PPO", "finished": pytest.approx(0.8), "checks": []}]
     assert found == {"n": 3, "labels": ["PPO", "GRPO"], "level": "97.5%",
                      "reward": ["PPO"], "audit": ["PPO"],
                      "top": pytest.approx(pooled["gain_high"].max())}  # fmt: skip
@@ -190,6 +190,46 @@ def test_seed_table_pools_seeds_as_replications(tmp_path):
     assert checks[1]["low"] == pytest.approx(0.04) and checks[1]["pooled"] == pytest.approx(
         {"est": grpo["gain"], "low": grpo["gain_low"], "high": grpo["gain_high"]}
     )
+
+
+def test_the_pooled_gain_among_finished_responses_uses_the_prompts_every_seed_finished(tmp_path):
+    """ILHF (history) raised the audit over seeds while finishing 14% of its responses: the pooled
+    gain among finished responses alone is the check. Here the policy gains 0.02 on responses cut
+    at the cap and nothing on finished ones: the full gain is 0.02 at every seed, the finished
+    one 0, pooled over the prompts where every seed and the start policy finished a response."""
+    _, run = _run(tmp_path)
+    base = 0.5 + np.arange(6) / 100
+    for s, d in (
+        (None, run),
+        (1, RunDir(seed_dir(run.root, 1))),
+        (2, RunDir(seed_dir(run.root, 2))),
+    ):
+        _summary(d, ["ilhf_history"], [0.02])
+        done = np.array([True, True, False, True, True, True])  # prompt 2: never finished
+        if s == 2:
+            done[0] = False  # seed 2 finished no response on prompt 0
+        start = pd.DataFrame({"policy": "sft", "prompt_id": range(6), "sample_id": 0,
+                              "country": COUNTRY, "reward": base, "audit_reward": base,
+                              "finished": True})  # fmt: skip
+        cut = pd.DataFrame({"policy": "ilhf_history", "prompt_id": range(6), "sample_id": 0,
+                            "country": COUNTRY, "reward": base + 0.04, "audit_reward": base + 0.04,
+                            "finished": False})  # fmt: skip
+        fin = cut.assign(sample_id=1, reward=base + SHARED / 4, audit_reward=base + SHARED / 4,
+                         finished=True)[done]  # fmt: skip
+        cut = cut.assign(reward=np.where(done, base + 0.04, base + 0.02),
+                         audit_reward=np.where(done, base + 0.04, base + 0.02))  # fmt: skip
+        d.write_parquet("eval/samples.parquet", pd.concat([start, cut, fin], ignore_index=True))
+    pooled = seed_table(run.root).query("seed == 'pooled'").iloc[0]
+    assert pooled["audit_gain"] == pytest.approx(0.02, abs=0.001)  # cut responses: +0.02 to +0.04
+    assert pooled["audit_gain_finished_prompts"] == 4  # prompts 1, 3, 4, 5
+    want = replicated_gain(pd.concat([pd.DataFrame(
+        {"seed": k, "country": COUNTRY[[1, 3, 4, 5]], "prompt": [1, 3, 4, 5],
+         "diff": SHARED[[1, 3, 4, 5]] / 4}) for k in range(3)]), 0.05)  # fmt: skip
+    for m in ("gain_finished", "audit_gain_finished"):
+        assert (pooled[m], pooled[f"{m}_low"], pooled[f"{m}_high"]) == pytest.approx(
+            (want["mean"], want["low"], want["high"])
+        )
+    assert pooled["audit_gain_low"] > 0 and pooled["audit_gain_finished_low"] < 0
 
 
 def test_the_seeds_needed_say_where_no_number_suffices():

@@ -138,6 +138,25 @@ def own_seed_checks(table: pd.DataFrame, own: str | None) -> list[dict[str, Any]
     return checks
 
 
+def finished_checks(row: pd.Series, judges: list[str]) -> list[dict[str, Any]]:
+    """A pooled row's gain among finished responses alone under each of `judges` ('gain',
+    'audit_gain'; `seeds.seed_table`'s `<judge>_finished` columns, pooled over the prompts where
+    every seed and the start policy finished a response): `key`, `est`, `low`, `high`, `prompts`
+    and whether it lies on the side of zero the full gain does (`held`); a judge without an
+    interval (tables from before; no such prompt) is left out."""
+    out = []
+    for key in judges:
+        col = f"{key}_finished"
+        low, high = row.get(f"{col}_low"), row.get(f"{col}_high")
+        if not (is_present(low) and is_present(high)):
+            continue
+        prompts = row.get(f"{col}_prompts")
+        out.append({"key": key, "est": float(row[col]), "low": float(low), "high": float(high),
+                    "prompts": int(prompts) if is_present(prompts) else None,
+                    "held": ci_sign(low, high) == ci_sign(row[f"{key}_low"], row[f"{key}_high"])})  # fmt: skip
+    return out
+
+
 def seed_finding(run: RunDir) -> dict[str, Any] | None:
     """The across-seed finding for the key findings (None without further seeds): which
     algorithms' mean gain over seeds the pooled intervals (seeds and the evaluation's error
@@ -153,10 +172,11 @@ def seed_finding(run: RunDir) -> dict[str, Any] | None:
     moved = {col: [str(r["label"]) for _, r in pooled.iterrows()
                    if ci_sign(r[f"{col}_low"], r[f"{col}_high"]) != 0] for col in MEASURES}  # fmt: skip
     top = max((float(h) for h in pooled["gain_high"] if is_present(h)), default=math.nan)
-    # each mover's finished share over seeds: a gain among responses cut at the token cap may be
-    # the cut's (the single-seed finding checks the run's seed among finished responses alone)
+    # each mover's finished share over seeds and, under each judge it moved, its pooled gain among
+    # finished responses alone: a gain among responses cut at the token cap may be the cut's
     movers = {lab for labels in moved.values() for lab in labels}
-    finished = [{"label": str(r["label"]), "finished": float(r["finished"])}
+    finished = [{"label": str(r["label"]), "finished": float(r["finished"]),
+                 "checks": finished_checks(r, [c for c in MEASURES if r["label"] in moved[c]])}
                 for _, r in pooled.iterrows()
                 if r["label"] in movers and is_present(r.get("finished"))]  # fmt: skip
     return {"n": int(pooled["seeds"].max()), "labels": [str(x) for x in pooled["label"]],
