@@ -212,10 +212,10 @@ def seed_table(run_dir: str | Path, alpha: float = 0.05) -> pd.DataFrame:
             if algo not in s.index:
                 continue
             r = s.loc[algo]
+            cols = [*MEASURES, *(f"{m}_{end}" for m in GAINS for end in ("low", "high"))]
+            # a measure the summary has no number for (null in the JSON, or absent): NaN
             rows.append({"algorithm": algo, "label": algorithm_label(algo), "seed": str(seed),
-                         **{m: float(r.get(m, math.nan)) for m in MEASURES},
-                         **{f"{m}_{end}": float(r.get(f"{m}_{end}", math.nan))
-                            for m in GAINS for end in ("low", "high")}})  # fmt: skip
+                         **{c: float(pd.to_numeric(r.get(c), errors="coerce")) for c in cols}})  # fmt: skip
     per_seed = pd.DataFrame(rows)
     if per_seed.empty:
         return per_seed
