@@ -20,6 +20,9 @@ def test_gpu_scale_tiny_runs_and_projects_every_stage(tmp_path):
     assert (tmp_path / "gpu_scale.png").stat().st_size > 0
     paths = {r["path"] for r in result["sampling"]["rows"]}
     assert {"generate, unmerged (before)", "generate, merged", "compact, merged"} <= paths
+    # each path timed twice at each size, at its fastest run (a first run pays for allocation)
+    rows = result["sampling"]["rows"]
+    assert all(len(r["seconds_runs"]) == 2 and r["seconds"] == min(r["seconds_runs"]) for r in rows)
     # each PPO rollout against plain generate on the same merged weights at the rollout's batch
     ratios = {r["sampler"]: r["slower_by"] for r in result["rollout_against_generate"]}
     assert set(ratios) == {"compact", "transformers"} and all(v > 0 for v in ratios.values())
