@@ -23,7 +23,8 @@ else
 fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv > "$LOGS/nvidia_smi.txt" 2>&1
-timeout 540 python3 bench/gpu_scale.py --profile --out "$LOGS" > "$LOGS/gpu_scale.log" 2>&1
+# batches 32 (the rollout's) and 128, plus what `auto` picks: each path runs twice per size
+timeout 540 python3 bench/gpu_scale.py --profile --batch-sizes 32 128 --out "$LOGS" > "$LOGS/gpu_scale.log" 2>&1
 echo "gpu_scale: exit $? ($(tail -1 "$LOGS/gpu_scale.log"))"
 # the decode path's tests on this machine (PPO's rollout runs on the GPU there)
 timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_decode.py > "$LOGS/test_decode_gpu.log" 2>&1
