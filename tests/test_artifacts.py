@@ -109,6 +109,20 @@ def test_a_possessive_after_a_bracket_or_full_stop_gets_the_typographic_apostrop
     assert typeset_apostrophes(out) == out
 
 
+def test_the_typst_source_writes_possessives_as_apostrophes() -> None:
+    # pandoc's reader takes "(history)'s" for an opening quote when a single quote follows in the
+    # paragraph (HTML and PDF), and Typst's smart quotes did so always (PDF): both are settled
+    import pypandoc
+
+    from rlxf_utils.report.render import READER, TYPST_WRITER, for_reader
+
+    text = "ILHF (history)'s gain, et al.'s form; GRPO's, 'quoted'"
+    for to in (TYPST_WRITER, "html"):
+        out = pypandoc.convert_text(for_reader(text), to, format=READER)
+        assert "(history)\u2019s gain, et al.\u2019s form; GRPO\u2019s" in out, (to, out)
+        assert "\u2018s" not in out
+
+
 def test_table_csvs_quote_what_a_spreadsheet_would_run_and_read_back_as_written(
     tmp_path: Path,
 ) -> None:

@@ -315,6 +315,10 @@ def _run(cmd: list[str], cwd: Path) -> None:
 #: nothing in the text can become an element, fetch a URL or embed a file (`--embed-resources`
 #: embeds only the figures the source names).
 READER = "markdown-raw_html-raw_attribute"
+#: Typst source with pandoc's own quotes and apostrophes as characters: left to Typst's smart
+#: quotes (`typst`), "ILHF (history)'s" came out with an opening quote (U+2018) even where
+#: pandoc's reader, and so the HTML, had an apostrophe (`for_reader` settles the reader's side)
+TYPST_WRITER = "typst-smart"
 
 
 def _pandoc_args(md: Path) -> list[str]:
@@ -357,9 +361,7 @@ def pandoc_typst(md: Path) -> Path:
     _run(
         [
             *_pandoc_args(md),
-            # pandoc's own quotes and apostrophes as characters: left to Typst's smart quotes,
-            # "ILHF (history)'s" came out with an opening quote (U+2018) where the HTML is right
-            "--to=typst-smart",
+            f"--to={TYPST_WRITER}",
             "--standalone",
             "--include-in-header=typst-header.typ",
             "--variable=papersize:a4",
