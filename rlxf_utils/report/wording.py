@@ -200,17 +200,23 @@ _CODE_OR_MATH = re.compile(r"(`[^`\n]*`|\$[^$\n]*\$)")
 _HYPHEN_MINUS = re.compile(r"(?<![\w.\-\u2212/])-(?=\.?\d)")
 
 
+def in_prose(text: str, pattern: re.Pattern[str], repl: str) -> str:
+    """`pattern.sub(repl, ...)` on the prose of markdown `text`: fenced code, inline code and math
+    are left as written."""
+
+    def line(part: str) -> str:
+        parts = _CODE_OR_MATH.split(part)  # odd items: code spans and math, kept
+        return "".join(p if i % 2 else pattern.sub(repl, p) for i, p in enumerate(parts))
+
+    return outside_fences(text, line)
+
+
 def typeset_minus(text: str) -> str:
     """Markdown with every negative number's hyphen-minus made a minus sign (U+2212), in prose and
     tables alike. Typst turns some such hyphens into minus signs and leaves others, so the PDF
     showed '(-0.001 [\u22120.085, +0.083])'. Ranges, dates and words ('2-3', '2024-05', 'Platt-
     scaled'), fenced code, inline code and math are left as written."""
-
-    def line_minus(line: str) -> str:
-        parts = _CODE_OR_MATH.split(line)  # odd items: code spans and math, kept
-        return "".join(p if i % 2 else _HYPHEN_MINUS.sub("\u2212", p) for i, p in enumerate(parts))
-
-    return outside_fences(text, line_minus)
+    return in_prose(text, _HYPHEN_MINUS, "\u2212")
 
 
 #: a possessive's apostrophe after a closing bracket or a full stop ("ILHF (history)'s", "et
@@ -221,13 +227,8 @@ _POSSESSIVE = re.compile(r"(?<=[)\].])'(?=s\b)")
 def typeset_apostrophes(text: str) -> str:
     """Markdown with each possessive apostrophe after ')', ']' or '.' made a right single quote
     (U+2019), the typographic apostrophe: pandoc's smart quotes turned "ILHF (history)'s" into
-    "ILHF (history)‘s". Code, math and fenced blocks are left as written."""
-
-    def line(text: str) -> str:
-        parts = _CODE_OR_MATH.split(text)
-        return "".join(p if i % 2 else _POSSESSIVE.sub("’", p) for i, p in enumerate(parts))
-
-    return outside_fences(text, line)
+    "ILHF (history)\u2018s". Code, math and fenced blocks are left as written."""
+    return in_prose(text, _POSSESSIVE, "\u2019")
 
 
 def short_text(text: Any, n: int = 160) -> str:
