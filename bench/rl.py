@@ -404,7 +404,9 @@ def bench_sft(cfg: Any, policy: PolicyConfig, threads: int, examples: list, warm
     model, tok = load_policy(policy)
     model = apply_lora(model, policy.lora)
     sc = SFTConfig.model_validate({**cfg.sft.model_dump(), "epochs": 1.0})
-    frame = train_sft(model, tok, examples, sc, policy.autocast, cfg.run.seed, progress=False)
+    frame = train_sft(
+        model, tok, examples, sc, cfg.rl.optimizer, policy.autocast, cfg.run.seed, progress=False
+    )
     timed = frame.iloc[1:] if warm and len(frame) > 1 else frame
     return {
         "torch_threads": threads,

@@ -160,6 +160,14 @@ def test_unknown_key_names_file_key_and_allowed(tmp_path: Path) -> None:
     assert "unknown key" in msg and "test_fraction" in msg
 
 
+@pytest.mark.parametrize("key", ["warmup_ratio", "weight_decay", "max_grad_norm"])
+def test_sft_has_no_optimiser_of_its_own(tmp_path: Path, key: str) -> None:
+    """SFT's old AdamW settings are refused, pointing at the one optimiser (rl.optimizer)."""
+    p = write_params(tmp_path, lambda r: r["sft"].update({key: 0.1}))
+    with pytest.raises(ConfigError, match=rf"sft\.{key} is no longer a setting.*rl\.optimizer"):
+        load_config(p)
+
+
 def test_unknown_top_level_section(tmp_path: Path) -> None:
     p = write_params(tmp_path, lambda r: r.update(rewrd={"epochs": 1}))
     with pytest.raises(ConfigError, match=r"'rewrd': unknown key; expected one of: .*data"):

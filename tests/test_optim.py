@@ -1,6 +1,7 @@
 """One optimiser (`rl.optimizer`): the optimiser each training path builds from one parameters
-object, read back from what it built, is the same (PPO and ILHF: our AdamW; GRPO, RLOO, KTO,
-DPO and RFT: TRL's TrainingArguments, turned into an optimiser by transformers' Trainer)."""
+object, read back from what it built, is the same (PPO, ILHF and SFT (`sft`, `sft_met`): our
+AdamW; GRPO, RLOO, KTO, DPO and RFT: TRL's TrainingArguments, turned into an optimiser by
+transformers' Trainer)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,18 @@ from test_ppo import small_cfg, tiny_policy, tiny_tokenizer, toy_contexts, toy_r
 from tiny import tiny_llama
 from transformers import Trainer
 
-from rlxf_utils.config import ILHFConfig, LoraSettings, OfflineConfig, OptimizerConfig, PolicyConfig
+from rlxf_utils.config import (
+    ILHFConfig,
+    LoraSettings,
+    OfflineConfig,
+    OptimizerConfig,
+    PolicyConfig,
+    SFTConfig,
+)
 from rlxf_utils.rl import offline
 from rlxf_utils.rl.ilhf import ILHFTrainer
 from rlxf_utils.rl.ppo import PPOTrainer
+from rlxf_utils.rl.sft import SFTExample, train_sft
 from rlxf_utils.rl.trainer import TrainJob
 from rlxf_utils.rl.trl_runs import run_trl
 
@@ -90,6 +99,38 @@ def test_every_path_builds_the_one_optimiser(monkeypatch, tmp_path):
     for algo in ("grpo", "rloo", "kto", "dpo", "rft"):
         got = _trl_settings(_trl_args(monkeypatch, tmp_path, algo))
         assert got == {**want, "max_grad_norm": 0.7}, algo
+
+
+def test_sft_steps_the_one_optimiser(monkeypatch):
+    """SFT (`sft` and `sft_met` both train through `train_sft`) steps the AdamW every other path
+    builds: `rl.optimizer`'s eps, betas, weight decay and clipping, at a constant learning rate
+    (the old loop had its own AdamW: eps 1e-8, no betas from the parameters, warm-up and decay)."""
+    built, clip_norms = [], []
+
+    class SpyAdamW(torch.optim.AdamW):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            built.append(self)
+
+    clip = torch.nn.utils.clip_grad_norm_
+
+    def spy_clip(params, max_norm, *a, **kw):
+        clip_norms.append(max_norm)
+        return clip(params, max_norm, *a, **kw)
+
+    monkeypatch.setattr(torch.optim, "AdamW", SpyAdamW)
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", spy_clip)
+    model, tok = tiny_policy()
+    w = tok.convert_tokens_to_ids
+    examples = [SFTExample(w(["w11", "w12"]), [*w(["w20", "w21"]), tok.eos_token_id]),
+                SFTExample(w(["w13", "w14", "w15"]), [w("w24"), tok.eos_token_id])] * 5  # fmt: skip
+    sft = SFTConfig(batch_size=2, epochs=2, learning_rate=LR)  # 10 steps
+    frame = train_sft(model, tok, examples, sft, OPT, seed=0, progress=False)
+    assert len(built) == 1 and len(frame) == 10
+    assert _settings(built[0]) == {"class": SpyAdamW, "lr": LR, "betas": (0.8, 0.95),
+                                   "eps": 3e-7, "weight_decay": 0.05}  # fmt: skip
+    assert clip_norms == [0.7] * 10
+    assert (frame["lr"] == LR).all(), frame["lr"].tolist()  # constant: no warm-up, no decay
 
 
 def test_the_approximate_kl_stop_is_for_every_rl_algorithm_or_none():

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from test_ppo import tiny_policy, tiny_tokenizer
 from tiny import tiny_llama
 
-from rlxf_utils.config import PolicyConfig, SFTConfig
+from rlxf_utils.config import OptimizerConfig, PolicyConfig, SFTConfig
 from rlxf_utils.data.contexts import eligible_rows, heldout_rows
 from rlxf_utils.models.generation import build_prompts, encode_prompts
 from rlxf_utils.rl.sft import SFTExample, build_examples, collate, response_loss, train_sft
@@ -137,13 +137,13 @@ def test_response_loss_matches_hand_computation():
 def test_train_sft_lowers_the_loss(tmp_path):
     model, tok = tiny_policy(seed=0)
     examples = _examples(tok) * 2  # 6 examples, batches of 3: 2 batches per epoch
-    cfg = SFTConfig(batch_size=3, epochs=15, learning_rate=1e-2, warmup_ratio=0.1)
+    cfg = SFTConfig(batch_size=3, epochs=15, learning_rate=1e-2)
     batch = collate(examples, tok.pad_token_id)
     base = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     model.eval()
     with torch.no_grad():
         before = response_loss(model, batch)[0].item()
-    frame = train_sft(model, tok, examples, cfg, seed=0, progress=False)
+    frame = train_sft(model, tok, examples, cfg, OptimizerConfig(), seed=0, progress=False)
     with torch.no_grad():
         after = response_loss(model, batch)[0].item()
     assert len(frame) == 30 and frame["loss"].notna().all()
@@ -155,4 +155,4 @@ def test_train_sft_lowers_the_loss(tmp_path):
         if name in base:
             assert torch.equal(p, base[name]), name
     with pytest.raises(ValueError, match="no training examples"):
-        train_sft(model, tok, [], cfg, progress=False)
+        train_sft(model, tok, [], cfg, OptimizerConfig(), progress=False)

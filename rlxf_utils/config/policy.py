@@ -79,15 +79,29 @@ class SFTConfig(Section):
     batch_size: int = Field(default=16, gt=0)
     """Examples per optimiser step."""
     learning_rate: float = Field(default=5e-4, gt=0.0)
-    """AdamW learning rate of the LoRA weights."""
-    warmup_ratio: float = Field(default=0.05, ge=0.0, lt=1.0)
-    """Share of the steps with a linear learning-rate warm-up."""
-    weight_decay: float = Field(default=0.0, ge=0.0)
-    """AdamW weight decay."""
-    max_grad_norm: float = Field(default=1.0, gt=0.0)
-    """Gradient clipping norm."""
+    """Learning rate of the LoRA weights. Everything else about the optimiser (AdamW's eps,
+    weight decay and betas, the schedule, gradient clipping) is `rl.optimizer`'s, as for every
+    method: SFT has no optimiser settings of its own."""
     num_threads: int | None = Field(default=None, gt=0)
     """Torch threads for SFT (null: every core)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_own_optimiser(cls, data: Any) -> Any:
+        """The keys SFT's own AdamW had are gone: say where the setting lives now."""
+        gone = sorted(set(data) & set(SFT_OPTIMISER_KEYS)) if isinstance(data, dict) else []
+        if gone:
+            raise ValueError(
+                f"sft.{gone[0]} is no longer a setting: SFT (`sft`, `sft_met`) uses the study's "
+                "one optimiser, rl.optimizer (eps, weight_decay, beta1, beta2, lr_schedule, "
+                f"max_grad_norm), like every method; remove {', '.join('sft.' + k for k in gone)}"
+            )
+        return data
+
+
+#: Settings SFT's own AdamW once had (linear warm-up and decay, its own clipping): now
+#: `rl.optimizer`'s, and an error that says so where a parameters file still sets them.
+SFT_OPTIMISER_KEYS = ("warmup_ratio", "weight_decay", "max_grad_norm")
 
 
 #: How PPO's critic starts (`rl.critic_init`), in words for `settings.json` and the report.

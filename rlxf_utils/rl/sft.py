@@ -34,13 +34,14 @@ from tqdm.auto import tqdm
 
 from rlxf_utils.algorithms import SFT_POLICIES
 from rlxf_utils.artifacts import RunDir, atomic_dir
-from rlxf_utils.config import SFTConfig, StudyConfig
+from rlxf_utils.config import OptimizerConfig, SFTConfig, StudyConfig
 from rlxf_utils.data.contexts import eligible_rows
 from rlxf_utils.data.splits import load_holdout, load_splits
 from rlxf_utils.freshness import input_hashes
 from rlxf_utils.models.generation import autocast, build_prompts, encode_prompts, eos_ids
 from rlxf_utils.models.loading import apply_lora, load_policy
 from rlxf_utils.prompts import CONTEXT_FIELDS
+from rlxf_utils.rl.optim import adamw
 from rlxf_utils.runtime import resolve_device, seed_everything
 
 log = logging.getLogger(__name__)
@@ -171,28 +172,23 @@ def train_sft(
     tokenizer: Any,
     examples: Sequence[SFTExample],
     cfg: SFTConfig,
+    optimizer: OptimizerConfig,
     autocast_dtype: str | None = None,
     seed: int = 0,
     progress: bool = True,
     desc: str = "SFT",
 ) -> pd.DataFrame:
-    """LoRA fine-tuning on `examples` (AdamW, linear warm-up then decay); returns the step log."""
+    """LoRA fine-tuning on `examples` with the study's one optimiser (`rl.optimizer`, built by
+    `rl.optim.adamw` at `cfg.learning_rate`: constant schedule, its clipping); returns the step log."""
     if not examples:
         raise ValueError("SFT has no training examples; check sft.max_examples and the data")
     seed_everything(seed)
     rng = np.random.default_rng(seed)
     device = next(model.parameters()).device
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    opt = adamw(params, optimizer, cfg.learning_rate)  # constant schedule: no scheduler
     n_batches = math.ceil(len(examples) / cfg.batch_size)
     total = max(1, math.ceil(n_batches * cfg.epochs))
-    warm = int(total * cfg.warmup_ratio)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt,
-        lambda s: (
-            (s + 1) / max(warm, 1) if s < warm else max(0.0, (total - s) / max(total - warm, 1))
-        ),
-    )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     rows, step = [], 0
     model.train()
@@ -209,14 +205,13 @@ def train_sft(
                 loss, n_tok = response_loss(model, batch)
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+            torch.nn.utils.clip_grad_norm_(params, optimizer.max_grad_norm)
             opt.step()
-            sched.step()
             step += 1
             dt = time.perf_counter() - t0
             n_all = int(batch["attention_mask"].sum())
             rows.append({"step": step, "loss": loss.item(), "target_tokens": n_tok, "tokens": n_all,
-                         "lr": sched.get_last_lr()[0], "step_time_s": dt, "tokens_per_s": n_all / dt})  # fmt: skip
+                         "lr": opt.param_groups[0]["lr"], "step_time_s": dt, "tokens_per_s": n_all / dt})  # fmt: skip
             bar.update(1)
             bar.set_postfix(loss=f"{rows[-1]['loss']:.3f}")
             if not progress and step % max(1, total // 10) == 0:  # a log line per tenth instead
@@ -261,8 +256,9 @@ def run_sft_stage(cfg: StudyConfig, run: RunDir, progress: bool = True) -> pd.Da
         model = apply_lora(model, cfg.policy.lora)
         t0 = time.perf_counter()
         frame = train_sft(
-            model, tok, examples, sc, cfg.policy.autocast, cfg.run.seed, progress, desc=name
-        )
+            model, tok, examples, sc, cfg.rl.optimizer,
+            autocast_dtype=cfg.policy.autocast, seed=cfg.run.seed, progress=progress, desc=name,
+        )  # fmt: skip
         seconds = time.perf_counter() - t0
         out = run.path(f"policy/{name}")
         atomic_dir(out / "adapter", lambda d, m=model: m.save_pretrained(d))
@@ -292,6 +288,7 @@ def sft_settings(cfg: StudyConfig, run: RunDir) -> dict[str, Any]:
     """What a supervised policy depends on (kept in its `data.json`, written last)."""
     return {
         "sft": cfg.sft.model_dump(mode="json", exclude={"num_threads"}),
+        "optimizer": cfg.rl.optimizer.model_dump(mode="json"),  # the one optimiser, SFT's too
         "policy": cfg.policy.model_dump(mode="json"),
         "prompt_template": cfg.rl.prompt_template,
         "reward_protocol": cfg.reward.reward_protocol,
