@@ -12,6 +12,7 @@ from scipy import stats
 
 from rlxf_utils.stats import (
     cluster_t,
+    pooled_df,
     replicated_gain,
     satterthwaite_df,
     seeds_for_mde,
@@ -43,8 +44,10 @@ def test_the_pooled_variance_is_the_seeds_over_s_plus_the_shared_evaluations():
     assert r["shared_var"] == pytest.approx(ct["se"] ** 2)
     var = np.var(u, ddof=1) / 3 + ct["se"] ** 2
     assert r["se"] == pytest.approx(math.sqrt(var))
-    df = var**2 / ((np.var(u, ddof=1) / 3) ** 2 / 2 + ct["se"] ** 4 / ct["df"])
-    assert r["df"] == pytest.approx(df)
+    # the smaller of the parts' df: B's 2 (S - 1), not Satterthwaite's blend with V's 3
+    df = 2.0
+    assert ct["df"] == pytest.approx(3) and r["df"] == df
+    assert r["df"] < var**2 / ((np.var(u, ddof=1) / 3) ** 2 / 2 + ct["se"] ** 4 / ct["df"])
     half = stats.t.ppf(0.975, df) * math.sqrt(var)
     assert (r["low"], r["high"]) == pytest.approx((r["mean"] - half, r["mean"] + half))
     assert r["seed_means"] == pytest.approx({0: 0.004 + shared.mean(), 1: -0.002 + shared.mean(),
@@ -75,7 +78,7 @@ def test_seeds_for_mde_is_the_first_count_that_reaches_the_target():
 
     def at(s):
         var = b / s + v
-        df = satterthwaite_df([b / s, v], [s - 1, df_v])
+        df = min(s - 1, df_v)
         return (stats.t.ppf(0.975, df) + stats.t.ppf(0.8, df)) * math.sqrt(var)
 
     s = int(need["seeds"])
@@ -86,6 +89,27 @@ def test_seeds_for_mde_is_the_first_count_that_reaches_the_target():
     assert math.isnan(seeds_for_mde(b, v, df_v, target=0.0025)["seeds"])
     with pytest.raises(ValueError, match="positive"):
         seeds_for_mde(b, v, df_v, target=0.0)
+
+
+def test_pooled_df_is_the_smaller_part_s():
+    assert pooled_df(3, 16.0) == 2 and pooled_df(40, 16.0) == 16 and pooled_df(3, math.inf) == 2
+    with pytest.raises(ValueError, match="2 seeds"):
+        pooled_df(1, 16.0)
+
+
+def test_the_pooled_interval_covers_at_the_family_level_it_is_reported_at():
+    """The case that broke Satterthwaite's df: a seed-to-seed spread beside the seeds' own
+    evaluation error, 3 seeds, 17 uneven countries. Its df rose when the three seeds happened to
+    agree and the interval covered 93.9% at 95% and 98.8% at the family level 99.58% (4,000
+    draws); on the smaller part's df it covers 95.4% and 99.9%. The draws are fixed: this
+    asserts the simulated coverage of the 1,500 below, each at least its level less 1.5 of its
+    simulation SEs (new: 0.958 and 0.9993; Satterthwaite's df: 0.946 and 0.9907, below the
+    family level's floor of 0.9933)."""
+    n = 1500
+    for alpha in (0.05, 1 - 0.9958):
+        cover, _ = _coverage(n, 0.01, shared_sd=0.001, own_sd=0.005, alpha=alpha)
+        floor = (1 - alpha) - 1.5 * math.sqrt(alpha * (1 - alpha) / n)
+        assert cover >= floor, (alpha, cover, floor)
 
 
 def _coverage(n, tau, shared_sd, own_sd, alpha=0.05, seeds=3):
@@ -114,11 +138,11 @@ def _coverage(n, tau, shared_sd, own_sd, alpha=0.05, seeds=3):
 
 def test_the_pooled_interval_covers_where_seeds_share_the_evaluation():
     """17 countries (48 prompts), 3 seeds sharing the prompts and start samples, no seed-to-seed
-    spread: the pooled interval holds its 95% (0.950 over 800 draws; here within 0.03 over 400,
-    the simulation's SE being 0.011), while treating the seeds as independent evaluations
-    divides the shared error by 3 and under-covers (0.83)."""
+    spread: the pooled interval holds its 95% (on two df it over-covers here, 0.998: the price
+    of a df that cannot collapse), while treating the seeds as independent evaluations divides
+    the shared error by 3 and under-covers (0.83)."""
     cover, naive = _coverage(400, 0.0, shared_sd=0.01, own_sd=0.01)
-    assert 0.92 <= cover <= 0.99
+    assert cover >= 0.95
     assert naive < 0.9
 
 
@@ -127,7 +151,7 @@ def test_the_pooled_interval_covers_where_seeds_share_the_evaluation():
     ("tau", "shared_sd", "own_sd"), [(0.005, 0.01, 0.01), (0.01, 0.001, 0.005)]
 )
 def test_the_pooled_interval_covers_with_a_seed_to_seed_spread(tau, shared_sd, own_sd):
-    """A seed-to-seed spread beside the shared error (0.949 over 800 draws), and one that
-    dominates it (little shared error: the interval is nearly the t over seeds, 0.940)."""
+    """A seed-to-seed spread beside the shared error, and one that dominates it (little
+    shared error: the interval is nearly the t over seeds): at least 95% less 2 simulation SEs."""
     cover, _ = _coverage(800, tau, shared_sd=shared_sd, own_sd=own_sd)
-    assert 0.925 <= cover <= 0.99
+    assert cover >= 0.95 - 2 * math.sqrt(0.05 * 0.95 / 800)

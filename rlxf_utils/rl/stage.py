@@ -120,7 +120,7 @@ def run_algorithm(
     `marker`: the caller's `algorithm_marker` for these contexts, if it has one."""
     rd = RunDir(run_dir)
     if contexts is None:
-        contexts = load_contexts(rd.root, "train", cfg.rl.max_prompts, cfg.run.seed)
+        contexts = load_contexts(rd.root, "train", cfg.rl.max_prompts, cfg.training_seed)
     if any(c.get("split", "train") != "train" for c in contexts):
         raise ValueError("RL must only see split=='train' contexts; held-out contexts were passed")
     if cfg.rl.num_threads is not None:  # on shared cores, 1 thread avoids spin-wait slowdowns
@@ -235,7 +235,7 @@ def sft_step(cfg: StudyConfig, params_file: str | Path, run: RunDir) -> pd.DataF
 
 def training_inputs(cfg: StudyConfig, run: RunDir) -> tuple[list[dict[str, Any]], RewardFn, Any]:
     """RL's training contexts, the reward function on notebook 02's reward model, and the model."""
-    contexts = load_contexts(run.root, "train", cfg.rl.max_prompts, cfg.run.seed)
+    contexts = load_contexts(run.root, "train", cfg.rl.max_prompts, cfg.training_seed)
     reward_model, _audit = load_reward(
         run.require("reward_model", stage="notebook 02 (reward model)")
     )

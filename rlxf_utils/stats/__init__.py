@@ -50,7 +50,13 @@ from .power import (
     variance_components,
 )
 from .rates import p_verdict, rate_by, rate_heterogeneity, rate_shift, rate_trend, wilson_z
-from .replications import MAX_SEEDS, replicated_gain, satterthwaite_df, seeds_for_mde
+from .replications import (
+    MAX_SEEDS,
+    pooled_df,
+    replicated_gain,
+    satterthwaite_df,
+    seeds_for_mde,
+)
 from .weighted import (
     bootstrap_weights,
     weighted_auc,
@@ -98,6 +104,7 @@ __all__ = [
     "rate_heterogeneity",
     "rate_shift",
     "rate_trend",
+    "pooled_df",
     "replicated_gain",
     "satterthwaite_df",
     "seeds_for_mde",
