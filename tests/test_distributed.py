@@ -142,7 +142,7 @@ ACCELERATE_CONFIGS = sorted((ROOT / "params/accelerate").glob("*.yaml"))
 
 
 @pytest.mark.parametrize("path", ACCELERATE_CONFIGS, ids=lambda p: p.stem)
-def test_accelerate_configs_load_and_the_readme_shows_how_to_use_them(path: Path) -> None:
+def test_accelerate_configs_load_and_the_docs_show_how_to_use_them(path: Path) -> None:
     from accelerate.commands.config.config_args import load_config_from_file
 
     c = load_config_from_file(str(path))
@@ -151,13 +151,13 @@ def test_accelerate_configs_load_and_the_readme_shows_how_to_use_them(path: Path
     assert str(c.distributed_type).rsplit(".", 1)[-1] == want[path.stem]
     if c.distributed_type == "DEEPSPEED":
         assert c.deepspeed_config["zero_stage"] == int(path.stem[-1])
-    assert f"accelerate/{path.name}" in (ROOT / "README.md").read_text()
+    assert f"accelerate/{path.name}" in (ROOT / "docs" / "profiles-and-gpus.md").read_text()
 
 
-def test_readme_memory_table_is_the_computed_one() -> None:
+def test_docs_memory_table_is_the_computed_one() -> None:
     from rlxf_utils.rl.memory import memory_per_gpu, memory_table
 
-    assert memory_table() in (ROOT / "README.md").read_text()
+    assert memory_table() in (ROOT / "docs" / "profiles-and-gpus.md").read_text()
     # 1B frozen bf16 parameters on one GPU: 2e9 bytes; ZeRO-3 on 4 GPUs shards them
     assert memory_per_gpu(10**9, 0, 0, "single", 1) == pytest.approx(2e9 / 2**30)
     assert memory_per_gpu(10**9, 0, 0, "zero3", 4) == pytest.approx(0.5e9 / 2**30)

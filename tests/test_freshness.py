@@ -209,14 +209,15 @@ def test_the_fingerprint_follows_a_transitive_import(tree: Path, tmp_path: Path)
 
 
 def _rerun_table() -> list[tuple[list[str], str, str]]:
-    """README's table under "Rerunning": (paths edited, fingerprints covering them, reruns)."""
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    """docs/reruns.md's table under "Rerunning": (paths edited, fingerprints covering them,
+    reruns)."""
+    text = (ROOT / "docs" / "reruns.md").read_text(encoding="utf-8")
     section = text.split("\n### Rerunning: what is skipped\n", 1)[1].split("\n## ")[0]
     rows = re.findall(r"^\| ((?:`[^`]+`,? ?)+) \| ([^|]+) \| ([^|]+) \|$", section, flags=re.M)
     return [(re.findall(r"`([^`]+)`", a), b.strip(), c.strip()) for a, b, c in rows]
 
 
-def test_the_readme_says_what_each_edit_reruns(tree: Path) -> None:
+def test_the_docs_say_what_each_edit_reruns(tree: Path) -> None:
     """Each row: every path it names is covered by exactly the notebooks it lists (a folder or
     several paths: any of their files), and `make study` reruns the first and every later one."""
     numbers = [nb.name[:2] for nb in NOTEBOOKS]

@@ -106,10 +106,14 @@ class RewardConfig(Section):
     score_batch_size: int = Field(default=64, gt=0)
     """Texts per scoring batch."""
     train_precision: Precision = "fp32"
-    """Encoder fine-tuning arithmetic: fp32, or bf16 autocast (CPU avx512_bf16 / GPU)."""
+    """Encoder fine-tuning arithmetic: fp32, or bf16 autocast (CPU avx512_bf16 / GPU). bf16 trains
+    in about half the time and was not distinguishable from fp32 in what the encoder learns
+    (bench/reward_precision.py; docs/measurements.md); set fp32 on CPUs without avx512_bf16."""
     score_precision: ScorePrecision = "fp32"
     """How RL, evaluation and the risk notebook score with the encoder: fp32, bf16 weights, or
-    int8 dynamic quantisation of the encoder's linear layers (the classifier head stays fp32)"""
+    int8 dynamic quantisation of the encoder's linear layers (the classifier head stays fp32).
+    Notebook 02 checks the setting against fp32 (`score_tolerance`); bench/reward.py measures
+    each setting's throughput."""
     score_tolerance: float = Field(default=0.02, gt=0, lt=1)
     """Largest |P(MET) - fp32's P(MET)| on the reward protocol's test rows that
     `score_precision` may show; above it notebook 02 warns and the bundle keeps fp32"""

@@ -1,0 +1,370 @@
+"""What a reader follows in README.md and docs/ resolves: every relative link (and its #anchor, by
+GitHub's heading slugs), every `make` target, every `rlxf` subcommand and option, every file path
+and module a page shows; nothing points outside the project; the README stays short; and the
+parameter files' comments stay short. The last test feeds each check a broken page, so none of
+them passes vacuously."""
+
+from __future__ import annotations
+
+import re
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+README_MAX_LINES = 220
+#: The longest comment a parameters file may carry, in lines (a run of consecutive comment lines).
+COMMENT_MAX_LINES = 2
+#: Top-level folders of the project: a path in backticks that starts with one must exist. Paths in
+#: a run directory (`tables/...`, `eval/...`, `<run>/data/...`) start with none of them.
+PROJECT_DIRS = (
+    "rlxf_utils",
+    "params",
+    "notebooks",
+    "reports",
+    "tests",
+    "bench",
+    "data",
+    "docs",
+    ".ci",
+)
+
+FENCE = re.compile(r"^ *(```|~~~)[^\n]*\n.*?^ *\1 *$", re.S | re.M)
+INLINE_CODE = re.compile(r"(`+)(.+?)\1", re.S)
+LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+HEADING = re.compile(r"^ {0,3}(#{1,6})[ \t]+(.+?)[ \t#]*$", re.M)
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: its text without markup, lower-cased, every character that
+    is not a letter, digit, space, hyphen or underscore dropped, spaces made hyphens."""
+    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # a link: its text
+    text = re.sub(r"<[^>]+>", "", text)  # inline HTML
+    text = text.replace("`", "").replace("*", "")
+    text = re.sub(r"(?<!\w)_+|_+(?!\w)", "", text)  # emphasis underscores, not snake_case
+    return re.sub(r"[^\w\- ]", "", text.strip().lower()).replace(" ", "-")
+
+
+def anchors(text: str) -> set[str]:
+    """Every heading's anchor on a page (outside code blocks); repeats get -1, -2, ... as on GitHub."""
+    seen: dict[str, int] = {}
+    out = set()
+    for _, title in HEADING.findall(FENCE.sub("", text)):
+        base = slug(title)
+        n = seen.get(base, 0)
+        seen[base] = n + 1
+        out.add(base if n == 0 else f"{base}-{n}")
+    return out
+
+
+def prose(text: str) -> str:
+    """The page without its code blocks and code spans: where links live."""
+    return INLINE_CODE.sub("", FENCE.sub("", text))
+
+
+def code(text: str) -> list[str]:
+    """Every line of code a page shows: each line of a fenced block (its comment removed) and each
+    inline code span."""
+    lines = []
+    for block in FENCE.finditer(text):
+        for line in block.group(0).splitlines()[1:-1]:
+            lines.append(re.sub(r"(^|\s)#.*$", "", line))
+    lines += [m.group(2) for m in INLINE_CODE.finditer(FENCE.sub("", text))]
+    return lines
+
+
+# -- the checks: each returns what is wrong, as messages --------------------------------------------
+
+
+def link_problems(page: Path, text: str) -> list[str]:
+    """Relative links that name no file, and #anchors that name no heading of a markdown page."""
+    bad = []
+    for target in LINK.findall(prose(text)):
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target, re.I):  # http:, mailto:, ...
+            continue
+        path, _, anchor = target.partition("#")
+        dest = (page.parent / path).resolve() if path else page
+        if not dest.exists():
+            bad.append(f"{page.name}: link to a missing file: {target}")
+        elif anchor and dest.suffix == ".md" and anchor not in anchors(dest.read_text("utf-8")):
+            bad.append(f"{page.name}: link to a missing heading: {target}")
+    return bad
+
+
+@cache
+def make_targets() -> frozenset[str]:
+    """The Makefile's targets (rules, not variable assignments)."""
+    text = (ROOT / "Makefile").read_text(encoding="utf-8")
+    return frozenset(re.findall(r"^([A-Za-z][\w.-]*)[ \t]*:(?!=)", text, flags=re.M))
+
+
+def make_problems(page: str, text: str, targets: frozenset[str] | None = None) -> list[str]:
+    """`make X` in code where X is no Makefile target."""
+    targets = make_targets() if targets is None else targets
+    bad = []
+    for line in code(text):
+        for m in re.finditer(r"(?:^|[\s;&|(])make((?:[ \t]+[^\s;&|#]+)*)", line):
+            for word in m.group(1).split():
+                if "=" not in word and not word.startswith("-") and word not in targets:
+                    bad.append(f"{page}: `make {word}` is no Makefile target")
+    return bad
+
+
+@cache
+def cli_parser():
+    from rlxf_utils.cli import build_parser
+
+    return build_parser()
+
+
+def _subcommands(parser) -> dict:
+    """A parser's subcommands, name -> parser (empty when it has none)."""
+    for action in parser._actions:
+        if action.__class__.__name__ == "_SubParsersAction":
+            return dict(action.choices)
+    return {}
+
+
+def rlxf_problems(page: str, text: str, parser=None) -> list[str]:
+    """`rlxf <subcommand> [--option ...]` in code where the subcommand or an option is unknown."""
+    parser = cli_parser() if parser is None else parser
+    bad = []
+    for line in code(text):
+        for m in re.finditer(r"(?:^|[;&|(])\s*(?:[\w.-]*/)*rlxf[ \t]+([^;&|#]*)", line):
+            words, current, name = m.group(1).split(), parser, "rlxf"
+            while words and (subs := _subcommands(current)):
+                word = words.pop(0)
+                if word.startswith("-"):  # an option before the subcommand (`rlxf -v run`)
+                    if word not in {o for a in current._actions for o in a.option_strings}:
+                        bad.append(f"{page}: `{name}` has no option {word}")
+                    continue
+                if word not in subs:
+                    bad.append(f"{page}: `{name} {word}` is no rlxf subcommand")
+                    break
+                current, name = subs[word], f"{name} {word}"
+            else:
+                options = {o for a in current._actions for o in a.option_strings}
+                for word in words:
+                    if word.startswith("--") and word.split("=")[0] not in options:
+                        bad.append(f"{page}: `{name}` has no option {word.split('=')[0]}")
+    return bad
+
+
+def _exports(package: Path, name: str) -> bool:
+    """Whether a package's `__init__` names `name` (an attribute it re-exports)."""
+    init = package / "__init__.py"
+    return (
+        init.is_file() and re.search(rf"\b{name}\b", init.read_text(encoding="utf-8")) is not None
+    )
+
+
+def _module_problem(name: str) -> str | None:
+    """Why `rlxf_utils.a.b[:f]` names nothing of the package: each part is a subpackage, a module
+    (what follows it are its attributes) or a name its package's `__init__` exports."""
+    here = ROOT / "rlxf_utils"
+    for part in name.split(":")[0].split(".")[1:]:
+        if (here / part).is_dir():
+            here = here / part
+            continue
+        if (here / f"{part}.py").is_file() or _exports(here, part):
+            return None
+        return f"no module {name}"
+    return None
+
+
+def path_problems(page: str, text: str) -> list[str]:
+    """Paths in code that start with a project folder but name nothing, and `rlxf_utils.x` names
+    that are no module."""
+    bad = []
+    for line in code(text):
+        for token in re.split(r"[\s=,()\"']+", line):
+            token = re.sub(r"^(\$PWD/|\./)", "", token).rstrip(".:;")
+            if not token or re.search(r"[<>*{}\[\]$|]", token):
+                continue
+            if "/" in token and token.split("/")[0] in PROJECT_DIRS:
+                if not (ROOT / token).exists():
+                    bad.append(f"{page}: `{token}` does not exist")
+            elif re.fullmatch(r"rlxf_utils(\.\w+)+(:\w+)?", token) and (
+                problem := _module_problem(token)
+            ):
+                bad.append(f"{page}: {problem}")
+    return bad
+
+
+def outside_problems(page: str, text: str) -> list[str]:
+    """References to what a clone of the project does not have: the workspace's shared folder,
+    absolute paths of this machine, issue numbers."""
+    bad = []
+    for pattern, what in ((r"\.\./shared", "../shared"), (r"(?<![\w.~-])/work/", "an absolute /work path"),
+                          (r"\bissues? #?\d+", "an issue number")):  # fmt: skip
+        if re.search(pattern, text, flags=re.I):
+            bad.append(f"{page}: refers to {what}")
+    return bad
+
+
+def _comment_start(line: str) -> int | None:
+    """Where a YAML line's comment starts (a '#' at the start or after a blank, outside quotes)."""
+    quote = None
+    for i, ch in enumerate(line):
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "'\"" and (i == 0 or line[i - 1] in " \t:[{,-"):
+            quote = ch
+        elif ch == "#" and (i == 0 or line[i - 1] in " \t"):
+            return i
+    return None
+
+
+def comment_runs(text: str) -> list[tuple[int, int]]:
+    """(first line, length) of each comment: a run of consecutive full-line comments, where a key
+    line's trailing comment counts as a line and starts a run that full-line comments below it
+    continue. Lines inside a block scalar (`|`, `>`) are text, not comments."""
+    runs: list[tuple[int, int]] = []
+    start, length, block_indent = 0, 0, None
+
+    def close() -> None:
+        nonlocal length
+        if length:
+            runs.append((start, length))
+        length = 0
+
+    for n, line in enumerate(text.splitlines(), 1):
+        indent = len(line) - len(line.lstrip())
+        if block_indent is not None:
+            if not line.strip() or indent > block_indent:
+                continue
+            block_indent = None
+        at = _comment_start(line)
+        body = line if at is None else line[:at]
+        if not line.strip():
+            close()
+        elif at is not None and not body.strip():  # a full-line comment
+            if not length:
+                start = n
+            length += 1
+        else:
+            close()
+            if at is not None:
+                start, length = n, 1
+            if re.search(r":\s*[|>][-+0-9]*\s*$", body):
+                block_indent = indent
+    close()
+    return runs
+
+
+def comment_problems(name: str, text: str, limit: int = COMMENT_MAX_LINES) -> list[str]:
+    return [f"{name}:{line}: a comment of {n} lines (at most {limit})"
+            for line, n in comment_runs(text) if n > limit]  # fmt: skip
+
+
+# -- the tests ----------------------------------------------------------------------------------------
+
+
+def _pages() -> list[tuple[Path, str]]:
+    return [(p, p.read_text(encoding="utf-8")) for p in PAGES]
+
+
+def test_the_pages_exist() -> None:
+    names = {p.name for p in PAGES}
+    assert {"README.md", "architecture.md", "reruns.md", "measurements.md"} <= names, names
+
+
+def test_every_relative_link_and_anchor_resolves() -> None:
+    bad = [msg for page, text in _pages() for msg in link_problems(page, text)]
+    assert not bad, bad
+
+
+def test_every_make_command_names_a_target() -> None:
+    bad = [msg for page, text in _pages() for msg in make_problems(page.name, text)]
+    assert not bad, bad
+
+
+def test_every_rlxf_command_names_a_subcommand_and_its_options() -> None:
+    bad = [msg for page, text in _pages() for msg in rlxf_problems(page.name, text)]
+    assert not bad, bad
+
+
+def test_every_project_path_and_module_shown_exists() -> None:
+    bad = [msg for page, text in _pages() for msg in path_problems(page.name, text)]
+    assert not bad, bad
+
+
+def test_nothing_points_outside_the_project() -> None:
+    bad = [msg for page, text in _pages() for msg in outside_problems(page.name, text)]
+    assert not bad, bad
+
+
+def test_the_readme_is_short() -> None:
+    n = len((ROOT / "README.md").read_text(encoding="utf-8").splitlines())
+    assert n <= README_MAX_LINES, n
+
+
+def test_parameter_comments_are_short() -> None:
+    files = sorted((ROOT / "params").rglob("*.yaml"))
+    assert files
+    bad = [msg for f in files
+           for msg in comment_problems(f.relative_to(ROOT).as_posix(), f.read_text("utf-8"))]  # fmt: skip
+    assert not bad, bad
+
+
+@pytest.mark.parametrize(
+    ("heading", "anchor"),
+    [
+        ("Rerunning: what is skipped", "rerunning-what-is-skipped"),
+        ("The policies' own rows", "the-policies-own-rows"),
+        ("Power and the evaluation's design", "power-and-the-evaluations-design"),
+        ("The reward model (notebook 02)", "the-reward-model-notebook-02"),
+        ("`make study` and `rlxf_utils`", "make-study-and-rlxf_utils"),
+        ("One-off checks", "one-off-checks"),
+    ],
+)
+def test_slugs_are_githubs(heading: str, anchor: str) -> None:
+    assert slug(heading) == anchor
+
+
+def test_each_check_catches_what_it_is_for(tmp_path: Path) -> None:
+    """Every check above fails on a page that breaks it (none passes vacuously)."""
+    page = tmp_path / "page.md"
+    (tmp_path / "other.md").write_text("# Title\n\n## A section\n\n## A section\n")
+    broken = (
+        "# Page\n\nSee [missing](nowhere.md), [a heading](other.md#no-such-heading),\n"
+        "[fine](other.md#a-section), [repeated](other.md#a-section-1), [here](#page).\n\n"
+        "```bash\nmake no-such-target PARAMS=x   # make study\nrlxf no-such-command\n"
+        "rlxf run --no-such-option\n.venv/bin/rlxf data no-such\n```\n\n"
+        "`rlxf_utils/no_such_module.py`, `params/none.yaml`, `rlxf_utils.no_such`, "
+        "`rlxf_utils.stats.intervals.cluster_t`, `tables/eval_summary.csv`, `<run>/data/x.json`\n\n"
+        "See ../shared/DESIGN.md, /work/main/README.md and issue 44.\n"
+    )
+    page.write_text(broken)
+    assert link_problems(page, broken) == [
+        "page.md: link to a missing file: nowhere.md",
+        "page.md: link to a missing heading: other.md#no-such-heading",
+    ]
+    assert make_problems("page.md", broken) == [
+        "page.md: `make no-such-target` is no Makefile target"
+    ]
+    assert rlxf_problems("page.md", broken) == [
+        "page.md: `rlxf no-such-command` is no rlxf subcommand",
+        "page.md: `rlxf run` has no option --no-such-option",
+        "page.md: `rlxf data no-such` is no rlxf subcommand",
+    ]
+    assert path_problems("page.md", broken) == [
+        "page.md: `rlxf_utils/no_such_module.py` does not exist",
+        "page.md: `params/none.yaml` does not exist",
+        "page.md: no module rlxf_utils.no_such",
+    ]
+    assert len(outside_problems("page.md", broken)) == 3
+    yaml_text = (
+        "# one\n# two\n# three\nkey: 1\n\n"  # three full lines: too long
+        "a: 1  # trailing\n   # and a continuation\n   # and another\n"  # 1 + 2: too long
+        "b: 2  # fine\n# fine too\n\n"  # a key's comment, then a new comment of one line
+        "c: >-  # the block's own comment\n  # not a comment: text\n  # still text\n  more text\n"
+        "d: 'a # in quotes'\n"
+    )
+    assert comment_runs(yaml_text) == [(1, 3), (6, 3), (9, 2), (12, 1)]
+    assert comment_problems("x.yaml", yaml_text) == [
+        "x.yaml:1: a comment of 3 lines (at most 2)",
+        "x.yaml:6: a comment of 3 lines (at most 2)",
+    ]
