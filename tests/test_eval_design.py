@@ -233,6 +233,32 @@ def test_uneven_countries_need_more_of_them_than_even_ones_of_the_same_mean() ->
     assert uneven["mde"] <= 0.004 and abs(uneven["prompts"] / uneven["countries"] - 15.8) < 1
 
 
+def test_the_design_is_sized_on_the_familys_most_variable_method() -> None:
+    """Each component is its largest over the family (not the median): the design's predicted
+    MDE is then at least each method's own on the same design, so the table's MDE holds for
+    every method it sizes for, the most variable included. Three methods whose components
+    differ: the median would size on the middle one and promise it to the third too."""
+    from rlxf_utils.evaluation.design import SIZED_ON
+    from rlxf_utils.stats import design_se, mde
+
+    rows = pd.DataFrame([
+        {"policy": "ppo", "judge": "audit", "var_country": 1e-5, "var_prompt": 2e-5, "var_sample": 4e-4},
+        {"policy": "grpo", "judge": "audit", "var_country": 4e-5, "var_prompt": 1e-5, "var_sample": 9e-4},
+        {"policy": "dpo", "judge": "audit", "var_country": 2e-5, "var_prompt": 5e-5, "var_sample": 1e-4},
+        {"policy": "best_of_n", "judge": "audit", "var_country": 3e-5, "var_prompt": 6e-5,
+         "var_sample": np.nan},
+    ])  # fmt: skip
+    used = {f"C{i}": n for i, n in enumerate([4, 3, 3, 2, 2, 1, 1])}
+    d = design_table(rows, {c: 3 * n for c, n in used.items()}, used, 4, {"samples ppo": 60.0},
+                     3, 0.05, 0.8, None)  # fmt: skip
+    own = d[d["design"] == "this run"].iloc[0]
+    assert (own["var_country"], own["var_prompt"], own["var_sample"]) == (4e-5, 6e-5, 9e-4)
+    assert own["sized_on"] == SIZED_ON and "largest" in SIZED_ON
+    for _, r in rows.iterrows():  # every method's own MDE on this design, at the table's df
+        se = design_se(r.to_dict(), list(used.values()), 4)
+        assert mde(se, 3, 0.05, 0.8, own["df"]) <= own["mde"] + 1e-12, r["policy"]
+
+
 def test_a_design_table_with_one_country_still_has_this_runs_row() -> None:
     """The smoke profile's few prompts may all fall in one country: no country component and no
     t interval (its MDE falls back to z quantiles), and the stage does not stop there."""

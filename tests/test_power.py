@@ -204,6 +204,29 @@ def test_mde_by_hand() -> None:
     assert mde(0.001, 14, 0.05, 0.8, df=16) > mde(0.001, 14, 0.05, 0.8)
 
 
+@pytest.mark.parametrize(("df", "m"), [(3, 1), (3, 8), (6, 14), (16, 14)])
+def test_the_t_mde_has_its_power_by_brute_force(df: int, m: int) -> None:
+    """The MDE with t degrees of freedom, checked by simulation, a route apart from the
+    noncentral t it is solved with: 200,000 one-sample t tests on n = df + 1 normal draws (SD 1,
+    so SE 1 / sqrt(n)) whose true mean is the MDE reject at the family's level with probability
+    0.8 (the estimate's SD is 0.0009). The central-t shortcut, (t_{1 - alpha/(2m)} + t_{0.8}) x SE,
+    is 2-11% smaller at these df and its tests reject with probability 0.71 to 0.79."""
+    n = df + 1
+    delta = mde(1 / math.sqrt(n), m, 0.05, 0.8, df=df)
+    x = np.random.default_rng(100 * df + m).normal(delta, 1.0, size=(200_000, n))
+    t = x.mean(axis=1) / (x.std(axis=1, ddof=1) / math.sqrt(n))
+    rejected = float(np.mean(np.abs(t) > stats.t.ppf(1 - 0.05 / m / 2, df)))
+    assert rejected == pytest.approx(0.8, abs=0.004), (df, m, delta, rejected)
+
+
+def test_the_t_mde_tends_to_the_normal_one() -> None:
+    z = mde(0.001, 14, 0.05, 0.8)
+    assert mde(0.001, 14, 0.05, 0.8, df=1e6) == pytest.approx(z, rel=1e-5)
+    assert mde(0.001, 14, 0.05, 0.8, df=math.inf) == z
+    with pytest.raises(ValueError, match="degrees of freedom"):
+        mde(0.001, 14, 0.05, 0.8, df=0.0)
+
+
 def test_design_se_by_hand_and_against_simulation() -> None:
     comp = {"var_country": 0.04, "var_prompt": 0.09, "var_sample": 0.25}
     # 4 countries x 2 prompts x 3 samples: 0.04 / 4 + 0.09 / 8 + 0.25 / 24

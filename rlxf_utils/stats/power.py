@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 from scipy import stats as sps
+from scipy.optimize import brentq
 
 from rlxf_utils.stats.intervals import bm_df
 
@@ -170,14 +171,36 @@ def mde(
     df: float | None = None,
 ) -> float:  # fmt: skip
     """The minimum detectable effect of a two-sided test in a Bonferroni family of m comparisons:
-    MDE = (z_{1 - alpha / (2 m)} + z_{power}) x SE, the true effect that a family's interval
-    excludes zero with probability `power`. With `df` (the interval's t degrees of freedom: those
-    of the cluster t of `intervals.cluster_t`), t quantiles replace z."""
+    the true effect that a family's interval excludes zero with probability `power`. Without
+    `df`, MDE = (z_{1 - alpha / (2 m)} + z_{power}) x SE. With `df` (the interval's t degrees
+    of freedom: those of the cluster t of `intervals.cluster_t`) it is solved exactly: the
+    effect delta = lambda x SE at which the t statistic, noncentral t with `df` and
+    noncentrality lambda, falls beyond +/- t_{1 - alpha / (2 m), df} with probability `power`
+    (`t_test_power`). The central-t shortcut (t quantiles in place of z in the formula above)
+    is low by 2% at df 3 for one comparison, and in a family of 14 by 11% at df 3, 5% at df 6
+    and 1.4% at df 16."""
     if not 0 < alpha < 1 or not 0 < power < 1:
         raise ValueError(f"alpha and power must lie in (0, 1); got {alpha}, {power}")
     a = alpha / max(int(family_size), 1)
-    dist = sps.norm if df is None or math.isnan(df) else sps.t(df)
-    return float((dist.ppf(1 - a / 2) + dist.ppf(power)) * se)
+    if df is None or math.isnan(df) or math.isinf(df):
+        return float((sps.norm.ppf(1 - a / 2) + sps.norm.ppf(power)) * se)
+    if not df > 0:
+        raise ValueError(f"the t degrees of freedom must be positive; got {df}")
+    crit = float(sps.t.ppf(1 - a / 2, df))
+    gap = lambda nc: t_test_power(nc, df, crit) - power  # noqa: E731  rises with nc
+    high = crit + float(sps.norm.ppf(power))  # the central-t shortcut: below the root or near
+    while gap(high) < 0:
+        high *= 1.5
+    return float(brentq(gap, 0.0, high, xtol=1e-12, rtol=1e-12)) * se
+
+
+def t_test_power(noncentrality: float, df: float, crit: float) -> float:
+    """P(|T| > crit) for T noncentral t with `df` and `noncentrality` (true effect / SE): the
+    power of the two-sided t test whose critical value is `crit`. The far tail's term, where
+    scipy's noncentral t returns NaN (at noncentralities where it is below 1e-15), counts 0."""
+    near = float(sps.nct.sf(crit, df, noncentrality))
+    far = float(sps.nct.cdf(-crit, df, noncentrality))
+    return near + (far if math.isfinite(far) else 0.0)
 
 
 def allocate(available: Mapping[Any, int] | Sequence[int], prompts: int) -> np.ndarray:
