@@ -17,6 +17,7 @@ from rlxf_utils.rl.core import (
     FixedKLController,
     compute_gae,
     explained_variance,
+    kl_controller,
     policy_loss,
     prompt_schedule,
     value_loss,
@@ -109,15 +110,27 @@ def test_whiten():
 
 
 def test_kl_controller_direction():
-    ctl = AdaptiveKLController(0.1, target=6.0, rate=0.1)
-    ctl.update(12.0)  # KL too high -> stronger penalty, error clipped at +0.2
-    assert math.isclose(ctl.value, 0.1 * 1.02)
+    """By hand: g = ln(1e4) / 4 per unit error; the error is log2 of the KL looked one step
+    ahead over the target, clipped at +-1; beta falls at half the rate it rises."""
+    g = math.log(1e4) / 4
+    ctl = AdaptiveKLController(0.1, target=6.0, beta_range=(0.01, 100.0), steps_to_cross=4)
+    ctl.update(12.0)  # twice the target (no previous KL: no look-ahead): full error
+    assert math.isclose(ctl.value, 0.1 * math.exp(g))
     high = ctl.value
-    ctl.update(5.4)  # KL 10% too low -> weaker penalty
-    assert math.isclose(ctl.value, high * (1 - 0.1 * 0.1))
-    ctl.update(6.0)  # on target: unchanged
-    assert math.isclose(ctl.value, high * 0.99)
+    ctl.update(9.0)  # 9 now, falling by 3: looks ahead to 6 = on target, unchanged
+    assert math.isclose(ctl.value, high)
+    ctl.update(4.0)  # falling by 5 to -1 ahead: full error down, at half the rate
+    assert math.isclose(ctl.value, high * math.exp(-g / 2))
+    ctl.update(4.0)  # flat at 2/3 of the target: log2(2/3) at half the rate
+    assert math.isclose(ctl.value, high * math.exp(-g / 2 + g / 2 * math.log2(4 / 6)))
+    for _ in range(20):
+        ctl.update(100.0)
+    assert ctl.value == 100.0  # the range holds it
+    ctl.update(math.nan)  # a step without a KL leaves beta alone
+    assert ctl.value == 100.0
     assert math.isclose(AdaptiveKLController(0.1, 6.0).value, 0.1)
+    with pytest.raises(ValueError, match="kl_coef_range"):
+        AdaptiveKLController(0.1, 6.0, beta_range=(1.0, 0.5))
     fixed = FixedKLController(0.2)
     fixed.update(100.0, 10)
     assert fixed.value == 0.2
@@ -303,13 +316,13 @@ def test_beta_moves_under_shipped_settings(profile):
     rl = load_config(PROJECT_ROOT / "params" / f"{profile}.yaml").rl
     if not rl.adaptive_kl:
         pytest.skip(f"{profile}: fixed beta")
-    up = AdaptiveKLController(rl.kl_coef, rl.target_kl, rl.kl_adapt_rate)
-    down = AdaptiveKLController(rl.kl_coef, rl.target_kl, rl.kl_adapt_rate)
-    for _ in range(10):
+    up, down = kl_controller(rl), kl_controller(rl)
+    # within the run's own horizon, beta can reach either end of its range
+    for _ in range(rl.steps):
         up.update(2 * rl.target_kl)
         down.update(0.0)
-    assert up.value > 1.1 * rl.kl_coef, (profile, up.value)
-    assert down.value < rl.kl_coef / 1.1, (profile, down.value)
+    assert up.value == rl.kl_coef_range[1], (profile, up.value)
+    assert down.value == rl.kl_coef_range[0], (profile, down.value)
 
 
 def test_the_critic_learns_the_return(tmp_path):

@@ -57,7 +57,15 @@ def _rl_cases() -> dict[str, dict[str, Any]]:
          "beta_first": [0.05, 0.05, nan, nan], "beta_last": [0.0712, 0.04, nan, nan]},
         index=pd.Index(["PPO", "D²LOLS", "ILHF (history)", "KTO"], name="algorithm"),
     )  # fmt: skip
-    adaptive = {"adaptive_kl": True, "kl_coef": 0.05, "target_kl": 6.0, "kl_adapt_rate": 0.1}
+    adaptive = {
+        "adaptive_kl": True,
+        "kl_coef": 0.05,
+        "target_kl": 6.0,
+        "kl_coef_range": [0.01, 100.0],
+        "kl_adapt_steps": None,
+        "steps": 16,
+        "grpo_loss_type": "dapo",
+    }
     fixed = {**adaptive, "adaptive_kl": False, "kl_coef": 0.001}
     sft = pd.DataFrame(
         {"policy": ["sft", "sft_met"], "examples": [21, 22], "outcomes": ["all", "met"],

@@ -46,15 +46,18 @@ class PolicyConfig(Section):
     sampler: Literal["compact", "transformers"] = "compact"
     """How evaluation and PPO-family rollouts sample: 'compact' (`models.decode.sample_compact`:
     finished responses leave the batch, each response draws from its own seeded stream, so its
-    tokens do not depend on the batch) or 'transformers' (`generate`, the path before issue 44;
-    the same distribution, other draws)."""
+    tokens do not depend on the batch) or 'transformers' (`generate`, the earlier path; the same
+    distribution, other draws). The compact loop pays where many rows finish early (a CPU, a
+    large GPU batch); at a GPU rollout's small batch its per-step kernels and host syncs set the
+    pace and `generate` on merged weights is faster, so params/paper.yaml samples with
+    'transformers' (docs/measurements.md, GPU)."""
     merge_lora: bool = True
     """Sample a LoRA policy from its adapter merged into a copy of the weights
     (`models.decode.merged_lora`): the same distribution up to rounding, without the adapters'
     per-layer cost."""
     compile_decode: bool = False
     """Evaluation's compact decode step through `torch.compile` (inductor): the same tokens, but
-    minutes of compiling per process on two cores, not shown to pay: off (README)."""
+    minutes of compiling per process on two cores, not shown to pay: off (docs/measurements.md)."""
 
 
 class SFTConfig(Section):
@@ -147,7 +150,11 @@ class RLConfig(Section):
 
     algorithm: list[Literal[ALGORITHM_IDS]] = Field(default_factory=lambda: ["ppo"], min_length=1)
     """Algorithms to train, ids of the registry (`rlxf_utils.algorithms`), in the order the
-    tables list them."""
+    tables list them. Every listed algorithm trains like for like: the same start policy,
+    contexts, responses, optimiser steps and steps. default.yaml runs one arm per family within
+    its time budget (PPO, PPO + MLE, D²LOLS, GRPO, ILHF from history, KTO, DPO, RFT); RLOO,
+    which differs from GRPO only in its baseline, ILHF online and the other RLGF variants run in
+    full.yaml."""
     start_policy: Literal["sft", "base"] = "sft"
     """The policy RL starts from, which is also its KL reference."""
     prompt_template: str = (
@@ -186,13 +193,25 @@ class RLConfig(Section):
     """The KL coefficient beta every RL algorithm starts from (PPO, the RLGF algorithms, GRPO,
     RLOO)."""
     adaptive_kl: bool = True
-    """Every RL algorithm: Ziegler et al.'s proportional controller of beta towards target_kl,
-    once per step on the step's KL per response (false: beta stays at kl_coef for all)."""
+    """Every RL algorithm: the adaptive controller of beta towards target_kl (log-space, with a
+    one-step look-ahead: `rl.core.AdaptiveKLController`), once per step on the step's KL per
+    response (false: beta stays at kl_coef for all)."""
     target_kl: float = Field(default=6.0, gt=0.0)
     """The KL target per response, in nats, of every RL algorithm (the adaptive controller's set
     point)."""
-    kl_adapt_rate: float = Field(default=0.1, gt=0.0, le=1.0)
-    """K_beta of the adaptive controller: beta *= 1 + K_beta * clip(KL / target - 1, +-0.2) per step."""
+    grpo_loss_type: Literal["grpo", "dapo", "dr_grpo", "bnpo"] = "dapo"
+    """GRPO's loss aggregation, passed to TRL's `loss_type` (named so that no TRL default decides
+    it): `dapo` (TRL's default) averages the token losses over every token of the batch (DAPO,
+    Yu et al. 2025), `grpo` over each sequence's tokens first (the GRPO paper, Shao et al. 2024),
+    which weights a short response's tokens more than a long one's: with responses cut at the
+    token cap, that length bias would enter the comparison."""
+    kl_coef_range: tuple[float, float] = (0.01, 100.0)
+    """The adaptive controller's range of beta, [low, high] (`rl.core.AdaptiveKLController`): one
+    range for every family, wide enough for k1 of a sequence against a reward in [0, 1] (PPO,
+    RLGF, RLOO) and k3 per token against unit-scaled advantages (GRPO)."""
+    kl_adapt_steps: float | None = Field(default=None, gt=0.0)
+    """Steps in which the adaptive beta crosses kl_coef_range at full error (KL 2x off target);
+    null: a quarter of `steps`, so that beta can reach any value of its range within the run."""
     gamma: float = Field(default=1.0, ge=0.0, le=1.0)
     """PPO's discount over tokens."""
     lam: float = Field(default=0.95, ge=0.0, le=1.0)
@@ -236,6 +255,12 @@ class RLConfig(Section):
     num_threads: int | None = Field(default=None, gt=0)
     """Torch threads for RL (null: every core)."""
 
+    @property
+    def kl_cross_steps(self) -> float:
+        """Steps in which the adaptive beta crosses kl_coef_range at full error: `kl_adapt_steps`,
+        null: a quarter of `steps` (at least 1)."""
+        return kl_cross_steps(self.kl_adapt_steps, self.steps)
+
     @field_validator("algorithm", mode="before")
     @classmethod
     def _listify(cls, v: Any) -> Any:
@@ -243,6 +268,15 @@ class RLConfig(Section):
 
     @model_validator(mode="after")
     def _batches(self) -> RLConfig:
+        low, high = self.kl_coef_range
+        if not 0 < low < high:
+            raise ValueError(
+                f"kl_coef_range must be [low, high] with 0 < low < high; got {list(self.kl_coef_range)}"
+            )
+        if self.adaptive_kl and not low <= self.kl_coef <= high:
+            raise ValueError(
+                f"kl_coef ({self.kl_coef}) must lie in kl_coef_range {list(self.kl_coef_range)}, where the adaptive controller keeps beta"
+            )
         if self.batch_size % self.minibatch_size:
             raise ValueError(
                 f"batch_size ({self.batch_size}) must be a multiple of minibatch_size ({self.minibatch_size})"
@@ -393,7 +427,8 @@ class OfflineConfig(Section):
     """
 
     examples: int | None = Field(default=None, gt=1)
-    """Training sequences per method (null: rl.steps x rl.batch_size; DPO: examples / 2 pairs)."""
+    """Training sequences per method (null: rl.steps x rl.batch_size; DPO: examples / 2 pairs),
+    in minibatches of rl.minibatch_size for rl.update_epochs passes: RL's optimiser steps."""
     max_tokens: int = Field(default=48, ge=1)
     """Longest historical description kept for KTO and DPO (tokens with the end token; =
     rl.max_new_tokens in the profiles, so no target runs past what a policy may write)."""
@@ -413,3 +448,8 @@ class OfflineConfig(Section):
     """RFT: responses sampled per training context from the start policy; the reward model's
     best is kept (= rl.num_generations and evaluation.best_of_n in the profiles: the best-of-N
     policy it distils)."""
+
+
+def kl_cross_steps(kl_adapt_steps: float | None, steps: int) -> float:
+    """`RLConfig.kl_cross_steps` from the two parameters (for a report reading a run's params)."""
+    return float(kl_adapt_steps or max(1.0, steps / 4))

@@ -4,6 +4,7 @@ schedule every algorithm shares."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -203,36 +204,79 @@ def explained_variance(
 
 
 class AdaptiveKLController:
-    """Ziegler et al. (2019) adaptive beta: proportional control of the KL towards `target`.
+    """Adaptive beta that can cross its useful range within the run's horizon.
 
-    beta_{t+1} = beta_t (1 + K_beta e_t), e_t = clip(KL_t / target - 1, -0.2, 0.2), once per step:
-    with K_beta = 0.1, beta moves by up to 2% a step whatever the batch size (the original
-    horizon form, K_beta = batch / horizon, barely moves at a few responses per step).
+    Ziegler et al. (2019)'s proportional rule, beta *= 1 + K_beta clip(KL / target - 1, +-0.2),
+    moves beta by at most 2% a step at K_beta = 0.1: over a 16-step run beta could only end in
+    [0.036, 0.069] whatever the KL, and the methods ended twenty-fold apart in KL. Here beta is
+    controlled in log space:
+
+        e_t = clip(log2(KL_hat_t / target), -1, 1),  KL_hat_t = KL_t + (KL_t - KL_{t-1})
+        log beta_{t+1} = clip(log beta_t + g e_t (e_t > 0) or g e_t / 2 (e_t < 0),
+                              log beta_min, log beta_max),
+        g = log(beta_max / beta_min) / steps_to_cross
+
+    `KL_hat` looks one step ahead along the KL's last change (a derivative term: a KL still
+    rising towards the target raises beta before it overshoots); the error saturates at a factor
+    2 off target; beta falls at half the rate it rises (every run starts at KL 0, and beta must
+    not be wound down to its floor before the policy has moved); at full error it crosses
+    [beta_min, beta_max] in `steps_to_cross` steps (`rl.kl_adapt_steps`, null: a quarter of
+    `rl.steps`). One range for every family: beta prices k1 of a sequence against a reward in
+    [0, 1] (PPO, RLGF, RLOO) and k3 per token against unit-scaled advantages (GRPO), which need
+    betas two orders of magnitude apart (`rl.kl_coef_range`). tests/test_kl_control.py: on a toy
+    problem whose KL runs away under a fixed beta (to 3-5x the target), each family ends within
+    2x the target.
     """
 
-    def __init__(self, init: float, target: float, rate: float = 0.1):
-        self.value, self.target, self.rate = float(init), float(target), float(rate)
+    #: beta falls at this fraction of the rate at which it rises
+    DOWN = 0.5
+
+    def __init__(
+        self,
+        init: float,
+        target: float,
+        beta_range: tuple[float, float] = (0.01, 100.0),
+        steps_to_cross: float = 4.0,
+    ):
+        low, high = (float(b) for b in beta_range)
+        if not 0 < low < high:
+            raise ValueError(f"rl.kl_coef_range must be 0 < low < high; got {beta_range}")
+        if not steps_to_cross > 0:
+            raise ValueError(f"rl.kl_adapt_steps must be positive; got {steps_to_cross}")
+        self.value = float(np.clip(float(init), low, high))
+        self.target, self.low, self.high = float(target), low, high
+        self.gain = math.log(high / low) / float(steps_to_cross)
+        self.previous: float | None = None
 
     def update(self, current_kl: float, n_steps: int = 1) -> None:
-        """Raise beta when KL is above target, lower it when below (error clipped to +-20%)."""
-        error = float(np.clip(current_kl / self.target - 1.0, -0.2, 0.2))
-        self.value *= 1.0 + self.rate * error
+        """Move beta once for this step's KL per response (nats); a NaN KL leaves it alone."""
+        kl = float(current_kl)
+        if not math.isfinite(kl):
+            return
+        ahead = kl if self.previous is None else kl + (kl - self.previous)
+        self.previous = kl
+        error = -1.0 if ahead <= 0 else float(np.clip(math.log2(ahead / self.target), -1, 1))
+        step = self.gain * error * (1.0 if error > 0 else self.DOWN)
+        self.value = float(np.clip(self.value * math.exp(step), self.low, self.high))
 
-    def state_dict(self) -> dict[str, float]:
-        return {"value": self.value, "target": self.target, "rate": self.rate}
+    def state_dict(self) -> dict[str, float | None]:
+        return {"value": self.value, "target": self.target, "previous": self.previous}
 
-    def load_state_dict(self, state: Mapping[str, float]) -> None:
-        self.value = float(state["value"])
+    def load_state_dict(self, state: Mapping[str, float | None]) -> None:
+        self.value = float(state["value"])  # type: ignore[arg-type]
+        prev = state.get("previous")
+        self.previous = None if prev is None else float(prev)
 
 
-def kl_controller(
-    adaptive: bool, init: float, target: float, rate: float
-) -> AdaptiveKLController | FixedKLController:
+def kl_controller(rl: Any) -> AdaptiveKLController | FixedKLController:
     """The KL coefficient's controller every RL algorithm uses (`rl.adaptive_kl`, `rl.kl_coef`,
-    `rl.target_kl`, `rl.kl_adapt_rate`): updated once per step with the step's mean KL per
-    response, in nats (PPO and the RLGF algorithms: `PPOTrainer.train_step`; GRPO and RLOO:
-    `trl_runs.beta_control`)."""
-    return AdaptiveKLController(init, target, rate) if adaptive else FixedKLController(init)
+    `rl.target_kl`, `rl.kl_coef_range`, `rl.kl_adapt_steps`; `rl` an `RLConfig`): updated once
+    per step with the step's mean KL per response, in nats (PPO and the RLGF algorithms:
+    `PPOTrainer.train_step`; GRPO and RLOO: `trl_runs.beta_control`)."""
+    if not rl.adaptive_kl:
+        return FixedKLController(rl.kl_coef)
+    return AdaptiveKLController(rl.kl_coef, rl.target_kl, tuple(rl.kl_coef_range),
+                                rl.kl_cross_steps)  # fmt: skip
 
 
 class FixedKLController:

@@ -159,7 +159,7 @@ class PPOTrainer(AcceleratedTrainer):
             cfg.learning_rate,
         )
         self.module, self.optimizer = self.accelerator.prepare(self.gen, self.optimizer)
-        self.kl_ctl = kl_controller(cfg.adaptive_kl, cfg.kl_coef, cfg.target_kl, cfg.kl_adapt_rate)
+        self.kl_ctl = kl_controller(cfg)
         self.value_initialised: set[str] = set()  # critics whose bias is set (first batch's mean)
         self.schedule: list[list[int]] | None = None  # set by train(): prompts per step
 

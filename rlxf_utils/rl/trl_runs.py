@@ -190,10 +190,11 @@ def run_trl(job: TrainJob) -> pd.DataFrame:
         epsilon=rl.clip_range,
         num_iterations=rl.update_epochs,  # passes over each generation batch, as PPO's epochs
         remove_unused_columns=False,  # the context columns reach the reward function
+        **({"loss_type": rl.grpo_loss_type} if algo == "grpo" else {}),  # named, not TRL's default
         **trainer_arguments(job, max_steps=steps * per_batch, save_steps=rl.checkpoint_every * per_batch),
     )  # fmt: skip
     history: list[dict[str, Any]] = []
-    kl_ctl = kl_controller(rl.adaptive_kl, rl.kl_coef, rl.target_kl, rl.kl_adapt_rate)
+    kl_ctl = kl_controller(rl)
 
     class _LogCallback(TrainerCallback):
         """Map TRL's logged metrics onto the PPO log schema."""
