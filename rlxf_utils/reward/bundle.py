@@ -44,9 +44,11 @@ def train_disjoint_audit(
         serialize_frame(tr), tr["y"].astype(int).to_numpy(), serialize_frame(va),
         va["y"].astype(int).to_numpy(), cfg, seed,
     )  # fmt: skip
-    audit.meta.update(
-        {"trained_on": "data/holdout.json:audit_train", "n_train": len(tr), "n_val": len(va)}
-    )
+    audit.meta.update({
+        "trained_on": "data/holdout.json:audit_train", "n_train": len(tr), "n_val": len(va),
+        "row_ids": {"train": sorted(int(i) for i in tr["row_id"]),
+                    "val": sorted(int(i) for i in va["row_id"])},
+    })  # fmt: skip
     return audit
 
 
@@ -93,6 +95,10 @@ def save_reward_bundle(
             "tfidf": "tfidf" if reward_source == "tfidf" else None,
             "audit": "audit",
             "audit_trained_on": audit.meta.get("trained_on"),
+            # the row ids each judge learned from (`protocol.learned_rows`, the audit's
+            # train / val): checked against the disjoint pools (tests/test_trainer_rows.py)
+            "trained_on_rows": {"reward": result.extra.get("row_ids"),
+                                "audit": audit.meta.get("row_ids")},
             "score_precision": check.get("used", "fp32"),
             "score_check": check,
         })  # fmt: skip

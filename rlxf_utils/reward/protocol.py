@@ -275,11 +275,18 @@ def run_protocol(
         protocol, out.pred, metrics, calibration,
         pd.concat(logs, ignore_index=True) if logs else pd.DataFrame(), out.timing, encoder, audit,
         extra={"accuracy_replicates": acc_reps, "n_selection": len(rows.selection),
-               "n_calibration": len(rows.calibration)},
+               "n_calibration": len(rows.calibration), "row_ids": learned_rows(rows)},
         comparisons=comparisons.assign(protocol=protocol)[["protocol", *comparisons.columns]]
         if len(comparisons) else comparisons,
         compared=compared,
     )  # fmt: skip
+
+
+def learned_rows(rows: ProtocolRows) -> dict[str, list[int]]:
+    """The row ids this protocol's models learn from: `train` (fitted on), `selection` (picks
+    the checkpoint) and `calibration` (fits Platt scaling); the reward bundle records them."""
+    return {part: sorted(int(i) for i in getattr(rows, part)["row_id"])
+            for part in ("train", "selection", "calibration")}  # fmt: skip
 
 
 def _protocol_metrics(
