@@ -777,6 +777,52 @@ def test_reward_audit_and_policy_pools_are_disjoint_on_the_real_split(splits, pr
     assert _pools(lab, sp, protocol, seed=2)[2][1]["policy"] != h["policy"]
 
 
+def test_near_duplicates_across_pools_by_hand() -> None:
+    """Exact copies (after case and spaces) and near ones (the same words, other punctuation)
+    of the policies' rows among the reward model's (train and val) and the audit's, counted by
+    hand; rows of other pools (a reference, an unused row) are searched by nobody."""
+    from rlxf_utils.data.splits import pool_near_duplicates
+
+    texts = {
+        1: ("policy", "Adopt the budget"), 2: ("policy", "Pass the banking law"),
+        3: ("policy", "Clear arrears now"), 4: ("policy", "Unique policy text xyz"),
+        10: ("reward_train", "adopt  the BUDGET"), 11: ("reward_train", "Raise tax revenue"),
+        12: ("reward_val", "Clear arrears, now."),
+        20: ("audit_train", "Pass the banking law"), 21: ("audit_val", "Something unrelated entirely"),
+        30: ("reference", "Unique policy text xyz"), 31: ("unused", "Raise tax revenue"),
+    }  # fmt: skip
+    labelled = pd.DataFrame({"row_id": list(texts), "description": [t for _, t in texts.values()]})
+    pools = pd.DataFrame({"row_id": list(texts), "pool": [p for p, _ in texts.values()]})
+    got = pool_near_duplicates(labelled, pools, threshold=0.9).set_index(["pool", "other"])
+    assert list(got.index) == [("policy", "reward"), ("policy", "audit"), ("audit", "reward")]
+    assert got.loc[("policy", "reward"), ["rows", "exact_in_other", "near_in_other"]].tolist() == [
+        4,
+        1,
+        2,
+    ]
+    assert got.loc[("policy", "reward"), ["exact_share", "near_share"]].tolist() == [0.25, 0.5]
+    assert got.loc[("policy", "audit"), ["rows", "exact_in_other", "near_in_other"]].tolist() == [
+        4,
+        1,
+        1,
+    ]
+    assert got.loc[("audit", "reward"), ["rows", "exact_in_other", "near_in_other"]].tolist() == [
+        2,
+        0,
+        0,
+    ]
+    assert (got["threshold"] == 0.9).all()
+    # an empty pool has no share to give
+    no_audit = pools.assign(
+        pool=pools["pool"].replace({"audit_train": "unused", "audit_val": "unused"})
+    )
+    empty = pool_near_duplicates(labelled, no_audit, threshold=0.9).set_index(["pool", "other"])
+    assert empty.loc[("policy", "audit"), "rows"] == 4 and np.isnan(
+        empty.loc[("policy", "audit"), "near_share"]
+    )
+    assert empty.loc[("audit", "reward"), "rows"] == 0
+
+
 def test_pools_refuse_a_row_in_two_pools_and_an_impossible_share(splits) -> None:
     lab, sp = splits
     _, _, (out, h) = _pools(lab, sp, "grouped")

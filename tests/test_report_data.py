@@ -98,3 +98,53 @@ def test_the_pools_table_names_who_learns_from_each_pool(tmp_path: Path) -> None
     assert [r[0].strip() for r in rows] == list(POOL_LABELS.values())  # no raw pool id is shown
     assert [r[2].strip() for r in rows][:2] == ["40.0%", "8.0%"]
     assert rows[5][3].strip() == "·" and rows[6][7].strip() == "·"  # references, unused: no share
+
+
+def test_the_pool_duplicates_sentence_reads_the_stored_numbers() -> None:
+    """The words are the template's (`data.jinja`), the numbers `data/summary.json`'s; whether
+    text recurs is chosen from them."""
+    from rlxf_utils.artifacts import ArtifactMissing
+    from rlxf_utils.report.data import pool_duplicates_sentence
+
+    def row(pool, other, rows, exact, near):
+        return {"pool": pool, "other": other, "rows": rows, "exact_in_other": round(exact * rows),
+                "exact_share": exact, "near_in_other": round(near * rows), "near_share": near,
+                "threshold": 0.9}  # fmt: skip
+
+    rows = [row("policy", "reward", 1200, 0.02, 0.05), row("policy", "audit", 1200, 0.01, 0.03),
+            row("audit", "reward", 400, 0.0, 0.1)]  # fmt: skip
+    text = " ".join(pool_duplicates_sentence(rows).split())
+    assert "yet text recurs across programmes: of its 1,200 rows, 2.0% have an identical" in text
+    assert "reward model's rows and 5.0% a near-duplicate (cosine ≥ 0.9)" in text
+    assert "among the audit's, 1.0% and 3.0%; and 10.0% of the audit's 400 rows" in text
+    none = [{**r, "exact_share": 0.0, "near_share": 0.0} for r in rows]
+    assert "judge that learned nearly the same one" in text
+    quiet = pool_duplicates_sentence(none)
+    assert "and no text recurs across the pools" in quiet and "judge" not in quiet
+    with pytest.raises(ArtifactMissing, match="pool_duplicates"):
+        pool_duplicates_sentence([])
+
+
+def test_notebook_01_writes_the_pool_duplicates_the_report_states(tmp_path: Path) -> None:
+    """The smoke profile's data stage writes `tables/pool_duplicates.csv` and the same numbers in
+    `data/summary.json`, which the report's data variable `pool_duplicates` states."""
+    import pandas as pd
+
+    from rlxf_utils.config import PROJECT_ROOT, load_config
+    from rlxf_utils.data.stage import describe_data, run_data_stage
+    from rlxf_utils.report.render import _data_variables
+
+    cfg = load_config(PROJECT_ROOT / "params/smoke.yaml")
+    run = RunDir(tmp_path / "run")
+    describe_data(run_data_stage(cfg, run), cfg, run)
+    table = run.read_table("pool_duplicates")
+    assert [tuple(r) for r in table[["pool", "other"]].to_numpy()] == [
+        ("policy", "reward"), ("policy", "audit"), ("audit", "reward")]  # fmt: skip
+    pools = run.read_parquet("data/pools.parquet")["pool"].value_counts()
+    assert table.loc[0, "rows"] == pools["policy"]
+    assert table.loc[2, "rows"] == pools["audit_train"] + pools["audit_val"]
+    stored = pd.DataFrame(run.read_json("data/summary.json")["pool_duplicates"])
+    pd.testing.assert_frame_equal(stored, table, check_dtype=False)
+    said = " ".join(_data_variables(run)["pool_duplicates"].split())
+    assert f"of its {table.loc[0, 'rows']:,} rows, {100 * table.loc[0, 'exact_share']:.1f}%" in said
+    assert f"{100 * table.loc[2, 'near_share']:.1f}% of the audit's" in said

@@ -304,6 +304,41 @@ def near_duplicates_across(
     }
 
 
+#: The three pools whose texts are compared (`pool_near_duplicates`): each model's rows, as
+#: the pools of `pool_of_rows` give them.
+POOL_GROUPS = {"policy": ("policy",), "reward": ("reward_train", "reward_val"),
+               "audit": ("audit_train", "audit_val")}  # fmt: skip
+#: The ordered pairs measured: (pool whose rows are counted, pool searched for a copy).
+POOL_PAIRS = (("policy", "reward"), ("policy", "audit"), ("audit", "reward"))
+
+
+def pool_near_duplicates(
+    labelled: pd.DataFrame, pools: pd.DataFrame, threshold: float = 0.9
+) -> pd.DataFrame:
+    """How many rows of one pool have an exact (after lower-casing and whitespace) or near copy
+    (TF-IDF cosine ≥ `threshold`, the measure of the protocols' `near_duplicates_across`) in
+    another: the policies' rows in the reward model's and in the audit's, the audit's in the
+    reward model's (`POOL_PAIRS`). A policy that learned such a text is scored by a judge that
+    learned (nearly) the same one. One row per pair: `pool`, `other`, `rows`, `exact_in_other`,
+    `exact_share`, `near_in_other`, `near_share`, `threshold` (shares NaN for an empty pool)."""
+    text = labelled.merge(pools, on="row_id", validate="one_to_one").set_index("pool")
+    by_group = {g: text.loc[text.index.isin(parts), "description"].astype(str).tolist()
+                for g, parts in POOL_GROUPS.items()}  # fmt: skip
+    rows = []
+    for pool, other in POOL_PAIRS:
+        mine, theirs = by_group[pool], by_group[other]
+        if mine and theirs:
+            r = near_duplicates_across(theirs, mine, threshold)
+        else:
+            r = dict.fromkeys(("exact_in_train", "near_in_train"), 0)
+            r |= {"test_rows": len(mine), "exact_share": np.nan, "near_share": np.nan}
+        rows.append({"pool": pool, "other": other, "rows": int(r["test_rows"]),
+                     "exact_in_other": int(r["exact_in_train"]), "exact_share": r["exact_share"],
+                     "near_in_other": int(r["near_in_train"]), "near_share": r["near_share"],
+                     "threshold": threshold})  # fmt: skip
+    return pd.DataFrame(rows)
+
+
 def split_summary(labelled: pd.DataFrame, splits: dict[str, dict[str, list[int]]]) -> pd.DataFrame:
     """Rows, MET share and arrangements per protocol and part (train/val/test)."""
     by_id = labelled.set_index("row_id")

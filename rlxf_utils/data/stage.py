@@ -22,6 +22,7 @@ from rlxf_utils.data.splits import (
     make_splits,
     near_duplicates_across,
     nest_evaluation_holdout,
+    pool_near_duplicates,
     pool_of_rows,
     pool_table,
     split_summary,
@@ -43,6 +44,8 @@ class DataStage:
     duplicates: pd.DataFrame
     subsampled_from: int | None = None
     holdout: dict[str, Any] = field(default_factory=dict)
+    #: exact and near copies across the reward model's, the audit's and the policies' pools
+    pool_duplicates: pd.DataFrame = field(default_factory=pd.DataFrame)
 
 
 def run_data_stage(cfg: Any, run: Any) -> DataStage:
@@ -88,6 +91,7 @@ def run_data_stage(cfg: Any, run: Any) -> DataStage:
         )
         dup_rows.append({"protocol": protocol, **res})
     duplicates = pd.DataFrame(dup_rows)
+    across_pools = pool_near_duplicates(labelled, pools, s.near_duplicate_threshold)
     run.write_parquet("data/conditions.parquet", conditions)
     run.write_json("data/splits.json", splits)
     run.write_json("data/holdout.json", holdout)
@@ -99,9 +103,8 @@ def run_data_stage(cfg: Any, run: Any) -> DataStage:
     report["rows_used"] = len(conditions)
     report["labelled_used"] = len(labelled)
     run.write_json("data/load_report.json", report)
-    return DataStage(
-        table, conditions, labelled, splits, contexts, duplicates, subsampled_from, holdout
-    )
+    return DataStage(table, conditions, labelled, splits, contexts, duplicates, subsampled_from,
+                     holdout, pool_duplicates=across_pools)  # fmt: skip
 
 
 def with_policy_rows(
@@ -226,7 +229,7 @@ def size_tables(lab: pd.DataFrame, cfg: Any, run: Any) -> dict[str, pd.DataFrame
 
 def split_tables(stage: DataStage, run: Any) -> dict[str, pd.DataFrame]:
     """The splits' sizes (with their figure), the pools of rows, the near duplicates across
-    splits and the contexts per split."""
+    splits and across pools, and the contexts per split."""
     lab = stage.labelled
     t: dict[str, pd.DataFrame] = {"split_sizes": split_summary(lab, stage.splits)}
     _figure(
@@ -235,6 +238,7 @@ def split_tables(stage: DataStage, run: Any) -> dict[str, pd.DataFrame]:
     pools = pool_of_rows(lab, stage.splits, stage.holdout)
     t["data_pools"] = pool_table(lab, pools)
     t["split_duplicates"] = stage.duplicates
+    t["pool_duplicates"] = stage.pool_duplicates
     t["context_split"] = (
         stage.contexts.groupby("split")
         .agg(
@@ -268,6 +272,7 @@ def data_summary(
         "approval_years": [int(y) for y in years.agg(["min", "max"])],
         "split_sizes": t["split_sizes"].to_dict(orient="records"),
         "duplicates": t["split_duplicates"].to_dict(orient="records"),
+        "pool_duplicates": t["pool_duplicates"].to_dict(orient="records"),
         "contexts": t["context_split"].to_dict(orient="records"),
         "pools": t["data_pools"].to_dict(orient="records"),
         "policy_fraction": cfg.data.splits.policy_fraction,

@@ -110,6 +110,17 @@ def programmes_sentence(lab: pd.DataFrame, per_programme: pd.DataFrame) -> str:
         "median_words": lab["description"].str.split().str.len().median()})  # fmt: skip
 
 
+def pool_duplicates_sentence(rows: list[dict[str, Any]]) -> str:
+    """How much text of one pool repeats in another (`data.splits.pool_near_duplicates`, stored
+    in `data/summary.json` as `pool_duplicates`): the report's data section sentence."""
+    if not rows:
+        raise ArtifactMissing("data/summary.json has no 'pool_duplicates'; rerun notebook 01")
+    by: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        by.setdefault(r["pool"], {})[r["other"]] = r
+    return sentence("data", "pool_duplicates_sentence", by, rows[0]["threshold"])
+
+
 def duplicates_sentence(dups: pd.DataFrame, threshold: float) -> str:
     """How much test text repeats training text under each protocol."""
     return sentence(

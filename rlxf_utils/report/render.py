@@ -27,7 +27,12 @@ from rlxf_utils.artifacts import ArtifactMissing, NotARun, RunDir, atomic_path, 
 from rlxf_utils.config import PROJECT_ROOT
 from rlxf_utils.markdown import markdown_table
 from rlxf_utils.names import map_strings
-from rlxf_utils.report.data import data_section, pools_table, split_sizes_table
+from rlxf_utils.report.data import (
+    data_section,
+    pool_duplicates_sentence,
+    pools_table,
+    split_sizes_table,
+)
 from rlxf_utils.report.evaluation import eval_section
 from rlxf_utils.report.findings import findings_section
 from rlxf_utils.report.forensic import forensic_section
@@ -99,6 +104,7 @@ def _data_variables(run: RunDir) -> dict[str, Any]:
         "contexts_train": f"{ctx['train']['contexts']:,}",
         "contexts_eval": f"{ctx['eval']['contexts']:,}",
         "countries_eval": str(ctx["eval"]["countries"]),
+        "pool_duplicates": pool_duplicates_sentence(s.get("pool_duplicates") or []),
         **_pool_variables(s),
     }
 
