@@ -38,6 +38,7 @@ from rlxf_utils.config import load_config
 from rlxf_utils.evaluation.tables import finished_only
 from rlxf_utils.pipeline import run_study
 from rlxf_utils.stats import family_alpha, level, mde, replicated_gain, seeds_for_mde
+from rlxf_utils.stats.intervals import level_span
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +202,8 @@ def seed_table(run_dir: str | Path, alpha: float = 0.05) -> pd.DataFrame:
     `<m>_mde_floor`, the MDE with infinitely many seeds, lies above it). KL and finished share
     are pooled with a t interval over seeds. Every interval follows the study's one
     multiplicity rule (`stats.family_alpha`): each measure asked of the m pooled algorithms is
-    one family, so every interval is at level 1 - alpha / m (`ci_level`)."""
+    one family, so every interval is at level 1 - alpha / m (`ci_level`); a seed's own row keeps
+    the level of its evaluation's vs-start family, at which its intervals were computed."""
     rows, samples = [], {}
     runs = seed_runs(run_dir)
     own = RunDir(run_dir).read_json("eval/summary.json", stage="notebook 04_evaluation")
@@ -213,8 +215,13 @@ def seed_table(run_dir: str | Path, alpha: float = 0.05) -> pd.DataFrame:
                 continue
             r = s.loc[algo]
             cols = [*MEASURES, *(f"{m}_{end}" for m in GAINS for end in ("low", "high"))]
+            # the level of this seed's own intervals: its evaluation's vs-start family's (NaN
+            # for a summary from before it listed the family)
+            m_seed = len(meta.get("families", {}).get("vs_start", []))
+            a_seed = family_alpha(meta.get("alpha", alpha), m_seed) if m_seed else math.nan
             # a measure the summary has no number for (null in the JSON, or absent): NaN
             rows.append({"algorithm": algo, "label": algorithm_label(algo), "seed": str(seed),
+                         "ci_level": 1 - a_seed,
                          **{c: float(pd.to_numeric(r.get(c), errors="coerce")) for c in cols}})  # fmt: skip
     per_seed = pd.DataFrame(rows)
     if per_seed.empty:
@@ -320,9 +327,11 @@ def plot_seeds(table: pd.DataFrame, start: str) -> Any:
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("P(MET) difference")
     lvl = level(1 - float(pooled["ci_level"].iloc[0])) if len(pooled) else ""
-    fig.suptitle(f"Across training seeds: each seed with its own interval (dots), the mean over "
-                 f"seeds with its {lvl} simultaneous interval over seeds and countries (squares; "
-                 "cut at the axis: ± half-width)", fontsize=9)  # fmt: skip
+    own = level_span(per.get("ci_level", []))  # each seed's evaluation's family level
+    fig.suptitle(f"Across training seeds: each seed with its own {own} simultaneous cluster t "
+                 f"interval over countries (dots; its evaluation's family), the mean "
+                 f"over seeds with its {lvl} simultaneous interval over seeds and countries "
+                 "(squares; cut at the axis: ± half-width)", fontsize=9)  # fmt: skip
     fig.tight_layout()
     return fig
 

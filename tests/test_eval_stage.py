@@ -75,10 +75,16 @@ def test_the_statistics_families_alone_on_hand_made_samples(close_figures):
     row = ceiling.tables["eval_ceiling"].set_index("measure").loc["reward"]
     assert row["diff"] == pytest.approx(ceiling.entries["history_contrast"]["reward"]["mean_diff"])
     assert row["diff"] == pytest.approx(0.05, abs=0.02)
+    # the attainable gain over the start policy, at the level of the gains it stands beside
+    att = ceiling.tables["eval_attainable"].set_index("measure")
+    assert list(att.index) == ["reward", "audit_reward"] and set(att["vs"]) == {"sft"}
+    assert att["ci_level"].tolist() == pytest.approx([1 - ev.alpha_family] * 2)
+    ev.take(ceiling)
 
     offline = families.offline_family(ev)
     assert set(offline.entries["need_rl"]) == {"audit_reward", "reward"}
     assert list(offline.tables) == ["eval_methods", "eval_rl_vs_offline"]
+    assert offline.tables["eval_methods"]["group"].iloc[-1] == "attainable"
     # the phases `evaluation.design` costs designs with keep their names
     assert list(ev.inp.timer.seconds) == ["statistics", "offline methods against RL"]
 

@@ -63,7 +63,9 @@ def test_a_gold_at_chance_cannot_confirm_or_refute_a_gain(tmp_path):
     assert gold == {"auc": 0.56, "low": 0.48, "high": 0.64, "rows": 300, "level": "95%",
                     "can_judge": False}  # fmt: skip
     assert gold_cannot_judge(gold, -0.01, 0.02)
-    assert not gold_cannot_judge(gold, 0.01, 0.02)  # an interval off zero is a verdict still
+    # a rise or a fall under a gold at chance is no verdict either (issue 59, item 4)
+    assert gold_cannot_judge(gold, 0.01, 0.02) and gold_cannot_judge(gold, -0.02, -0.01)
+    assert not gold_cannot_judge(gold, float("nan"), float("nan"))  # no interval, no claim
     p = pd.Series({"proxy": 0.05, "proxy_low": 0.03, "proxy_high": 0.07,
                        "gold": 0.004, "gold_low": -0.004, "gold_high": 0.012})  # fmt: skip
     assert point(p, gold=gold)["gold"]["cannot_judge"]  # the proxy's interval is a verdict still
@@ -115,7 +117,82 @@ def test_the_per_policy_sentences_read_the_gold_by_its_discrimination(tmp_path, 
     assert nulls  # the constructed audit gains leave at least one null
     at_chance = [a["policy"] for a in algos if a["audit"]["cannot_judge"]]
     said = [a["policy"] for a in algos if a["gold_words"]]
-    if auc_low < 0.5:
-        assert at_chance == nulls and said == nulls[:1]  # its AUC, said once
+    if auc_low < 0.5:  # every audit claim, null or not, is one the gold cannot judge
+        assert at_chance == ["ppo", "grpo"] and said == ["ppo"]  # its AUC, said once
     else:
         assert at_chance == [] and said == []
+
+
+# -- every audit claim read against the audit's own discrimination (issue 59, item 4) -----------
+CHANCE = {"auc": 0.53, "low": 0.47, "high": 0.59, "rows": 300, "level": "95%", "can_judge": False}
+ABLE = {**CHANCE, "low": 0.51, "can_judge": True}
+HEDGE = "unable to tell MET from Non-MET above chance cannot interpret"
+
+
+def _summary(audit: tuple[float, float, float]) -> pd.DataFrame:
+    """One RL policy whose reward gain and audit gain (`audit`: est, low, high) are injected."""
+    return pd.DataFrame({
+        "policy": ["sft", "ppo"], "ave_r": [0.55, 0.6], "ave_r_low": [0.54, 0.59],
+        "ave_r_high": [0.56, 0.61], "gain": [float("nan"), 0.05], "gain_low": [float("nan"), 0.02],
+        "gain_high": [float("nan"), 0.08], "gain_p_family": [float("nan"), 0.01],
+        "audit_gain": [float("nan"), audit[0]], "audit_gain_low": [float("nan"), audit[1]],
+        "audit_gain_high": [float("nan"), audit[2]], "audit_gain_p_family": [float("nan"), 0.02],
+        "kl": [0.0, 1.2], "gap_low": [float("nan"), -0.01], "gap_high": [float("nan"), 0.04],
+    }).set_index("policy")  # fmt: skip
+
+
+@pytest.mark.parametrize("audit, word", [((0.03, 0.01, 0.05), "up, a rise"),
+                                         ((-0.03, -0.05, -0.01), "down, a fall")])  # fmt: skip
+def test_an_audit_raise_or_fall_under_an_audit_at_chance_is_hedged(audit, word):
+    from rlxf_utils.report.evaluation import algos_context
+    from rlxf_utils.report.wording import sentence
+
+    at_chance = algos_context(_summary(audit), ["ppo"], "sft", "99%", None, CHANCE)
+    text = sentence("eval", "algo_sentences", at_chance)
+    assert f"moved the audit model's reward {word} that an audit {HEDGE}" in text
+    assert "the audit's AUC on 300 held-out rows, 0.530 [0.470, 0.590]" in text
+    assert "the audit model's reward (" not in text  # no plain 'raised/lowered the audit ...'
+    conclusion = sentence("eval", "conclusion", at_chance)
+    assert HEDGE in conclusion and "the disjoint-rows audit reward" not in conclusion
+    # an audit that can judge gives its verdict plainly
+    able = sentence("eval", "algo_sentences",
+                    algos_context(_summary(audit), ["ppo"], "sft", "99%", None, ABLE))  # fmt: skip
+    plain = "raised" if audit[0] > 0 else "lowered"
+    assert f"{plain} the audit model's reward (" in able and HEDGE not in able
+
+
+def test_the_gold_curve_findings_and_offline_clauses_hedge_a_move_under_a_gold_at_chance():
+    from rlxf_utils.report.offline import methods_context
+    from rlxf_utils.report.wording import sentence
+
+    p = pd.Series({"proxy": 0.05, "proxy_low": 0.03, "proxy_high": 0.07,
+                   "gold": 0.03, "gold_low": 0.01, "gold_high": 0.05})  # fmt: skip
+    hedged = sentence("overopt", "pair", point(p, gold=CHANCE), None)
+    assert f"while the gold rose, a rise that a gold {HEDGE}" in hedged
+    assert "raised the gold" in sentence("overopt", "pair", point(p, gold=ABLE), None)
+    rows = pd.DataFrame([("PPO", "RL", 0.02, 0.01, 0.03, 0.02, 0.01, 0.03, 0.1, "")],
+                        columns=["method", "group", "gain", "gain_low", "gain_high", "audit_gain",
+                                 "audit_gain_low", "audit_gain_high", "kl", "vs_best_of_n"])  # fmt: skip
+    finding = sentence(
+        "findings", "rl_finding", rl_finding(rows, "sft", "99%", gold_at_chance=True)
+    )
+    assert "at chance on held-out rows, can neither confirm nor refute a gain: PPO" in finding
+    assert "moved it up" in finding and "moves such a judge cannot interpret" in finding
+    assert "moves such a judge" not in sentence(
+        "findings", "rl_finding", rl_finding(rows, "sft", "99%")
+    )
+    clause = sentence("offline", "method_clauses", methods_context(rows, "RL", True))
+    assert HEDGE in clause and "raised the audit" not in clause
+
+
+def test_the_rule_is_stated_once_with_the_runs_own_auc():
+    from rlxf_utils.report.wording import sentence
+
+    rule = sentence("eval", "gold_rule", CHANCE)
+    assert "a rise, a fall and a null under it alike" in rule
+    assert (
+        "AUC on 300 held-out rows, 0.530 [0.470, 0.590] (95% CI), does not exclude chance" in rule
+    )
+    assert rule.endswith("so its verdicts are all read that way")
+    assert sentence("eval", "gold_rule", ABLE).endswith("so its verdicts stand")
+    assert "did not measure it" in sentence("eval", "gold_rule", None)

@@ -106,7 +106,7 @@ def _cases() -> dict[str, tuple[str, list]]:
     guidance = pd.DataFrame({"question": ["guidance_vs_ppo", "rl_vs_sft_met", "rl_vs_sft_met"],
                              "measure": ["reward", "reward", "audit_reward"]})  # fmt: skip
     heads = {"n_heads": 5, "settings": {"n_rows": 166}}
-    uncertainty = ev.uncertainty_context(s, algos, "sft", "95%", heads)
+    uncertainty = ev.uncertainty_context(s, algos, "sft", "95%", heads, "98.3%")
     return {
         "gains: raised, equivalent, lowered, a gold at chance said once": ("algo_sentences", [at_chance]),
         "gains: a gold that judges, no margin": ("algo_sentences", [judges]),
@@ -135,6 +135,9 @@ def _cases() -> dict[str, tuple[str, list]]:
         "uncertainty: no heads' marker, no policy": ("uncertainty_sentence", [ev.uncertainty_context(s, [], "sft", "95%", None)]),
         "uncertainty: not measured": ("uncertainty_sentence", [ev.uncertainty_context(s, algos, "dpo", "95%", None)]),
         "multiplicity rule": ("multiplicity_rule", []),
+        "gold rule: a gold at chance": ("gold_rule", [GOLD]),
+        "gold rule: a gold that judges": ("gold_rule", [{**GOLD, "low": 0.52, "can_judge": True}]),
+        "gold rule: not measured": ("gold_rule", [None]),
         "no components": ("no_components", []),
         "no design": ("no_design", []),
         "no perplexity": ("no_perplexity", []),

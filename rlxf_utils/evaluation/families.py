@@ -34,6 +34,7 @@ from rlxf_utils.evaluation.grounding import (
 )
 from rlxf_utils.evaluation.history import (
     HISTORY_POLICIES,
+    attainable_gain,
     ceiling_table,
     history_contrast,
     history_references,
@@ -317,11 +318,15 @@ def ilhf_family(ev: Evaluation) -> Measured:
 
 
 def ceiling_family(ev: Evaluation) -> Measured:
-    """The attainable ceiling: the contexts' own MET over Non-MET descriptions, under each judge."""
+    """The attainable ceiling: the contexts' own MET over Non-MET descriptions, under each judge;
+    and the attainable gain, their MET descriptions over the start policy on the same prompts, at
+    the vs-start family's level (`eval_attainable`, beside the headline gains in `eval_methods`)."""
     ec = ev.inp.ec
     contrast = history_contrast(ev.samples, ec.n_boot, ec.alpha, ev.inp.seed)
+    attainable = attainable_gain(ev.samples, ev.inp.start, ec.alpha, max(len(ev.family), 1))
     return Measured(
-        {"eval_ceiling": ceiling_table(contrast, ec.alpha)}, {"history_contrast": contrast}
+        {"eval_ceiling": ceiling_table(contrast, ec.alpha), "eval_attainable": attainable},
+        {"history_contrast": contrast},
     )
 
 
@@ -330,11 +335,11 @@ def offline_family(ev: Evaluation) -> Measured:
     inp, ec = ev.inp, ev.inp.ec
     with inp.timer("offline methods against RL"):
         methods = methods_table(ev.summary, ev.tables["eval_vs_best_of_n"], inp.algos,
-                                ec.best_of_n)  # fmt: skip
+                                ec.best_of_n, ev.tables.get("eval_attainable"))  # fmt: skip
         vs_offline = rl_vs_offline(ev.samples, inp.algos, ec.n_boot, ec.alpha, inp.seed)
     # does learning from experience need RL here? (`evaluation.offline.need_rl`)
     entries = {"need_rl": {m: need_rl(vs_offline, m) for m in ("audit_reward", "reward")}}
-    figures = {"eval_methods": plot_methods(methods, ec.alpha)} if len(methods) else {}
+    figures = {"eval_methods": plot_methods(methods, ev.alpha_family)} if len(methods) else {}
     return Measured({"eval_methods": methods, "eval_rl_vs_offline": vs_offline}, entries, figures)
 
 

@@ -54,7 +54,8 @@ def plot_gains(summary: pd.DataFrame, start: str = "base", alpha: float = 0.05) 
     ax.set_xticks(x, s["policy"], rotation=20, ha="right")
     ax.set(
         ylabel=f"mean P(MET) minus {start}",
-        title=f"Gain over the starting policy ({level(alpha)} simultaneous CI over countries)",
+        title=f"Gain over the starting policy ({level(alpha)} simultaneous cluster t CI over "
+        "countries)",
     )
     ax.legend()
     ax.grid(axis="y", alpha=0.3)
@@ -144,7 +145,8 @@ def plot_frontier(frontier: pd.DataFrame, start: str = "base", alpha: float = 0.
         ax.set_xscale("symlog", linthresh=1.0)
         xlabel += " (linear below 1, log above)"
     ax.set(xlabel=xlabel, ylabel="Ave(R) on held-out prompts")
-    ax.set_title(f"Reward-KL frontier (labels: training step or N; bars: {level(alpha)} CI)")
+    ax.set_title(f"Reward-KL frontier (labels: training step or N; bars: {level(alpha)} CI, "
+                 "countries resampled)")  # fmt: skip
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -1,6 +1,8 @@
 """History as policies: real MET and Non-MET descriptions of the held-out contexts and randomly
 drawn ones, scored like every policy, and the contrast between what was met and what was not:
-under each judge, the attainable ceiling against which every gain and bound is read."""
+under each judge, the attainable ceiling against which every gain and bound is read; and the
+attainable gain over the start policy (`attainable_gain`: history MET minus the start policy, on
+the same prompts), beside which every headline gain is read as a share."""
 
 from __future__ import annotations
 
@@ -103,3 +105,38 @@ def ceiling_table(contrast: Mapping[str, Any], alpha: float) -> pd.DataFrame:
     ]  # fmt: skip
     return pd.DataFrame(rows, columns=["judge", "measure", "n", "n_clusters", "met", "nonmet",
                                        "diff", "ci_low", "ci_high", "ci_level", "method"])  # fmt: skip
+
+
+#: `attainable_gain`'s columns, in order.
+ATTAINABLE_COLUMNS = ["judge", "measure", "vs", "n", "n_clusters", "met", "start", "diff",
+                      "ci_low", "ci_high", "ci_level", "method"]  # fmt: skip
+
+
+def attainable_gain(samples: pd.DataFrame, start: str, alpha: float, family_size: int = 1) -> pd.DataFrame:  # fmt: skip
+    """The gain a policy tuned from `start` could reach, under each judge (one row per judge):
+    the held-out contexts' own historical MET descriptions (`history_met`) minus `start`'s
+    responses, per prompt (each side's mean over its samples), paired on the `n` prompts that
+    have both (a context without MET history has no `history_met` row) in `n_clusters`
+    countries, with the cluster t interval over countries that the gains over `start` get
+    (`stats.paired_comparison`), at their family's level 1 - alpha / `family_size` (`ci_level`),
+    so that it stands beside them at one level. Where neither side or no prompt has both: no
+    row for that judge."""
+    rows = []
+    have = samples[samples["policy"].isin(["history_met", start])]
+    if not {"history_met", start} <= set(have["policy"]):
+        return pd.DataFrame(rows, columns=ATTAINABLE_COLUMNS)
+    for col in JUDGES:
+        if col not in have:
+            continue
+        wide = per_prompt_means(have, col)[["history_met", start]].dropna()
+        if wide.empty:
+            continue
+        cl = prompt_clusters(have, cluster_col="country").loc[wide.index].to_numpy()
+        res = paired_comparison(wide["history_met"].to_numpy(), wide[start].to_numpy(),
+                                alpha=alpha, clusters=cl, family_size=family_size)  # fmt: skip
+        rows.append({"judge": JUDGES[col], "measure": col, "vs": start, "n": int(res["n"]),
+                     "n_clusters": int(res["n_clusters"]), "met": res["mean_a"],
+                     "start": res["mean_b"], "diff": res["mean_diff"], "ci_low": res["ci_low"],
+                     "ci_high": res["ci_high"], "ci_level": res["ci_level"],
+                     "method": "cluster t over countries"})  # fmt: skip
+    return pd.DataFrame(rows, columns=ATTAINABLE_COLUMNS)

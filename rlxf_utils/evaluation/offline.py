@@ -21,6 +21,7 @@ import pandas as pd
 from rlxf_utils.algorithms import ALGORITHMS, OFFLINE_ALGORITHMS, RL_ALGORITHMS, algorithm_label
 from rlxf_utils.evaluation.questions import question_comparisons
 from rlxf_utils.plots import ci_err
+from rlxf_utils.stats import level
 
 #: How the methods are grouped in the table and figure (registry family -> group)
 GROUPS = {"ppo": "RL", "trl": "RL", "rlgf": "RL", "ilhf": "ILHF", "offline": "offline"}
@@ -29,7 +30,9 @@ GROUPS = {"ppo": "RL", "trl": "RL", "rlgf": "RL", "ilhf": "ILHF", "offline": "of
 FINISHED_GAINS = tuple(f"{g}_finished{end}" for g in ("gain", "audit_gain")
                        for end in ("", "_low", "_high"))  # fmt: skip
 #: Groups in display order, with the references
-GROUP_ORDER = ("RL", "ILHF", "offline", "supervised", "best-of-N")
+GROUP_ORDER = ("RL", "ILHF", "offline", "supervised", "best-of-N", "attainable")
+#: The attainable gain's row (`history.attainable_gain`: history MET minus the start policy).
+ATTAINABLE = "attainable"
 
 
 def method_group(policy: str) -> str:
@@ -40,12 +43,17 @@ def method_group(policy: str) -> str:
 
 
 def methods_table(
-    summary: pd.DataFrame, vs_best_of_n: pd.DataFrame, algos: Sequence[str], best_of_n: int = 0
-) -> pd.DataFrame:
+    summary: pd.DataFrame, vs_best_of_n: pd.DataFrame, algos: Sequence[str], best_of_n: int = 0,
+    attainable: pd.DataFrame | None = None,
+) -> pd.DataFrame:  # fmt: skip
     """One row per method (every algorithm, `sft_met`, best-of-N): its display name, group, gain
     over the start policy under the reward model and the audit with their intervals, KL to the
     start policy, finished share, both gains among finished responses only (`FINISHED_GAINS`;
-    NaN for runs from before) and the verdict against best-of-N at equal KL."""
+    NaN for runs from before) and the verdict against best-of-N at equal KL. With `attainable`
+    (`history.attainable_gain`: history MET minus the start policy per judge), a last row of
+    group `ATTAINABLE` holds it in the gain columns, and every row its gains as shares of it
+    (`share`, `audit_share`: the ratio of the two point estimates, NaN where the attainable
+    gain's interval does not lie above zero, so that the ratio has a positive denominator)."""
     labels = {"sft_met": "SFT on MET only", "best_of_n": f"best-of-{best_of_n or 'N'}"}
     names = [*algos, *(p for p in ("sft_met", "best_of_n") if p in set(summary["policy"]))]
     rec = summary.set_index("policy")
@@ -68,7 +76,28 @@ def methods_table(
     if out.empty:
         return out
     rank = {g: i for i, g in enumerate(GROUP_ORDER)}
-    return out.sort_values("group", key=lambda s: s.map(rank), kind="stable").reset_index(drop=True)
+    out = out.sort_values("group", key=lambda s: s.map(rank), kind="stable").reset_index(drop=True)
+    return with_attainable(out, attainable)
+
+
+def with_attainable(methods: pd.DataFrame, attainable: pd.DataFrame | None) -> pd.DataFrame:
+    """`methods` with the attainable gain's row (method 'attainable (history MET − <start>)') and
+    each row's gains as shares of it (`methods_table`); unchanged without an attainable gain."""
+    if attainable is None or attainable.empty:
+        return methods
+    a = attainable.set_index("measure")
+    start = str(a["vs"].iloc[0])
+    row: dict[str, Any] = {"policy": ATTAINABLE, "group": ATTAINABLE,
+                           "method": f"attainable (history MET − {algorithm_label(start)})"}  # fmt: skip
+    for measure, key in (("reward", "gain"), ("audit_reward", "audit_gain")):
+        have = measure in a.index
+        for end, col in (("", "diff"), ("_low", "ci_low"), ("_high", "ci_high")):
+            row[key + end] = float(a.loc[measure, col]) if have else np.nan
+    out = pd.concat([methods, pd.DataFrame([row])], ignore_index=True)
+    for key, share in (("gain", "share"), ("audit_gain", "audit_share")):
+        ok = bool(row[f"{key}_low"] > 0)  # NaN compares False: no interval, no share
+        out[share] = out[key] / row[key] if ok else np.nan
+    return out
 
 
 def rl_vs_offline(
@@ -105,7 +134,8 @@ def need_rl(comparisons: pd.DataFrame, measure: str) -> dict[str, Any]:
 
 def plot_methods(table: pd.DataFrame, alpha: float = 0.05) -> Any:
     """Every method's gain over the start policy under the reward model and under the audit, with
-    its interval, grouped (RL, ILHF, offline, supervised, best-of-N)."""
+    its interval, grouped (RL, ILHF, offline, supervised, best-of-N, attainable); `alpha` is the
+    vs-start family's own (the title states 1 - alpha, the level the intervals were made at)."""
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 0.45 * max(len(table), 4) + 1.4), sharey=True)
@@ -123,7 +153,8 @@ def plot_methods(table: pd.DataFrame, alpha: float = 0.05) -> Any:
         ax.grid(alpha=0.3, axis="x")
     axes[0].set_yticks(y, table["method"])
     axes[0].legend(fontsize=8, loc="best")
-    fig.suptitle("Every method from the same start policy (intervals Bonferroni-simultaneous "
-                 f"per family, alpha = {alpha:g})", fontsize=10)  # fmt: skip
+    fig.suptitle(f"Every method from the same start policy (bars: {level(alpha)} simultaneous "
+                 "cluster t intervals over countries, the family of each method against it)",
+                 fontsize=10)  # fmt: skip
     fig.tight_layout()
     return fig

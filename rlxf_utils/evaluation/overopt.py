@@ -249,7 +249,7 @@ def plot_overoptimisation(points: pd.DataFrame, fits: pd.DataFrame, start: str,
         ax.grid(alpha=0.3)
     axes[0].set_ylabel(f"gain over {start} (P(MET))")
     axes[1].legend(fontsize=7, loc="best")
-    fig.suptitle(f"Over-optimisation: proxy and gold reward against √KL (bars: {level(alpha)} simultaneous CI over countries)",
+    fig.suptitle(f"Over-optimisation: proxy and gold reward against √KL (bars: {level(alpha)} simultaneous cluster t CI over countries)",
                  fontsize=10)  # fmt: skip
     fig.tight_layout()
     return fig

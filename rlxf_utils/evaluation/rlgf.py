@@ -342,9 +342,18 @@ def plot_reward_perplexity(table: pd.DataFrame, alpha: float = 0.05) -> Any:
     return fig
 
 
+def easy_hard_gain_level(easy_hard: pd.DataFrame, alpha: float = 0.05) -> str:
+    """The level of the easy/hard gains' intervals ('99.2%'): their family's, `gain_ci_level` of
+    `easy_hard_table` (1 - `alpha` for a table without it)."""
+    levels = easy_hard.get("gain_ci_level", pd.Series(dtype=float)).dropna()
+    return level(1 - float(levels.iloc[0])) if len(levels) else level(alpha)
+
+
 def plot_easy_hard(easy_hard: pd.DataFrame, start: str, alpha: float = 0.05) -> Any:
     """The RLGF paper's Figure 3 on our prompts: Ave(R) (left) and the gain over the start policy
-    (right) per policy on easy and hard prompts, with cluster-bootstrap CIs over countries."""
+    (right) per policy on easy and hard prompts. The title states each panel's level and method
+    as `easy_hard_table` computed them: Ave(R)'s cluster-bootstrap CIs at 1 - `alpha`, the gains'
+    simultaneous cluster t CIs over countries at their family's level (`gain_ci_level`)."""
     import matplotlib.pyplot as plt
 
     t = easy_hard[easy_hard["half"].isin(HALVES)]
@@ -366,8 +375,9 @@ def plot_easy_hard(easy_hard: pd.DataFrame, start: str, alpha: float = 0.05) -> 
     med = easy_hard["median_met_rate"].iloc[0] if len(easy_hard) else math.nan
     axes[0].legend(fontsize=8)
     fig.suptitle(f"Easy vs hard prompts: split at the median historical MET rate of the context,\n"
-                 f"(MET + 1) / (conditions + 2) = {med:.2f}; bars: {level(alpha)} CI, countries "
-                 "resampled", fontsize=10)  # fmt: skip
+                 f"(MET + 1) / (conditions + 2) = {med:.2f}; bars: Ave(R) {level(alpha)} CI, "
+                 f"countries resampled; gain {easy_hard_gain_level(easy_hard, alpha)} "
+                 "simultaneous cluster t CI over countries", fontsize=10)  # fmt: skip
     fig.tight_layout()
     return fig
 

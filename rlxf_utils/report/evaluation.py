@@ -45,8 +45,10 @@ def _interval(r: pd.Series, col: str) -> dict[str, Any]:
 
 def algos_context(s: pd.DataFrame, algos: list[str], start: str, fam: str,
                   margin: float | None, gold: dict[str, Any] | None) -> dict[str, Any]:  # fmt: skip
-    """Per RL policy, its gain and audit gain with their verdicts; the first whose audit null a
-    gold at chance cannot judge says the gold's AUC (`gold_words`), once."""
+    """Per RL policy, its gain and audit gain with their verdicts; under a gold at chance every
+    audit claim, rise, fall or null, is one the gold cannot judge (`audit.cannot_judge`,
+    `gold.gold_cannot_judge`), and the first such policy says the gold's AUC (`gold_words`),
+    once."""
     out, said = [], False
     for algo in algos:
         r = s.loc[algo]
@@ -172,14 +174,16 @@ def bon_context(vs_bon: pd.DataFrame, curve: list[int]) -> list[dict[str, Any]]:
 
 
 def uncertainty_context(s: pd.DataFrame, algos: list[str], start: str, lvl: str,
-                        heads: dict[str, Any] | None) -> dict[str, Any]:  # fmt: skip
+                        heads: dict[str, Any] | None, fam: str | None = None) -> dict[str, Any]:  # fmt: skip
     """The reward heads' SD per RL policy and its paired change against the start policy; `s` is
     the eval summary indexed by policy, `heads` the marker of `reward_model/uncertainty/` (None
-    when the run fitted none)."""
+    when the run fitted none). Each mean SD's interval is a cluster bootstrap at `lvl`; the
+    paired change's is the vs-start family's cluster t at `fam` (`tables.summary_table`'s
+    `sd_gain`; `lvl` where not given)."""
     measured = "reward_sd" in s and start in s.index and is_present(s.loc[start, "reward_sd"])
     if not measured:
         return {"measured": False}
-    return {"measured": True, "start": start, "level": lvl,
+    return {"measured": True, "start": start, "level": lvl, "family_level": fam or lvl,
             "heads": {"n": heads["n_heads"], "rows": heads["settings"].get("n_rows", "n/a")}
             if heads else None,
             "sd": _interval(s.loc[start], "reward_sd"),
@@ -205,9 +209,10 @@ def eval_section(run: RunDir, alpha: float = 0.05) -> tuple[dict[str, Any], dict
     marker = f"{HEADS_FOLDER}/{HEADS_MARKER}"  # the reward heads' settings (reward_uncertainty)
     ppl = pd.DataFrame(meta.get("heldout_perplexity", []))
     fin = s["finished"].dropna() if "finished" in s else pd.Series(dtype=float)
+    gold = gold_auc(run)
     context = {
         "algos": algos_context(s, meta["algorithms"], start, fam, meta.get("equivalence_margin"),
-                               gold_auc(run)),
+                               gold),
         "history": history_context(s, meta.get("history_contrast", {})),
         "family": family_context(paired, start, fam, meta.get("power", 0.8)),
         "design": design_context(design, meta.get("target_mde")),
@@ -217,13 +222,15 @@ def eval_section(run: RunDir, alpha: float = 0.05) -> tuple[dict[str, Any], dict
         "finished": _scores(fin),
         "grounding": _scores(s["grounded_met"].dropna()),
         "uncertainty": uncertainty_context(s, meta["algorithms"], start, lvl,
-                                           run.read_json(marker) if run.exists(marker) else None),
+                                           run.read_json(marker) if run.exists(marker) else None,
+                                           fam),
     }  # fmt: skip
     variables = {k: sentence("eval", k, context[c]) for k, c in SENTENCES.items()}
     return {
         **variables,
         **eval_numbers(meta, s, lvl, fam),
         "multiplicity_rule": sentence("eval", "multiplicity_rule"),
+        "gold_rule": sentence("eval", "gold_rule", gold),
     }, {
         "eval_summary.md": summary_md(s, start, lvl, fam),
         "eval_cost.md": cost_md(s, lvl),

@@ -1,6 +1,7 @@
 """Whether the gold judge can judge, and what any method could reach: the disjoint-rows audit
 model's own discrimination on the held-out reference rows (`reward_reference_check`, notebook
-02), which decides whether a null under the gold says "no gain" or only "the gold cannot tell",
+02), which decides whether any claim under the gold, a rise, a fall or a null, is a verdict or
+only "the gold cannot tell",
 and the attainable ceiling under each judge (`eval_ceiling`, notebook 04: the held-out contexts'
 own MET descriptions over their Non-MET ones), against which every gain and bound is read."""
 
@@ -10,7 +11,7 @@ from typing import Any
 
 from rlxf_utils.artifacts import RunDir
 from rlxf_utils.markdown import is_present
-from rlxf_utils.stats import ci_sign, level
+from rlxf_utils.stats import level
 
 #: The reference check's row of the gold judge (the audit trained on disjoint rows).
 GOLD_ROW = "audit"
@@ -36,10 +37,14 @@ def gold_auc(run: RunDir) -> dict[str, Any] | None:
 
 
 def gold_cannot_judge(gold: dict[str, Any] | None, low: Any, high: Any) -> bool:
-    """A null under the gold (its interval holds zero) from a gold whose own AUC interval does
-    not lie above 0.5: the gold can neither confirm nor refute a gain, and a report must not say
-    the method 'did not move' it."""
-    return gold is not None and not gold["can_judge"] and ci_sign(low, high) == 0
+    """Any claim under the gold, a rise, a fall or a null (its interval [`low`, `high`] above,
+    below or around zero), from a gold whose own AUC interval does not lie above 0.5: a judge
+    that cannot be shown to tell MET from Non-MET can neither confirm nor refute a gain, so a
+    report must not say the method raised, lowered or 'did not move' it, only that it moved a
+    judge that cannot tell (`audit_unjudged` and `gold_unjudged` in the vocabulary; the rule is
+    `gold_rule` in reports/templates/eval.jinja, stated once in the methods). An interval-less
+    comparison (fewer than two clusters) makes no claim to qualify."""
+    return gold is not None and not gold["can_judge"] and is_present(low) and is_present(high)
 
 
 def ceiling(run: RunDir) -> dict[str, Any] | None:

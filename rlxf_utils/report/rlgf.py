@@ -11,7 +11,13 @@ import pandas as pd
 
 from rlxf_utils.algorithms import RLGF_ALGORITHMS
 from rlxf_utils.artifacts import RunDir
-from rlxf_utils.evaluation.rlgf import HALVES, MEASURES, guidance_comparator, policy_label
+from rlxf_utils.evaluation.rlgf import (
+    HALVES,
+    MEASURES,
+    easy_hard_gain_level,
+    guidance_comparator,
+    policy_label,
+)
 from rlxf_utils.markdown import is_present
 from rlxf_utils.prompts import CONTEXT_FIELDS
 from rlxf_utils.report.evaluation import eval_meta, table_note
@@ -166,6 +172,7 @@ def rlgf_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], d
                                  {"algorithms": algos, "guided": guided, "guide": guide}),
         "critics_sentence": sentence("rlgf", "critics_sentence", critics_context(log)),
         "guide": display_name(guide),
+        "easy_hard_level": lvl,  # the gains' family level, once the table is read (below)
     }  # fmt: skip
     missing = [t for t in RLGF_TABLES if not run.exists(f"tables/{t}.csv")]
     if missing:
@@ -198,9 +205,9 @@ def rlgf_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], d
     if easy_hard.empty:
         eh_md = table_note(sentence("rlgf", "no_split_note", {}))
     else:
-        levels = easy_hard.get("gain_ci_level", pd.Series(dtype=float)).dropna()
-        eh_lvl = level(1 - float(levels.iloc[0])) if len(levels) else lvl  # the gains' family
+        eh_lvl = easy_hard_gain_level(easy_hard, alpha)  # the gains' family
         eh_md = table("rlgf_easy_hard", easy_hard, lvl=lvl, eh_lvl=eh_lvl, start=start)
+        variables["easy_hard_level"] = eh_lvl
     if guidance.empty:
         g_md = table_note(sentence("rlgf", "no_comparison_note", verdicts["guidance"]))
     else:

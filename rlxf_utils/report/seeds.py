@@ -17,6 +17,7 @@ from rlxf_utils.markdown import is_present
 from rlxf_utils.report.evaluation import family_level
 from rlxf_utils.report.wording import ABOVE, BELOW, EQUIVALENT, sentence, table
 from rlxf_utils.stats import MAX_SEEDS, bound_verdict, ci_sign, level
+from rlxf_utils.stats.intervals import level_span
 
 #: The measures a pooled row gives: the gain under the reward model and under the audit.
 MEASURES = ("gain", "audit_gain")
@@ -57,12 +58,15 @@ def seeds_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
     ).sort_values(["_algo", "_seed"], kind="stable")
     variables = {"sentence": sentence("seeds", "seeds_sentence", context), "seeds": str(n),
                  "count_words": sentence("seeds", "count_words", n), "level": lvl}  # fmt: skip
+    # the seeds' own intervals: each at its evaluation's vs-start family level (none: from before)
+    per_seed = t.loc[t["seed"] != "pooled", "ci_level"] if "ci_level" in t else []
+    own_lvl = level_span(per_seed, missing="") or None
     return variables, {
         "eval_seeds.md": table("eval_seeds", shown, most=MAX_SEEDS),
         "eval_seeds_optional.md": "{{< include _generated/eval_seeds.md >}}\n\n: "
-        + sentence("seeds", "table_caption", lvl)
+        + sentence("seeds", "table_caption", lvl, own_lvl)
         + " {#tbl-seeds}\n",
-        "eval_seeds_figure.md": sentence("seeds", "figure", lvl),
+        "eval_seeds_figure.md": sentence("seeds", "figure", lvl, own_lvl),
     }
 
 

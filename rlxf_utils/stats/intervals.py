@@ -212,6 +212,18 @@ def level(alpha: float) -> str:
     return f"{1 - alpha:.0%}" if round(100 * (1 - alpha), 6).is_integer() else f"{1 - alpha:.1%}"
 
 
+def level_span(ci_levels: Any, missing: str = "family-level") -> str:
+    """The levels of several intervals as a caption states them: '99.2%' where they share one,
+    '99.0% to 99.4%' where they differ (families of different sizes), `missing` where none is
+    recorded (NaNs are ignored)."""
+    v = np.asarray(list(ci_levels), dtype=float).ravel()
+    v = v[~np.isnan(v)]
+    if v.size == 0:
+        return missing
+    low, high = level(1 - float(v.min())), level(1 - float(v.max()))
+    return low if low == high else f"{low} to {high}"
+
+
 def ci_sign(low: Any, high: Any) -> int:
     """+1 when the interval lies above 0, -1 below, 0 when it holds 0 or a bound is missing."""
     if not all(isinstance(v, numbers.Real) and not math.isnan(v) for v in (low, high)):
