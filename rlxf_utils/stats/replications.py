@@ -48,6 +48,7 @@ import pandas as pd
 from scipy import stats as sps
 
 from rlxf_utils.stats.intervals import check_alpha, cluster_t
+from rlxf_utils.stats.power import mde
 
 #: The most seeds `seeds_for_mde` counts to (beyond: inf).
 MAX_SEEDS = 1000
@@ -130,11 +131,10 @@ def seeds_for_mde(
 ) -> dict[str, float]:
     """How many training seeds an algorithm-level MDE of `target` needs, with every seed
     evaluated as the ones measured (the same prompts and start samples): the MDE with S seeds is
-    (t_{1 - alpha / 2} + t_{power}) x sqrt(B / S + V) on `pooled_df` (`replicated_gain`'s
+    `power.mde` of sqrt(B / S + V) on `pooled_df` (the noncentral t; `replicated_gain`'s
     B and V; `shared_df` the cluster t's df), which falls as S grows. Returns `seeds` (the
     smallest S >= 2 reaching it; inf when more than `max_seeds` would; NaN when none would) and
-    `floor`, the MDE with infinitely many seeds (the same quantiles on `shared_df`, times
-    sqrt(V)): a target at or below it needs a larger evaluation, not more seeds."""
+    `floor`, the MDE with infinitely many seeds (`shared_df`, sqrt(V)): a target at or below it needs a larger evaluation, not more seeds."""
     if not target > 0:
         raise ValueError(f"target MDE must be positive; got {target}")
     check_alpha(alpha)
@@ -142,7 +142,7 @@ def seeds_for_mde(
     def at(s: float) -> float:
         var = between_var / s + shared_var
         df = pooled_df(s, shared_df) if math.isfinite(s) else shared_df
-        return float((sps.t.ppf(1 - alpha / 2, df) + sps.t.ppf(power, df)) * math.sqrt(var))
+        return mde(math.sqrt(var), 1, alpha, power, df)
 
     floor = at(math.inf) if math.isfinite(shared_var) else math.nan
     out = {"seeds": math.nan, "floor": floor}
