@@ -21,6 +21,7 @@ from rlxf_utils.evaluation.ilhf import (
 )
 from rlxf_utils.report.ilhf import ilhf_markdown, inclusive_sentences
 from rlxf_utils.report.wording import ABOVE, BELOW, UNCLEAR, phrase
+from rlxf_utils.stats import level
 
 N_PROMPTS, K, N_COUNTRIES = 20, 3, 10
 ALGOS = ["ppo", "grpo", "ilhf_history"]
@@ -269,12 +270,19 @@ def test_report_section_reads_the_tables(tmp_path) -> None:
     assert v["level"] == "90%" and v["start"] == "SFT"
     assert "PPO, GRPO and ILHF (history);" in v["ran_sentence"] and " 3 " in v["ran_sentence"]
     assert phrase("ilhf_pairwise_sim", BELOW) in v["verdicts_sentence"]
-    assert "90% cluster-bootstrap CI" in v["collapse_sentence"]
+    # the tests' intervals are at their family's level, 1 - alpha / m, and the words say so
+    # (issue 59, item 5: the sentence said the plain 90% of a cluster bootstrap)
+    tests = RunDir(tmp_path / "run").read_table("eval_inclusive_tests")
+    fam = level(1 - float(tests["ci_level"].iloc[0]))
+    assert fam != v["level"] and v["tests_level"] == fam
+    assert f"{fam} simultaneous cluster t CI" in v["collapse_sentence"]
+    assert f"{fam} simultaneous cluster t CI" in v["reward_sentence"]
     rows = [r for r in inc["ilhf_table.md"].splitlines() if r.startswith("| ")]
     assert [r.split("|")[1].strip() for r in rows[1:]] == [
         "SFT", "SFT on MET rows", "PPO", "GRPO", "ILHF (history)", "history (MET)", "history (Non-MET)"]  # fmt: skip
     assert r"pairwise similarity \[90% CI\]" in rows[0] and "reward SD" not in rows[0]
     assert "lower" in inc["ilhf_tests.md"] and "pairwise similarity" in inc["ilhf_tests.md"]
+    assert rf"difference \[{fam} CI\]" in inc["ilhf_tests.md"]
     # every variable the report source quotes is provided, every include is generated
     qmd = (PROJECT_ROOT / "reports/rlxf_report.qmd").read_text(encoding="utf-8")
     used = set(re.findall(r"\{\{< var ilhf\.(\w+) >\}\}", qmd))

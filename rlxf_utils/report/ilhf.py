@@ -40,6 +40,14 @@ def _groups(t: pd.DataFrame) -> list[list[Any]]:
     return [[code, rows] for code, rows in groups.items()]
 
 
+def tests_level(tests: pd.DataFrame | None, alpha: float) -> str:
+    """The level of the ILHF tests' intervals ('99.2%'): their family's (`ci_level` of
+    `eval_inclusive_tests`, 1 - alpha / m), 1 - `alpha` for a table without it."""
+    if tests is None or "ci_level" not in tests or tests["ci_level"].dropna().empty:
+        return level(alpha)
+    return level(1 - float(tests["ci_level"].dropna().iloc[0]))
+
+
 def inclusive_sentences(tables: Mapping[str, pd.DataFrame], algos: Sequence[str], start: str,
                         alpha: float) -> dict[str, str]:  # fmt: skip
     """The section's verdicts as sentences (no final full stop): `variety`, `reward` and
@@ -48,9 +56,10 @@ def inclusive_sentences(tables: Mapping[str, pd.DataFrame], algos: Sequence[str]
     or the one sentence saying no ILHF algorithm ran), `collapse` (PPO against the start policy
     on pairwise similarity) and `history` (the history references' and the start policy's
     numbers, the yardstick). Every verb is the vocabulary's phrase of a verdict read from an
-    interval; a run without an ILHF algorithm or without PPO says so."""
-    lvl = level(alpha)
+    interval, at the tests' family level (`tests_level`); a run without an ILHF algorithm or
+    without PPO says so."""
     tests = tables.get("eval_inclusive_tests")
+    lvl = tests_level(tests, alpha)
     tests = tests if tests is not None else pd.DataFrame(columns=TEST_COLUMNS)
     ran = _ran(algos)
     out: dict[str, str] = {}
@@ -110,7 +119,7 @@ def ilhf_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], d
     setup = {"algos": algos, "ilhf": _ran(algos), "particles": int(ic.get("particles", 1)),
              "paper_prior": ic.get("prior_scaling", "map") == "paper",
              "eta": ic.get("prior_reg", 1.0), "max_pairs": ic.get("history_max_pairs", 256)}  # fmt: skip
-    variables: dict[str, Any] = {"level": lvl, "start": display_name(start),
+    variables: dict[str, Any] = {"level": lvl, "tests_level": lvl, "start": display_name(start),
                                  "ran_sentence": _say("ran_sentence", setup),
                                  "departures_sentence": _say("departures_sentence", setup)}  # fmt: skip
     missing = [t for t in ILHF_TABLES if not run.exists(f"tables/{t}.csv")]
@@ -129,7 +138,8 @@ def ilhf_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], d
     if tests.empty:
         tests_md = table_note(_say("no_tests_note", sentences))
     else:
-        tests_md = table("ilhf_tests", tests, lvl=lvl, measures=MEASURES)
+        variables["tests_level"] = tests_level(tests, alpha)
+        tests_md = table("ilhf_tests", tests, lvl=variables["tests_level"], measures=MEASURES)
     return variables, {
         "ilhf_table.md": table(
             "ilhf_table", t, lvl=lvl, start=start, with_sd=bool(t["reward_sd"].notna().any())
