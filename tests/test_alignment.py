@@ -565,7 +565,9 @@ def test_easy_hard_sentences_read_the_intervals() -> None:
     d = prompt_difficulty(samples[samples.policy == "sft"], _history())
     t = easy_hard_table(samples, d, ["sft", "grpo"], "sft", 300, 0.1, 0)
     c = easy_hard_context(t, "sft", 0.1)
-    assert c["start"] == "SFT" and c["alpha"] == 0.1  # the start is the yardstick, not a policy
+    assert c["start"] == "SFT"  # the start is the yardstick, not a policy
+    # the gains' intervals are at their family's level, and the sentence says that level
+    assert c["alpha"] == pytest.approx(1 - t["gain_ci_level"].dropna().iloc[0]) and c["alpha"] < 0.1
     (grpo,) = c["policies"]
     assert grpo["label"] == "GRPO"
     assert [(h["half"], h["verdict"]) for h in grpo["halves"]] == [
@@ -688,7 +690,10 @@ def test_report_rlgf_section_words_follow_the_intervals(tmp_path) -> None:
     assert v["level"] == "90%" and v["start"] == "SFT"
     assert v["context_key"] == "country × arrangement type × economic descriptor"
     # the sentences' words: tests/golden/report/rlgf.md; here, that the run's numbers reach them
-    assert "95%" in v["guidance_sentence"] and "90%" in v["easy_hard_sentence"]  # 1 - 0.1 / 2
+    assert "95%" in v["guidance_sentence"]  # 1 - 0.1 / 2
+    # the easy/hard gains' family level (the table's header), not the plain 90% (issue 59, item 5)
+    assert "99.5% simultaneous cluster t" in v["easy_hard_sentence"]
+    assert v["easy_hard_level"] == "99.5%"
     assert v["median"] == "0.500"  # between (3 + 1) / (4 + 2) (easy) and (1 + 1) / (4 + 2) (hard)
     table = inc["rlgf_table.md"]
     assert r"Ave(R) \[90% CI\]" in table and "PPO++" in table and "≤ " in table  # best-of-N's bound

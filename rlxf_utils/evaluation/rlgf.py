@@ -39,8 +39,8 @@ from rlxf_utils.stats import (
     level,
     paired_comparison,
     per_prompt_means,
-    tail_resamples,
 )
+from rlxf_utils.stats.intervals import contrast_t
 
 SUPERVISED = ("sft", "sft_met")
 
@@ -194,12 +194,14 @@ def easy_hard_table(
     alpha: float,
     seed: int,
 ) -> pd.DataFrame:
-    """Per policy and half (easy, hard): Ave(R) and the gain over the start policy, each with a
-    cluster-bootstrap CI over countries; and a `hard_minus_easy` row per policy, the difference of
-    the two halves' Ave(R) and of their gains, also resampling countries (a country may hold
-    prompts of both halves). The gains are one family (`stats.family_alpha`: every policy's easy,
-    hard and hard - easy gain, each interval at level 1 - alpha / m, `gain_ci_level`);
-    `gain_verdict` reads the gain's interval. Ave(R) intervals are at 1 - alpha."""
+    """Per policy and half (easy, hard): Ave(R) with a cluster-bootstrap CI over countries and
+    the gain over the start policy with a cluster t CI over countries (`stats.paired_comparison`);
+    and a `hard_minus_easy` row per policy, the difference of the two halves' Ave(R) (bootstrap,
+    resampling countries: a country may hold prompts of both halves) and of their gains (the
+    cluster t of the contrast, `stats.intervals.contrast_t`). The gains are one family
+    (`stats.family_alpha`: every policy's easy, hard and hard - easy gain, each interval at level
+    1 - alpha / m, `gain_ci_level`); `gain_verdict` reads the gain's interval. Ave(R) intervals
+    are at 1 - alpha."""
     d = difficulty.set_index("prompt_id")
     d = d[d["half"].isin(HALVES)]
     if d.empty:  # no split: every context has the same rate, or none has history
@@ -254,10 +256,10 @@ def _hard_minus_easy(wide: pd.DataFrame, pol: str, start: str, half: pd.Series, 
            "n_prompts": int(ok.sum()), "n_countries": int(pd.Series(g).nunique()), "ave_r": ave,
            "ave_r_low": lo, "ave_r_high": hi}  # fmt: skip
     if pol != start:
-        # a family's level: 50 resamples beyond each bound (`stats.tail_resamples`)
-        dg, glo, ghi = contrast_bootstrap(gain, hard, g, max(n_boot, tail_resamples(a_gain)),
-                                          a_gain, seed)  # fmt: skip
-        rec.update(gain=dg, gain_low=glo, gain_high=ghi, gain_ci_level=1 - a_gain)
+        # the family's cluster t, as the halves' gains beside it (`stats.intervals.contrast_t`)
+        res = contrast_t(gain, hard, g, a_gain)
+        rec.update(gain=res["mean"], gain_low=res["low"], gain_high=res["high"],
+                   gain_ci_level=1 - a_gain)  # fmt: skip
     return rec
 
 

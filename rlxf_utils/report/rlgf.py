@@ -104,11 +104,14 @@ def guidance_sentences(
 def easy_hard_context(easy_hard: pd.DataFrame | None, start: str, alpha: float,
                       preamble: bool = True) -> dict[str, Any]:  # fmt: skip
     """`easy_hard_sentence`: each tuned policy against the start policy on easy and on hard
-    prompts, and whether its gain differs between the halves (verdict codes and intervals).
-    Without `preamble` the sentence leaves out how prompts were split (the report says it
+    prompts, and whether its gain differs between the halves (verdict codes and intervals), at
+    the gains' family level (`alpha`: 1 - `gain_ci_level`, the given `alpha` for a table without
+    it). Without `preamble` the sentence leaves out how prompts were split (the report says it
     before)."""
     if easy_hard is None or easy_hard.empty:
         return {"placed": False}
+    levels = easy_hard.get("gain_ci_level", pd.Series(dtype=float)).dropna()
+    alpha = 1 - float(levels.iloc[0]) if len(levels) else alpha  # the gains' family's
     labels = dict(zip(easy_hard["policy"], easy_hard["label"], strict=True))
     policies = []
     for pol, g in easy_hard.groupby("policy", sort=False):
