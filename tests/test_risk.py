@@ -1072,3 +1072,17 @@ def test_report_content_reads_the_stage_artifacts(tmp_path, with_eval):
     else:
         assert "notebook 04 did not run" in variables["diversity"]  # the stage's note
         assert "eval/samples.parquet missing" in includes["risk_area_diversity.md"]
+
+
+def test_length_family_reads_the_judges_scores_as_written(tmp_path, close_figures):
+    """Under the evaluation's cut rule a cut response scores 0 (`reward`), which would read as a
+    dislike of length: the length family reads the scores as written (`reward_as_written`)."""
+    inp = _inputs(tmp_path)
+    s = inp.samples.copy()
+    longest = s["response"].map(lambda t: len(t.split())) == s["response"].map(lambda t: len(t.split())).max()  # fmt: skip
+    s["reward_as_written"], s["audit_reward_as_written"] = s["reward"], s["audit_reward"]
+    s.loc[longest, ["reward", "audit_reward"]] = 0.0  # the rule's zeros on the longest answers
+    m = stage.measure_length_reward(dataclasses.replace(inp, samples=s))
+    assert m.tables["risk_length_reward"].set_index("policy").loc[
+        "ppo", "spearman"
+    ] == pytest.approx(1.0)

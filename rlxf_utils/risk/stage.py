@@ -303,6 +303,9 @@ def measure_length_reward(inp: RiskInputs) -> Measured:
         return missing(SAMPLES_NOTE, "risk_length_reward", "risk_length_reward_bins")
     bins, length_col = inp.cfg.risk.length_bins, "n_words"
     gs = inp.samples[inp.samples["policy"].isin(inp.gen)].copy()
+    for col in ("reward", "audit_reward"):  # the judges' own reading of length: scores as written
+        if f"{col}_as_written" in gs:  # (the cut rule's zeros would read as a dislike of length)
+            gs[col] = gs[f"{col}_as_written"]
     gs[length_col] = gs["response"].map(lambda t: len(tokenize(t)))
     lr, binned = length_reward(
         gs, length_col, "reward", bins, alpha=inp.alpha, n_boot=inp.n_boot, seed=inp.seed
