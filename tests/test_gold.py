@@ -196,3 +196,28 @@ def test_the_rule_is_stated_once_with_the_runs_own_auc():
     assert rule.endswith("so its verdicts are all read that way")
     assert sentence("eval", "gold_rule", ABLE).endswith("so its verdicts stand")
     assert "did not measure it" in sentence("eval", "gold_rule", None)
+
+
+def test_the_rlgf_questions_and_the_risk_readings_hedge_an_audit_at_chance():
+    from rlxf_utils.report.risk import gain_reading, gains_text
+    from rlxf_utils.report.rlgf import comparisons
+    from rlxf_utils.report.wording import sentence
+
+    g = pd.DataFrame({"question": "guidance_vs_ppo", "measure": ["reward", "audit_reward"],
+                      "policy": "ppo_pp", "versus": "ppo", "diff": [0.1, -0.05],
+                      "low": [0.05, -0.08], "high": [0.15, -0.02], "verdict": ["above", "below"],
+                      "ci_level": 0.975})  # fmt: skip
+    (c,) = comparisons(g, ["ppo_pp"], "ppo", 0.05, gold_at_chance=True)
+    assert "audit model's verdict is one an audit at chance" in sentence("rlgf", "comparison", c)
+    (plain,) = comparisons(g, ["ppo_pp"], "ppo", 0.05)
+    assert "at chance" not in sentence("rlgf", "comparison", plain)
+    # a checkpoint whose audit reward falls: reward hacking only for an audit that can judge
+    r = {"algo": "ppo", "step": 8, "baseline": "sft", "reward_gain": 0.05, "reward_gain_low": 0.02,
+         "reward_gain_high": 0.08, "audit_gain": -0.03, "audit_gain_low": -0.05,
+         "audit_gain_high": -0.01, "gap": 0.08, "gap_low": 0.05, "gap_high": 0.11}  # fmt: skip
+    assert gain_reading(r) == "audit falls" and gain_reading(r, gold_at_chance=True) == "unjudged"
+    hedged = gains_text([r], 0.05, gold_at_chance=True).paragraph()
+    assert "cannot tell whether that gain is specific" in hedged and "reward hacking" not in hedged
+    assert "reward hacking" in gains_text([r], 0.05).paragraph()
+    # no training gain: nothing for any audit to judge, the reading stands
+    assert gain_reading({**r, "reward_gain_low": -0.01}, gold_at_chance=True) == "not raised"

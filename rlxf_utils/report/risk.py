@@ -18,6 +18,7 @@ import pandas as pd
 
 from rlxf_utils.artifacts import RunDir
 from rlxf_utils.markdown import markdown_table
+from rlxf_utils.report.gold import gold_auc
 from rlxf_utils.report.wording import ABOVE, BELOW, UNCLEAR, name_cells, num, pct, sentence, spaced
 from rlxf_utils.report.wording import is_present as _ok
 from rlxf_utils.risk.common import RiskError, missing_note
@@ -127,16 +128,20 @@ def length_text(
     return Finding.of("length_reward", rows, alpha)
 
 
-def gain_reading(r: Mapping[str, Any]) -> str:
+def gain_reading(r: Mapping[str, Any], gold_at_chance: bool = False) -> str:
     """What the audit reward says of a checkpoint's gain, from the intervals of the training
     reward's gain, the audit reward's gain and their gap: 'lowered' / 'not raised' (no training
     gain to confirm), 'audit falls', 'specific' (the audit does not rise and the training reward
     gains more), 'unclear', 'audit gains more' (the audit's gain exceeds the training reward's,
     whether or not the audit's own interval excludes zero), 'partly specific' (both rise, the
-    training reward more), 'followed' (both rise, their gap not distinguishable)."""
+    training reward more), 'followed' (both rise, their gap not distinguishable); under an audit
+    whose own AUC interval on held-out rows holds 0.5 (`gold_at_chance`), 'unjudged' whatever
+    the audit's and the gap's intervals say (`report.gold.gold_cannot_judge`)."""
     rg = sign_of(r.get("reward_gain_low"), r.get("reward_gain_high"))
     if rg <= 0:
         return "lowered" if rg < 0 else "not raised"
+    if gold_at_chance:
+        return "unjudged"
     ag = sign_of(r.get("audit_gain_low"), r.get("audit_gain_high"))
     gap = sign_of(r.get("gap_low"), r.get("gap_high"))
     if ag < 0:
@@ -149,12 +154,15 @@ def gain_reading(r: Mapping[str, Any]) -> str:
 
 
 def gains_text(
-    cg: Sequence[Mapping[str, Any]] | None, alpha: float = 0.05, note: str | None = None
-) -> Finding:
-    """Whether the audit reward follows the training reward's gain at the last checkpoint."""
+    cg: Sequence[Mapping[str, Any]] | None, alpha: float = 0.05, note: str | None = None,
+    gold_at_chance: bool = False,
+) -> Finding:  # fmt: skip
+    """Whether the audit reward follows the training reward's gain at the last checkpoint (read
+    against the audit's own discrimination: `gain_reading`)."""
     if cg is None:
         return Finding("", note=note or note_text(missing_note("eval/frontier.parquet")))
-    rows = [{**r, "has_ci": _ok(r.get("reward_gain_low")), "reading": gain_reading(r)} for r in cg]
+    rows = [{**r, "has_ci": _ok(r.get("reward_gain_low")),
+             "reading": gain_reading(r, gold_at_chance)} for r in cg]  # fmt: skip
     return Finding.of("checkpoint_gains", rows, alpha)
 
 
@@ -222,8 +230,12 @@ def note_text(n: Any) -> str:
     return sentence("risk", "note", _note(n))
 
 
-def interpret(summary: Mapping[str, Any], alpha: float | None = None) -> dict[str, Finding]:
-    """Every section's `Finding` from `risk/summary.json` (or `RiskStage.summary`)."""
+def interpret(
+    summary: Mapping[str, Any], alpha: float | None = None, gold_at_chance: bool = False
+) -> dict[str, Finding]:
+    """Every section's `Finding` from `risk/summary.json` (or `RiskStage.summary`); with
+    `gold_at_chance` (the audit's AUC interval on held-out rows holds 0.5) no checkpoint's audit
+    reading is given as a verdict (`gain_reading`)."""
     a = stored_alpha(summary, alpha)
     notes = list(summary.get("notes", []))
 
@@ -238,7 +250,9 @@ def interpret(summary: Mapping[str, Any], alpha: float | None = None) -> dict[st
         "group_bias": group_text(summary["group_bias"], summary.get("min_group_size"), a),
         "country_swap": swap_text(summary["country_swap"], a),
         "length_reward": length_text(summary.get("length_reward"), a, note_for("samples")),
-        "checkpoint_gains": gains_text(summary.get("checkpoint_gains"), a, note_for("frontier")),
+        "checkpoint_gains": gains_text(
+            summary.get("checkpoint_gains"), a, note_for("frontier"), gold_at_chance
+        ),
         "rising_ngrams": ngrams_text(summary.get("rising_ngrams"), start, note_for("samples")),
         "diversity": diversity_text(summary.get("diversity"), a, note_for("samples")),
         "label_variants": labels_text(summary["label_variants"], a),
@@ -281,7 +295,11 @@ def report_content(run: Any) -> tuple[dict[str, Any], dict[str, str]]:
     stage = "notebook 05_risk_discussion"
     summary = run.read_json("risk/summary.json", stage)
     alpha = stored_alpha(summary)
-    variables: dict[str, Any] = {k: f.paragraph() for k, f in interpret(summary).items()}
+    gold = gold_auc(run)  # an audit at chance: its readings are ones it cannot interpret
+    chance = gold is not None and not gold["can_judge"]
+    variables: dict[str, Any] = {
+        k: f.paragraph() for k, f in interpret(summary, None, chance).items()
+    }
     d = summary.get("drift") or {}
     hist = next(
         (r for r in summary["country_swap"]["by_source"] if r["source"] == "historical"), {}

@@ -21,15 +21,17 @@ from rlxf_utils.evaluation.rlgf import (
 from rlxf_utils.markdown import is_present
 from rlxf_utils.prompts import CONTEXT_FIELDS
 from rlxf_utils.report.evaluation import eval_meta, table_note
+from rlxf_utils.report.gold import gold_auc
 from rlxf_utils.report.wording import display_name, num, sentence, table, value
 from rlxf_utils.stats import level
 
 
 def comparisons(g: pd.DataFrame, policies: Sequence[str], versus: str,
-                alpha: float) -> list[dict[str, Any]]:  # fmt: skip
+                alpha: float, gold_at_chance: bool = False) -> list[dict[str, Any]]:  # fmt: skip
     """`comparison` contexts: each of `policies` that `g` (rows of `guidance_table`) compares
-    with `versus`, its verdict code and difference under each measure, and its family's alpha
-    (`ci_level`; else `alpha`)."""
+    with `versus`, its verdict code and difference under each measure, its family's alpha
+    (`ci_level`; else `alpha`) and `gold_at_chance` (the audit's own AUC interval on held-out
+    rows holds 0.5: its verdict is one it cannot interpret, `report.gold.gold_cannot_judge`)."""
     out = []
     for a in policies:
         if a not in set(g["policy"]):
@@ -43,7 +45,8 @@ def comparisons(g: pd.DataFrame, policies: Sequence[str], versus: str,
              **{k: value(rows.loc[m, k]) for k in ("diff", "low", "high")}}
             for m in MEASURES if m in rows.index
         ]  # fmt: skip
-        out.append({"policy": a, "versus": versus, "alpha": family, "measures": measures})
+        out.append({"policy": a, "versus": versus, "alpha": family, "measures": measures,
+                    "gold_at_chance": gold_at_chance})  # fmt: skip
     return out
 
 
@@ -68,7 +71,7 @@ def critics_context(guidance_log: pd.DataFrame) -> dict[str, Any]:
 
 
 def guidance_context(guidance: pd.DataFrame | None, algos: Sequence[str],
-                     alpha: float) -> dict[str, dict[str, Any]]:  # fmt: skip
+                     alpha: float, gold_at_chance: bool = False) -> dict[str, dict[str, Any]]:  # fmt: skip
     """The contexts of the two verdicts, `guidance_sentence` (guided algorithms vs PPO) and
     `rl_vs_sft_met_sentence`: which comparisons notebook 04 made, each with its verdict codes."""
     guided = [a for a in algos if a in RLGF_ALGORITHMS]
@@ -80,10 +83,12 @@ def guidance_context(guidance: pd.DataFrame | None, algos: Sequence[str],
         "guidance": {
             "algorithms": list(algos), "guided": guided, "comparator": ppo,
             "evaluated": bool(gq.shape[0]),
-            "comparisons": comparisons(gq, guided, ppo, alpha) if ppo and len(gq) else [],
+            "comparisons": comparisons(gq, guided, ppo, alpha, gold_at_chance)
+            if ppo and len(gq) else [],
         },
         "rl_vs_sft_met": {"evaluated": not rq.empty,
-                          "comparisons": comparisons(rq, algos, "sft_met", alpha) if len(rq) else []},
+                          "comparisons": comparisons(rq, algos, "sft_met", alpha, gold_at_chance)
+                          if len(rq) else []},
     }  # fmt: skip
 
 
@@ -192,7 +197,8 @@ def rlgf_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], d
 
     easy_hard = run.read_table("eval_easy_hard", stage)
     guidance = run.read_table("eval_guidance", stage)
-    verdicts = guidance_context(guidance, algos, alpha)
+    gold = gold_auc(run)  # an audit at chance: its verdicts are ones it cannot interpret
+    verdicts = guidance_context(guidance, algos, alpha, gold is not None and not gold["can_judge"])
     diff = run.read_table("eval_prompt_difficulty", stage) if run.exists(
         "tables/eval_prompt_difficulty.csv") else pd.DataFrame()  # fmt: skip
     keys = str(diff["context_key"].iloc[0]).split(" × ") if len(diff) else CONTEXT_FIELDS
