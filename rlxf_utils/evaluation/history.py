@@ -73,7 +73,8 @@ def history_references(
 
 def history_contrast(samples: pd.DataFrame, n_boot: int, alpha: float, seed: int) -> dict[str, Any]:
     """Real MET minus real Non-MET descriptions under the reward and the audit, per prompt, on the
-    prompts that have both, with a cluster (country) bootstrap CI and tests over countries."""
+    prompts that have both, with the cluster t interval over countries at 1 - `alpha`
+    (`stats.paired_comparison`; `n_boot` and `seed` are unused by it) and tests over countries."""
     out: dict[str, Any] = {}
     h = samples[samples["policy"].isin(["history_met", "history_nonmet"])]
     if h.empty:
