@@ -29,6 +29,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
@@ -133,6 +134,7 @@ def run_stage(
     log_path.parent.mkdir(parents=True, exist_ok=True)
     env = launch_env(cfg.compute.device)
     env["RLXF_PARENT_PID"] = str(os.getpid())  # the launcher dies with this process
+    env["RLXF_LAUNCHED_AT"] = repr(time.time())  # its start-up, measured (`rl.timing`)
     tail: deque[str] = deque(maxlen=TAIL_LINES)
     cause = None
     n = processes_for(cfg, stage, name)

@@ -54,6 +54,7 @@ from rlxf_utils.rl.tables import (
     training_curves_figure,
     training_table,
 )
+from rlxf_utils.rl.timing import mark
 from rlxf_utils.rl.trainer import TrainJob
 from rlxf_utils.runtime import barrier, is_main_process, resolve_device, seed_everything
 
@@ -164,12 +165,15 @@ def run_algorithm(
     )
     prompts = build_prompts(contexts, tok, cfg.rl.prompt_template, cfg.policy)
     log.info("%s: %d training prompts -> %s", algo, len(prompts), out)
+    mark("policy_loaded")
     job = TrainJob(algo, model, tok, prompts, contexts, reward_fn, cfg.rl, cfg.policy, out,
                    seed=cfg.training_seed, progress=progress, steps=steps, study=cfg,
                    run_dir=rd.root)  # fmt: skip
     resumed = has_checkpoint(out)
+    mark("train_start")
     with counting_optimizer_steps() as counted:
         frame = algorithm(algo).train(job)
+    mark("train_end")
     if is_main_process():
         record_experience(job, int(frame["step"].max()) if len(frame) else 0, counted, resumed)
         with atomic_path(done) as tmp:

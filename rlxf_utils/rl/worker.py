@@ -14,7 +14,8 @@ from rlxf_utils.artifacts import RunDir
 from rlxf_utils.config import load_config
 from rlxf_utils.rl.launch import die_with_parent
 from rlxf_utils.rl.memory import memory_table
-from rlxf_utils.runtime import hub_environment, process_state
+from rlxf_utils.rl.timing import MARKS, mark, write_stage_timing
+from rlxf_utils.runtime import hub_environment, is_main_process, process_state
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -49,14 +50,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.stage == "sft":
         from rlxf_utils.rl.sft import run_sft_stage
 
+        mark("imports")
         run_sft_stage(cfg, run, progress=False)
+        mark("written")
+        if is_main_process():  # where the stage's time went (`rl.timing`)
+            write_stage_timing(run.root, "sft")
         return 0
     if not args.algo or args.algo not in cfg.rl.algorithm:
         raise SystemExit(f"--algo {args.algo!r}: expected one of rl.algorithm {cfg.rl.algorithm}")
     from rlxf_utils.rl.stage import run_algorithm, training_inputs
 
+    mark("imports")
     contexts, reward_fn, _ = training_inputs(cfg, run)
+    mark("reward_loaded")
     run_algorithm(args.algo, cfg, run.root, reward_fn, contexts=contexts, progress=False)
+    mark("written")
+    if "train_end" in MARKS and is_main_process():  # it trained: where its time went
+        write_stage_timing(run.root, args.algo)
     return 0
 
 
