@@ -100,8 +100,12 @@ def _cell_label(src: str) -> str:
     return src.strip().splitlines()[0][:60] if src.strip() else "(empty)"
 
 
-def stage_rows(run: Path, notebook: str, names: Iterable[str]) -> list[dict[str, Any]]:
-    """One row per launched stage process (`policy/<name>/`), see the module's docstring."""
+def stage_rows(
+    run: Path, notebook: str, names: Iterable[str], window: tuple[float, float] | None = None
+) -> list[dict[str, Any]]:
+    """One row per launched stage process (`policy/<name>/`), see the module's docstring. With
+    `window` (the launching cell's start and end), a stage whose process started outside it is
+    left out: it was reused from an earlier run, and this run did not launch it."""
     rows = []
     for name in names:
         folder = run / "policy" / name
@@ -115,6 +119,8 @@ def stage_rows(run: Path, notebook: str, names: Iterable[str]) -> list[dict[str,
         timing_file = folder / "timing.json"
         timing = json.loads(timing_file.read_text()) if timing_file.is_file() else None
         start = _birth(log)
+        if window is not None and start is not None and not window[0] - 2 <= start <= window[1]:
+            continue
         total = end - start if start is not None else (timing or {}).get("total_s")
         if total is None:
             continue
@@ -209,7 +215,8 @@ def notebook_rows(run: Path, entry: dict[str, Any]) -> list[dict[str, Any]]:
             elif "sft_step(" in src or "rl_step(" in src:
                 sft = "sft_step(" in src
                 names = ["sft"] if sft else _algorithms(run)
-                sub = stage_rows(run, name, names)
+                t0 = _time(c["metadata"]["papermill"]["start_time"])
+                sub = stage_rows(run, name, names, (t0, t0 + dur))
                 rows += sub
                 rest = dur - sum(r["total_s"] for r in sub)
                 rows.append(_row("cell", name, f"{label} (kernel)", rest, "papermill"))

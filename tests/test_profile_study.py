@@ -215,3 +215,14 @@ def test_worker_writes_the_timing_file(tmp_path: Path, monkeypatch: pytest.Monke
     assert t["total_s"] >= 2.0 and set(t["marks_s"]) == set(timing.MARK_ORDER)
     if timing.process_started() is not None:  # Linux
         assert t["launcher_s"] >= 0.0 and "imports_s" in t
+
+
+def test_a_stage_reused_from_an_earlier_run_is_not_counted(
+    fake_run: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # ppo's process started long before this run's notebook 03: complete.json was reused
+    monkeypatch.setattr(ps, "_birth", lambda p: LAUNCH - 1000.0)
+    df = ps.profile_run(fake_run)
+    assert not (df["stage"] == "ppo (process)").any()
+    kernel = df[df["stage"].str.endswith("(kernel)")].iloc[0]
+    assert kernel["total_s"] == pytest.approx(80.0) and kernel["rest_s"] == pytest.approx(80.0)
