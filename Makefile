@@ -13,7 +13,7 @@ RUN_DIR ?=
 export TOKENIZERS_PARALLELISM := false
 export MPLBACKEND := Agg
 
-.PHONY: install study smoke test lint format clean-runs
+.PHONY: install study smoke publish test lint format clean-runs
 
 install: $(STAMP)
 
@@ -28,7 +28,16 @@ $(STAMP): pyproject.toml requirements-models.txt
 ## The main job: every notebook with params/default.yaml, then the report; outputs in runs/default/.
 study: $(STAMP)
 	$(BIN)/rlxf run --params $(PARAMS) $(if $(RUN_DIR),--run-dir $(RUN_DIR))
-	$(BIN)/rlxf report --run-dir $(or $(RUN_DIR),runs/$(shell $(BIN)/python -c "from rlxf_utils.config import load_config; print(load_config('$(PARAMS)').run.name)"))
+	$(BIN)/rlxf report --run-dir $(RUN_PATH)
+	$(BIN)/rlxf publish --run-dir $(RUN_PATH)
+
+# The run's folder: RUN_DIR, else runs/<run.name> of PARAMS (read when a recipe uses it).
+RUN_PATH = $(or $(RUN_DIR),runs/$(shell $(BIN)/python -c "from rlxf_utils.config import load_config; print(load_config('$(PARAMS)').run.name)"))
+
+## The review bundle of a rendered run (the study's last step): <run>/report/review/index.html,
+## one folder for a static host with the paper, its executed notebooks and tables, linked.
+publish: $(STAMP)
+	$(BIN)/rlxf publish --run-dir $(RUN_PATH)
 
 ## The same study in minutes on a MONA subsample (params/smoke.yaml).
 smoke: PARAMS = params/smoke.yaml

@@ -2,6 +2,7 @@
 
 rlxf run --params params/default.yaml [--run-dir runs/default] [--only 01,02] [--force | --from 03]
 rlxf report --run-dir runs/default [--engine auto|quarto|pandoc]
+rlxf publish --run-dir runs/default [--out DIR] [--check]
 rlxf seeds --run-dir runs/default --seeds 1 2 [--algorithms grpo,ppo] [--quiet]
 rlxf data summary data/raw/MONA_From2002.csv [--params params/default.yaml] [--unrecognised ...]
 rlxf compare runs/a runs/b
@@ -98,6 +99,35 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_publish(args: argparse.Namespace) -> int:
+    from rlxf_utils.artifacts import NotARun
+    from rlxf_utils.report.publish import PublishError, publish_bundle
+
+    try:
+        bundle = publish_bundle(args.run_dir, args.out)
+    except (PublishError, NotARun) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    size = sum(f.stat().st_size for f in bundle.root.rglob("*") if f.is_file())
+    print(f"review bundle: {bundle.root}/index.html ({len(bundle.pages)} pages, "
+          f"{size / 2**20:.1f} MiB; copy the folder to any static host)")  # fmt: skip
+    if bundle.unlinked:
+        print(
+            f"warning: not linked to their sources: {', '.join(bundle.unlinked)}", file=sys.stderr
+        )
+    if not args.check:
+        return 0
+    from rlxf_utils.report.publish_check import browser_problems, pdf_problems
+
+    problems = browser_problems(bundle.root)
+    if (bundle.root / "paper/rlxf_report.pdf").is_file():
+        problems += pdf_problems(bundle.root / "paper/rlxf_report.pdf")
+    for p in problems:
+        print(f"problem: {p}", file=sys.stderr)
+    print("every page and the PDF pass" if not problems else f"{len(problems)} problem(s)")
+    return 1 if problems else 0
+
+
 RUN_HELP = """Execute the study's notebooks (notebooks/NN_*.ipynb, in number order) with papermill.
 
 Before any work: the parameters, the run directory and the data file (its sha256 and data.checks)
@@ -144,6 +174,24 @@ def build_parser() -> argparse.ArgumentParser:
         "quarto or pandoc: that one (quarto fails when it is not installed)",
     )  # fmt: skip
     rp.set_defaults(func=_cmd_report)
+
+    pb = sub.add_parser(
+        "publish", help="write the review bundle: paper, executed notebooks and tables, linked",
+        description="One folder for a static host: the rendered paper (HTML, PDF), every "
+        "executed notebook as a read-only page, the run's tables as pages and CSV, manifest.json "
+        "and an index; every table and figure of the paper links to the notebook cell that wrote "
+        "it and to its data. Render the report first (rlxf report).",
+        epilog="exit codes: 0 written (and, with --check, every check passed); 1 --check found a "
+        "problem; 2 bad input (no run or no rendered report)",
+    )  # fmt: skip
+    pb.add_argument("--run-dir", required=True, help="a rendered run folder, e.g. runs/default")
+    pb.add_argument(
+        "--out", default=None, help="the bundle's folder (default <run-dir>/report/review)"
+    )
+    pb.add_argument("--check", action="store_true",
+                    help="open every page in headless Chromium and read the PDF's layout "
+                    "(needs playwright, chromium and pdftotext)")  # fmt: skip
+    pb.set_defaults(func=_cmd_publish)
 
     d = sub.add_parser("data", help="inspect MONA data")
     dsub = d.add_subparsers(dest="data_command", required=True)

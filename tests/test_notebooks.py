@@ -451,3 +451,51 @@ def test_a_further_seed_of_the_smoke_run(smoke_run: Path, tmp_path: Path) -> Non
     assert pooled["gain_low"].notna().all() and (pooled["gain_low"] <= pooled["gain_high"]).all()
     render_report(run_dir, engine="pandoc")
     assert load_variables(run_dir)["seeds"]["seeds"] == "2"
+
+
+@pytest.mark.slow
+def test_the_smoke_review_bundle_in_a_browser(smoke_run: Path, tmp_path: Path) -> None:
+    """The smoke run's review bundle (`rlxf publish`): every table and figure of the paper links
+    to the notebook cell that wrote it and to its data, and every page, opened from disk and
+    from a static server in headless Chromium, fires no dialog, fetches nothing from outside,
+    loads every image, lands every link and anchor and contents link, logs no console error."""
+    from test_publish_browser import need_browser, static_server
+
+    from rlxf_utils.report.publish import publish_bundle
+    from rlxf_utils.report.publish_check import browser_problems
+    from rlxf_utils.report.render import render_report
+
+    if not (smoke_run / "report/rlxf_report.html").is_file():
+        render_report(smoke_run, engine="pandoc")
+    bundle = publish_bundle(smoke_run, tmp_path / "review")
+    assert not bundle.unlinked, bundle.unlinked
+    notebooks = {s.written_by for s in bundle.sources if s.written_by.startswith("notebook")}
+    assert notebooks >= {"notebook 01", "notebook 02", "notebook 03", "notebook 04"}, notebooks
+    for s in bundle.sources:
+        if s.written_by.startswith("notebook"):
+            assert s.notebook and s.cell, s  # a notebook page and a cell on it
+        if s.artifact.startswith("tables/"):
+            assert ("CSV", s.artifact) in s.data, s
+    assert {p for p in bundle.pages if p.startswith("notebooks/")} == {
+        f"notebooks/{nb.stem}.html" for nb in (smoke_run / "notebooks").glob("*.ipynb")
+    }
+    need_browser()
+    assert browser_problems(bundle.root) == []
+    with static_server(bundle.root) as url:
+        assert browser_problems(bundle.root, base_url=url) == []
+
+
+@pytest.mark.slow
+def test_the_smoke_report_pdf_reads_whole(smoke_run: Path) -> None:
+    """The PDF as a reader reads it: no table wider than its page (no word past the right
+    margin, none over its neighbour) and every "Table N" and "Figure N" of the text captioned."""
+    import shutil
+
+    from rlxf_utils.report.publish_check import pdf_problems
+    from rlxf_utils.report.render import render_report
+
+    if shutil.which("pdftotext") is None:
+        pytest.skip("pdftotext not found (Debian: apt-get install poppler-utils, as .ci/run does)")
+    if not (smoke_run / "report/rlxf_report.pdf").is_file():
+        render_report(smoke_run, engine="pandoc")
+    assert pdf_problems(smoke_run / "report/rlxf_report.pdf") == []
