@@ -10,6 +10,7 @@ import math
 import numpy as np
 import pandas as pd
 import pytest
+from scipy import stats
 
 from rlxf_utils.artifacts import RunDir
 from rlxf_utils.evaluation.ilhf import (
@@ -126,8 +127,12 @@ def test_xent_met_and_its_difference_by_hand() -> None:
     assert xe["a"] == pytest.approx(16 / 6) and xe["b"] == pytest.approx(12 / 6)  # MET rows only
     d = xent_difference(rows, "a", "b", 200, 0.05, 0)
     assert d["diff"] == pytest.approx(4 / 6) and d["n"] == 2 and d["n_clusters"] == 2
-    # resampling countries: X twice gives (10 - 8) / 4 = 0.5, Y twice (6 - 4) / 2 = 1
-    assert d["low"] == pytest.approx(0.5) and d["high"] == pytest.approx(1.0)
+    # cluster t on the difference's linearisation (issue 59, item 5; the percentile bootstrap of
+    # the ratio gave [0.5, 1]): by hand, with R_a = 16/6, R_b = 2 and 3 tokens a row on average,
+    # row 0 carries 4/6 + (10 - 4 R_a) / 3 - (8 - 4 R_b) / 3 = 4/9 and row 1 4/6 + 2/9 = 8/9; two
+    # countries of one row each: the one-sample t on 1 df, half-width t(0.975, 1) x (8/9 - 4/9) / 2
+    half = stats.t.ppf(0.975, 1) * (2 / 9)
+    assert (d["low"], d["high"]) == pytest.approx((4 / 6 - half, 4 / 6 + half))
     t = _tables()["eval_inclusive"].set_index("policy")
     ppl = _ppl_rows()
     met = ppl[(ppl.y == 1) & (ppl.policy == "sft_met")]

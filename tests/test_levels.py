@@ -186,3 +186,35 @@ def test_the_easy_hard_sentence_states_the_gains_family_level():
         for p in ("sft", "ppo") for h in ("easy", "hard", "hard_minus_easy")])  # fmt: skip
     text = sentence("rlgf", "easy_hard_sentence", easy_hard_context(t, "sft", 0.05))
     assert "99.2% simultaneous cluster t intervals over countries" in text
+
+
+def test_the_cross_entropy_difference_holds_its_level_at_seventeen_uneven_countries():
+    """The ILHF cross-entropy difference, a difference of two ratios of sums over held-out MET
+    rows (2 to 30 rows in each of 17 countries), policies exchangeable so the true difference
+    is zero: its cluster t on the delta-method linearisation covers 94.8% at 95% and 99.8% at a
+    family's 99.5% on these 1,000 draws (99.3% on another seed), where the percentile cluster
+    bootstrap of the ratio used before covers 89.7% and 97.0% of the first 300 (measured once,
+    with the family's tail resamples)."""
+    from rlxf_utils.evaluation.ilhf import xent_difference
+
+    sizes = np.array([2, 3, 3, 4, 5, 6, 6, 8, 8, 10, 12, 12, 15, 18, 20, 25, 30])
+    g = np.repeat(np.arange(17), sizes).astype(str)
+    n = g.size
+    rng = np.random.default_rng(0)
+    plain = family = 0
+    draws = 1000
+    for _ in range(draws):
+        tok = 5 + rng.poisson(25, n).astype(float)
+        c = rng.normal(0, 0.5, 17)[np.repeat(np.arange(17), sizes)]
+        per_token = [3 + c + rng.normal(0, 0.3, 17)[np.repeat(np.arange(17), sizes)]
+                     + rng.normal(0, 0.5, n) for _ in range(2)]  # fmt: skip
+        rows = pd.DataFrame({"policy": np.repeat(["a", "b"], n), "row": np.tile(np.arange(n), 2),
+                             "country": np.tile(g, 2), "y": 1,
+                             "nll": np.concatenate([p * tok for p in per_token]),
+                             "n_tokens": np.tile(tok, 2)})  # fmt: skip
+        d = xent_difference(rows, "a", "b", 0, 0.05, 0)
+        plain += d["low"] <= 0 <= d["high"]
+        d = xent_difference(rows, "a", "b", 0, 0.005, 0)
+        family += d["low"] <= 0 <= d["high"]
+    # SE of a coverage near 95% over 1,000 draws: 0.007; near 99.5%: 0.0022
+    assert plain / draws >= 0.935 and family / draws >= 0.985
