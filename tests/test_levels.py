@@ -147,6 +147,11 @@ def test_the_hard_minus_easy_gain_is_the_contrasts_cluster_t_at_the_family_level
         (want["mean"], want["low"], want["high"]), abs=1e-12
     )
     assert r["gain"] == pytest.approx(gain[half == "hard"].mean() - gain[half == "easy"].mean())
+    # the halves' Ave(R) difference: the same contrast's cluster t, at 1 - alpha (no family)
+    own = contrast_t(per["grpo"].to_numpy(), half == "hard", COUNTRY, 0.05)
+    assert (r["ave_r"], r["ave_r_low"], r["ave_r_high"]) == pytest.approx(
+        (own["mean"], own["low"], own["high"]), abs=1e-12
+    )
 
 
 def test_the_contrasts_cluster_t_holds_its_family_level_at_seventeen_uneven_countries():
