@@ -20,6 +20,7 @@ from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import nbformat
+import pandas as pd
 import pytest
 from nbformat.v4 import (
     new_code_cell,
@@ -29,6 +30,7 @@ from nbformat.v4 import (
 )
 from test_report_safety import SECRET, _hostile, _report_markdown, _Tags, listener  # noqa: F401
 
+from rlxf_utils.artifacts import RunDir
 from rlxf_utils.report.publish import clean_html, publish_bundle
 from rlxf_utils.report.publish_check import browser_executable, browser_problems, pdf_problems
 from rlxf_utils.report.render import pandoc_html, pandoc_typst
@@ -134,6 +136,8 @@ def _hostile_run(tmp_path: Path, secret: Path, port: int) -> tuple[Path, str]:
     extra = "\n\n# Figures {#sec-figures}\n\nSee @fig-met_rate and @tbl-status_mapping.\n\n"
     extra += "![The rates.](figures/met_rate.png){#fig-met_rate}\n\n# End {#sec-end}\n\nDone.\n"
     md.write_text(md.read_text(encoding="utf-8") + extra, encoding="utf-8")
+    formulas = ['=HYPERLINK("http://127.0.0.1:9/","x")', "+cmd", "@SUM(A1)", bad[0]]
+    RunDir(root).write_table("formula_cells", pd.DataFrame({"cell": formulas}))
     (root / "report").mkdir()
     pandoc_html(md, root / "report/rlxf_report.html")
     import typst
@@ -231,6 +235,10 @@ def test_hostile_text_stays_text_in_every_page(hostile_bundle) -> None:
     nb = (root / "notebooks/01_data_exploration.html").read_text(encoding="utf-8")
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in nb  # the text, as text
     assert "[image not embedded:" in nb and "data:image/png;base64," in nb
+    csv = (root / "tables/formula_cells.csv").read_text(encoding="utf-8")
+    assert "'=HYPERLINK" in csv and "'+cmd" in csv and "'@SUM" in csv  # as `write_table` quoted
+    page = (root / "tables/formula_cells.html").read_text(encoding="utf-8")
+    assert "&#x27;=HYPERLINK(&quot;http://127.0.0.1:9/&quot;,&quot;x&quot;)" in page
     table = (root / "tables/table2_sample.html").read_text(encoding="utf-8")
     assert "&lt;img src=x onerror=&quot;alert(2)&quot;&gt;" in table
 

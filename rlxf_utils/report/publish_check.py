@@ -194,8 +194,9 @@ def _dom_problems(rel: str, dom: dict, bundle: Path, base_url: str | None,
         if not target.is_file():
             out.append(f"{rel}: link to a missing file: {raw[:80]}")
             continue
-        frag = unquote(urldefrag(absolute).fragment)
-        if frag and target.suffix == ".html" and frag not in _ids_of(target, ids):
+        frag = urldefrag(absolute).fragment  # as the browser does: the id as written, or decoded
+        if (frag and target.suffix == ".html"
+                and not {frag, unquote(frag)} & _ids_of(target, ids)):  # fmt: skip
             out.append(f"{rel}: anchor #{frag} not on {target.relative_to(bundle)}")
     return out
 
@@ -215,6 +216,7 @@ def _toc_problems(page, url: str, rel: str) -> list[str]:
         target = (link.get_attribute("href") or "#")[1:]
         link.click()
         page.wait_for_timeout(100)
+        target = unquote(target)
         if unquote(page.evaluate("location.hash"))[1:] != target:
             out.append(f"{rel}: contents link #{target} did not land")
         elif page.evaluate(_IN_VIEW, target) is not True and i > 0:
