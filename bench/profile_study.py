@@ -18,9 +18,10 @@ Reads only what the run recorded (nothing is rerun), for each notebook and each 
   and contexts plus the start policy and its adapter, I/O the writing after the loop. Without it
   (runs before that file), start-up is launch to `started.json` (the imports *and* loading the
   reward model: `basis` says "file times"); the cell's own remainder is a "(kernel)" row;
-- notebook 04's evaluation (the cell calling `run_evaluation_stage`): `eval/summary.json`
-  `seconds` per phase (`evaluation.inputs.PhaseTimer`): "loading" is loading, "writing" I/O,
-  every other phase compute;
+- notebook 04's evaluation (the cell calling `run_evaluation_stage`): one row per phase of
+  `eval/summary.json` `seconds` (`evaluation.inputs.PhaseTimer`): "loading" is loading,
+  "writing" I/O, every other phase compute; phases read back from an earlier run's draws
+  (`reused_draws`) are left out; the cell's remainder is a "(rest)" row;
 - rest: everything not named, always total - the named parts (the notebook's own rest row holds
   the time between cells and papermill's overhead).
 
@@ -44,6 +45,7 @@ import json
 import re
 import subprocess
 import sys
+import textwrap
 from collections.abc import Iterable
 from datetime import datetime
 from pathlib import Path
@@ -173,16 +175,23 @@ def _reward_compute(run: Path) -> float:
     return total
 
 
-def _eval_parts(run: Path) -> dict[str, float] | None:
+def eval_rows(run: Path, notebook: str) -> list[dict[str, Any]] | None:
+    """Notebook 04's phases, one row each (`eval/summary.json` `seconds`): "loading" is loading,
+    "writing" I/O, every other phase compute. A phase whose draw was read back from an earlier
+    run (`reused_draws`) took no time in this one and is left out. None without the file."""
     path = run / "eval" / "summary.json"
     if not path.is_file():
         return None
-    seconds = json.loads(path.read_text()).get("seconds") or {}
-    parts = {"compute_s": 0.0, "loading_s": 0.0, "io_s": 0.0}
-    for phase, s in seconds.items():
+    summary = json.loads(path.read_text())
+    reused = set(summary.get("reused_draws") or [])
+    rows = []
+    for phase, s in (summary.get("seconds") or {}).items():
+        if phase in reused:
+            continue
         key = {"loading": "loading_s", "writing": "io_s"}.get(phase, "compute_s")
-        parts[key] += float(s)
-    return parts
+        rows.append(_row("stage", notebook, f"phase: {phase}", float(s), "eval/summary.json",
+                         **{key: float(s)}))  # fmt: skip
+    return rows
 
 
 def notebook_rows(run: Path, entry: dict[str, Any]) -> list[dict[str, Any]]:
@@ -223,9 +232,11 @@ def notebook_rows(run: Path, entry: dict[str, Any]) -> list[dict[str, Any]]:
             elif "run_reward_stage(" in src:
                 rows.append(_row("cell", name, label, dur, "reward/metrics.json",
                                  compute_s=_reward_compute(run)))  # fmt: skip
-            elif "run_evaluation_stage(" in src and _eval_parts(run) is not None:
-                rows.append(_row("cell", name, label, dur, "eval/summary.json",
-                                 **_eval_parts(run)))  # fmt: skip
+            elif "run_evaluation_stage(" in src and eval_rows(run, name) is not None:
+                sub = eval_rows(run, name) or []
+                rows += sub
+                rest = dur - sum(r["total_s"] for r in sub)
+                rows.append(_row("cell", name, f"{label} (rest)", rest, "papermill"))
             elif dur < MIN_CELL_S:
                 small += dur
             else:
@@ -346,7 +357,7 @@ def figure(study: pd.DataFrame, tests: pd.DataFrame | None, title: str, min_s: f
     for tick, level in zip(ax.get_yticklabels(), shown["level"], strict=True):
         tick.set_fontweight("bold" if level == "notebook" else "normal")
     ax.set_xlabel("wall seconds")
-    ax.set_title(title, fontsize=9)
+    ax.set_title(textwrap.fill(title, 120), fontsize=9)
     ax.legend(fontsize=7, loc="lower right")
     if n_tests:
         t = tests.head(n_tests).iloc[::-1]

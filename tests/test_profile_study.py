@@ -83,7 +83,10 @@ def fake_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     pd.DataFrame({"step": [1, 2], "step_time_s": [20.0, 30.0]}).to_parquet(
         ppo / "train_log.parquet"
     )
-    summary = {"seconds": {"loading": 5.0, "sampling ppo": 30.0, "rewards": 10.0, "writing": 2.0}}
+    seconds = {"loading": 5.0, "samples base": 99.0, "samples ppo": 30.0, "rewards": 10.0,
+               "writing": 2.0}  # fmt: skip
+    # the base's draw was read back from an earlier run: its seconds were not spent in this one
+    summary = {"seconds": seconds, "reused_draws": ["samples base"]}
     _touch(run / "eval/summary.json", T0 + 160, json.dumps(summary))
     # the launch.log's creation time: fixed (a file's birth time cannot be set)
     monkeypatch.setattr(ps, "_birth", lambda p: LAUNCH if p.name == "launch.log" else None)
@@ -117,6 +120,9 @@ def test_profile_reads_file_times_and_every_category_adds_up(fake_run: Path) -> 
     n4 = nb.loc["04_evaluation"]
     assert (n4["compute_s"], n4["loading_s"], n4["io_s"]) == pytest.approx((40.0, 5.0, 2.0))
     assert n4["startup_s"] == pytest.approx(0.5 + 1.5)
+    phases = df[df["notebook"] == "04_evaluation"].set_index("stage")["total_s"]
+    assert phases["phase: samples ppo"] == 30.0 and "phase: samples base" not in phases
+    assert phases["cell 1: stage = run_evaluation_stage(cfg, run) (rest)"] == pytest.approx(8.0)
     assert n4["rest_s"] == pytest.approx(60.0 - 40 - 5 - 2 - 2.0)
     assert (df["rest_s"] > -0.05).all()
 
