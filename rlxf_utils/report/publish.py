@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from rlxf_utils.artifacts import read_manifest
+from rlxf_utils.artifacts import read_manifest, spreadsheet_safe
 
 __all__ = [
     "CSP",
@@ -260,10 +260,24 @@ def _writer_notebook(written_by: str, notebooks: list[Path]) -> Path | None:
     return next((p for p in notebooks if p.name.startswith(m.group(1))), None)
 
 
-def _cell_of(nb: dict, names: list[str]) -> str | None:
-    """The id of the first cell that names one of `names` as a quoted string in its source (the
-    notebooks show an artifact as `figure("x")` or `T["x"]`), else whose source or output
-    mentions it, else None."""
+#: Words of an artifact's name too common to find the cell that shows it.
+_COMMON = frozenset(("table", "tables", "summary", "figure", "train", "model", "policy", "reward"))
+
+
+def _tokens(names: list[str]) -> list[str]:
+    """The words of `names` (`rl_algorithm_settings`, `rlsamples`), longest first, without a
+    stage prefix glued on and without `_COMMON` words: what a cell may show it by."""
+    words = set()
+    for name in names:
+        for w in re.split(r"[_\-]", name):
+            words.add(re.sub(r"^(rl|eval|risk|reward|data|ilhf|rlgf)(?=[a-z]{5})", "", w))
+    return sorted((w for w in words if len(w) >= 5 and w not in _COMMON), key=lambda w: -len(w))
+
+
+def _cell_of(nb: dict, names: list[str], substring: bool = False) -> str | None:
+    """The id of the first code cell that names one of `names` as a quoted string in its source
+    (the notebooks show an artifact as `figure("x")` or `T["x"]`), else whose source or output
+    mentions it as a word (with `substring`: contains it), else None."""
     cells = [(c.get("id") or f"cell-{i:02d}", c) for i, c in enumerate(nb.get("cells", []))
              if c.get("cell_type") == "code"]  # fmt: skip
 
@@ -271,6 +285,8 @@ def _cell_of(nb: dict, names: list[str]) -> str | None:
         s = c.get("source", "")
         return s if isinstance(s, str) else "".join(s)
 
+    if substring:
+        return next((cid for name in names for cid, c in cells if name in source(c)), None)
     for name in names:
         quoted = re.compile(rf"[\"']{re.escape(name)}[\"']")
         for cid, c in cells:
@@ -299,6 +315,8 @@ def _sources(run_root: Path, notebooks: list[Path], data_links: dict[str, list])
             cell = _cell_of(loaded[nb], list(dict.fromkeys(names)))
             if cell is None:  # a summary (e.g. eval/summary.json): the cell that reads it
                 cell = _cell_of(loaded[nb], [Path(artifact).name])
+            if cell is None:  # `tbl-rlsettings`: the cell showing rl_tables["rl_..._settings"]
+                cell = _cell_of(loaded[nb], _tokens(names), substring=True)
         links: list[tuple[str, str]] = []
         for name in dict.fromkeys(names):
             links += data_links.get(name, [])
@@ -377,6 +395,8 @@ def _provenance(src: Source, up: str) -> str:
     )
 
 
+#: The paper's appendix table of sources (`sources.sources_table`), which is not its own source.
+SOURCES_TABLE = "tbl-sources"
 _ID_TAG = re.compile(r"<(\w+)\b[^>]*\bid=\"((?:tbl|fig)-[\w-]+)\"")
 
 
@@ -389,6 +409,11 @@ def paper_page(report_html: str, sources: list[Source]) -> tuple[str, list[str]]
 
     def add(m: re.Match[str]) -> str:
         item = m.group(2)
+        if item == SOURCES_TABLE:  # the record itself: its linked copy
+            return (
+                '<p class="provenance">With links to every notebook cell and its data: '
+                '<a href="../sources.html">sources of every table and figure</a></p>' + m.group(0)
+            )
         seen.append(item)
         src = by_id.get(item)
         return (_provenance(src, "../") if src else "") + m.group(0)
@@ -552,6 +577,14 @@ def publish_bundle(run_dir: str | Path, out: str | Path | None = None) -> Bundle
         artifacts.append(f"artifacts/figures/{png.name}")
         data_links.setdefault(png.stem, []).append(("PNG", f"artifacts/figures/{png.name}"))
         data_links[f"figures/{png.name}"] = []
+    for _, artifact, _ in paper_sources(root):  # a parquet file the paper reads: as a CSV
+        if artifact.endswith(".parquet") and (root / artifact).is_file():
+            rel = f"artifacts/{artifact[: -len('.parquet')]}.csv"
+            if rel not in artifacts:
+                (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+                spreadsheet_safe(pd.read_parquet(root / artifact)).to_csv(dest / rel, index=False)
+                artifacts.append(rel)
+                data_links[artifact] = [("CSV", rel)]
     shutil.copyfile(root / "manifest.json", dest / "manifest.json")
     data_links["manifest.json"] = [("manifest.json", "manifest.json")]
 
