@@ -336,3 +336,26 @@ def test_the_pdf_check_reports_a_table_past_the_margin_and_a_missing_number(tmp_
     assert any("runs past the right margin" in p for p in problems), problems
     assert any("Table 7 is referred to but has no caption" in p for p in problems), problems
     assert not any("Table 1 is referred" in p for p in problems), problems
+
+
+def test_rlxf_publish_writes_the_bundle_and_refuses_what_it_cannot(
+    hostile_bundle, tmp_path
+) -> None:
+    """`rlxf publish`: 0 and the bundle for a rendered run (replacing an earlier bundle); 2 for
+    a folder that is no run, a run without its rendered paper, or an --out that holds other
+    files (never deleted)."""
+    from rlxf_utils.cli import main
+
+    root = hostile_bundle[0].parent / "run"
+    out = tmp_path / "site"
+    assert main(["publish", "--run-dir", str(root), "--out", str(out)]) == 0
+    assert main(["publish", "--run-dir", str(root), "--out", str(out)]) == 0  # replaced
+    assert (out / "index.html").is_file() and (out / "notebooks").is_dir()
+    assert main(["publish", "--run-dir", str(tmp_path / "nothing")]) == 2
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "keep.txt").write_text("mine")
+    assert main(["publish", "--run-dir", str(root), "--out", str(other)]) == 2
+    assert (other / "keep.txt").read_text() == "mine"
+    (root / "report/rlxf_report.html").unlink()
+    assert main(["publish", "--run-dir", str(root), "--out", str(tmp_path / "x")]) == 2
