@@ -232,3 +232,44 @@ def test_a_stage_reused_from_an_earlier_run_is_not_counted(
     assert not (df["stage"] == "ppo (process)").any()
     kernel = df[df["stage"].str.endswith("(kernel)")].iloc[0]
     assert kernel["total_s"] == pytest.approx(80.0) and kernel["rest_s"] == pytest.approx(80.0)
+
+
+@pytest.mark.parametrize("trains", [True, False])
+def test_the_rl_worker_writes_its_timing_only_when_it_trained(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, trains: bool
+) -> None:
+    """`rl.worker` marks the imports, the reward model loaded and the end, and writes
+    `policy/<algo>/timing.json` when the stage trained (`run_algorithm` marks the loop); a stage
+    found up to date writes none. The stage's own code is a stand-in here (no model loads)."""
+    import sys
+    import types
+
+    from rlxf_utils.rl import worker
+
+    def run_algorithm(algo, cfg, root, reward_fn, contexts=None, progress=True):
+        if trains:  # what the real one marks around its loop
+            for m in ("policy_loaded", "train_start", "train_end"):
+                timing.mark(m)
+
+    fake = types.ModuleType("rlxf_utils.rl.stage")
+    fake.run_algorithm = run_algorithm
+    fake.training_inputs = lambda cfg, run: ([], None, None)
+    monkeypatch.setitem(sys.modules, "rlxf_utils.rl.stage", fake)
+    monkeypatch.setattr(worker, "die_with_parent", lambda: None)
+    monkeypatch.setattr(worker, "hub_environment", lambda cfg: {})
+    cfg = types.SimpleNamespace(rl=types.SimpleNamespace(algorithm=["ppo"]))
+    monkeypatch.setattr(worker, "load_config", lambda path: cfg)
+    timing.MARKS.clear()  # the worker's process starts with none
+    monkeypatch.setenv(timing.LAUNCHED_AT, repr(time.time() - 1.0))
+    monkeypatch.delenv("RANK", raising=False)
+    argv = ["rl", "--params", "params.yaml", "--run-dir", str(tmp_path), "--algo", "ppo"]
+    try:
+        assert worker.main(argv) == 0
+    finally:
+        timing.MARKS.clear()
+    path = tmp_path / "policy/ppo/timing.json"
+    assert path.is_file() == trains
+    if trains:
+        t = json.loads(path.read_text())
+        assert set(t["marks_s"]) == set(timing.MARK_ORDER)
+        assert t["total_s"] >= 1.0 and t["train_end_s"] >= 0.0
