@@ -33,6 +33,8 @@ FIELD_NAMES: dict[str, str] = {
     "reward_sd": "reward heads' SD",
     "reward_finished": "reward, finished responses",
     "audit_reward_finished": "audit reward, finished responses",
+    "reward_as_written": "reward, cut responses as written",
+    "audit_reward_as_written": "audit reward, cut responses as written",
     # the data section's tables (notebook 01)
     "status_raw": "MONA code",
     "n_met": "MET",

@@ -552,7 +552,15 @@ def test_guidance_without_ppo_or_without_a_guided_algorithm_says_so() -> None:
     c = guidance_context(g, ["ppo", "grpo"], 0.05)["guidance"]
     assert c["guided"] == [] and c["comparisons"] == []
     g = guidance_table(samples[samples.policy != "sft_met"], ["ppo", "grpo"], 200, 0.05, 0)
-    assert g.empty and list(g.columns)[-5:] == ["verdict", "p_family", "ci_level", "bound", "mde"]
+    assert g.empty and list(g.columns)[-7:] == [
+        "verdict",
+        "p_family",
+        "ci_level",
+        "bound",
+        "mde",
+        "kl",
+        "kl_versus",
+    ]
     assert guidance_context(g, ["ppo", "grpo"], 0.05)["rl_vs_sft_met"] == {
         "evaluated": False, "comparisons": []}  # fmt: skip
 
@@ -626,7 +634,8 @@ def test_frontier_points_score_every_algorithms_snapshots(tmp_path, monkeypatch)
             {"prompt_id": range(len(prompts)), "sample_id": 0, "logp_policy": -4.0, "n_tokens": 5}
         )
 
-    def fake_rewards(df, contexts, reward_model, audit_model, batch):
+    def fake_rewards(df, contexts, reward_model, audit_model, batch, cut_responses):
+        assert cut_responses == "failed"  # the snapshots are scored by the evaluation's rule
         df["reward"], df["audit_reward"] = 0.5, 0.6
         return df
 
@@ -637,7 +646,8 @@ def test_frontier_points_score_every_algorithms_snapshots(tmp_path, monkeypatch)
     monkeypatch.setattr("rlxf_utils.evaluation.tables.add_rewards", fake_rewards)
     cfg = SimpleNamespace(
         evaluation=SimpleNamespace(frontier_max_checkpoints=None, frontier_samples_per_prompt=1,
-                                   logprob_batch_size=4, n_boot=100, alpha=0.05),
+                                   logprob_batch_size=4, n_boot=100, alpha=0.05,
+                                   cut_responses="failed"),
         rl=SimpleNamespace(steps=3, reward_batch_size=4, max_new_tokens=4, temperature=1.0, top_p=1.0,
                            response_postprocess="none"),
         run=SimpleNamespace(seed=0),

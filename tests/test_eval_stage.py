@@ -35,7 +35,7 @@ def _evaluation() -> inputs.Evaluation:
     country = samples.groupby("prompt_id")["country"].first().reset_index(drop=True)
     ec = SimpleNamespace(best_of_n=4, best_of_n_curve=[4, 1, 2, 2], n_boot=200, alpha=0.05,
                          equivalence_margin=0.01, power=0.8, show_samples=2,
-                         samples_per_prompt=4)  # fmt: skip
+                         samples_per_prompt=4, kl_match_ratio=2.0)  # fmt: skip
     inp = SimpleNamespace(
         ec=ec, seed=0, start="sft", algos=ALGOS, country=country, curve_ns=[1, 2, 4],
         pset=SimpleNamespace(names=["base", "sft", "sft_met", *ALGOS]),
@@ -87,6 +87,18 @@ def test_the_statistics_families_alone_on_hand_made_samples(close_figures):
     assert offline.tables["eval_methods"]["group"].iloc[-1] == "attainable"
     # the phases `evaluation.design` costs designs with keep their names
     assert list(ev.inp.timer.seconds) == ["statistics", "offline methods against RL"]
+    ev.take(offline)
+
+    # pairs far apart in KL are listed, not compared (evaluation.kl_match_ratio)
+    kls = {**families.policy_kls(ev.summary), "ppo": 9.0}
+    ev.summary.loc[ev.summary["policy"] == "ppo", "kl"] = 9.0
+    match = families.kl_match_family(ev)
+    left = match.tables["eval_kl_unmatched"]
+    assert match.entries == {"kl_match_ratio": 2.0} and len(left)
+    assert all(max(r.kl, 0.5) > 2 * max(r.kl_versus, 0.5) or max(r.kl_versus, 0.5) > 2 * max(r.kl, 0.5)
+               for r in left.itertuples())  # fmt: skip
+    assert "ppo" in set(left["policy"]) | set(left["versus"])
+    assert left["kl"].tolist() == [kls[p] for p in left["policy"]]
 
 
 def test_a_family_keeps_only_what_the_evaluation_holds():

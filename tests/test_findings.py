@@ -74,7 +74,8 @@ def test_rl_finding_names_only_the_methods_whose_interval_excludes_zero() -> Non
                                 audit_gain_finished_high=0.01)  # fmt: skip
     up = rl_finding(checked, "sft", "99.6%", start_finished=0.98)
     assert up["start_finished"] == 0.98
-    assert up["audit"]["up"][0]["check"] == {"est": 0.004, "low": 0.002, "high": 0.01}
+    # a selected subset, described; no Lee bounds where the table carries none
+    assert up["audit"]["up"][0]["check"] == {"est": 0.004, "low": 0.002, "high": 0.01, "lee": None}
     gone = rl_finding(checked.assign(audit_gain_finished_low=math.nan), "sft", "99.6%")
     assert gone["audit"]["up"][0]["check"] is None
     nulls = rl_finding(_methods().assign(audit_gain_low=-0.001), "sft", "99.6%")["audit"]

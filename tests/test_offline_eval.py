@@ -49,6 +49,34 @@ def test_need_rl_reads_the_answer_from_every_pair(shift, answer, winners):
         assert {("ppo", "kto", "above"), ("grpo", "dpo", "below")} == set(got["beaten"])
 
 
+def test_only_pairs_at_comparable_kl_are_compared_and_the_family_shrinks_with_them():
+    """GRPO far above the target (17.5 nats) against offline methods near 2-3: its pairs leave
+    the family (two instead of four per measure) and are listed with both KLs; PPO at 0.4 and
+    KTO at 1.0 count as at least half a nat each, within 2x (at 1.2 KTO would not be)."""
+    from rlxf_utils.evaluation.questions import kl_matched, unmatched_pairs
+
+    s = samples({"sft": 0.0, "ilhf_history": 0.0, "ppo": 0.1, "grpo": 0.1, "kto": 0.0, "dpo": 0.0})
+    kl = {"ppo": 0.4, "grpo": 17.5, "kto": 1.0, "dpo": 0.9}
+    comp = rl_vs_offline(s, ALGOS, n_boot=300, alpha=0.05, seed=0, kl=kl, kl_ratio=2.0)
+    assert set(comp["policy"]) == {"ppo"} and set(comp["versus"]) == {"kto", "dpo"}
+    assert (comp["ci_level"] == 1 - 0.05 / 2).all()  # m = 2, not 4
+    assert comp.set_index("versus")["kl_versus"].to_dict() == {"kto": 1.0, "dpo": 0.9}
+    pairs = [("rl_vs_offline", a, b) for a in ("ppo", "grpo") for b in ("kto", "dpo")]
+    left = unmatched_pairs(pairs, kl, 2.0)
+    assert list(zip(left["policy"], left["versus"], strict=True)) == [
+        ("grpo", "kto"),
+        ("grpo", "dpo"),
+    ]
+    assert left["ratio"].tolist() == pytest.approx([17.5 / 1.0, 17.5 / 0.9])
+    # the rule itself: the floor, the boundary, a missing KL, no ratio
+    assert (
+        kl_matched(0.0, 1.0, 2.0) and kl_matched(2.0, 4.0, 2.0) and not kl_matched(2.0, 4.01, 2.0)
+    )
+    assert not kl_matched(float("nan"), 1.0, 2.0) and kl_matched(0.1, 50.0, None)
+    # without KLs every pair is compared, as before
+    assert len(rl_vs_offline(s, ALGOS, n_boot=300, alpha=0.05, seed=0)) == 8
+
+
 def test_no_offline_method_no_question():
     s = samples({"sft": 0.0, "ppo": 0.0})
     comp = rl_vs_offline(s, ["ppo"], n_boot=100, alpha=0.05, seed=0)

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from rlxf_utils.evaluation.questions import unmatched_pairs
 from rlxf_utils.report.wording import sentence
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "report"
@@ -124,6 +125,14 @@ def _cases() -> dict[str, tuple[str, list]]:
         "families: every family": ("families", [ev.families_context(
             {"eval_guidance": guidance, "eval_rl_vs_offline": guidance.iloc[1:].assign(question="rl_vs_offline")},
             paired, _vs_best_of_n(), "sft")]),
+        "families: pairs matched in KL, two left out": ("families", [ev.families_context(
+            {"eval_guidance": guidance}, paired, _vs_best_of_n(), "sft",
+            unmatched_pairs([("guidance_vs_ppo", "d2lols", "ppo"), ("rl_vs_offline", "grpo", "dpo"),
+                             ("rl_vs_offline", "ppo", "kto")],
+                            {"d2lols": 0.9, "ppo": 0.4, "grpo": 17.5, "dpo": 3.1, "kto": 2.0}, 2.0),
+            2.0)]),
+        "families: pairs matched in KL, none left out": ("families", [ev.families_context(
+            {"eval_guidance": guidance}, paired, _vs_best_of_n(), "sft", pd.DataFrame(), 2.0)]),
         "families: none measured, no level": ("families", [ev.families_context(
             {"eval_guidance": pd.DataFrame()}, paired.iloc[0:0], _vs_best_of_n().drop(columns="ci_level"), "sft")]),
         "best-of-N: above, below beyond the curve, not told apart": ("bon_sentences", [ev.bon_context(_vs_best_of_n(), [1, 2, 4])]),
@@ -154,6 +163,11 @@ def _cases() -> dict[str, tuple[str, list]]:
         "notebook: no uncertainty": ("no_uncertainty_item", []),
         "notebook: against best-of-N beyond the curve": ("versus_best_of_n_item", [ev.bon_context(_vs_best_of_n(), [4])[1]]),
         "notebook: grounding": ("grounding_item", [{"policy": "ppo", "met": 0.669, "low": 0.6, "high": 0.74, "max_sim": 0.812}]),
+        "cut responses scored as failed at evaluation's own cap": ("cut_rule", [ev.cut_rule(
+            {"cut_responses": "failed", "max_new_tokens": 128, "rl_max_new_tokens": 48})]),
+        "cut responses scored as written at RL's cap": ("cut_rule", [ev.cut_rule(
+            {"cut_responses": "as_written", "max_new_tokens": 48, "rl_max_new_tokens": 48})]),
+        "cut responses: a run from before the rule": ("cut_rule", [ev.cut_rule({})]),
     }  # fmt: skip
 
 

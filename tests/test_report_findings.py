@@ -85,6 +85,18 @@ def _findings() -> dict[str, tuple[str, list]]:
                                audit_gain_finished_low=[0.001, -0.02],
                                audit_gain_finished_high=[0.021, 0.04]), "sft", "99%",
             start_finished=0.98)]),
+        # the same with Lee's bounds within prompts, cut responses scored as failed at 128 tokens
+        "rl: the audit's movers among finished responses, bounded": ("rl_finding", [f.rl_finding(
+            t.iloc[1:3].assign(audit_gain_low=0.001, finished=[0.59, 0.08],
+                               audit_gain_finished=[0.011, 0.010],
+                               audit_gain_finished_low=[0.001, -0.02],
+                               audit_gain_finished_high=[0.021, 0.04],
+                               audit_gain_finished_lee_lower=[-0.004, -0.031],
+                               audit_gain_finished_lee_upper=[0.018, 0.047],
+                               audit_gain_finished_lee_low=[-0.012, -0.06],
+                               audit_gain_finished_lee_high=[0.027, 0.08],
+                               audit_gain_finished_lee_prompts=[40, 6]), "sft", "99%",
+            start_finished=0.98, cut={"rule": "failed", "cap": 128, "rl_cap": 48})]),
         "rl: none moved": ("rl_finding", [f.rl_finding(none, "sft_met", "99%")]),
         "rl: gold at chance": ("rl_finding", [f.rl_finding(none, "sft", "99%", True)]),
         "rl: no policies": ("rl_finding", [f.rl_finding(t[t["group"] == "offline"], "sft", "99%")]),

@@ -12,7 +12,7 @@ import pytest
 from rlxf_utils.algorithms import OFFLINE_ALGORITHMS
 from rlxf_utils.artifacts import RunDir
 from rlxf_utils.config import PROJECT_ROOT, load_config
-from rlxf_utils.models.generation import sampling_kwargs
+from rlxf_utils.models.generation import sampling_kwargs, trained_sampling_seed
 from rlxf_utils.pipeline import freeze_params
 from rlxf_utils.report.seeds import by_verdict, seed_finding, seeds_needed, seeds_section
 from rlxf_utils.seeds import plot_seeds, prepare_seed, seed_dir, seed_table, write_seed_table
@@ -73,14 +73,21 @@ def test_a_seed_reuses_the_runs_files_and_changes_only_the_training_seed(tmp_pat
 
 def test_a_further_seed_samples_its_policies_with_its_own_seed(tmp_path):
     """Evaluation samples the start policy and the references with `run.seed` (shared across
-    seeds, for pairing) and the trained policies with their training seed."""
+    seeds, for pairing) and the trained policies with a stream of their training seed that is
+    never the start policy's: the run's own seed is one seed among equals (before, its policies
+    sampled with the start policy's own random numbers and a further seed's did not)."""
     cfg, _ = _run(tmp_path)
     seeded = cfg.model_copy(update={"rl": cfg.rl.model_copy(update={"seed": 7})})
-    assert sampling_kwargs(seeded)["seed"] == cfg.run.seed
-    assert sampling_kwargs(seeded, trained=True)["seed"] == 7
-    assert (
-        sampling_kwargs(cfg, trained=True)["seed"] == cfg.run.seed == sampling_kwargs(cfg)["seed"]
+    start = sampling_kwargs(cfg)["seed"]
+    assert sampling_kwargs(seeded)["seed"] == start == cfg.run.seed
+    own, further = (
+        sampling_kwargs(cfg, trained=True)["seed"],
+        sampling_kwargs(seeded, trained=True)["seed"],
     )
+    assert own == trained_sampling_seed(cfg.run.seed) and further == trained_sampling_seed(7)
+    assert len({start, own, further}) == 3  # the run's own seed: not the start policy's stream
+    # the same rule for every seed: a further seed whose number is the run's gets the run's stream
+    assert trained_sampling_seed(cfg.run.seed) == own
 
 
 def test_a_seed_needs_a_finished_run(tmp_path):
@@ -139,7 +146,8 @@ def test_seed_table_pools_seeds_as_replications(tmp_path):
     assert grpo["gain_seeds_needed"] == need["seeds"] > 3 and math.isfinite(need["seeds"])
     ppo = table[(table.seed == "pooled") & (table.algorithm == "ppo")].iloc[0]
     assert ppo["gain"] == pytest.approx(0.02) and ppo["gain_low"] > 0  # close seeds: shown
-    assert ppo["gain_seeds_needed"] == 2
+    # close seeds, yet two are not enough: their one degree of freedom (S - 1) leaves t huge
+    assert ppo["gain_seeds_needed"] == 3
     fig = plot_seeds(table, "sft")
     low, high = fig.axes[0].get_ylim()  # the axis follows the seeds' own intervals...
     assert high >= per["gain_high"].max() and low <= min(per["gain_low"].min(), 0.0)
@@ -160,7 +168,7 @@ def test_seed_table_pools_seeds_as_replications(tmp_path):
     assert [r["label"] for r in audit["still"]] == ["GRPO"]
     needed = seeds_needed(pooled)
     assert needed["target"] == pytest.approx(0.02) and needed["judges"][0]["counts"] == [
-        {"label": "PPO", "seeds": 2}, {"label": "GRPO", "seeds": int(need["seeds"])}]  # fmt: skip
+        {"label": "PPO", "seeds": 3}, {"label": "GRPO", "seeds": int(need["seeds"])}]  # fmt: skip
     flat = pooled.assign(gain_low=-1.0, gain_high=0.004)
     assert by_verdict(flat, "gain")["moved"] == []
     assert [r["label"] for r in by_verdict(flat, "gain")["still"]] == ["PPO", "GRPO"]
@@ -173,7 +181,7 @@ def test_seed_table_pools_seeds_as_replications(tmp_path):
     ]
     # the run's own seed first and marked, the further seeds in numeric order, then pooled
     assert [r[2].strip() for r in ppo_rows] == [f"{cfg.run.seed} (the run's)", "3", "11", "pooled"]
-    assert ppo_rows[-1][-2].strip() == "2"  # seeds for the target MDE
+    assert ppo_rows[-1][-2].strip() == "3"  # seeds for the target MDE
     labels = [row.split("|")[1].strip() for row in files["eval_seeds.md"].splitlines()[2:]]
     assert labels == ["PPO"] * 4 + ["GRPO"] * 4  # the study's order, not the alphabet's
     found = seed_finding(run)

@@ -42,7 +42,22 @@ class EvaluationConfig(Section):
     """Alignment evaluation (notebook 04) on the held-out contexts."""
 
     max_prompts: int | None = Field(default=48, gt=0)
-    """Held-out contexts evaluated (null: all)."""
+    """Held-out contexts evaluated, a seeded sample (null: all). What a design can detect
+    depends on the run's variance components (`tables/eval_design`), which vary between runs;
+    the between-country part divides by the held-out countries alone, so past a point only more
+    countries, not more prompts or samples, lower the MDE. default.yaml's 48 at 4 samples is
+    what its time budget holds; every held-out context is full.yaml's (docs/statistics.md)."""
+    max_new_tokens: int | None = Field(default=None, gt=0)
+    """Evaluation's own token cap: every evaluated policy, best-of-N's candidates, the frontier's
+    snapshots and Table 3 sample up to this many new tokens (null: `rl.max_new_tokens`; at
+    least that). RL trains at `rl.max_new_tokens`; a longer cap here lets answers a policy
+    learned to write longer finish, and costs only the tokens they use (finished rows leave
+    the compact sampler's batch)."""
+    cut_responses: Literal["as_written", "failed"] = "failed"
+    """The rule for a response still cut at the evaluation cap, fixed before any result is read:
+    'failed' scores it as a failed proposal, P(MET) = 0 under the reward model and the audit,
+    for every policy alike (its as-written scores are kept in the samples, `reward_as_written`
+    and `audit_reward_as_written`); 'as_written' scores the cut text as it stands."""
     samples_per_prompt: int = Field(default=4, ge=1)
     """K responses per prompt and policy."""
     best_of_n: int = Field(default=4, ge=2)
@@ -67,6 +82,12 @@ class EvaluationConfig(Section):
     power: float = Field(default=0.8, gt=0.0, lt=1.0)
     """Power of the minimum detectable effect (MDE) stated for each family: the true gain its
     interval excludes zero for with this probability"""
+    kl_match_ratio: float | None = Field(default=2.0, ge=1.0)
+    """Two methods are compared pairwise (the RLGF questions, RL against the offline methods)
+    only when the larger of their KLs to the start policy is at most this many times the smaller
+    (each counted as at least half a nat: `evaluation.questions.KL_FLOOR`); the others are
+    listed, not compared, and each method still meets best-of-N and the frontier at its own KL
+    (null: every pair is compared)."""
     equivalence_margin: float = Field(default=0.01, gt=0.0, lt=1.0)
     """Smallest gain in P(MET) a reader would care about: a comparison whose whole interval
     lies within +/- this margin is 'equivalent', not merely 'not distinguishable' (why 0.01:
@@ -306,6 +327,25 @@ class StudyConfig(Section):
                 "KL and importance ratios are computed for (evaluation's KL to the start policy, "
                 "best-of-N's bound, PPO's and TRL's ratios); expected rl.temperature: 1.0 and "
                 "rl.top_p: 1.0"
+            )
+        return self
+
+    @property
+    def eval_max_new_tokens(self) -> int:
+        """Evaluation's token cap: `evaluation.max_new_tokens`, or `rl.max_new_tokens` when null."""
+        cap = self.evaluation.max_new_tokens
+        return self.rl.max_new_tokens if cap is None else cap
+
+    @model_validator(mode="after")
+    def _eval_cap_at_least_rl_cap(self) -> StudyConfig:
+        """A policy is evaluated on at least the tokens it was trained to write: a shorter cap
+        would cut answers RL scored whole."""
+        cap = self.evaluation.max_new_tokens
+        if cap is not None and cap < self.rl.max_new_tokens:
+            raise ValueError(
+                f"evaluation.max_new_tokens={cap} is below rl.max_new_tokens="
+                f"{self.rl.max_new_tokens}: evaluation would cut answers RL trained on whole; "
+                "expected null (= rl.max_new_tokens) or an integer >= rl.max_new_tokens"
             )
         return self
 

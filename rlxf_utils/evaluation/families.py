@@ -41,14 +41,21 @@ from rlxf_utils.evaluation.history import (
 )
 from rlxf_utils.evaluation.ilhf import ilhf_figures, ilhf_tables
 from rlxf_utils.evaluation.inputs import Evaluation, Measured
-from rlxf_utils.evaluation.offline import methods_table, need_rl, plot_methods, rl_vs_offline
+from rlxf_utils.evaluation.offline import (
+    methods_table,
+    need_rl,
+    offline_pairs,
+    plot_methods,
+    rl_vs_offline,
+)
 from rlxf_utils.evaluation.overopt import (
     overoptimisation_fits,
     overoptimisation_meta,
     overoptimisation_points,
     plot_overoptimisation,
 )
-from rlxf_utils.evaluation.rlgf import rlgf_figures, rlgf_tables
+from rlxf_utils.evaluation.questions import unmatched_pairs
+from rlxf_utils.evaluation.rlgf import guidance_pairs, rlgf_figures, rlgf_tables
 from rlxf_utils.evaluation.sampling import add_judge_logprobs
 from rlxf_utils.evaluation.tables import (
     frontier_points,
@@ -304,7 +311,8 @@ def rlgf_family(ev: Evaluation) -> Measured:
     inp, ec = ev.inp, ev.inp.ec
     with inp.timer("RLGF and ILHF tables"):
         tables = rlgf_tables(ev.samples, ev.summary, ev.tables["eval_heldout_perplexity"],
-                             inp.labelled, inp.algos, inp.start, ec.n_boot, ec.alpha, inp.seed)  # fmt: skip
+                             inp.labelled, inp.algos, inp.start, ec.n_boot, ec.alpha, inp.seed,
+                             ec.kl_match_ratio)  # fmt: skip
     return Measured(tables, figures=rlgf_figures(tables, inp.start, ec.alpha))
 
 
@@ -336,11 +344,27 @@ def offline_family(ev: Evaluation) -> Measured:
     with inp.timer("offline methods against RL"):
         methods = methods_table(ev.summary, ev.tables["eval_vs_best_of_n"], inp.algos,
                                 ec.best_of_n, ev.tables.get("eval_attainable"))  # fmt: skip
-        vs_offline = rl_vs_offline(ev.samples, inp.algos, ec.n_boot, ec.alpha, inp.seed)
+        vs_offline = rl_vs_offline(ev.samples, inp.algos, ec.n_boot, ec.alpha, inp.seed,
+                                   policy_kls(ev.summary), ec.kl_match_ratio)  # fmt: skip
     # does learning from experience need RL here? (`evaluation.offline.need_rl`)
     entries = {"need_rl": {m: need_rl(vs_offline, m) for m in ("audit_reward", "reward")}}
     figures = {"eval_methods": plot_methods(methods, ev.alpha_family)} if len(methods) else {}
     return Measured({"eval_methods": methods, "eval_rl_vs_offline": vs_offline}, entries, figures)
+
+
+def kl_match_family(ev: Evaluation) -> Measured:
+    """The pairs of the question tables (`eval_guidance`, `eval_rl_vs_offline`) left out for KLs
+    further apart than `evaluation.kl_match_ratio` (`questions.unmatched_pairs`): listed, with
+    both KLs, so that the report says which methods were not set side by side and why."""
+    inp, ec = ev.inp, ev.inp.ec
+    pairs = guidance_pairs(ev.samples, inp.algos) + offline_pairs(ev.samples, inp.algos)
+    table = unmatched_pairs(pairs, policy_kls(ev.summary), ec.kl_match_ratio)
+    return Measured({"eval_kl_unmatched": table}, {"kl_match_ratio": ec.kl_match_ratio})
+
+
+def policy_kls(summary: pd.DataFrame) -> dict[str, float]:
+    """Each policy's KL to the start policy (the summary's `kl`, nats per response)."""
+    return summary.set_index("policy")["kl"].astype(float).to_dict() if "kl" in summary else {}
 
 
 def design_family(ev: Evaluation) -> Measured:
@@ -380,5 +404,6 @@ EVAL_FAMILIES: dict[str, Callable[[Evaluation], Measured]] = {
     "ilhf": ilhf_family,
     "ceiling": ceiling_family,
     "offline": offline_family,
+    "kl_match": kl_match_family,
     "design": design_family,
 }

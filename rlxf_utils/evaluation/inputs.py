@@ -117,9 +117,11 @@ class EvalInputs:
                     judges=judges, timer=self.timer, phase=phase)  # fmt: skip
 
     def score(self, df: pd.DataFrame) -> pd.DataFrame:
-        """`df` with `reward`, `reward_sd` and `audit_reward` (`sampling.add_rewards`, in place)."""
+        """`df` with `reward`, `reward_sd` and `audit_reward` (`sampling.add_rewards`, in place),
+        a response cut at the evaluation cap scored by `evaluation.cut_responses`."""
         return add_rewards(df, self.contexts, self.reward_model, self.audit_model,
-                           self.cfg.rl.reward_batch_size, self.heads)  # fmt: skip
+                           self.cfg.rl.reward_batch_size, self.heads,
+                           self.ec.cut_responses)  # fmt: skip
 
 
 def load_inputs(cfg: Any, run: RunDir, progress: bool = True) -> EvalInputs:

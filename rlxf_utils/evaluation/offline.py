@@ -12,7 +12,7 @@ where some offline method beats every RL algorithm; otherwise the data do not te
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -26,9 +26,11 @@ from rlxf_utils.stats import level
 #: How the methods are grouped in the table and figure (registry family -> group)
 GROUPS = {"ppo": "RL", "trl": "RL", "rlgf": "RL", "ilhf": "ILHF", "offline": "offline"}
 #: The gains among finished responses only (`evaluation.tables.finished_only`), beside the
-#: finished share: a check on a gain made by a policy that finishes fewer responses.
+#: finished share: a description of the subset the policies select, with its Lee bounds
+#: (`evaluation.tables.finished_bounds`), never a check of the full gain.
 FINISHED_GAINS = tuple(f"{g}_finished{end}" for g in ("gain", "audit_gain")
-                       for end in ("", "_low", "_high"))  # fmt: skip
+                       for end in ("", "_low", "_high", "_lee_lower", "_lee_upper", "_lee_low",
+                                   "_lee_high", "_lee_prompts"))  # fmt: skip
 #: Groups in display order, with the references
 GROUP_ORDER = ("RL", "ILHF", "offline", "supervised", "best-of-N", "attainable")
 #: The attainable gain's row (`history.attainable_gain`: history MET minus the start policy).
@@ -100,16 +102,22 @@ def with_attainable(methods: pd.DataFrame, attainable: pd.DataFrame | None) -> p
     return out
 
 
-def rl_vs_offline(
-    samples: pd.DataFrame, algos: Sequence[str], n_boot: int, alpha: float, seed: int
-) -> pd.DataFrame:
-    """Each RL algorithm against each offline method that ran (question `rl_vs_offline`), under the
-    reward model and the audit: one family per measure (`question_comparisons`)."""
+def offline_pairs(samples: pd.DataFrame, algos: Sequence[str]) -> list[tuple[str, str, str]]:
+    """Each RL algorithm against each offline method that ran (question `rl_vs_offline`)."""
     present = set(samples["policy"])
     rl = [a for a in algos if a in RL_ALGORITHMS and a in present]
     off = [a for a in algos if a in OFFLINE_ALGORITHMS and a in present]
-    pairs = [("rl_vs_offline", a, b) for a in rl for b in off]
-    return question_comparisons(samples, pairs, n_boot, alpha, seed)
+    return [("rl_vs_offline", a, b) for a in rl for b in off]
+
+
+def rl_vs_offline(
+    samples: pd.DataFrame, algos: Sequence[str], n_boot: int, alpha: float, seed: int,
+    kl: Mapping[str, float] | None = None, kl_ratio: float | None = None,
+) -> pd.DataFrame:  # fmt: skip
+    """`offline_pairs` under the reward model and the audit, those at comparable KL (`kl`,
+    `kl_ratio`: `questions.kl_matched`): one family per measure (`question_comparisons`)."""
+    pairs = offline_pairs(samples, algos)
+    return question_comparisons(samples, pairs, n_boot, alpha, seed, kl=kl, kl_ratio=kl_ratio)
 
 
 def need_rl(comparisons: pd.DataFrame, measure: str) -> dict[str, Any]:

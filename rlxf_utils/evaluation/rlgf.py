@@ -10,7 +10,7 @@ Chang et al. (2023), "Learning to Generate Better Than Your LLM", compare PPO wi
   frontier of `evaluation.figures.plot_frontier`);
 * their Figure 3: easy against hard prompts (`prompt_difficulty`, `easy_hard_table`).
 
-Two questions are then answered from paired cluster-bootstrap intervals (`guidance_table`): does
+Two questions are then answered from paired cluster t intervals (`guidance_table`): does
 guidance beat PPO, and does RL beat supervised learning on what was met (`sft_met`)? Everything
 here assembles what the evaluation stage already measured (`evaluation.tables.summary_table`,
 `evaluation.tables.heldout_perplexity`, the per-response samples): nothing is generated or scored again.
@@ -274,26 +274,8 @@ def guidance_comparator(algos: Sequence[str], present: Iterable[str] | None = No
     return None
 
 
-def guidance_table(
-    samples: pd.DataFrame,
-    algos: Sequence[str],
-    n_boot: int,
-    alpha: float,
-    seed: int,
-    measures: Sequence[str] = ("reward", "audit_reward"),
-) -> pd.DataFrame:
-    """Paired comparisons behind the two RLGF questions, under the reward and the audit model.
-
-    `guidance_vs_ppo`: each guided algorithm that ran (`config.RLGF_ALGORITHMS`) against PPO
-    (`guidance_comparator`: PPO with the same MLE term when it ran), only when PPO ran.
-    `rl_vs_sft_met`: each RL algorithm against `sft_met`, when it was
-    evaluated. Per-prompt mean rewards on the prompts both answered, difference with a cluster
-    bootstrap CI over countries (`stats.paired.paired_comparison`), `verdict` read from that
-    interval. Each question is a family under each measure (`stats.family_alpha`): its m intervals
-    at level 1 - alpha / m (`ci_level`), `p_family` below alpha exactly when the verdict is given.
-    Columns: question, measure, policy, versus, n, n_clusters, diff, low, high, verdict,
-    p_family, ci_level.
-    """
+def guidance_pairs(samples: pd.DataFrame, algos: Sequence[str]) -> list[tuple[str, str, str]]:
+    """The (question, policy, versus) pairs of the two RLGF questions (`guidance_table`)."""
     present = set(samples["policy"])
     pairs: list[tuple[str, str, str]] = []
     ppo = guidance_comparator(algos, present)
@@ -303,7 +285,34 @@ def guidance_table(
         ]
     if "sft_met" in present:
         pairs += [("rl_vs_sft_met", a, "sft_met") for a in algos if a in present]
-    return question_comparisons(samples, pairs, n_boot, alpha, seed, measures)
+    return pairs
+
+
+def guidance_table(
+    samples: pd.DataFrame,
+    algos: Sequence[str],
+    n_boot: int,
+    alpha: float,
+    seed: int,
+    measures: Sequence[str] = ("reward", "audit_reward"),
+    kl: Mapping[str, float] | None = None,
+    kl_ratio: float | None = None,
+) -> pd.DataFrame:
+    """Paired comparisons behind the two RLGF questions, under the reward and the audit model.
+
+    `guidance_vs_ppo`: each guided algorithm that ran (`config.RLGF_ALGORITHMS`) against PPO
+    (`guidance_comparator`: PPO with the same MLE term when it ran), only when PPO ran.
+    `rl_vs_sft_met`: each RL algorithm against `sft_met`, when it was
+    evaluated; only pairs at comparable KL (`questions.kl_matched`: `kl`, `kl_ratio`). Per-prompt
+    mean rewards on the prompts both answered, difference with a cluster t interval over
+    countries (`stats.paired.paired_comparison`), `verdict` read from that
+    interval. Each question is a family under each measure (`stats.family_alpha`): its m intervals
+    at level 1 - alpha / m (`ci_level`), `p_family` below alpha exactly when the verdict is given.
+    Columns: question, measure, policy, versus, n, n_clusters, diff, low, high, verdict,
+    p_family, ci_level.
+    """
+    pairs = guidance_pairs(samples, algos)
+    return question_comparisons(samples, pairs, n_boot, alpha, seed, measures, kl, kl_ratio)
 
 
 _MARKERS = {"zero-shot": "s", "supervised": "D", "RL": "o", "RL, guided": "^", "best-of-N": "*"}
@@ -386,15 +395,17 @@ def plot_easy_hard(easy_hard: pd.DataFrame, start: str, alpha: float = 0.05) -> 
 
 def rlgf_tables(samples: pd.DataFrame, summary: pd.DataFrame, heldout_ppl: pd.DataFrame | None,
                 labelled: pd.DataFrame, algos: Sequence[str], start: str, n_boot: int, alpha: float,
-                seed: int) -> dict[str, pd.DataFrame]:  # fmt: skip
+                seed: int, kl_ratio: float | None = None) -> dict[str, pd.DataFrame]:  # fmt: skip
     """The evaluation stage's RLGF tables: `eval_rlgf` (the paper's table), `eval_prompt_difficulty`
-    (each prompt's context rate and half), `eval_easy_hard` and `eval_guidance`."""
+    (each prompt's context rate and half), `eval_easy_hard` and `eval_guidance` (pairs at
+    comparable KL, `kl_ratio`: `questions.kl_matched` on the summary's KLs)."""
     table = rlgf_table(summary, heldout_ppl, algos)
     difficulty = prompt_difficulty(samples[samples["policy"] == start], labelled)
     easy_hard = easy_hard_table(
         samples, difficulty, list(table["policy"]), start, n_boot, alpha, seed
     )
-    guidance = guidance_table(samples, algos, n_boot, alpha, seed)
+    kl = summary.set_index("policy")["kl"].to_dict() if "kl" in summary else None
+    guidance = guidance_table(samples, algos, n_boot, alpha, seed, kl=kl, kl_ratio=kl_ratio)
     return {"eval_rlgf": table, "eval_prompt_difficulty": difficulty,
             "eval_easy_hard": easy_hard, "eval_guidance": guidance}  # fmt: skip
 

@@ -53,8 +53,8 @@ from rlxf_utils.evaluation.inputs import Evaluation, load_inputs
 
 #: `eval/summary.json`'s entries, in order: the settings' and the families'.
 SUMMARY_KEYS = (
-    "algorithms", "start_policy", "policies", "best_of_n_curve", "vs_best_of_n",
-    "overoptimisation", "need_rl", "heldout_perplexity", "n_prompts", "samples_per_prompt",
+    "algorithms", "start_policy", "max_new_tokens", "rl_max_new_tokens", "cut_responses",
+    "policies", "best_of_n_curve", "vs_best_of_n", "overoptimisation", "need_rl", "heldout_perplexity", "n_prompts", "samples_per_prompt",
     "best_of_n", "alpha", "power", "equivalence_margin", "target_mde", "families", "interval",
     "cluster", "history_contrast", "reference_rows", "summary", "reused_draws", "seconds",
 )  # fmt: skip
@@ -81,6 +81,10 @@ def run_evaluation_stage(cfg: Any, run: RunDir, progress: bool = True) -> EvalSt
     entries: dict[str, Any] = {
         "algorithms": inp.algos,
         "start_policy": inp.start,
+        # evaluation's own token cap, RL's, and the rule a response still cut at it is scored by
+        "max_new_tokens": cfg.eval_max_new_tokens,
+        "rl_max_new_tokens": cfg.rl.max_new_tokens,
+        "cut_responses": ec.cut_responses,
         "alpha": ec.alpha,
         "power": ec.power,
         "equivalence_margin": ec.equivalence_margin,

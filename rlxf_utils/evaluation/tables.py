@@ -13,16 +13,23 @@ import pandas as pd
 from rlxf_utils.artifacts import RunDir
 from rlxf_utils.evaluation.best_of_n import best_of_n_kl_bound
 from rlxf_utils.evaluation.measures import text_table
-from rlxf_utils.evaluation.sampling import add_rewards, frame_logprobs, sample_tuned
+from rlxf_utils.evaluation.sampling import (
+    add_rewards,
+    apply_cut_rule,
+    frame_logprobs,
+    sample_tuned,
+)
 from rlxf_utils.markdown import display_country
 from rlxf_utils.models.generation import build_prompts, sampling_kwargs
 from rlxf_utils.models.logprobs import kl_estimate, perplexity
 from rlxf_utils.models.policies import PolicySet
 from rlxf_utils.stats import (
     bootstrap_ci,
+    family_alpha,
     paired_table,
     summarise_policies,
 )
+from rlxf_utils.stats.selection import lee_bounds
 
 
 def kl_table(samples: pd.DataFrame, generated: Sequence[str], best_of_n: int) -> pd.DataFrame:
@@ -54,14 +61,36 @@ def vs_start_family(policies: Sequence[str], start: str) -> list[str]:
 
 def finished_only(samples: pd.DataFrame) -> pd.DataFrame:
     """The responses that ended before the token cap (`finished` true; the history references,
-    which have no cap, are left out). A truncated response is scored as written, so a policy that
-    finishes fewer responses than the start policy may gain or lose from length alone; its gain
-    among finished responses, on the prompts where both policies finished one, is the check. That
-    comparison conditions on an outcome of the policy (which responses finish), so it is a check
-    on the full gain, not a replacement for it."""
+    which have no cap, are left out). Which responses finish is an outcome of the policy, so the
+    gain among finished responses, on the prompts where both policies finished one, compares two
+    differently selected subsets: a description of that subset, never a check of the full gain.
+    What it can say about the answers that would finish under either policy is bounded by
+    `finished_bounds` (Lee's trimming bounds within prompts)."""
     if "finished" not in samples:
         return samples.iloc[:0]
     return samples[samples["finished"].eq(True)]
+
+
+#: The Lee bounds' columns in the summary, per judge prefix (`gain_finished`, ...): the bounds,
+#: the interval that covers them and the prompts they rest on.
+LEE_COLUMNS = {"lee_lower": "lower", "lee_upper": "upper", "lee_low": "low", "lee_high": "high",
+               "lee_prompts": "prompts"}  # fmt: skip
+
+
+def finished_bounds(samples: pd.DataFrame, start: str, col: str, policies: Sequence[str],
+                    alpha: float) -> pd.DataFrame:  # fmt: skip
+    """Per policy of `policies`, Lee's trimming bounds within prompts on its gain in `col` over
+    the start policy among responses that would finish under either (`stats.selection.lee_bounds`:
+    clusters are countries; the interval around the bounds at the family's level
+    `stats.family_alpha(alpha, m)`, m the policies bounded), one row each (`policy` and
+    `LEE_COLUMNS`' sources)."""
+    fam = [p for p in policies if p in set(samples["policy"])]
+    if start not in set(samples["policy"]) or not fam or "finished" not in samples:
+        return pd.DataFrame(columns=["policy", *LEE_COLUMNS.values()])
+    a = family_alpha(alpha, len(fam))
+    rows = [{"policy": p, **lee_bounds(samples, p, start, col, cluster_col="country", alpha=a)}
+            for p in fam]  # fmt: skip
+    return pd.DataFrame(rows)
 
 
 def summary_table(
@@ -85,7 +114,12 @@ def summary_table(
     its bound and its MDE at `power` (`{prefix}_mde`). `gap` is the gain under the reward minus
     the gain under the audit, per prompt; `gain_finished` and `audit_gain_finished` the gains
     among finished responses only (`finished_only`: one family per judge, of the members with a
-    finished response on a prompt where the start policy has one). `reward_sd` is the mean SD
+    finished response on a prompt where the start policy has one), a description of a subset the
+    policies select, with its Lee bounds `{prefix}_lee_lower`, `_lee_upper`, the interval that
+    covers them `_lee_low`, `_lee_high` and its `_lee_prompts` (`finished_bounds`);
+    `gain_as_written` and `audit_gain_as_written` the gains with every cut response scored as
+    written (`evaluation.sampling.apply_cut_rule`: the cut rule's sensitivity); `finished`
+    each policy's share of responses that ended before the evaluation's cap. `reward_sd` is the mean SD
     of the reward heads' P(MET) (`reward.uncertainty`) with its CI and `sd_gain` its paired
     change against the start policy (NaN where no response has one).
     """
@@ -110,6 +144,12 @@ def summary_table(
         for col in ("reward", "audit_reward")
         if start in set(done["policy"])
     ]
+    # the sensitivity reading of the cut rule: every response scored as written
+    as_written = [
+        paired_table(samples, start, f"{col}_as_written", **pkw).assign(measure=f"{col}_as_written")
+        for col in ("reward", "audit_reward")
+        if f"{col}_as_written" in samples and start in set(samples["policy"])
+    ]
     paired = pd.concat(
         [
             paired_table(samples, start, "reward", **pkw).assign(measure="reward"),
@@ -117,6 +157,7 @@ def summary_table(
             paired_table(samples, start, "reward_minus_audit", **pkw).assign(measure="gap"),
             *sd_paired,
             *fin_paired,
+            *as_written,
         ],
         ignore_index=True,
     )
@@ -137,7 +178,9 @@ def summary_table(
     )
     for measure, prefix in (("reward", "gain"), ("audit_reward", "audit_gain"), ("gap", "gap"),
                             ("reward_sd", "sd_gain"), ("reward_finished", "gain_finished"),
-                            ("audit_reward_finished", "audit_gain_finished")):  # fmt: skip
+                            ("audit_reward_finished", "audit_gain_finished"),
+                            ("reward_as_written", "gain_as_written"),
+                            ("audit_reward_as_written", "audit_gain_as_written")):  # fmt: skip
         p = paired[paired["measure"] == measure].set_index("policy")
         out[prefix] = out["policy"].map(p["mean_diff"])
         out[f"{prefix}_low"] = out["policy"].map(p["ci_low"])
@@ -145,10 +188,17 @@ def summary_table(
         out[f"{prefix}_p_family"] = out["policy"].map(p["p_family"])
         out[f"{prefix}_verdict"] = out["policy"].map(p["verdict"]) if len(p) else None
         out[f"{prefix}_mde"] = out["policy"].map(p["mde"]) if len(p) else math.nan
+    for col, prefix in (("reward", "gain_finished"), ("audit_reward", "audit_gain_finished")):
+        lee = finished_bounds(samples, start, col, pkw["policies"], alpha).set_index("policy")
+        for name, src in LEE_COLUMNS.items():
+            out[f"{prefix}_{name}"] = out["policy"].map(lee[src]).astype(float)
     out = out.merge(kl[["policy", "kl", "kl_se", "kl_kind"]], on="policy", how="left")
     out["perplexity"] = out["policy"].map(ppl)
     fin = samples.dropna(subset=["finished"]).groupby("policy")["finished"].mean()
     out["finished"] = out["policy"].map(fin.astype(float))
+    if "reward_truncated" in samples:  # the reward model read only the beginning of the input
+        cut_in = samples.dropna(subset=["reward_truncated"]).groupby("policy")["reward_truncated"]
+        out["reward_truncated"] = out["policy"].map(cut_in.mean().astype(float))
     out = out.merge(text[["policy", "mean_words", "distinct_2", "rep_3"]], on="policy")
     out = out.merge(
         grd[["policy", "ave_r", "ci_low", "ci_high"]].rename(
@@ -199,7 +249,8 @@ def frontier_points(
                               ec.logprob_batch_size, desc=f"{algo} step {step}", judges=False)  # fmt: skip
             with pset.reference() as ref:
                 df["logp_ref"] = frame_logprobs(ref, pset.tok, df, ec.logprob_batch_size)
-            add_rewards(df, contexts, reward_model, audit_model, rl.reward_batch_size)
+            add_rewards(df, contexts, reward_model, audit_model, rl.reward_batch_size,
+                        cut_responses=ec.cut_responses)  # fmt: skip
             per = df.groupby("prompt_id")["reward"].mean()
             ave, lo, hi = bootstrap_ci(per, ec.n_boot, ec.alpha, cfg.run.seed,
                                           clusters=[contexts[i]["country"] for i in per.index])  # fmt: skip
@@ -233,8 +284,12 @@ def table3(pset: PolicySet, contexts: Sequence[Mapping[str, Any]], labelled: pd.
     rows = []
     for name in pset.names:
         df = pset.generate(name, prompts, 1, f"Table 3 {name}", sampling_kwargs(cfg, False))
-        r = reward_model.score(ctx, df["response"].tolist(), batch_size=rl.reward_batch_size)
-        a = audit_model.score(ctx, df["response"].tolist())
+        df["reward"] = reward_model.score(
+            ctx, df["response"].tolist(), batch_size=rl.reward_batch_size
+        )
+        df["audit_reward"] = audit_model.score(ctx, df["response"].tolist())
+        apply_cut_rule(df, ec.cut_responses)  # the rule every evaluated response is scored by
+        r, a = df["reward"], df["audit_reward"]
         for (c, sc), p, text, rr, aa in zip(items, prompts, df["response"], r, a, strict=True):
             rows.append({"country": c, "econ_descriptor": sc.econ_descriptor, "prompt": p, "policy": name,
                          "response": text, "reward": float(rr), "audit_reward": float(aa)})  # fmt: skip

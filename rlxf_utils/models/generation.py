@@ -10,6 +10,7 @@ import types
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import pandas as pd
 import torch
 from transformers import (
@@ -294,14 +295,25 @@ def sample_responses(
     return df["response"].tolist()
 
 
+def trained_sampling_seed(training_seed: int) -> int:
+    """The sampling seed of a trained policy: a stream of its training seed's own, never the start
+    policy's (`run.seed`). Were it the training seed itself, the run's own seed (training seed =
+    `run.seed`) would sample its policies with the start policy's random numbers, whose paired
+    differences then share those draws, while a further seed's would not: the seeds would not be
+    exchangeable."""
+    return int(np.random.SeedSequence([int(training_seed), 0x5EED]).generate_state(1)[0])
+
+
 def sampling_kwargs(cfg: Any, progress: bool = True, trained: bool = False) -> dict[str, Any]:
-    """The sampling settings every evaluated policy shares (those of RL), with the sampling seed
-    `run.seed`; `trained=True`: the seed of the policies RL trained, their training seed
-    (`rl.seed`, null: `run.seed`), so a further training seed (`rlxf seeds`) samples its own
-    policies with its own draws while the start policy's samples stay shared across seeds."""
+    """The sampling settings every evaluated policy shares (those of RL, at evaluation's own token
+    cap `cfg.eval_max_new_tokens`: `evaluation.max_new_tokens`, null: `rl.max_new_tokens`), with
+    the sampling seed `run.seed`; `trained=True`: the seed of the policies RL trained, a stream of
+    their training seed (`trained_sampling_seed` of `rl.seed`, null: `run.seed`), so a further training seed (`rlxf seeds`)
+    samples its own policies with its own draws while the start policy's samples stay shared
+    across seeds."""
     rl = cfg.rl
-    seed = cfg.training_seed if trained else cfg.run.seed
-    return dict(max_new_tokens=rl.max_new_tokens, temperature=rl.temperature, top_p=rl.top_p,
+    seed = trained_sampling_seed(cfg.training_seed) if trained else cfg.run.seed
+    return dict(max_new_tokens=cfg.eval_max_new_tokens, temperature=rl.temperature, top_p=rl.top_p,
                 postprocess=rl.response_postprocess, seed=seed,
                 batch_size=cfg.evaluation.batch_size, progress=progress,
                 sampler=cfg.policy.sampler, merge=cfg.policy.merge_lora,

@@ -27,7 +27,19 @@ QUESTIONS = ("eval_guidance", "eval_rl_vs_offline")
 SENTENCES = {"algo_sentences": "algos", "conclusion": "algos", "history_sentence": "history",
              "family_sentence": "family", "design_sentence": "design", "families": "families",
              "bon_sentences": "bon", "ppl_sentence": "ppl", "finished_sentence": "finished",
-             "grounding_sentence": "grounding", "uncertainty_sentence": "uncertainty"}  # fmt: skip
+             "grounding_sentence": "grounding", "uncertainty_sentence": "uncertainty",
+             "cut_rule": "cut"}  # fmt: skip
+
+
+def cut_rule(summary: dict[str, Any]) -> dict[str, Any] | None:
+    """How the run scored a response still cut at the evaluation's token cap (`eval/summary.json`:
+    `rule` 'failed' or 'as_written', the evaluation's `cap` and RL's `rl_cap`); None for runs
+    from before evaluation had a cap and a rule of its own (they scored a cut response as
+    written, at RL's cap)."""
+    if summary.get("cut_responses") is None:
+        return None
+    return {"rule": summary["cut_responses"], "cap": summary.get("max_new_tokens"),
+            "rl_cap": summary.get("rl_max_new_tokens")}  # fmt: skip
 
 
 def gain(r: pd.Series, col: str, margin: float | None = None) -> dict[str, Any]:
@@ -140,10 +152,14 @@ def family_level(paired: pd.DataFrame, measure: str = "reward") -> str:
 
 
 def families_context(questions: dict[str, pd.DataFrame], paired: pd.DataFrame,
-                     vs_bon: pd.DataFrame, start: str) -> dict[str, Any]:  # fmt: skip
+                     vs_bon: pd.DataFrame, start: str,
+                     unmatched: pd.DataFrame | None = None,
+                     kl_ratio: float | None = None) -> dict[str, Any]:  # fmt: skip
     """Every family of comparisons with its size: each method against the start policy, each RL
     policy against best-of-N, and each question of the RLGF and offline-methods tables
-    (`questions`: `eval_guidance` and `eval_rl_vs_offline`, empty where the run lacks them)."""
+    (`questions`: `eval_guidance` and `eval_rl_vs_offline`, empty where the run lacks them); and
+    the pairs those questions left out for their KLs (`unmatched`: `eval_kl_unmatched`, more
+    than `kl_ratio` apart)."""
     tables = []
     for name, t in questions.items():
         if len(t):
@@ -155,7 +171,9 @@ def families_context(questions: dict[str, pd.DataFrame], paired: pd.DataFrame,
             "vs_start": {"m": len(_reward_rows(paired)), "level": family_level(paired)}
             if len(paired) else None,
             "vs_best_of_n": {"m": len(vs_bon), "alpha": bon_alpha} if len(vs_bon) else None,
-            "tables": tables}  # fmt: skip
+            "tables": tables, "kl_ratio": kl_ratio,
+            "unmatched": [{k: r[k] for k in ("policy", "versus", "kl", "kl_versus")}
+                          for _, r in (unmatched if unmatched is not None else pd.DataFrame()).iterrows()]}  # fmt: skip
 
 
 def bon_context(vs_bon: pd.DataFrame, curve: list[int]) -> list[dict[str, Any]]:
@@ -216,10 +234,13 @@ def eval_section(run: RunDir, alpha: float = 0.05) -> tuple[dict[str, Any], dict
         "history": history_context(s, meta.get("history_contrast", {})),
         "family": family_context(paired, start, fam, meta.get("power", 0.8)),
         "design": design_context(design, meta.get("target_mde")),
-        "families": families_context({t: _optional(run, t) for t in QUESTIONS}, paired, vs_bon, start),
+        "families": families_context({t: _optional(run, t) for t in QUESTIONS}, paired, vs_bon, start,
+                                     _optional(run, "eval_kl_unmatched"),
+                                     meta.get("kl_match_ratio")),
         "bon": bon_context(vs_bon, meta.get("best_of_n_curve")),
         "ppl": _scores(ppl.set_index("policy")["ppl_all"]) if len(ppl) else [],
         "finished": _scores(fin),
+        "cut": cut_rule(meta),
         "grounding": _scores(s["grounded_met"].dropna()),
         "uncertainty": uncertainty_context(s, meta["algorithms"], start, lvl,
                                            run.read_json(marker) if run.exists(marker) else None,

@@ -17,7 +17,7 @@ import pandas as pd
 
 from rlxf_utils.artifacts import RunDir
 from rlxf_utils.markdown import is_present
-from rlxf_utils.report.evaluation import family_level
+from rlxf_utils.report.evaluation import cut_rule, family_level
 from rlxf_utils.report.gold import gold_auc
 from rlxf_utils.report.reward import reward_labels
 from rlxf_utils.report.seeds import seed_finding
@@ -52,12 +52,18 @@ def reward_finding(meta: dict[str, Any]) -> dict[str, Any]:
 
 
 def _finished_check(r: pd.Series, key: str) -> dict[str, Any] | None:
-    """The gain `key` of a method among finished responses only (`est`, `low`, `high`), or None
-    where it has no interval (runs from before; too few finished responses)."""
+    """The gain `key` of a method among finished responses only, a subset the policies select:
+    its estimate and interval (`est`, `low`, `high`) and its Lee bounds within prompts (`lee`:
+    `lower`, `upper`, the interval covering them `low`, `high`, and `prompts`; None for runs from
+    before them). None where the subset's gain has no interval (runs from before; too few
+    finished responses)."""
     low, high = r.get(f"{key}_finished_low"), r.get(f"{key}_finished_high")
     if not (is_present(low) and is_present(high)):
         return None
-    return {"est": r[f"{key}_finished"], "low": low, "high": high}
+    pre = f"{key}_finished_lee_"
+    lee = {k: r.get(pre + k) for k in ("lower", "upper", "low", "high", "prompts")}
+    have = is_present(lee["lower"]) and is_present(lee["upper"])
+    return {"est": r[f"{key}_finished"], "low": low, "high": high, "lee": lee if have else None}
 
 
 def _moved(rows: pd.DataFrame, key: str) -> dict[str, Any]:
@@ -79,18 +85,19 @@ def _moved(rows: pd.DataFrame, key: str) -> dict[str, Any]:
 
 def rl_finding(
     table: pd.DataFrame, start: str, ci_level: str, gold_at_chance: bool = False,
-    start_finished: float | None = None,
+    start_finished: float | None = None, cut: dict[str, Any] | None = None,
 ) -> dict[str, Any] | None:  # fmt: skip
     """Which RL (and ILHF) policies, one training seed each, moved the reward they were trained
     on, and the audit (`_moved`, per judge); under an audit whose own AUC on held-out rows does
     not exclude chance (`gold_at_chance`) a null is what such a judge cannot tell;
-    `start_finished` is the start policy's finished share, beside the movers' own. None without
+    `start_finished` is the start policy's finished share, beside the movers' own, and `cut` the
+    rule cut responses were scored by (`cut_rule`; None: as written, a run from before). None without
     RL policies. A claim about an algorithm rather than its one policy is the seeds'."""
     rows = table[table["group"].isin(["RL", "ILHF"])]
     if rows.empty:
         return None
     return {"n": len(rows), "start": start, "level": ci_level, "gold_at_chance": gold_at_chance,
-            "start_finished": start_finished,
+            "start_finished": start_finished, "cut": cut,
             "reward": _moved(rows, "gain"), "audit": _moved(rows, "audit_gain")}  # fmt: skip
 
 
@@ -137,7 +144,7 @@ def findings_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
         gold = gold_auc(run)
         own = {r["policy"]: r for r in summary.get("summary", [])}.get(start, {})
         facts["rl"] = rl_finding(table, start, fam, gold is not None and not gold["can_judge"],
-                                 own.get("finished"))  # fmt: skip
+                                 own.get("finished"), cut_rule(summary))  # fmt: skip
         facts["best_of_n"] = best_of_n_finding(table, start)
     found = {k: sentence("findings", f"{k}_finding", v) for k, v in facts.items()}
     if "rl" not in facts:
