@@ -596,6 +596,6 @@ def run_ilhf(job: TrainJob) -> pd.DataFrame:
                                 contexts=job.contexts, reward_fn=job.reward_fn)  # fmt: skip
     write_settings(out, algo, job.rl, {
         **common, "kl_coef_initial": None,
-        "labels": "Bernoulli(P_A / (P_A + P_B)) on the reward model's P(MET)",
+        "labels": "a Bernoulli draw with p = P_A / (P_A + P_B) from the reward model's P(MET)",
     })  # fmt: skip
     return trainer.train(progress=job.progress)
