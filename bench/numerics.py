@@ -7,7 +7,7 @@ can diverge after a few steps and every downstream number moves within its sampl
     .venv/bin/python bench/numerics.py      # -> bench/results/numerics.json
 
 The checkout's folder is not among the settings: two clones give identical artifacts
-(`rlxf compare`, README "What varies across machines").
+(`rlxf compare`, docs/reruns.md "What varies across machines").
 """
 
 from __future__ import annotations

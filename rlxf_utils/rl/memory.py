@@ -1,5 +1,5 @@
 """GPU memory per process for the paper profile (LLaMA-2-7B policy with LoRA, BERT-base reward)
-under each distributed strategy: the README's table, computed."""
+under each distributed strategy: docs/profiles-and-gpus.md's table, computed."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def memory_per_gpu(
 
 
 def memory_table(gpus: int = 8) -> str:
-    """The README's table: GiB per GPU for the paper profile's policy (LLaMA-2-7B shape, LoRA
+    """docs/profiles-and-gpus.md's table: GiB per GPU for the paper profile's policy (LLaMA-2-7B shape, LoRA
     rank and targets from params/paper.yaml) and reward (BERT-base), per accelerate config."""
     from transformers import BertConfig, BertModel, LlamaConfig
 

@@ -24,7 +24,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--params", type=Path)
     p.add_argument("--run-dir", type=Path)
     p.add_argument("--algo", default=None)
-    p.add_argument("--memory", action="store_true", help="print the README's memory table")
+    p.add_argument(
+        "--memory", action="store_true", help="print docs/profiles-and-gpus.md's memory table"
+    )
     args = p.parse_args(argv)
     if not args.memory and not (args.stage and args.params and args.run_dir):
         p.error("a stage with --params and --run-dir, or --memory")
