@@ -98,6 +98,9 @@ def test_the_statistics_families_alone_on_hand_made_samples(close_figures):
     assert all(max(r.kl, 0.5) > 2 * max(r.kl_versus, 0.5) or max(r.kl_versus, 0.5) > 2 * max(r.kl, 0.5)
                for r in left.itertuples())  # fmt: skip
     assert "ppo" in set(left["policy"]) | set(left["versus"])
+    # every entry a family returns reaches eval/summary.json (the ratio was once filtered out)
+    for fam in (cmp, bon, ceiling, offline, match):
+        assert set(fam.entries) <= set(stage.SUMMARY_KEYS), set(fam.entries) - set(stage.SUMMARY_KEYS)
     assert left["kl"].tolist() == [kls[p] for p in left["policy"]]
 
 

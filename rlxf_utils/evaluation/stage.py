@@ -55,7 +55,7 @@ from rlxf_utils.evaluation.inputs import Evaluation, load_inputs
 SUMMARY_KEYS = (
     "algorithms", "start_policy", "max_new_tokens", "rl_max_new_tokens", "cut_responses",
     "policies", "best_of_n_curve", "vs_best_of_n", "overoptimisation", "need_rl", "heldout_perplexity", "n_prompts", "samples_per_prompt",
-    "best_of_n", "alpha", "power", "equivalence_margin", "target_mde", "families", "interval",
+    "best_of_n", "alpha", "power", "equivalence_margin", "kl_match_ratio", "target_mde", "families", "interval",
     "cluster", "history_contrast", "reference_rows", "summary", "reused_draws", "seconds",
 )  # fmt: skip
 
