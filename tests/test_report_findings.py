@@ -152,6 +152,10 @@ def _check(key: str, label: str, one: tuple, pooled: tuple, held: bool) -> dict[
 
 
 def _seed_findings() -> list[dict[str, Any]]:
+    return [{"gold": None, **f} for f in _seed_finding_cases()]
+
+
+def _seed_finding_cases() -> list[dict[str, Any]]:
     return [
         {"n": 3, "labels": ["PPO", "GRPO"], "level": "97.5%", "reward": ["PPO"], "audit": [],
          "top": None, "checks": [], "finished": []},
@@ -202,7 +206,8 @@ def _seeds() -> dict[str, tuple[str, list]]:
     def context(pooled: pd.DataFrame, margin: float | None = 0.01) -> dict[str, Any]:
         return {"n": 3, "labels": list(pooled["label"]), "level": "98.3%", "margin": margin,
                 "start": "sft", "needed": seeds_needed(pooled),
-                "measures": [by_verdict(pooled, c, margin) for c in ("gain", "audit_gain")]}  # fmt: skip
+                "measures": [by_verdict(pooled, c, margin) for c in ("gain", "audit_gain")],
+                "gold": None}  # fmt: skip
 
     mixed = _pooled([0.01, -0.005, -0.008])  # reward: PPO above; audit: GRPO below, equivalences
     nulls = _pooled([-0.015, -0.01, -0.012], floors=False)
@@ -223,6 +228,9 @@ def _seeds() -> dict[str, tuple[str, list]]:
         "finding: the run's seed's verdicts, none held": ("seed_finding", [finding[4]]),
         "finding: a mover that finishes few responses": ("seed_finding", [finding[5]]),
         "finding: the movers' gains among finished responses over seeds": ("seed_finding", [finding[6]]),
+        # an audit at chance: no pooled move under it is read, whichever way it lies
+        "audit at chance: pooled verdicts": ("seeds_sentence", [{**context(mixed), "gold": _gold(False)}]),
+        "finding: audit at chance, a mover under it": ("seed_finding", [{**finding[5], "gold": _gold(False)}]),
     }  # fmt: skip
 
 

@@ -188,8 +188,9 @@ def test_seed_table_pools_seeds_as_replications(tmp_path):
     checks = found.pop("checks")
     # each mover with its finished share over seeds (PPO moved under both judges)
     assert found.pop("finished") == [{"label": "PPO", "finished": pytest.approx(0.8), "checks": []}]
+    # a run without the audit's own AUC check: no caveat on the audit's pooled moves
     assert found == {"n": 3, "labels": ["PPO", "GRPO"], "level": "97.5%",
-                     "reward": ["PPO"], "audit": ["PPO"],
+                     "reward": ["PPO"], "audit": ["PPO"], "gold": None,
                      "top": pytest.approx(pooled["gain_high"].max())}  # fmt: skip
     # the run's own seed moved PPO's and GRPO's reward-model gain and GRPO's audit gain (PPO's
     # audit interval [0, 0.02] touches zero); over seeds only PPO's holds
@@ -198,6 +199,17 @@ def test_seed_table_pools_seeds_as_replications(tmp_path):
     assert checks[1]["low"] == pytest.approx(0.04) and checks[1]["pooled"] == pytest.approx(
         {"est": grpo["gain"], "low": grpo["gain_low"], "high": grpo["gain_high"]}
     )
+    # an audit whose own AUC interval holds 0.5: its pooled moves are not read, in the finding
+    # and in the section's sentence alike (PPO still moved it; the words say the judge cannot tell)
+    from test_gold import _run_with
+
+    _run_with(run.root, 0.48)
+    assert seed_finding(run)["gold"]["can_judge"] is False
+    words = seeds_section(run)[0]["sentence"]
+    assert "does not lie above chance, no pooled move is read" in words
+    _run_with(run.root, 0.52)
+    assert seed_finding(run)["gold"] is None
+    assert "no pooled move is read" not in seeds_section(run)[0]["sentence"]
 
 
 def test_the_pooled_gain_among_finished_responses_uses_the_prompts_every_seed_finished(tmp_path):

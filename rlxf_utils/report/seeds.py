@@ -15,6 +15,7 @@ from rlxf_utils.artifacts import FROZEN_PARAMS, RunDir
 from rlxf_utils.config import load_config
 from rlxf_utils.markdown import is_present
 from rlxf_utils.report.evaluation import family_level
+from rlxf_utils.report.gold import gold_auc
 from rlxf_utils.report.wording import ABOVE, BELOW, EQUIVALENT, sentence, table
 from rlxf_utils.stats import MAX_SEEDS, bound_verdict, ci_sign, level
 from rlxf_utils.stats.intervals import level_span
@@ -46,7 +47,8 @@ def seeds_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
     margin = meta.get("equivalence_margin")
     context = {"n": n, "labels": [str(x) for x in pooled["label"]], "level": lvl, "margin": margin,
                "start": meta.get("start_policy", "sft"), "needed": seeds_needed(pooled),
-               "measures": [by_verdict(pooled, col, margin) for col in MEASURES]}  # fmt: skip
+               "measures": [by_verdict(pooled, col, margin) for col in MEASURES],
+               "gold": unjudged_gold(run)}  # fmt: skip
     # the algorithms in the study's order; per algorithm the run's own seed (marked `own`), the
     # further seeds in numeric order, then pooled
     seed = t["seed"].astype(str)
@@ -92,6 +94,15 @@ def seeds_needed(pooled: pd.DataFrame) -> dict[str, Any] | None:
             judges.append({"key": col, "counts": counts, "floors": floors})
     target = float(pooled["target_mde"].dropna().iloc[0])
     return {"target": target, "most": MAX_SEEDS, "judges": judges} if judges else None
+
+
+def unjudged_gold(run: RunDir) -> dict[str, Any] | None:
+    """The audit's own AUC on held-out rows when it cannot be shown to tell MET from Non-MET
+    (`gold.gold_auc`'s interval does not lie above 0.5), else None: then no pooled move under the
+    audit, up, down or none, is read as a gain, a loss or its absence (`gold.gold_cannot_judge`,
+    the rule the methods state)."""
+    gold = gold_auc(run)
+    return gold if gold is not None and not gold["can_judge"] else None
 
 
 def by_verdict(pooled: pd.DataFrame, col: str, margin: float | None = None) -> dict[str, Any]:
@@ -185,6 +196,7 @@ def seed_finding(run: RunDir) -> dict[str, Any] | None:
                 if r["label"] in movers and is_present(r.get("finished"))]  # fmt: skip
     return {"n": int(pooled["seeds"].max()), "labels": [str(x) for x in pooled["label"]],
             "level": family_level(pooled), "reward": moved["gain"], "audit": moved["audit_gain"],
+            "gold": unjudged_gold(run),
             "finished": finished,
             "top": top if math.isfinite(top) else None,
             "checks": own_seed_checks(t, own_seed(run))}  # fmt: skip
