@@ -312,3 +312,23 @@ def test_report_section_without_ilhf_or_without_tables(tmp_path) -> None:
     assert len(stale) == 1 and "04_evaluation" in stale.pop()
     for md in inc.values():
         assert md.startswith("| note |") and "tables/eval_inclusive.csv" in md
+
+
+def test_an_ilhf_algorithm_meets_a_comparator_only_at_comparable_kl() -> None:
+    """ILHF (history) far from PPO in KL (0.6 against 9 nats): its tests against PPO leave the
+    family (and are listed as unmatched pairs), those against SFT on MET rows (0.8) and the
+    start policy stay; without a ratio every pair is tested, as before."""
+    from rlxf_utils.evaluation.ilhf import comparator_pairs, inclusive_tests, pairwise_similarity
+    from rlxf_utils.evaluation.questions import unmatched_pairs
+
+    samples = _samples(K)
+    samples = samples[samples.policy.isin(["sft", "sft_met", *ALGOS])]
+    sims = pairwise_similarity(samples, ["sft", "sft_met", *ALGOS], bag_of_words)
+    kl = {"ilhf_history": 0.6, "ppo": 9.0, "sft_met": 0.8, "sft": 0.0}
+    every = inclusive_tests(samples, _ppl_rows(), sims, ALGOS, "sft", 100, 0.05, 0)
+    matched = inclusive_tests(samples, _ppl_rows(), sims, ALGOS, "sft", 100, 0.05, 0, kl, 2.0)
+    assert "ppo" in set(every.loc[every.policy == "ilhf_history", "versus"])
+    assert set(matched.loc[matched.policy == "ilhf_history", "versus"]) == {"sft_met", "sft"}
+    assert matched["ci_level"].iloc[0] < every["ci_level"].iloc[0]  # smaller family, 1 - a / m
+    left = unmatched_pairs(comparator_pairs(samples, ALGOS), kl, 2.0)
+    assert list(zip(left.policy, left.versus, strict=True)) == [("ilhf_history", "ppo")]

@@ -39,7 +39,7 @@ from rlxf_utils.evaluation.history import (
     history_contrast,
     history_references,
 )
-from rlxf_utils.evaluation.ilhf import ilhf_figures, ilhf_tables
+from rlxf_utils.evaluation.ilhf import comparator_pairs, ilhf_figures, ilhf_tables
 from rlxf_utils.evaluation.inputs import Evaluation, Measured
 from rlxf_utils.evaluation.offline import (
     methods_table,
@@ -321,7 +321,7 @@ def ilhf_family(ev: Evaluation) -> Measured:
     inp, ec = ev.inp, ev.inp.ec
     with inp.timer("RLGF and ILHF tables"):
         tables = ilhf_tables(ev.samples, ev.summary, ev.ppl_rows, inp.algos, inp.start,
-                             ec.n_boot, ec.alpha, inp.seed, ev.encoder)  # fmt: skip
+                             ec.n_boot, ec.alpha, inp.seed, ev.encoder, ec.kl_match_ratio)  # fmt: skip
     return Measured(tables, figures=ilhf_figures(tables, inp.start, ec.alpha))
 
 
@@ -353,11 +353,13 @@ def offline_family(ev: Evaluation) -> Measured:
 
 
 def kl_match_family(ev: Evaluation) -> Measured:
-    """The pairs of the question tables (`eval_guidance`, `eval_rl_vs_offline`) left out for KLs
+    """The pairs of the question tables (`eval_guidance`, `eval_rl_vs_offline`) and of the ILHF
+    tests against a comparator (`eval_inclusive_tests`) left out for KLs
     further apart than `evaluation.kl_match_ratio` (`questions.unmatched_pairs`): listed, with
     both KLs, so that the report says which methods were not set side by side and why."""
     inp, ec = ev.inp, ev.inp.ec
-    pairs = guidance_pairs(ev.samples, inp.algos) + offline_pairs(ev.samples, inp.algos)
+    pairs = (guidance_pairs(ev.samples, inp.algos) + offline_pairs(ev.samples, inp.algos)
+             + comparator_pairs(ev.samples, inp.algos))  # fmt: skip
     table = unmatched_pairs(pairs, policy_kls(ev.summary), ec.kl_match_ratio)
     return Measured({"eval_kl_unmatched": table}, {"kl_match_ratio": ec.kl_match_ratio})
 

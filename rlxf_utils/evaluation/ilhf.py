@@ -35,6 +35,7 @@ import pandas as pd
 
 from rlxf_utils.algorithms import ILHF_ALGORITHMS, algorithm_label
 from rlxf_utils.evaluation.measures import area_distribution, entropy, kl_divergence
+from rlxf_utils.evaluation.questions import kl_matched
 from rlxf_utils.markdown import is_present
 from rlxf_utils.plots import ci_err
 from rlxf_utils.stats import (
@@ -238,11 +239,30 @@ def inclusive_table(samples: pd.DataFrame, summary: pd.DataFrame, ppl_rows: pd.D
     return pd.DataFrame(rows).reindex(columns=TABLE_COLUMNS)
 
 
-def _pairs(present: set[str], algos: Sequence[str], start: str) -> list[tuple[str, str, str]]:
-    """(measure, policy, versus) of `inclusive_tests`."""
+def comparator_pairs(samples: pd.DataFrame, algos: Sequence[str]) -> list[tuple[str, str, str]]:
+    """(question, policy, versus): each ILHF algorithm that ran against each of `COMPARATORS`
+    evaluated, the method comparisons of `inclusive_tests` (against the start policy it is a
+    gain, made whatever the KL)."""
+    present = set(samples["policy"])
+    return [("ilhf_vs_comparator", a, v) for a in algos if a in ILHF_ALGORITHMS and a in present
+            for v in COMPARATORS if v in present and v != a]  # fmt: skip
+
+
+def _pairs(present: set[str], algos: Sequence[str], start: str,
+           kl: Mapping[str, float] | None = None,
+           kl_ratio: float | None = None) -> list[tuple[str, str, str]]:  # fmt: skip
+    """(measure, policy, versus) of `inclusive_tests`: against a comparator only at comparable
+    KL (`questions.kl_matched`, when `kl` is given)."""
     ilhf = [a for a in algos if a in ILHF_ALGORITHMS and a in present]
     versus = [v for v in dict.fromkeys((*COMPARATORS, start)) if v in present]
-    out = [(m, a, v) for a in ilhf for v in versus if v != a for m in MEASURES]
+    kl = dict(kl or {})
+
+    def compared(a: str, v: str) -> bool:
+        return (
+            v == start or not kl or kl_matched(kl.get(a, math.nan), kl.get(v, math.nan), kl_ratio)
+        )
+
+    out = [(m, a, v) for a in ilhf for v in versus if v != a and compared(a, v) for m in MEASURES]
     if "ppo" in present and start in present and start != "ppo":
         out.append(("pairwise_sim", "ppo", start))  # does PPO collapse the variety?
     return out
@@ -250,15 +270,18 @@ def _pairs(present: set[str], algos: Sequence[str], start: str) -> list[tuple[st
 
 def inclusive_tests(samples: pd.DataFrame, ppl_rows: pd.DataFrame | None, sims: pd.DataFrame,
                     algos: Sequence[str], start: str, n_boot: int, alpha: float,
-                    seed: int) -> pd.DataFrame:  # fmt: skip
+                    seed: int, kl: Mapping[str, float] | None = None,
+                    kl_ratio: float | None = None) -> pd.DataFrame:  # fmt: skip
     """Each ILHF algorithm that ran against each of `ppo`, `sft_met` and the start policy that
     the run evaluated, and PPO against the start policy on pairwise similarity: the mean
     difference (policy minus versus) with a paired cluster t CI over countries at the family's
     level (`ci_level`) and the `verdict` it supports. `reward`: per-prompt mean rewards;
     `pairwise_sim`: per-prompt similarities (`pairwise_similarity`); both on the prompts both
     policies answered (`stats.paired.paired_comparison`). `xent_met`: per held-out MET row, on
-    the difference's delta-method linearisation (`xent_difference`)."""
-    pairs = _pairs(set(samples["policy"]), algos, start)
+    the difference's delta-method linearisation (`xent_difference`). With `kl` (each policy's KL
+    to the start policy) an ILHF algorithm meets a comparator only at comparable KL
+    (`questions.kl_matched` at `kl_ratio`; the pairs left out: `comparator_pairs`)."""
+    pairs = _pairs(set(samples["policy"]), algos, start, kl, kl_ratio)
     if not pairs:
         return pd.DataFrame(columns=TEST_COLUMNS)
     pols = sorted({p for _, a, b in pairs for p in (a, b)})
@@ -289,7 +312,7 @@ def inclusive_tests(samples: pd.DataFrame, ppl_rows: pd.DataFrame | None, sims: 
 
 def ilhf_tables(samples: pd.DataFrame, summary: pd.DataFrame, ppl_rows: pd.DataFrame | None,
                 algos: Sequence[str], start: str, n_boot: int, alpha: float, seed: int,
-                encoder: Encoder) -> dict[str, pd.DataFrame]:  # fmt: skip
+                encoder: Encoder, kl_ratio: float | None = None) -> dict[str, pd.DataFrame]:  # fmt: skip
     """The evaluation stage's ILHF tables: `eval_inclusive` (`inclusive_table`) and
     `eval_inclusive_tests` (`inclusive_tests`). `encoder` embeds the responses for the pairwise
     similarity (`evaluation.grounding.minilm_encoder`, the one the grounding index uses)."""
@@ -298,8 +321,11 @@ def ilhf_tables(samples: pd.DataFrame, summary: pd.DataFrame, ppl_rows: pd.DataF
     return {
         "eval_inclusive": inclusive_table(samples, summary, ppl_rows, sims, algos, start, n_boot,
                                           alpha, seed),
-        "eval_inclusive_tests": inclusive_tests(samples, ppl_rows, sims, algos, start, n_boot,
-                                                alpha, seed),
+        "eval_inclusive_tests": inclusive_tests(
+            samples, ppl_rows, sims, algos, start, n_boot, alpha, seed,
+            summary.set_index("policy")["kl"].to_dict() if kl_ratio and "kl" in summary else None,
+            kl_ratio,
+        ),
     }  # fmt: skip
 
 
