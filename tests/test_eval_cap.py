@@ -167,16 +167,7 @@ def test_the_summary_keeps_the_gains_as_written_beside_the_rules() -> None:
     (the sensitivity rows of `eval_paired` and the summary's `*_as_written` gains)."""
     from rlxf_utils.evaluation.tables import summary_table
 
-    rng = np.random.default_rng(0)
-    rows = [
-        {"policy": pol, "prompt_id": p, "sample_id": j, "reward": 0.5 + rng.normal(0, 0.02),
-         "audit_reward": 0.6 + rng.normal(0, 0.02), "logp_policy": -5.0, "logp_ref": -5.0,
-         "logp_base": -5.0, "n_tokens": 5, "finished": pol == "sft" or j == 0,
-         "response": f"w{p} w{j}", "country": f"C{p % 10}", "grounded_met_rate": 0.6,
-         "max_sim": 0.5}
-        for pol in ("sft", "ppo") for p in range(30) for j in range(3)
-    ]  # fmt: skip
-    df = apply_cut_rule(pd.DataFrame(rows), "failed")
+    df = apply_cut_rule(_one_in_three("sft", 0.02), "failed")
     s, paired = summary_table(df, ["sft", "ppo"], "sft", 4, n_boot=200, alpha=0.05, seed=0)
     r = s.set_index("policy").loc["ppo"]
     assert r["gain"] == pytest.approx(-0.5 * 2 / 3, abs=0.01) and r["gain_high"] < 0
@@ -192,16 +183,7 @@ def test_the_summary_gives_each_policys_bounds_among_finished_responses() -> Non
     finished responses are trimmed to one per prompt and the bounds hold the untrimmed gain."""
     from rlxf_utils.evaluation.tables import summary_table
 
-    rng = np.random.default_rng(0)
-    rows = [
-        {"policy": pol, "prompt_id": p, "sample_id": j, "reward": 0.5 + rng.normal(0, 0.05),
-         "audit_reward": 0.6 + rng.normal(0, 0.05), "logp_policy": -5.0, "logp_ref": -5.0,
-         "logp_base": -5.0, "n_tokens": 5, "finished": pol == "base" or j == 0,
-         "response": f"w{p} w{j}", "country": f"C{p % 10}", "grounded_met_rate": 0.6,
-         "max_sim": 0.5}
-        for pol in ("base", "ppo") for p in range(30) for j in range(3)
-    ]  # fmt: skip
-    s, _ = summary_table(pd.DataFrame(rows), ["base", "ppo"], "base", 4, n_boot=200, alpha=0.05,
+    s, _ = summary_table(_one_in_three("base", 0.05), ["base", "ppo"], "base", 4, n_boot=200, alpha=0.05,
                          seed=0)  # fmt: skip
     r = s.set_index("policy").loc["ppo"]
     for pre in ("gain_finished", "audit_gain_finished"):
@@ -209,3 +191,19 @@ def test_the_summary_gives_each_policys_bounds_among_finished_responses() -> Non
         assert r[f"{pre}_lee_low"] < r[f"{pre}_lee_lower"] < r[pre] < r[f"{pre}_lee_upper"]
         assert r[f"{pre}_lee_upper"] < r[f"{pre}_lee_high"]
     assert np.isnan(s.set_index("policy").loc["base", "gain_finished_lee_lower"])
+
+
+def _one_in_three(start: str, sd: float) -> pd.DataFrame:
+    """`start` and `ppo` on 30 prompts in 10 countries, 3 samples each, scores around 0.5 (reward
+    model) and 0.6 (audit) with noise `sd` (seeded): `start` finishes every response, `ppo` only
+    its first."""
+    rng = np.random.default_rng(0)
+    rows = [
+        {"policy": pol, "prompt_id": p, "sample_id": j, "reward": 0.5 + rng.normal(0, sd),
+         "audit_reward": 0.6 + rng.normal(0, sd), "logp_policy": -5.0, "logp_ref": -5.0,
+         "logp_base": -5.0, "n_tokens": 5, "finished": pol == start or j == 0,
+         "response": f"w{p} w{j}", "country": f"C{p % 10}", "grounded_met_rate": 0.6,
+         "max_sim": 0.5}
+        for pol in (start, "ppo") for p in range(30) for j in range(3)
+    ]  # fmt: skip
+    return pd.DataFrame(rows)

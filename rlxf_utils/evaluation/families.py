@@ -54,7 +54,7 @@ from rlxf_utils.evaluation.overopt import (
     overoptimisation_points,
     plot_overoptimisation,
 )
-from rlxf_utils.evaluation.questions import unmatched_pairs
+from rlxf_utils.evaluation.questions import policy_kls, unmatched_pairs
 from rlxf_utils.evaluation.rlgf import guidance_pairs, rlgf_figures, rlgf_tables
 from rlxf_utils.evaluation.sampling import add_judge_logprobs
 from rlxf_utils.evaluation.tables import (
@@ -362,11 +362,6 @@ def kl_match_family(ev: Evaluation) -> Measured:
              + comparator_pairs(ev.samples, inp.algos))  # fmt: skip
     table = unmatched_pairs(pairs, policy_kls(ev.summary), ec.kl_match_ratio)
     return Measured({"eval_kl_unmatched": table}, {"kl_match_ratio": ec.kl_match_ratio})
-
-
-def policy_kls(summary: pd.DataFrame) -> dict[str, float]:
-    """Each policy's KL to the start policy (the summary's `kl`, nats per response)."""
-    return summary.set_index("policy")["kl"].astype(float).to_dict() if "kl" in summary else {}
 
 
 def design_family(ev: Evaluation) -> Measured:

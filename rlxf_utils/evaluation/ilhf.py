@@ -35,7 +35,7 @@ import pandas as pd
 
 from rlxf_utils.algorithms import ILHF_ALGORITHMS, algorithm_label
 from rlxf_utils.evaluation.measures import area_distribution, entropy, kl_divergence
-from rlxf_utils.evaluation.questions import kl_matched
+from rlxf_utils.evaluation.questions import kl_matched, policy_kls
 from rlxf_utils.markdown import is_present
 from rlxf_utils.plots import ci_err
 from rlxf_utils.stats import (
@@ -323,7 +323,7 @@ def ilhf_tables(samples: pd.DataFrame, summary: pd.DataFrame, ppl_rows: pd.DataF
                                           alpha, seed),
         "eval_inclusive_tests": inclusive_tests(
             samples, ppl_rows, sims, algos, start, n_boot, alpha, seed,
-            summary.set_index("policy")["kl"].to_dict() if kl_ratio and "kl" in summary else None,
+            policy_kls(summary) if kl_ratio else None,
             kl_ratio,
         ),
     }  # fmt: skip

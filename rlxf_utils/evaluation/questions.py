@@ -38,6 +38,12 @@ def kl_matched(kl_a: float, kl_b: float, ratio: float | None) -> bool:
     return hi <= ratio * lo
 
 
+def policy_kls(summary: pd.DataFrame) -> dict[str, float]:
+    """Each policy's KL to the start policy (the evaluation summary's `kl`, nats per response);
+    empty for a summary without it (then every pair is compared)."""
+    return summary.set_index("policy")["kl"].astype(float).to_dict() if "kl" in summary else {}
+
+
 def unmatched_pairs(
     pairs: Sequence[tuple[str, str, str]], kl: Mapping[str, float], ratio: float | None
 ) -> pd.DataFrame:

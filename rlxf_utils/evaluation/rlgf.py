@@ -28,7 +28,7 @@ import numpy as np
 import pandas as pd
 
 from rlxf_utils.algorithms import RLGF_ALGORITHMS, algorithm_label
-from rlxf_utils.evaluation.questions import question_comparisons
+from rlxf_utils.evaluation.questions import policy_kls, question_comparisons
 from rlxf_utils.plots import ci_err
 from rlxf_utils.prompts import CONTEXT_FIELDS
 from rlxf_utils.stats import (
@@ -404,8 +404,8 @@ def rlgf_tables(samples: pd.DataFrame, summary: pd.DataFrame, heldout_ppl: pd.Da
     easy_hard = easy_hard_table(
         samples, difficulty, list(table["policy"]), start, n_boot, alpha, seed
     )
-    kl = summary.set_index("policy")["kl"].to_dict() if "kl" in summary else None
-    guidance = guidance_table(samples, algos, n_boot, alpha, seed, kl=kl, kl_ratio=kl_ratio)
+    guidance = guidance_table(samples, algos, n_boot, alpha, seed, kl=policy_kls(summary),
+                              kl_ratio=kl_ratio)  # fmt: skip
     return {"eval_rlgf": table, "eval_prompt_difficulty": difficulty,
             "eval_easy_hard": easy_hard, "eval_guidance": guidance}  # fmt: skip
 

@@ -504,8 +504,7 @@ def encoded_history_pairs(
     ctx = rd.read_parquet("data/contexts.parquet", stage="notebook 01 (data exploration)")
     rows = eligible_rows(labelled, load_holdout(rd), "all")
     area = context_areas(ctx)
-    # every draw follows the training seed (`job.seed`), as DPO's pairs do: a further seed draws
-    # its own pairs, so the across-seed spread carries the pairs' randomness too
+    # pairs drawn with the training seed, as DPO's: the across-seed spread carries their draw
     pairs = history_pairs(rows, len(rows) ** 2, ic.history_pairs_per_context, job.seed)
     pairs, a_ids, b_ids = pair_targets(pairs, tokenizer, model, ic.history_max_tokens, len(pairs), job.seed)  # fmt: skip
     take = take_in_context_order(pairs, job.contexts, job.seed, max(1, job.rl.num_generations // 2), ic.history_max_pairs)  # fmt: skip
