@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from rlxf_utils.models.generation import LOGP_DRAWN
 from rlxf_utils.models.logprobs import sequence_logprobs
 from rlxf_utils.models.policies import PolicySet
 from rlxf_utils.prompts import response_contexts
@@ -19,9 +20,17 @@ from rlxf_utils.reward.uncertainty import RewardHeads, add_reward_sd
 def sample_tuned(pset: PolicySet, name: str, prompts: Sequence[str], k: int, gen_kw: Mapping[str, Any],
                  logprob_batch: int, desc: str, judges: bool = True) -> pd.DataFrame:  # fmt: skip
     """k responses per prompt from policy `name`, with their log-probs under it, under the start
-    policy (`logp_ref`) and under the zero-shot base (`logp_base`); `judges=False` skips the last two."""
+    policy (`logp_ref`) and under the zero-shot base (`logp_base`); `judges=False` skips the last two.
+
+    The policy's own log-probs come from the sampling pass where it computed them (`generate`'s
+    `logp_drawn`: draws from the model's own softmax), else from a pass of their own: an ILHF
+    ensemble's density is its mixture's, not the particle's that answered."""
     df = pset.generate(name, prompts, k, desc, gen_kw)
-    df["logp_policy"] = policy_frame_logprobs(pset, name, df, logprob_batch)
+    drawn = df.pop(LOGP_DRAWN) if LOGP_DRAWN in df else None
+    if drawn is not None and name not in pset.particles:
+        df["logp_policy"] = drawn.to_numpy(dtype=np.float64)
+    else:
+        df["logp_policy"] = policy_frame_logprobs(pset, name, df, logprob_batch)
     if judges:
         add_judge_logprobs(pset, df, name, logprob_batch)
     return df

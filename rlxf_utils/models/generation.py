@@ -146,6 +146,12 @@ def trim_response(ids: Sequence[int], stop: set[int]) -> list[int]:
     return out
 
 
+#: `generate`'s column of each response's log-probability under the model that drew it, summed
+#: over its tokens through the end token, from the sampling pass itself: only where the draws
+#: follow the model's own softmax (the compact sampler at temperature 1 without top-p).
+LOGP_DRAWN = "logp_drawn"
+
+
 @torch.no_grad()
 def generate(
     model: Any,
@@ -183,7 +189,12 @@ def generate(
 
     Rows: prompt_id, sample_id, prompt_ids, response_ids (trimmed after the first end token),
     raw (decoded), response (post-processed, what the reward model scores), n_tokens, finished
-    (the response ended with an end token before `max_new_tokens`).
+    (the response ended with an end token before `max_new_tokens`); and `logp_drawn`
+    (`LOGP_DRAWN`) where the compact sampler drew from the model's own softmax (temperature 1,
+    no top-p): the log-probability the sampling pass computed for each drawn token, summed, so
+    that the policy's own density needs no second pass (`evaluation.sampling.sample_tuned`).
+    Its logits are the sampling pass's (merged LoRA, the KV cache): they differ from a separate
+    forward pass's by rounding only.
     """
     from tqdm.auto import tqdm
 
@@ -198,6 +209,7 @@ def generate(
     merged = decode.merged_lora(model) if merge and not adapter_names else _unmerged(model)
     step = decode.compiled_forward(model) if compile_step and sampler == "compact" else None
     lengths = [len(i) for i in encode_prompts(tokenizer, list(prompts))["input_ids"]] if prompts else []  # fmt: skip
+    unwarped = temperature == 1.0 and top_p >= 1.0  # the draws follow the model's own softmax
     if sampler == "compact":  # prompts of like length share a batch: less left padding to
         items.sort(key=lambda item: lengths[item[0]])  # prefill; a row's draws stay its own
     with merged:
@@ -213,13 +225,15 @@ def generate(
                 tokenizer, [prompts[i] for i, _ in batch], return_tensors="pt", padding=True
             ).to(device)
             names = [adapter_names[i] for i, _ in batch] if adapter_names else None
+            lp = None
             if sampler == "compact":
-                out = decode.sample_compact(
+                drawn = decode.sample_compact(
                     model, enc["input_ids"], enc["attention_mask"],
                     max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                     stop_ids=sorted(stop), pad_id=tokenizer.pad_token_id, seed=seed,
                     rows=[i * k + j for i, j in batch], adapter_names=names, step=step,
-                ).ids  # fmt: skip
+                )  # fmt: skip
+                out, lp = drawn.ids, drawn.logprobs if unwarped else None
             else:
                 out = model.generate(
                     **enc, do_sample=True, temperature=temperature, top_p=top_p, top_k=0,
@@ -227,7 +241,7 @@ def generate(
                     eos_token_id=sorted(stop) or None,
                     **({"adapter_names": names} if names else {}),
                 )[:, enc["input_ids"].shape[1] :]  # fmt: skip
-            rows += _response_rows(enc, out, batch, stop, tokenizer, postprocess)
+            rows += _response_rows(enc, out, batch, stop, tokenizer, postprocess, lp)
     rows.sort(key=lambda r: (r["prompt_id"], r["sample_id"]))
     return pd.DataFrame(rows)
 
@@ -247,8 +261,12 @@ def _unmerged(model: Any) -> Iterator[None]:
 
 
 def _response_rows(enc: Any, out: torch.Tensor, batch: Sequence[tuple[int, int]], stop: set[int],
-                   tokenizer: Any, postprocess: str) -> list[dict[str, Any]]:  # fmt: skip
+                   tokenizer: Any, postprocess: str,
+                   logprobs: torch.Tensor | None = None) -> list[dict[str, Any]]:  # fmt: skip
     rows = []
+    sums = None
+    if logprobs is not None:  # each response's tokens, through its end token, in float64
+        sums = logprobs.double().cumsum(1).cpu().numpy()
     for row, (i, j) in enumerate(batch):
         prompt = enc["input_ids"][row][enc["attention_mask"][row].bool()].tolist()
         resp = trim_response(out[row].tolist(), stop)
@@ -265,6 +283,8 @@ def _response_rows(enc: Any, out: torch.Tensor, batch: Sequence[tuple[int, int]]
                 "finished": bool(resp) and resp[-1] in stop,
             }
         )
+        if sums is not None:
+            rows[-1][LOGP_DRAWN] = float(sums[row, len(resp) - 1]) if resp else 0.0
     return rows
 
 
