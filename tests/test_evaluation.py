@@ -188,18 +188,19 @@ def test_distinct_n_and_repetition_hand_computed() -> None:
 WORDS = [f"w{i}" for i in range(30)]
 
 
-def _tiny_lm(seed: int = 0, padding_side: str = "right", arch: str = "llama"):
-    """A random 2-layer causal LM (Llama: rotary positions; GPT-2: absolute positions, dropout)."""
+def _tiny_lm(seed: int = 0, padding_side: str = "right", arch: str = "llama", init: float = 0.5):
+    """A random 2-layer causal LM (Llama: rotary positions; GPT-2: absolute positions, dropout);
+    `init` sets how peaked its outputs are."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     tok = word_tokenizer(WORDS, specials=("<pad>", "<eos>", "<unk>"), pad="<pad>")
     tok.padding_side = padding_side
     if arch == "llama":
-        return tiny_llama(tok, seed, init=0.5).eval(), tok
+        return tiny_llama(tok, seed, init=init).eval(), tok
     torch.manual_seed(seed)
     cfg = GPT2Config(
         vocab_size=len(tok), n_embd=32, n_layer=2, n_head=4, n_positions=64,
-        initializer_range=0.5, pad_token_id=0, eos_token_id=1, bos_token_id=1,
+        initializer_range=init, pad_token_id=0, eos_token_id=1, bos_token_id=1,
     )  # fmt: skip
     return GPT2LMHeadModel(cfg).eval(), tok
 
@@ -291,6 +292,138 @@ def test_kl_zero_against_itself_positive_against_other_and_perplexity() -> None:
     assert ppl == pytest.approx(math.exp(-lp_ref.sum() / n.sum()))
     assert ppl > 1.0
     assert perplexity([math.log(0.5)] * 2, [1, 1]) == pytest.approx(2.0)
+
+
+# k responses per prompt, as evaluation scores them: prompts of 3, 1, 6 and 2 words repeated 5,
+# 3, 1 and 4 times; responses of 0 to 9 tokens (an empty one, one longer than the rest)
+SHARED_PROMPTS = [PROMPTS[i] for i in (0, 1, 0, 2, 0, 1, 3, 0, 3, 1, 3, 0, 3)]
+SHARED_RESPONSES = [
+    "w13 w14", "w15 w16 w17 w18 w19", "w20", "w21 w22 w23", "",
+    "w24", "w25 w26", "w1 w2 w3 w4 w5 w6 w7 w8 w9", "w27 w28 w29", "w3 w3 w3",
+    "w10", "w11 w12 w13 w14", "w5",
+]  # fmt: skip
+
+
+def _input_tokens(model) -> list[int]:
+    """Tokens each forward call of `model` runs (its input embedding's input sizes), appended
+    as they pass."""
+    seen: list[int] = []
+    model.get_input_embeddings().register_forward_hook(lambda m, a, out: seen.append(a[0].numel()))
+    return seen
+
+
+def _cached_calls(model) -> list[bool]:
+    """Whether each forward call of `model` was handed a KV cache, appended as they pass."""
+    seen: list[bool] = []
+    model.register_forward_pre_hook(
+        lambda m, a, kw: seen.append(kw.get("past_key_values") is not None), with_kwargs=True
+    )
+    return seen
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_sequence_logprobs_shared_prompts_equal_one_pass(arch: str) -> None:
+    """Pairs that repeat a prompt share its prefill (one KV cache per distinct prompt of a batch,
+    the responses run against it): the one-pass numbers (either padding side) to 1e-5 per pair
+    in float32, whether a batch
+    holds several whole groups (16), a group is cut across batches (2, 3: the group of 5), or
+    groups and batches line up (4); empty responses score 0 and count 0 tokens. Measured: at
+    most 3.6e-6 (Llama) and 3.3e-6 (GPT-2) on sums of -1 to -39: float32 GEMMs of other shapes
+    round otherwise (the one-pass path's left and right padding agree bit for bit). With
+    `init=0.5`'s more peaked logits (sums to -52) the rounding reaches 1.2e-5, hence 0.3."""
+    model, tok = _tiny_lm(seed=0, arch=arch, init=0.3)
+    kw = dict(add_special_tokens=False)
+    one_pass = {
+        side: sequence_logprobs(
+            model,
+            tok,
+            SHARED_PROMPTS,
+            SHARED_RESPONSES,
+            batch_size=3,
+            padding_side=side,
+            share_prompts=False,
+            **kw,
+        )  # fmt: skip
+        for side in ("left", "right")
+    }
+    np.testing.assert_allclose(one_pass["left"][0], one_pass["right"][0], atol=1e-5)
+    n_expected = [2, 5, 1, 3, 0, 1, 2, 9, 3, 3, 1, 4, 1]
+    assert one_pass["left"][1].tolist() == n_expected
+    cached = _cached_calls(model)
+    for batch in (2, 3, 4, 16):
+        for side in ("left", "right"):  # the shared path pads its own way: the same numbers
+            cached.clear()
+            lp, n = sequence_logprobs(model, tok, SHARED_PROMPTS, SHARED_RESPONSES,
+                                      batch_size=batch, padding_side=side, **kw)  # fmt: skip
+            assert cached and all(cached)  # the shared path: prefill, responses on its cache
+            assert n.tolist() == n_expected and lp[4] == 0.0 and np.all(np.delete(lp, 4) < 0)
+            for ref_side, (ref, _) in one_pass.items():
+                np.testing.assert_allclose(
+                    lp, ref, rtol=0, atol=1e-5, err_msg=f"{batch} {ref_side}"
+                )
+    # the naive per-token log-probs (float64 softmax, no padding, no cache) agree too
+    naive = [_naive_logprobs(model, tok, p, r)[0] for p, r in zip(SHARED_PROMPTS, SHARED_RESPONSES, strict=True)]  # fmt: skip
+    np.testing.assert_allclose(lp, naive, atol=1e-4)
+
+
+def test_sequence_logprobs_shared_prompts_run_each_prompt_once() -> None:
+    """k = 4 responses per prompt: the shared path runs each prompt once per batch and each
+    response but its last token (whose logits predict nothing), fewer tokens than prompt +
+    response per pair; with nothing repeated, or one pair per batch, the one-pass path runs."""
+    model, tok = _tiny_lm(seed=0)
+    prompts = ["w1 w2 w3 w4 w5 w6", "w7 w8 w9 w10 w11 w12"]  # 6 tokens each
+    pairs = [(p, f"w{13 + j} w14 w15 w16") for p in prompts for j in range(4)]  # 4 tokens each
+    ps, rs = [p for p, _ in pairs], [r for _, r in pairs]
+    seen = _input_tokens(model)
+    lp_one, _ = sequence_logprobs(model, tok, ps, rs, batch_size=4, add_special_tokens=False,
+                                  padding_side="left", share_prompts=False)  # fmt: skip
+    one_pass = sum(seen)
+    seen.clear()
+    lp_shared, _ = sequence_logprobs(model, tok, ps, rs, batch_size=4, add_special_tokens=False)
+    assert one_pass == 8 * (6 + 4)
+    assert seen == [6, 4 * 3] * 2  # per batch: one prompt, then its 4 responses less the last
+    assert sum(seen) < one_pass
+    np.testing.assert_allclose(lp_shared, lp_one, atol=1e-5)
+    for args in ((prompts, rs[::4], 4), (ps, rs, 1)):  # no prompt repeats; one pair a batch
+        seen.clear()
+        sequence_logprobs(model, tok, *args[:2], batch_size=args[2], add_special_tokens=False)
+        assert len(seen) == -(-len(args[0]) // args[2])  # one pass per batch
+
+
+class _NoCacheLM(torch.nn.Module):
+    """A causal LM whose forward takes no KV cache: explicitly (a TypeError) or through
+    **kwargs it ignores (the cache stays empty)."""
+
+    def __init__(self, inner, swallow: bool):
+        super().__init__()
+        self.inner, self.config, self.swallow = inner, inner.config, swallow
+
+    def forward(self, input_ids, attention_mask, position_ids=None, logits_to_keep=0, **kw):
+        if kw and not self.swallow:
+            raise TypeError(f"unexpected keyword arguments {sorted(kw)}")
+        return self.inner(input_ids=input_ids, attention_mask=attention_mask,
+                          position_ids=position_ids, logits_to_keep=logits_to_keep)  # fmt: skip
+
+
+def test_sequence_logprobs_shared_prompts_fall_back_to_one_pass() -> None:
+    """A model that takes no KV cache, or one whose cache has sliding-window layers, is scored by
+    the one-pass path: the very numbers of `share_prompts=False`."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    model, tok = _tiny_lm(seed=0)
+    kw = dict(batch_size=4, add_special_tokens=False, padding_side="left")
+    ref, _ = sequence_logprobs(model, tok, SHARED_PROMPTS, SHARED_RESPONSES, share_prompts=False, **kw)  # fmt: skip
+    for swallow in (False, True):
+        lp, _ = sequence_logprobs(_NoCacheLM(model, swallow), tok, SHARED_PROMPTS, SHARED_RESPONSES, **kw)  # fmt: skip
+        np.testing.assert_array_equal(lp, ref)
+    torch.manual_seed(0)
+    sliding = MistralForCausalLM(MistralConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, sliding_window=4, initializer_range=0.5,
+    )).eval()  # fmt: skip
+    ref, _ = sequence_logprobs(sliding, tok, SHARED_PROMPTS, SHARED_RESPONSES, share_prompts=False, **kw)  # fmt: skip
+    lp, _ = sequence_logprobs(sliding, tok, SHARED_PROMPTS, SHARED_RESPONSES, **kw)
+    np.testing.assert_array_equal(lp, ref)
 
 
 # --------------------------------------------------------------------------- grounding

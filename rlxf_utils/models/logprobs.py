@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from rlxf_utils.models.decode import autocast_kv_cache
 from rlxf_utils.models.generation import encode_prompts, frozen_weights_in_autocast_dtype
 
 log = logging.getLogger(__name__)
@@ -47,17 +48,30 @@ def sequence_logprobs(
     add_special_tokens: bool | None = None,
     append_eos: bool = False,
     padding_side: str | None = None,
+    share_prompts: bool = True,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Sum of log p(response token | prompt, earlier tokens) per pair, and response token counts.
 
     Prompts and responses are strings (tokenised here: the prompt as `models.generation.encode_prompts`
     does unless `add_special_tokens` says otherwise, the response without) or token-id lists (used as is, e.g. the ids the policy generated;
     this avoids re-tokenisation drift at the boundary). Prompts must be exactly what the
-    model was conditioned on (chat template applied). One forward pass per batch; prompt and
-    padding positions are masked; position ids follow the attention mask so left and right
-    padding give the same numbers. Pairs are batched by length to limit padding. Works with
-    any HF causal LM (`model(input_ids, attention_mask, position_ids).logits`). For a LoRA
-    policy, reference log-probs come from the same model inside `with model.disable_adapter():`.
+    model was conditioned on (chat template applied). Prompt and padding positions are masked;
+    position ids follow the attention mask so left and right padding give the same numbers.
+    Works with any HF causal LM (`model(input_ids, attention_mask, position_ids).logits`). For a
+    LoRA policy, reference log-probs come from the same model inside `with model.disable_adapter():`.
+
+    `share_prompts` (default on): when pairs repeat a prompt (evaluation scores each prompt's k
+    samples under the start policy and the base), each batch of at most `batch_size` responses
+    runs its distinct prompts once into a KV cache and its responses against it, as
+    `models.decode`'s sampler shares a prompt's prefill among its k samples: on a compute-bound
+    CPU the cost is the tokens run, and the prompt is most of them (`_shared_logprobs`;
+    bench/logprobs.py). The numbers are the one-pass path's up to rounding (float32: within
+    6e-5 on the real policy's sums of up to -160; bf16 autocast: within what the one-pass path
+    moves itself between padding sides or batch sizes). Otherwise (no prompt repeats, `batch_size`
+    1, a model whose forward takes no KV cache, a cache with non-dynamic layers such as sliding
+    windows) one forward pass per batch runs prompt + response, pairs batched by length, padded
+    on `padding_side` (the tokenizer's by default); the shared path pads prompts left and
+    responses right whatever `padding_side` says.
     """
     import torch
 
@@ -79,49 +93,174 @@ def sequence_logprobs(
             raise ValueError(f"pair {i}: empty prompt; the first response token has no context")
         seqs.append((p_ids + r_ids, len(p_ids)))
 
-    n = len(seqs)
-    logp = np.zeros(n, dtype=np.float64)
     n_tok = np.array([len(s) - k for s, k in seqs], dtype=np.int64)
-    order = sorted(range(n), key=lambda j: len(seqs[j][0]))
-    device = next(model.parameters()).device
+    batches = _prompt_batches(seqs, n_tok, batch_size) if share_prompts else None
     was_training = model.training
     model.eval()
     try:
         with torch.inference_mode(), frozen_weights_in_autocast_dtype(model):
-            for start in range(0, n, batch_size):
-                idx = order[start : start + batch_size]
-                if all(n_tok[j] == 0 for j in idx):
-                    continue
-                width = max(len(seqs[j][0]) for j in idx)
-                ids = torch.full((len(idx), width), pad_id, dtype=torch.long)
-                attn = torch.zeros((len(idx), width), dtype=torch.long)
-                target = torch.zeros((len(idx), width), dtype=torch.bool)
-                for row, j in enumerate(idx):
-                    s, k = seqs[j]
-                    off = width - len(s) if side == "left" else 0
-                    ids[row, off : off + len(s)] = torch.tensor(s)
-                    attn[row, off : off + len(s)] = 1
-                    target[row, off + k : off + len(s)] = True
-                pos = (attn.cumsum(-1) - 1).clamp(min=0)
-                ids, attn, pos = ids.to(device), attn.to(device), pos.to(device)
-                # left padding puts every response at the end: the LM head runs only on the last
-                # `keep` positions (the longest response and the token before it), not the prompts
-                keep = int(max(n_tok[j] for j in idx)) + 1 if side == "left" else width
-                logits = _forward_logits(model, ids, attn, pos, keep if keep < width else None)
-                off = width - logits.shape[1]  # positions before the kept ones
-                # only response positions: the full (batch, length, vocab) float copy is avoided
-                sel = target[:, off + 1 :].to(device)
-                rows = sel.nonzero()[:, 0]
-                lg = logits[:, :-1][sel].float()
-                tgt = ids[:, off + 1 :][sel]
-                tok_lp = lg.gather(-1, tgt.unsqueeze(-1)).squeeze(-1) - lg.logsumexp(-1)
-                sums = torch.zeros(len(idx), dtype=torch.float64, device=device)
-                sums.index_add_(0, rows, tok_lp.double())
-                sums = sums.cpu().numpy()
-                logp[idx] = sums
+            logp = _shared_logprobs(model, seqs, n_tok, batches, pad_id) if batches else None
+            if logp is None:
+                logp = _one_pass_logprobs(model, seqs, n_tok, batch_size, pad_id, side)
     finally:
         model.train(was_training)
     return logp, n_tok
+
+
+def _one_pass_logprobs(
+    model: Any,
+    seqs: Sequence[tuple[list[int], int]],
+    n_tok: np.ndarray,
+    batch_size: int,
+    pad_id: int,
+    side: str,
+) -> np.ndarray:
+    """One forward pass per batch over prompt + response, pairs batched by total length."""
+    import torch
+
+    n = len(seqs)
+    logp = np.zeros(n, dtype=np.float64)
+    order = sorted(range(n), key=lambda j: len(seqs[j][0]))
+    device = next(model.parameters()).device
+    for start in range(0, n, batch_size):
+        idx = order[start : start + batch_size]
+        if all(n_tok[j] == 0 for j in idx):
+            continue
+        width = max(len(seqs[j][0]) for j in idx)
+        ids = torch.full((len(idx), width), pad_id, dtype=torch.long)
+        attn = torch.zeros((len(idx), width), dtype=torch.long)
+        target = torch.zeros((len(idx), width), dtype=torch.bool)
+        for row, j in enumerate(idx):
+            s, k = seqs[j]
+            off = width - len(s) if side == "left" else 0
+            ids[row, off : off + len(s)] = torch.tensor(s)
+            attn[row, off : off + len(s)] = 1
+            target[row, off + k : off + len(s)] = True
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        ids, attn, pos = ids.to(device), attn.to(device), pos.to(device)
+        # left padding puts every response at the end: the LM head runs only on the last
+        # `keep` positions (the longest response and the token before it), not the prompts
+        keep = int(max(n_tok[j] for j in idx)) + 1 if side == "left" else width
+        logits = _forward_logits(model, ids, attn, pos, keep if keep < width else None)
+        off = width - logits.shape[1]  # positions before the kept ones
+        # only response positions: the full (batch, length, vocab) float copy is avoided
+        sel = target[:, off + 1 :].to(device)
+        rows = sel.nonzero()[:, 0]
+        lg = logits[:, :-1][sel].float()
+        tgt = ids[:, off + 1 :][sel]
+        tok_lp = lg.gather(-1, tgt.unsqueeze(-1)).squeeze(-1) - lg.logsumexp(-1)
+        sums = torch.zeros(len(idx), dtype=torch.float64, device=device)
+        sums.index_add_(0, rows, tok_lp.double())
+        logp[idx] = sums.cpu().numpy()
+    return logp
+
+
+def _prompt_batches(
+    seqs: Sequence[tuple[list[int], int]], n_tok: np.ndarray, batch_size: int
+) -> list[list[int]] | None:
+    """Batches of at most `batch_size` pairs (non-empty responses only) for the shared path, or
+    None when no prompt repeats (nothing to share) or a batch holds one pair.
+
+    Pairs are grouped by prompt ids; a group stays in one batch unless it has more than
+    `batch_size` pairs (then it is cut into pieces of `batch_size`, each batch prefilling its
+    own prompts). Groups are ordered by their longest response, then their prompt's length, and
+    packed in that order: responses are right-padded to the batch's longest, and a batch's rows
+    outnumber its distinct prompts k to 1, so response padding is what ordering must limit."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for j, (s, k) in enumerate(seqs):
+        if n_tok[j]:
+            groups.setdefault(tuple(s[:k]), []).append(j)
+    if batch_size < 2 or all(len(g) == 1 for g in groups.values()):
+        return None
+    pieces: list[list[int]] = []
+    for g in sorted(groups.values(), key=lambda g: (max(n_tok[g]), seqs[g[0]][1])):
+        g = sorted(g, key=lambda j: n_tok[j])
+        pieces += [g[i : i + batch_size] for i in range(0, len(g), batch_size)]
+    batches: list[list[int]] = [[]]
+    for piece in pieces:
+        if len(batches[-1]) + len(piece) > batch_size:
+            batches.append([])
+        batches[-1] += piece
+    return batches
+
+
+def _shared_logprobs(
+    model: Any,
+    seqs: Sequence[tuple[list[int], int]],
+    n_tok: np.ndarray,
+    batches: Sequence[Sequence[int]],
+    pad_id: int,
+) -> np.ndarray | None:
+    """`sequence_logprobs` with one prefill per distinct prompt of a batch, or None where the
+    model cannot take it (then the one-pass path runs).
+
+    Per batch: the distinct prompts, left-padded, run into a fresh KV cache (the autocast-dtype
+    cache `sample_compact` uses: under bf16 autocast attention sees the very bf16 keys it would
+    cast) with `logits_to_keep=1`, whose logits predict each response's first token; the cache
+    is copied to each row (`batch_select_indices`); the responses, right-padded, without their
+    last token (its logits predict nothing), run against it with the prompt's mask in front and
+    positions continuing from the prompt's length. None when the cache has non-dynamic layers
+    (`autocast_kv_cache`: sliding windows would need their own masks), or when the first
+    prefill raises TypeError or leaves the cache empty (a forward without a KV cache)."""
+    import torch
+
+    if getattr(model, "config", None) is None or autocast_kv_cache(model) is None:
+        return None
+    device = next(model.parameters()).device
+    logp = np.zeros(len(seqs), dtype=np.float64)
+    for b, idx in enumerate(batches):
+        distinct: dict[tuple[int, ...], int] = {}
+        inverse = [distinct.setdefault(tuple(seqs[j][0][: seqs[j][1]]), len(distinct)) for j in idx]
+        width = max(len(p) for p in distinct)
+        p_ids = torch.full((len(distinct), width), pad_id, dtype=torch.long)
+        p_mask = torch.zeros((len(distinct), width), dtype=torch.long)
+        for d, p in enumerate(distinct):
+            p_ids[d, width - len(p) :] = torch.tensor(p)
+            p_mask[d, width - len(p) :] = 1
+        p_pos = (p_mask.cumsum(-1) - 1).clamp(min=0)
+        p_ids, p_mask, p_pos = p_ids.to(device), p_mask.to(device), p_pos.to(device)
+        cache = autocast_kv_cache(model)
+        try:
+            first = model(
+                input_ids=p_ids, attention_mask=p_mask, position_ids=p_pos,
+                past_key_values=cache, use_cache=True, logits_to_keep=1,
+            ).logits[:, -1]  # fmt: skip
+        except TypeError:
+            if b:
+                raise
+            log.info("model takes no KV cache: one pass over prompt and response")
+            return None
+        if cache.get_seq_length() != width:
+            if b:
+                raise RuntimeError("the model left the KV cache unfilled after the first batch")
+            return None
+        inv = torch.tensor(inverse, device=device)
+        cache.batch_select_indices(inv)
+        r_len = int(max(n_tok[j] for j in idx))
+        tgt = torch.full((len(idx), r_len), pad_id, dtype=torch.long)
+        valid = torch.zeros((len(idx), r_len), dtype=torch.bool)
+        for row, j in enumerate(idx):
+            s, k = seqs[j]
+            tgt[row, : len(s) - k] = torch.tensor(s[k:])
+            valid[row, : len(s) - k] = True
+        tgt, valid = tgt.to(device), valid.to(device)
+        lg = first[inv].float()  # every row has a first token
+        sums = (lg.gather(-1, tgt[:, :1]).squeeze(-1) - lg.logsumexp(-1)).double()
+        if r_len > 1:
+            r_mask = valid[:, :-1].long()
+            attn = torch.cat([p_mask[inv], r_mask], 1)
+            pos = p_mask.sum(-1)[inv, None] + torch.arange(r_len - 1, device=device)
+            logits = model(
+                input_ids=tgt[:, :-1], attention_mask=attn, position_ids=pos,
+                past_key_values=cache, use_cache=True,
+            ).logits  # fmt: skip
+            sel = valid[:, 1:]  # logits at response position t predict token t + 1
+            lg = logits[sel].float()
+            tok = tgt[:, 1:][sel]
+            tok_lp = lg.gather(-1, tok.unsqueeze(-1)).squeeze(-1) - lg.logsumexp(-1)
+            sums.index_add_(0, sel.nonzero()[:, 0], tok_lp.double())
+        logp[list(idx)] = sums.cpu().numpy()
+    return logp
 
 
 def kl_estimate(
