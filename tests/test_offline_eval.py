@@ -68,6 +68,11 @@ def test_only_pairs_at_comparable_kl_are_compared_and_the_family_shrinks_with_th
         ("grpo", "dpo"),
     ]
     assert left["ratio"].tolist() == pytest.approx([17.5 / 1.0, 17.5 / 0.9])
+    # PPO beat both offline methods; "every RL algorithm" would be wrong words for GRPO's pairs,
+    # which were never compared: the answer names whom PPO met and counts the pairs left out
+    got = need_rl(comp, "reward", len(pairs), 2.0)
+    assert (got["answer"], got["winners"], got["opponents"]) == ("rl", ["ppo"], ["dpo", "kto"])
+    assert (got["pairs"], got["left_out"], got["kl_ratio"]) == (2, 2, 2.0)
     # the rule itself: the floor, the boundary, a missing KL, no ratio
     assert (
         kl_matched(0.0, 1.0, 2.0) and kl_matched(2.0, 4.0, 2.0) and not kl_matched(2.0, 4.01, 2.0)

@@ -123,6 +123,9 @@ def _findings() -> dict[str, tuple[str, list]]:
             {"audit_reward": {**need, "answer": "rl"}})]),
         "offline: RL not needed, reward model, no level": ("offline_finding", [f.offline_finding(
             {"reward": {**need, "ci_level": None, "answer": "offline", "winners": ["kto"]}})]),
+        "offline: RL not needed against the one RL algorithm at comparable KL": ("offline_finding", [
+            f.offline_finding({"audit_reward": {**need, "answer": "offline", "winners": ["rft"], "pairs": 1,
+                                                "opponents": ["grpo"], "left_out": 17, "kl_ratio": 2.0}})]),
         "offline: did not run": ("offline_finding", [f.offline_finding({})]),
         "seeds: one seed": ("seeds_finding", [None]),
         "seeds: further seeds": ("seeds_finding", [_seed_findings()[0]]),

@@ -220,6 +220,10 @@ def _offline_cases() -> dict[str, dict[str, Any]]:
             "answer_sentence": answer_context({**base, "answer": "undecided", "beaten": [("ppo", "kto", "above"), ("grpo", "dpo", "below")]}),
             "method_clauses": methods_context(table, "RL"),
         },
+        "offline enough against the one RL algorithm at comparable KL": {
+            "answer_sentence": answer_context({**base, "answer": "offline", "winners": ["rft"], "pairs": 1,
+                                               "opponents": ["grpo"], "left_out": 17, "kl_ratio": 2.0}),
+        },
         "undecided, no pair differs, no level": {
             "answer_sentence": answer_context({**base, "answer": "undecided", "ci_level": None}),
         },

@@ -347,7 +347,9 @@ def offline_family(ev: Evaluation) -> Measured:
         vs_offline = rl_vs_offline(ev.samples, inp.algos, ec.n_boot, ec.alpha, inp.seed,
                                    policy_kls(ev.summary), ec.kl_match_ratio)  # fmt: skip
     # does learning from experience need RL here? (`evaluation.offline.need_rl`)
-    entries = {"need_rl": {m: need_rl(vs_offline, m) for m in ("audit_reward", "reward")}}
+    ran = len(offline_pairs(ev.samples, inp.algos))  # before the pairs far apart in KL left
+    entries = {"need_rl": {m: need_rl(vs_offline, m, ran, ec.kl_match_ratio)
+                           for m in ("audit_reward", "reward")}}  # fmt: skip
     figures = {"eval_methods": plot_methods(methods, ev.alpha_family)} if len(methods) else {}
     return Measured({"eval_methods": methods, "eval_rl_vs_offline": vs_offline}, entries, figures)
 

@@ -120,14 +120,21 @@ def rl_vs_offline(
     return question_comparisons(samples, pairs, n_boot, alpha, seed, kl=kl, kl_ratio=kl_ratio)
 
 
-def need_rl(comparisons: pd.DataFrame, measure: str) -> dict[str, Any]:
+def need_rl(comparisons: pd.DataFrame, measure: str, all_pairs: int | None = None,
+            kl_ratio: float | None = None) -> dict[str, Any]:  # fmt: skip
     """The answer under `measure` read from the intervals of `rl_vs_offline`: 'rl' when some RL
-    algorithm's interval is above zero against every offline method (`winners`: those
-    algorithms), 'offline' when some offline method's is against every RL algorithm, else
-    'undecided' (`beaten`: the pairs whose interval excludes zero, either way)."""
+    algorithm's interval is above zero against every offline method it was compared with
+    (`winners`: those algorithms), 'offline' when some offline method's is against every RL
+    algorithm it was compared with, else 'undecided' (`beaten`: the pairs whose interval
+    excludes zero, either way). `opponents`: the other side's methods the winners met;
+    `left_out`: how many of the `all_pairs` pairs that ran were not compared, their KLs further
+    apart than `kl_ratio` (`questions.kl_matched`), so that "every" is never read as every
+    method that ran when only some could be compared."""
     t = comparisons[comparisons["measure"] == measure]
+    left = max(int(all_pairs) - len(t), 0) if all_pairs is not None else 0
     if t.empty:
-        return {"measure": measure, "answer": "not compared", "winners": [], "beaten": []}
+        return {"measure": measure, "answer": "not compared", "winners": [], "beaten": [],
+                "left_out": left, "kl_ratio": kl_ratio}  # fmt: skip
     n_off, n_rl = t["versus"].nunique(), t["policy"].nunique()
     above = t[t["low"] > 0].groupby("policy")["versus"].nunique()
     below = t[t["high"] < 0].groupby("versus")["policy"].nunique()
@@ -136,8 +143,11 @@ def need_rl(comparisons: pd.DataFrame, measure: str) -> dict[str, Any]:
     beaten = [(r.policy, r.versus, "above" if r.low > 0 else "below")
               for r in t.itertuples() if r.low > 0 or r.high < 0]  # fmt: skip
     answer = "rl" if rl_win else ("offline" if off_win else "undecided")
+    side = "versus" if rl_win else "policy"  # the winners' opponents
+    opponents = sorted(t[side].unique()) if answer != "undecided" else []
     return {"measure": measure, "answer": answer, "winners": rl_win or off_win,
-            "beaten": beaten, "ci_level": float(t["ci_level"].iloc[0]), "pairs": len(t)}  # fmt: skip
+            "beaten": beaten, "ci_level": float(t["ci_level"].iloc[0]), "pairs": len(t),
+            "opponents": opponents, "left_out": left, "kl_ratio": kl_ratio}  # fmt: skip
 
 
 def plot_methods(table: pd.DataFrame, alpha: float = 0.05) -> Any:

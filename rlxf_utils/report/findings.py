@@ -19,6 +19,7 @@ from rlxf_utils.artifacts import RunDir
 from rlxf_utils.markdown import is_present
 from rlxf_utils.report.evaluation import cut_rule, family_level
 from rlxf_utils.report.gold import gold_auc
+from rlxf_utils.report.offline import compared_context
 from rlxf_utils.report.reward import reward_labels
 from rlxf_utils.report.seeds import seed_finding
 from rlxf_utils.report.wording import sentence
@@ -124,7 +125,7 @@ def offline_finding(need: dict[str, Any]) -> dict[str, Any]:
         return {"answer": None, "audit": False}
     return {"answer": a["answer"], "audit": "audit_reward" in need, "pairs": a.get("pairs"),
             "alpha": 1 - a["ci_level"] if is_present(a.get("ci_level")) else None,
-            "winners": list(a.get("winners", []))}  # fmt: skip
+            "winners": list(a.get("winners", [])), **compared_context(a)}  # fmt: skip
 
 
 def findings_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:

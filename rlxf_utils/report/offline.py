@@ -28,7 +28,18 @@ def answer_context(answer: dict[str, Any], gold_at_chance: bool = False) -> dict
             "gold_at_chance": gold_at_chance,
             "winners": list(answer.get("winners", [])), "pairs": answer.get("pairs"),
             "alpha": 1 - lvl if is_present(lvl) else None,
-            "beaten": [list(b) for b in answer.get("beaten", [])]}  # fmt: skip
+            "beaten": [list(b) for b in answer.get("beaten", [])],
+            **compared_context(answer)}  # fmt: skip
+
+
+def compared_context(answer: dict[str, Any]) -> dict[str, Any]:
+    """Of `need_rl`'s answer: the methods the winners were compared with (`opponents`), and how
+    many pairs that ran were left out for KLs further apart than `kl_ratio` (`left_out`); a
+    run before these were recorded reads as every pair compared."""
+    ratio = answer.get("kl_ratio")
+    return {"opponents": list(answer.get("opponents", [])),
+            "left_out": int(answer.get("left_out") or 0),
+            "kl_ratio": float(ratio) if is_present(ratio) else None}  # fmt: skip
 
 
 def answer_sentence(answer: dict[str, Any], gold_at_chance: bool = False) -> str:
