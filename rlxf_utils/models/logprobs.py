@@ -146,13 +146,18 @@ def _one_pass_logprobs(
         # only response positions: the full (batch, length, vocab) float copy is avoided
         sel = target[:, off + 1 :].to(device)
         rows = sel.nonzero()[:, 0]
-        lg = logits[:, :-1][sel].float()
-        tgt = ids[:, off + 1 :][sel]
-        tok_lp = lg.gather(-1, tgt.unsqueeze(-1)).squeeze(-1) - lg.logsumexp(-1)
+        tok_lp = _token_logprobs(logits[:, :-1][sel], ids[:, off + 1 :][sel])
         sums = torch.zeros(len(idx), dtype=torch.float64, device=device)
         sums.index_add_(0, rows, tok_lp.double())
         logp[idx] = sums.cpu().numpy()
     return logp
+
+
+def _token_logprobs(logits: Any, targets: Any) -> Any:
+    """Each row's log-probability of its target token, in float32 (the logits of the selected
+    positions only: no (batch, length, vocab) log-softmax copy)."""
+    lg = logits.float()
+    return lg.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lg.logsumexp(-1)
 
 
 def _prompt_batches(
@@ -244,8 +249,7 @@ def _shared_logprobs(
             tgt[row, : len(s) - k] = torch.tensor(s[k:])
             valid[row, : len(s) - k] = True
         tgt, valid = tgt.to(device), valid.to(device)
-        lg = first[inv].float()  # every row has a first token
-        sums = (lg.gather(-1, tgt[:, :1]).squeeze(-1) - lg.logsumexp(-1)).double()
+        sums = _token_logprobs(first[inv], tgt[:, 0]).double()  # every row has a first token
         if r_len > 1:
             r_mask = valid[:, :-1].long()
             attn = torch.cat([p_mask[inv], r_mask], 1)
@@ -255,9 +259,7 @@ def _shared_logprobs(
                 past_key_values=cache, use_cache=True,
             ).logits  # fmt: skip
             sel = valid[:, 1:]  # logits at response position t predict token t + 1
-            lg = logits[sel].float()
-            tok = tgt[:, 1:][sel]
-            tok_lp = lg.gather(-1, tok.unsqueeze(-1)).squeeze(-1) - lg.logsumexp(-1)
+            tok_lp = _token_logprobs(logits[sel], tgt[:, 1:][sel])
             sums.index_add_(0, sel.nonzero()[:, 0], tok_lp.double())
         logp[list(idx)] = sums.cpu().numpy()
     return logp
