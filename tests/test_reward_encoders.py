@@ -222,6 +222,41 @@ def test_bf16_and_int8_scorers_stay_close_to_fp32_and_keep_the_head(compared_res
         load_reward(tmp_path / "rm")
 
 
+def test_the_precision_check_reads_the_protocols_fp32_scores_instead_of_scoring_again(
+    compared_result, monkeypatch
+):
+    """The reward source's fp32 test scores come from the protocol's predictions: the same numbers
+    `score_texts` gives (so the check's result is unchanged), read in the test rows' order, for
+    the main and a compared encoder; the check then scores in fp32 no more."""
+    from rlxf_utils.reward.model import RewardModel
+    from rlxf_utils.reward.stage import protocol_fp32_scores
+
+    df, ids, cfg, res = compared_result
+    test_rows = df.set_index("row_id", drop=False).loc[ids[180:][::-1]].reset_index(drop=True)
+    texts = serialize_frame(test_rows)
+    for source in ("encoder", "deep"):
+        rc = cfg.model_copy(update={"reward_source": source})
+        p32, pace = protocol_fp32_scores(res, rc, test_rows)
+        scorer = res.scorer(source)
+        np.testing.assert_array_equal(p32, scorer.score_texts(texts, rc.score_batch_size))
+        assert pace == res.timing[f"{source}_score_texts_per_s"]
+    rc = cfg.model_copy(update={"reward_source": "encoder"})
+    fresh = score_precision_check(res.encoder, texts, "bf16", 0.5, rc.score_batch_size)
+    calls = []
+    real = RewardModel.score_texts
+    monkeypatch.setattr(RewardModel, "score_texts",
+                        lambda self, *a, **k: calls.append(self.precision) or real(self, *a, **k))  # fmt: skip
+    read = score_precision_check(res.encoder, texts, "bf16", 0.5, rc.score_batch_size,
+                                 fp32=protocol_fp32_scores(res, rc, test_rows))  # fmt: skip
+    assert set(calls) == {"bf16"}  # no fp32 pass
+    for key in ("max_abs_diff", "mean_abs_diff", "decision_changes", "used", "n"):
+        assert read[key] == fresh[key], key
+    # rows the protocol did not score: the check scores them itself
+    assert protocol_fp32_scores(res, rc, df.iloc[:5]) is None
+    with pytest.raises(ValueError, match="expected 3"):
+        score_precision_check(res.encoder, texts[:3], "bf16", 0.5, fp32=(np.zeros(2), 1.0))
+
+
 def test_bf16_training_runs_in_bf16_and_learns():
     from sklearn.metrics import roc_auc_score
 

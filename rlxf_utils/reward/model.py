@@ -393,6 +393,7 @@ def score_precision_check(
     precision: str,
     tolerance: float,
     batch_size: int = 64,
+    fp32: tuple[np.ndarray, float] | None = None,
 ) -> dict[str, Any]:
     """Score `texts` in fp32 and in `precision`; keep `precision` only within `tolerance`.
 
@@ -400,6 +401,10 @@ def score_precision_check(
     (calibrated), the share of rows whose MET/Non-MET decision at 0.5 changes, and both
     throughputs (texts/s, after one warm-up batch). `used` falls back to fp32, with a warning,
     when the largest difference exceeds `tolerance`.
+
+    `fp32` = (calibrated P(MET) of `texts`, texts/s): the fp32 scores already computed by
+    `score_texts(texts, batch_size)` on `rm` (the protocol's test predictions), so the check
+    does not score the test set in fp32 a second time.
     """
     texts = list(texts)
     out: dict[str, Any] = {"requested": precision, "tolerance": tolerance, "n": len(texts)}
@@ -410,7 +415,11 @@ def score_precision_check(
         p = model.score_texts(texts, batch_size)
         return p, len(texts) / max(time.perf_counter() - t0, 1e-9)
 
-    p32, out["fp32_texts_per_s"] = timed(rm)
+    if fp32 is not None and len(fp32[0]) != len(texts):
+        raise ValueError(f"fp32 scores for {len(fp32[0])} texts; expected {len(texts)}")
+    p32, out["fp32_texts_per_s"] = (
+        (np.asarray(fp32[0], dtype=np.float64), float(fp32[1])) if fp32 is not None else timed(rm)
+    )
     if precision == "fp32" or not texts:
         return {**out, "used": "fp32", "max_abs_diff": 0.0, "mean_abs_diff": 0.0,
                 "decision_changes": 0.0, "texts_per_s": out["fp32_texts_per_s"]}  # fmt: skip

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import pandas as pd
 
 from rlxf_utils.prompts import (
@@ -124,7 +125,7 @@ def save_rl_reward(
         )
         score_check = score_precision_check(
             scorer, serialize_frame(test_rows), rc.score_precision, rc.score_tolerance,
-            rc.score_batch_size,
+            rc.score_batch_size, fp32=protocol_fp32_scores(chosen, rc, test_rows),
         )  # fmt: skip
     reward_dir = save_reward_bundle(
         run.path("reward_model"), chosen, rc.reward_source, audit, score_check
@@ -133,6 +134,23 @@ def save_rl_reward(
         labelled, holdout, chosen, audit, cfg.evaluation.n_boot, cfg.evaluation.alpha, cfg.run.seed
     )
     return reward_dir, reference_check, score_check
+
+
+def protocol_fp32_scores(
+    chosen: ProtocolResult, rc: Any, test_rows: pd.DataFrame
+) -> tuple[np.ndarray, float] | None:
+    """The reward source's fp32 P(MET) of `test_rows` and its pace, as the protocol scored its
+    test set (`fit_encoder`: `margins_texts` at `reward.score_batch_size`, calibrated as
+    `score_texts`), in `test_rows`' order; None where the protocol's predictions cannot give
+    them (a row it did not score), and the check scores them itself."""
+    name = rc.reward_source
+    pred, pace = chosen.predictions, chosen.timing.get(f"{name}_score_texts_per_s")
+    if pace is None or f"p_{name}" not in pred or "row_id" not in test_rows:
+        return None
+    by_row = pred.set_index("row_id")[f"p_{name}"]
+    if by_row.index.has_duplicates or not test_rows["row_id"].isin(by_row.index).all():
+        return None
+    return by_row.loc[test_rows["row_id"]].to_numpy(dtype=np.float64), float(pace)
 
 
 def _encoders(rc: Any) -> dict[str, str]:
