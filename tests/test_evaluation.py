@@ -322,7 +322,7 @@ def _cached_calls(model) -> list[bool]:
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_sequence_logprobs_shared_prompts_equal_one_pass(arch: str) -> None:
+def test_sequence_logprobs_shared_prompts_equal_one_pass(arch: str, monkeypatch) -> None:
     """Pairs that repeat a prompt share its prefill (one KV cache per distinct prompt of a batch,
     the responses run against it): the one-pass numbers (either padding side) to 1e-5 per pair
     in float32, whether a batch
@@ -333,6 +333,8 @@ def test_sequence_logprobs_shared_prompts_equal_one_pass(arch: str) -> None:
     `init=0.5`'s more peaked logits (sums to -52) the rounding reaches 1.2e-5, hence 0.3."""
     model, tok = _tiny_lm(seed=0, arch=arch, init=0.3)
     kw = dict(add_special_tokens=False)
+    # these numbers are the shared path's wherever it runs: here even where it costs more
+    monkeypatch.setattr("rlxf_utils.models.logprobs._one_pass_tokens", lambda *a: math.inf)
     one_pass = {
         side: sequence_logprobs(
             model,
@@ -388,6 +390,44 @@ def test_sequence_logprobs_shared_prompts_run_each_prompt_once() -> None:
         seen.clear()
         sequence_logprobs(model, tok, *args[:2], batch_size=args[2], add_special_tokens=False)
         assert len(seen) == -(-len(args[0]) // args[2])  # one pass per batch
+
+
+def test_sequence_logprobs_shares_prompts_only_where_that_runs_fewer_tokens(monkeypatch) -> None:
+    """Each path's count of the positions it runs is the count its forward calls take; the
+    shared path runs only where its count is the smaller: k similar responses per prompt share
+    it, prompts repeated twice before responses of very different lengths (held-out perplexity's
+    case, where right-padding the responses costs more than the prompts save) take one pass."""
+    from rlxf_utils.models import logprobs as L
+
+    model, tok = _tiny_lm(seed=0)
+    seen = _input_tokens(model)
+    kw = dict(add_special_tokens=False, padding_side="left")
+    prompts = ["w1 w2 w3 w4 w5 w6", "w7 w8 w9 w10 w11 w12"]
+    similar = [(p, f"w{13 + j} w14 w15 w16") for p in prompts for j in range(4)]
+    uneven = [(p, r) for p in prompts for r in ("w13", " ".join(["w14"] * 20))]
+    for pairs, b, shared_wins in ((similar, 4, True), (uneven, 2, False)):
+        ps, rs = [p for p, _ in pairs], [r for _, r in pairs]
+        seqs = [(t.encode(p, add_special_tokens=False) + t.encode(r, add_special_tokens=False),
+                 len(t.encode(p, add_special_tokens=False))) for t in [tok] for p, r in pairs]  # fmt: skip
+        n_tok = np.array([len(s) - k for s, k in seqs])
+        batches = L._prompt_batches(seqs, n_tok, b)
+        counts = {
+            "one": L._one_pass_tokens(seqs, n_tok, b),
+            "shared": L._shared_tokens(seqs, n_tok, batches),
+        }
+        assert (counts["shared"] < counts["one"]) is shared_wins, counts
+        seen.clear()
+        sequence_logprobs(model, tok, ps, rs, batch_size=b, share_prompts=False, **kw)
+        assert sum(seen) == counts["one"]
+        with monkeypatch.context() as m:  # the shared path forced: its count is what it runs
+            m.setattr(L, "_one_pass_tokens", lambda *a: math.inf)
+            seen.clear()
+            forced, _ = sequence_logprobs(model, tok, ps, rs, batch_size=b, **kw)
+            assert sum(seen) == counts["shared"]
+        seen.clear()
+        chosen, _ = sequence_logprobs(model, tok, ps, rs, batch_size=b, **kw)
+        assert sum(seen) == min(counts.values())
+        np.testing.assert_allclose(chosen, forced, atol=1e-5)
 
 
 class _NoCacheLM(torch.nn.Module):

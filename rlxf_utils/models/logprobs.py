@@ -95,6 +95,8 @@ def sequence_logprobs(
 
     n_tok = np.array([len(s) - k for s, k in seqs], dtype=np.int64)
     batches = _prompt_batches(seqs, n_tok, batch_size) if share_prompts else None
+    if batches and _shared_tokens(seqs, n_tok, batches) >= _one_pass_tokens(seqs, n_tok, batch_size):  # fmt: skip
+        batches = None  # padding would cost more tokens than the shared prompts save
     was_training = model.training
     model.eval()
     try:
@@ -187,6 +189,35 @@ def _prompt_batches(
             batches.append([])
         batches[-1] += piece
     return batches
+
+
+def _one_pass_tokens(
+    seqs: Sequence[tuple[list[int], int]], n_tok: np.ndarray, batch_size: int
+) -> int:
+    """Positions (padding included) `_one_pass_logprobs` runs: its batches, each as wide as its
+    longest pair."""
+    order = sorted(range(len(seqs)), key=lambda j: len(seqs[j][0]))
+    total = 0
+    for start in range(0, len(order), batch_size):
+        idx = order[start : start + batch_size]
+        if any(n_tok[j] for j in idx):
+            total += len(idx) * max(len(seqs[j][0]) for j in idx)
+    return total
+
+
+def _shared_tokens(
+    seqs: Sequence[tuple[list[int], int]], n_tok: np.ndarray, batches: Sequence[Sequence[int]]
+) -> int:
+    """Positions (padding included) `_shared_logprobs` runs: per batch, its distinct prompts
+    padded to the longest, then every response but its last token padded to the longest. Where
+    prompts repeat little and response lengths differ, this is more than the one-pass path's
+    (`sequence_logprobs` then takes that one: held-out descriptions after their contexts)."""
+    total = 0
+    for idx in batches:
+        prompts = {tuple(seqs[j][0][: seqs[j][1]]) for j in idx}
+        total += len(prompts) * max(len(p) for p in prompts)
+        total += len(idx) * (int(max(n_tok[j] for j in idx)) - 1)
+    return total
 
 
 def _shared_logprobs(
