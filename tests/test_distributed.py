@@ -111,6 +111,57 @@ def test_stage_commands_take_the_config_file_only_where_every_process_is_used(
         assert "--config_file" not in cmd and cmd[cmd.index("--num_processes") + 1] == "1"
 
 
+def test_one_process_algorithms_share_a_warm_process_and_the_rest_run_alone(
+    tmp_path: Path,
+) -> None:
+    """`warm_groups`: consecutive one-process algorithms in one process (on one process every
+    algorithm is one), an algorithm on several processes alone and never with others;
+    `compute.warm_stages: false` gives each its own; the group's command names them all."""
+    from rlxf_utils.rl.launch import stage_command, warm_groups
+
+    order = ["ppo", "ilhf_history", "ilhf_online", "grpo", "kto", "rft"]
+    one = load_config(_params(tmp_path, num_processes=1))
+    assert warm_groups(one, order) == [order]
+    cmd = stage_command(one, tmp_path / "p.yaml", tmp_path, "rl", order[:3])
+    assert cmd[-2:] == ["--algo", "ppo,ilhf_history,ilhf_online"]
+    two = load_config(_params(tmp_path, num_processes=2))
+    assert warm_groups(two, order) == [["ppo"], ["ilhf_history", "ilhf_online"], ["grpo"], ["kto"], ["rft"]]  # fmt: skip
+    with pytest.raises(ValueError, match="only one-process algorithms share a process"):
+        stage_command(two, tmp_path / "p.yaml", tmp_path, "rl", ["ppo", "grpo"])
+    apart = load_config(_params(tmp_path, num_processes=1, warm_stages=False))
+    assert warm_groups(apart, order) == [[a] for a in order]
+
+
+def test_a_warm_process_writes_each_algorithms_log_apart_and_names_the_one_that_failed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The launcher moves the log to each next algorithm's `launch.log` when the worker says so;
+    a failure names the algorithm training when it came and shows that algorithm's lines."""
+    import sys
+
+    from rlxf_utils.rl import launch
+
+    script = (
+        "print('INFO ppo trains'); print('RuntimeError: not this one (a logged message)')\n"
+        f"print({launch.NEXT_STAGE!r} + 'grpo', flush=True)\n"
+        "import sys; print('INFO grpo trains'); sys.exit('ValueError: grpo broke')"
+    )
+    monkeypatch.setattr(launch, "stage_command", lambda *a, **k: [sys.executable, "-c", script])
+    cfg = load_config(ROOT / "params/smoke.yaml")
+    echoed: list[str] = []
+    with pytest.raises(StageFailed) as ei:
+        run_stage(cfg, ROOT / "params/smoke.yaml", tmp_path, "rl", ["ppo", "grpo"], echo=echoed.append)  # fmt: skip
+    msg = str(ei.value)
+    assert "rl stage 'grpo' failed" in msg and "ValueError: grpo broke" in msg
+    assert "ppo trains" not in msg and "policy/grpo/launch.log" in msg
+    ppo = (tmp_path / "policy/ppo/launch.log").read_text()
+    grpo = (tmp_path / "policy/grpo/launch.log").read_text()
+    assert "ppo trains" in ppo and "grpo" not in ppo
+    assert "grpo trains" in grpo and "ppo" not in grpo and launch.NEXT_STAGE not in grpo
+    assert "then grpo in the same process" in echoed[0]
+    assert "[grpo] INFO grpo trains" in echoed
+
+
 def test_hub_access_follows_the_profile_unless_the_environment_says(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -364,8 +364,11 @@ def test_a_killed_study_resumes_to_the_same_artifacts(smoke_run: Path, tmp_path:
     """Kill notebook 03 (runner, kernel and the training process) in the middle of PPO, rerun it:
     the finished algorithms are reused, PPO resumes from its checkpoint, and every artifact
     equals the uninterrupted run's (timings aside; `rlxf_utils.compare`). The killed run starts
-    from a hard-linked copy of the smoke run without PPO, so only notebook 03 reruns: the same
-    resume path as a killed whole study (01 and 02 reused), for a tenth of its minutes."""
+    from a hard-linked copy of the smoke run without PPO and DPO, so only notebook 03 reruns: the
+    same resume path as a killed whole study (01 and 02 reused), for a tenth of its minutes.
+    DPO trains after PPO in the rerun's warm process (`rl.launch.warm_groups`), after KTO in the
+    smoke run's: the same artifacts, so nothing one algorithm leaves in the process reaches the
+    next."""
     import os
     import shutil
     import subprocess
@@ -376,6 +379,7 @@ def test_a_killed_study_resumes_to_the_same_artifacts(smoke_run: Path, tmp_path:
 
     run_dir = _copy_run(smoke_run, tmp_path / "killed")
     shutil.rmtree(run_dir / "policy/ppo")
+    shutil.rmtree(run_dir / "policy/dpo")
     cmd = [sys.executable, "-m", "rlxf_utils.cli", "run", "--params",
            str(ROOT / "params/smoke.yaml"), "--run-dir", str(run_dir), "--only", "03"]  # fmt: skip
     log = (tmp_path / "first.log").open("w")
@@ -396,13 +400,14 @@ def test_a_killed_study_resumes_to_the_same_artifacts(smoke_run: Path, tmp_path:
     run_study(ROOT / "params/smoke.yaml", run_dir, only=["03"], progress=False)
     launch = (run_dir / "policy/ppo/launch.log").read_text()
     assert "resumed ppo from" in launch, launch[-3000:]
-    for algo in ("ppo_mle", "grpo", "dpo"):  # finished before the kill: reused, not retrained
+    for algo in ("ppo_mle", "grpo", "kto"):  # finished before the kill: reused, not retrained
         assert (run_dir / f"policy/{algo}/adapter/adapter_model.safetensors").samefile(
             smoke_run / f"policy/{algo}/adapter/adapter_model.safetensors"
         ), algo
     result = compare_runs(smoke_run, run_dir)
     assert result.same, {s: result.paths(s) for s in ("differs", "missing", "extra")}
-    assert any(p.startswith("policy/ppo/") for p in result.paths("identical")), "PPO not compared"
+    for algo in ("ppo", "dpo"):
+        assert any(p.startswith(f"policy/{algo}/") for p in result.paths("identical")), algo
 
 
 @pytest.mark.slow

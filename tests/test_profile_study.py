@@ -273,3 +273,62 @@ def test_the_rl_worker_writes_its_timing_only_when_it_trained(
         t = json.loads(path.read_text())
         assert set(t["marks_s"]) == set(timing.MARK_ORDER)
         assert t["total_s"] >= 1.0 and t["train_end_s"] >= 0.0
+
+
+def test_a_warm_worker_trains_its_algorithms_in_turn_each_with_its_own_timing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--algo ppo,grpo`: one process trains both in turn; before the second it announces it
+    (the launcher's cue for the log) and clears the process's state; each writes its timing,
+    the second without the launcher and imports it did not pay."""
+    import sys
+    import types
+
+    from rlxf_utils.rl import worker
+
+    events: list[str] = []
+
+    def run_algorithm(algo, cfg, root, reward_fn, contexts=None, progress=True):
+        events.append(algo)
+        for m in ("policy_loaded", "train_start", "train_end"):
+            timing.mark(m)
+
+    fake = types.ModuleType("rlxf_utils.rl.stage")
+    fake.run_algorithm = run_algorithm
+    fake.training_inputs = lambda cfg, run: ([], None, None)
+    monkeypatch.setitem(sys.modules, "rlxf_utils.rl.stage", fake)
+    monkeypatch.setattr(worker, "die_with_parent", lambda: None)
+    monkeypatch.setattr(worker, "hub_environment", lambda cfg: {})
+    monkeypatch.setattr(worker, "fresh_process_state", lambda: events.append("cleared"))
+    cfg = types.SimpleNamespace(rl=types.SimpleNamespace(algorithm=["ppo", "grpo"]))
+    monkeypatch.setattr(worker, "load_config", lambda path: cfg)
+    timing.MARKS.clear()
+    monkeypatch.setenv(timing.LAUNCHED_AT, repr(time.time() - 1.0))
+    monkeypatch.delenv("RANK", raising=False)
+    argv = ["rl", "--params", "p.yaml", "--run-dir", str(tmp_path), "--algo", "ppo,grpo"]
+    try:
+        assert worker.main(argv) == 0
+    finally:
+        timing.MARKS.clear()
+    assert events == ["ppo", "cleared", "grpo"]
+    assert f"{worker.NEXT_STAGE}grpo" in capsys.readouterr().out.splitlines()
+    first, second = (json.loads((tmp_path / f"policy/{a}/timing.json").read_text())
+                     for a in ("ppo", "grpo"))  # fmt: skip
+    assert {"imports_s", "reward_loaded_s", "policy_loaded_s"} <= set(first)
+    assert "imports_s" not in second and "launcher_s" not in second
+    assert "reward_loaded_s" not in second and set(second["marks_s"]) == {
+        "policy_loaded", "train_start", "train_end", "written"}  # fmt: skip
+    with pytest.raises(SystemExit, match="expected one of"):
+        worker.main(["rl", "--params", "p.yaml", "--run-dir", str(tmp_path), "--algo", "ppo,dpo"])
+
+
+def test_fresh_process_state_clears_accelerates_shared_state() -> None:
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    from rlxf_utils.rl.worker import fresh_process_state
+
+    Accelerator(cpu=True)
+    assert AcceleratorState._shared_state and GradientState._shared_state
+    fresh_process_state()
+    assert not AcceleratorState._shared_state and not GradientState._shared_state

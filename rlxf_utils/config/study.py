@@ -229,6 +229,10 @@ class ComputeConfig(Section):
     processes: Literal["per_stage", "kernel"] = "per_stage"
     """'per_stage': SFT and each RL algorithm in their own process (`accelerate launch`);
     'kernel': inside the notebook's kernel."""
+    warm_stages: bool = True
+    """'per_stage': consecutive one-process RL algorithms train in turn in one warm process (the
+    imports and the reward model loaded once; accelerate's state cleared between them);
+    false: each in a process of its own"""
     accelerate_config: Path | None = None
     """None: one process with accelerate's defaults"""
     num_processes: int = Field(default=1, ge=1)

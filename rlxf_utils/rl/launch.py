@@ -2,8 +2,10 @@
 
 `accelerate` keeps one state per process: the first `Accelerator` fixes mixed precision and the
 distributed set-up, and a second one with other settings either raises ("AcceleratorState has
-already been initialized") or silently inherits the first. So SFT and every RL algorithm run in
-their own process (`compute.processes: per_stage`, the default):
+already been initialized") or silently inherits the first. So SFT and the RL algorithms run
+outside the kernel (`compute.processes: per_stage`, the default), and where one process trains
+several algorithms in turn (`warm_groups`: one-process algorithms, `compute.warm_stages`), the
+worker clears accelerate's state between them:
 
     notebook 03 --> run_stage("rl", "ppo")  --> accelerate launch [--config_file F] [--num_processes N]
                                                    -m rlxf_utils.rl.worker rl --params P --run-dir R --algo ppo
@@ -31,7 +33,7 @@ import subprocess
 import sys
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +41,10 @@ from rlxf_utils.algorithms import algorithm
 
 #: Lines of a failed stage's log shown in the error.
 TAIL_LINES = 40
+
+#: The line a warm worker prints before its next algorithm (`rl.worker`): the launcher moves
+#: the log to that algorithm's `launch.log`.
+NEXT_STAGE = "RLXF next stage: "
 
 
 #: A Python exception line at the start of a log line ("pkg.mod.SomeError: message").
@@ -54,6 +60,26 @@ def processes_for(cfg: Any, stage: str, name: str | None) -> int:
     registry runs on one process (ILHF)."""
     one = stage == "sft" or (name is not None and algorithm(name).one_process)
     return 1 if one else cfg.compute.num_processes
+
+
+def warm_groups(cfg: Any, names: Sequence[str]) -> list[list[str]]:
+    """RL algorithms to train, grouped into processes: consecutive one-process algorithms share
+    one warm process (`rl.worker` trains them in turn, paying the imports and the reward model's
+    loading once, with accelerate's state cleared between them); an algorithm on several
+    processes runs in its own. `compute.warm_stages: false`: every algorithm its own process."""
+    groups: list[list[str]] = []
+    for name in names:
+        one = processes_for(cfg, "rl", name) == 1
+        if (
+            one
+            and cfg.compute.warm_stages
+            and groups
+            and processes_for(cfg, "rl", groups[-1][0]) == 1
+        ):
+            groups[-1].append(name)
+        else:
+            groups.append([name])
+    return groups
 
 
 def _free_port() -> int:
@@ -101,10 +127,19 @@ def launch_env(device: str = "auto") -> dict[str, str]:
 
 
 def stage_command(
-    cfg: Any, params_file: str | Path, run_dir: str | Path, stage: str, name: str | None = None
+    cfg: Any,
+    params_file: str | Path,
+    run_dir: str | Path,
+    stage: str,
+    name: str | Sequence[str] | None = None,
 ) -> list[str]:
-    """The `accelerate launch` command line of one stage ('sft', or 'rl' with algorithm `name`)."""
-    n = processes_for(cfg, stage, name)
+    """The `accelerate launch` command line of one stage ('sft', or 'rl' with algorithm `name`,
+    or several algorithms of one `warm_groups` group, trained in turn by one process)."""
+    names = [name] if isinstance(name, str) else list(name or [])
+    n = max([processes_for(cfg, stage, x) for x in names] or [processes_for(cfg, stage, None)])
+    if len(names) > 1 and n > 1:
+        raise ValueError(f"{names}: only one-process algorithms share a process")
+    name = ",".join(names) or None
     # the config file describes the whole job; a one-process stage of a multi-process job
     # (SFT, ILHF) runs with accelerate's defaults instead
     whole = cfg.compute.accelerate_config is not None and n == cfg.compute.num_processes
@@ -119,17 +154,21 @@ def run_stage(
     params_file: str | Path,
     run_dir: str | Path,
     stage: str,
-    name: str | None = None,
+    name: str | Sequence[str] | None = None,
     echo: Callable[[str], Any] | None = print,
 ) -> Path | None:
     """Run a stage in its own process (or do nothing with `compute.processes: kernel`), streaming
     its output through `echo` into `policy/<name or sft>/launch.log`; returns the log's path.
+    Several algorithms (`warm_groups`): one process trains them in turn, each algorithm's lines
+    in its own `launch.log` (the worker announces each next one: `NEXT_STAGE`).
 
-    Raises `StageFailed` with the stage's name, exit code and the last `TAIL_LINES` lines."""
+    Raises `StageFailed` with the stage's name (the algorithm training when it failed), exit
+    code and the last `TAIL_LINES` lines."""
     if cfg.compute.processes == "kernel":
         return None
     cmd = stage_command(cfg, params_file, run_dir, stage, name)
-    label = name or stage
+    names = [name] if isinstance(name, str) else list(name or [])
+    label = names[0] if names else stage
     log_path = Path(run_dir) / "policy" / label / "launch.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     env = launch_env(cfg.compute.device)
@@ -137,10 +176,12 @@ def run_stage(
     env["RLXF_LAUNCHED_AT"] = repr(time.time())  # its start-up, measured (`rl.timing`)
     tail: deque[str] = deque(maxlen=TAIL_LINES)
     cause = None
-    n = processes_for(cfg, stage, name)
+    n = processes_for(cfg, stage, label if names else None)
     if echo:
-        echo(f"{label}: {n} process{'es' if n > 1 else ''} (accelerate launch), log {log_path}")
-    with log_path.open("w", encoding="utf-8") as fh:
+        also = f", then {', '.join(names[1:])} in the same process" if len(names) > 1 else ""
+        echo(f"{label}: {n} process{'es' if n > 1 else ''} (accelerate launch){also}, log {log_path}")  # fmt: skip
+    fh = log_path.open("w", encoding="utf-8")
+    try:
         proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
             bufsize=1, errors="replace",
@@ -148,6 +189,15 @@ def run_stage(
         assert proc.stdout is not None
         try:
             for line in proc.stdout:
+                nxt = line.startswith(NEXT_STAGE) and line[len(NEXT_STAGE) :].strip()
+                if nxt in names:  # the warm worker's next algorithm: its own log from here
+                    fh.close()
+                    label, log_path = nxt, Path(run_dir) / "policy" / nxt / "launch.log"
+                    log_path.parent.mkdir(parents=True, exist_ok=True)
+                    fh = log_path.open("w", encoding="utf-8")
+                    tail.clear()
+                    cause = None
+                    continue
                 fh.write(line)
                 fh.flush()
                 tail.append(line.rstrip("\n"))
@@ -160,6 +210,8 @@ def run_stage(
             proc.kill()
             proc.wait()
             raise
+    finally:
+        fh.close()
     if rc != 0:
         shown = "\n".join(f"    {x}" for x in tail)
         raise StageFailed(

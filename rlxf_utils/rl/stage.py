@@ -1,8 +1,9 @@
 """Notebook 03's stage: which algorithms are up to date, running one (fresh, resumed or reused)
 from the start policy, and reading their logs back.
 
-Each algorithm trains in its own process (`rl.launch.run_stage` -> `rl.worker` ->
-`run_algorithm`), which writes its log and, last, `policy/<algo>/complete.json` with the run's
+Each algorithm trains outside the kernel (`rl.launch.run_stage` -> `rl.worker` ->
+`run_algorithm`; consecutive one-process algorithms in turn in one warm process,
+`rl.launch.warm_groups`), which writes its log and, last, `policy/<algo>/complete.json` with the run's
 marker (`algorithm_marker`: settings, seed, prompts, processes, input hashes); the kernel
 computes the marker once, starts the process only when that file does not record it, and then
 reads what the process wrote."""
@@ -44,7 +45,7 @@ from rlxf_utils.rl.experience import (
     record_experience,
     sft_experience,
 )
-from rlxf_utils.rl.launch import processes_for, run_stage
+from rlxf_utils.rl.launch import processes_for, run_stage, warm_groups
 from rlxf_utils.rl.sft import is_trained as sft_is_trained
 from rlxf_utils.rl.sft import loss_figure, run_sft_stage
 from rlxf_utils.rl.tables import (
@@ -257,19 +258,39 @@ def train_or_read(
     """One algorithm's training log: trained in its own process unless `complete.json` already
     records this run's marker (computed once, here), then read from what the process wrote;
     with `compute.processes: kernel`, trained (or reused) in this process."""
-    marker = algorithm_marker(algo, cfg, run.root, len(contexts))
+    return train_or_read_all([algo], cfg, params_file, run, reward_fn, contexts)[0]
+
+
+def train_or_read_all(
+    algos: Sequence[str],
+    cfg: StudyConfig,
+    params_file: str | Path,
+    run: RunDir,
+    reward_fn: RewardFn,
+    contexts: Sequence[Mapping[str, Any]],
+) -> list[pd.DataFrame]:
+    """`train_or_read` for each of `algos`: those not up to date train in processes grouped by
+    `rl.launch.warm_groups` (one warm process for consecutive one-process algorithms), then
+    every log is read from what the processes wrote."""
+    markers = {a: algorithm_marker(a, cfg, run.root, len(contexts)) for a in algos}
     if cfg.compute.processes == "kernel":
-        return run_algorithm(algo, cfg, run.root, reward_fn, contexts, marker=marker)
-    done = run.path(f"policy/{algo}/complete.json")
-    if not _matches(done, marker):
-        run_stage(cfg, params_file, run.root, "rl", algo)  # its own process, streamed here
-        if not _matches(done, marker):
+        return [run_algorithm(a, cfg, run.root, reward_fn, contexts, marker=markers[a])
+                for a in algos]  # fmt: skip
+    done = {a: run.path(f"policy/{a}/complete.json") for a in algos}
+    pending = [a for a in algos if not _matches(done[a], markers[a])]
+    for group in warm_groups(cfg, pending):
+        run_stage(cfg, params_file, run.root, "rl", group if len(group) > 1 else group[0])
+    for a in pending:
+        if not _matches(done[a], markers[a]):
             raise RuntimeError(
-                f"{algo}: its training process ended without writing {done} for this run's "
+                f"{a}: its training process ended without writing {done[a]} for this run's "
                 "settings and inputs (were the parameters or an input changed meanwhile?)"
             )
-    log.info("%s: up to date (%s): reading its outputs", algo, done)
-    return run.read_parquet(f"policy/{algo}/train_log.parquet")
+    frames = []
+    for a in algos:
+        log.info("%s: up to date (%s): reading its outputs", a, done[a])
+        frames.append(run.read_parquet(f"policy/{a}/train_log.parquet"))
+    return frames
 
 
 def rl_step(
@@ -279,12 +300,10 @@ def rl_step(
     reward_fn: RewardFn,
     contexts: Sequence[Mapping[str, Any]],
 ) -> tuple[pd.DataFrame, dict[str, pd.DataFrame]]:
-    """Train every `algorithms.algorithm` in its own process unless up to date, then write the stacked
+    """Train every `algorithms.algorithm` unless up to date (`train_or_read_all`), then write the stacked
     logs (`policy/train_logs.parquet`), the settings, the training curves and summary, RLGF's
     guidance and ILHF's training tables. Returns (logs, tables)."""
-    frames = [
-        train_or_read(a, cfg, params_file, run, reward_fn, contexts) for a in cfg.rl.algorithm
-    ]
+    frames = train_or_read_all(cfg.rl.algorithm, cfg, params_file, run, reward_fn, contexts)
     logs = pd.concat(frames, ignore_index=True)
     run.write_parquet("policy/train_logs.parquet", logs)
     tables = {"rl_algorithm_settings": settings_table(run.root, cfg.rl.algorithm),

@@ -65,9 +65,14 @@ def stage_timing(
     return out
 
 
-def write_stage_timing(run_root: str | Path, label: str) -> Path:
+def write_stage_timing(run_root: str | Path, label: str, started: float | None = None) -> Path:
     """Write `policy/<label>/timing.json` from this process's marks (`mark`), its start and the
-    launcher's start (`LAUNCHED_AT`, set by `rl.launch.run_stage`)."""
+    launcher's start (`LAUNCHED_AT`, set by `rl.launch.run_stage`). `started`: where a warm
+    process trains several algorithms, the time this one began after the one before; it then
+    has no launcher or imports of its own (the first algorithm's file counts them)."""
+    if started is not None:
+        timing = stage_timing(dict(MARKS), started, None, time.time())
+        return write_json(Path(run_root) / "policy" / label / "timing.json", timing)
     raw = os.environ.get(LAUNCHED_AT)
     try:
         launched = float(raw) if raw else None
