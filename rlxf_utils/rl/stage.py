@@ -31,6 +31,7 @@ from rlxf_utils.models.generation import (
     build_prompts,
     sampling_kwargs,
 )
+from rlxf_utils.models.kept import kept_frame, sampling_parts
 from rlxf_utils.models.loading import load_start_policy
 from rlxf_utils.models.policies import PolicySet
 from rlxf_utils.prompts import CONTEXT_FIELDS
@@ -189,6 +190,12 @@ def read_logs(run_dir: str | Path, algos: Sequence[str]) -> pd.DataFrame:
     return pd.concat(frames, ignore_index=True)
 
 
+#: Where notebook 03 keeps each policy's before/after responses (`models.kept`), and the code
+#: that decides them (relative to the package).
+BEFORE_AFTER = "policy/before_after"
+BEFORE_AFTER_CODE = ("models",)
+
+
 def before_after_samples(
     cfg: StudyConfig,
     run_dir: str | Path,
@@ -201,16 +208,22 @@ def before_after_samples(
 
     The policies come from evaluation's `models.policies.PolicySet` on `compute.device`: the base
     weights (zero-shot and the supervised adapters) and the start policy's (the RL adapters)
-    are each loaded once, and every policy samples with evaluation's settings and seed."""
+    are each loaded once, and every policy samples with evaluation's settings and seed. Each
+    policy's responses are kept in `policy/before_after/` (`models.kept`) and read back while
+    nothing that decides them changed: a rerun after one algorithm retrained samples it alone."""
 
     ctx = [dict(c) for c in contexts[:n]]
     algos = [p for p in policies if p != "base" and p not in SFT_POLICIES]
-    pset = PolicySet(cfg, RunDir(run_dir), algos)
+    run = RunDir(run_dir)
+    pset = PolicySet(cfg, run, algos)
     prompts = build_prompts(ctx, pset.tok, cfg.rl.prompt_template, cfg.policy)
     gen_kw = sampling_kwargs(cfg, progress=False)
     rows: list[dict[str, Any]] = []
     for name in policies:
-        texts = pset.generate(name, prompts, 1, name, gen_kw)["response"].tolist()
+        parts = sampling_parts(cfg, run, name, prompts, 1, gen_kw, BEFORE_AFTER_CODE)
+        df, _, _ = kept_frame(run, BEFORE_AFTER, "samples", name, parts,
+                              lambda name=name: pset.generate(name, prompts, 1, name, gen_kw))  # fmt: skip
+        texts = df["response"].tolist()
         scores = reward_fn(ctx, texts)
         for c, t, s in zip(ctx, texts, scores, strict=True):
             rows.append(
