@@ -234,6 +234,23 @@ def test_a_stage_reused_from_an_earlier_run_is_not_counted(
     assert kernel["total_s"] == pytest.approx(80.0) and kernel["rest_s"] == pytest.approx(80.0)
 
 
+def _stand_in_stage(monkeypatch, worker, run_algorithm, algos) -> None:
+    """`rl.worker` with a stand-in for `rl.stage` (`run_algorithm`, no model loads) and a
+    parameters object naming `algos`; its marks start empty, as a new process's do."""
+    import sys
+    import types
+
+    fake = types.ModuleType("rlxf_utils.rl.stage")
+    fake.run_algorithm = run_algorithm
+    fake.training_inputs = lambda cfg, run: ([], None, None)
+    monkeypatch.setitem(sys.modules, "rlxf_utils.rl.stage", fake)
+    monkeypatch.setattr(worker, "die_with_parent", lambda: None)
+    monkeypatch.setattr(worker, "hub_environment", lambda cfg: {})
+    cfg = types.SimpleNamespace(rl=types.SimpleNamespace(algorithm=list(algos)))
+    monkeypatch.setattr(worker, "load_config", lambda path: cfg)
+    timing.MARKS.clear()
+
+
 @pytest.mark.parametrize("trains", [True, False])
 def test_the_rl_worker_writes_its_timing_only_when_it_trained(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, trains: bool
@@ -241,8 +258,6 @@ def test_the_rl_worker_writes_its_timing_only_when_it_trained(
     """`rl.worker` marks the imports, the reward model loaded and the end, and writes
     `policy/<algo>/timing.json` when the stage trained (`run_algorithm` marks the loop); a stage
     found up to date writes none. The stage's own code is a stand-in here (no model loads)."""
-    import sys
-    import types
 
     from rlxf_utils.rl import worker
 
@@ -251,15 +266,7 @@ def test_the_rl_worker_writes_its_timing_only_when_it_trained(
             for m in ("policy_loaded", "train_start", "train_end"):
                 timing.mark(m)
 
-    fake = types.ModuleType("rlxf_utils.rl.stage")
-    fake.run_algorithm = run_algorithm
-    fake.training_inputs = lambda cfg, run: ([], None, None)
-    monkeypatch.setitem(sys.modules, "rlxf_utils.rl.stage", fake)
-    monkeypatch.setattr(worker, "die_with_parent", lambda: None)
-    monkeypatch.setattr(worker, "hub_environment", lambda cfg: {})
-    cfg = types.SimpleNamespace(rl=types.SimpleNamespace(algorithm=["ppo"]))
-    monkeypatch.setattr(worker, "load_config", lambda path: cfg)
-    timing.MARKS.clear()  # the worker's process starts with none
+    _stand_in_stage(monkeypatch, worker, run_algorithm, ["ppo"])
     monkeypatch.setenv(timing.LAUNCHED_AT, repr(time.time() - 1.0))
     monkeypatch.delenv("RANK", raising=False)
     argv = ["rl", "--params", "params.yaml", "--run-dir", str(tmp_path), "--algo", "ppo"]
@@ -281,8 +288,6 @@ def test_a_warm_worker_trains_its_algorithms_in_turn_each_with_its_own_timing(
     """`--algo ppo,grpo`: one process trains both in turn; before the second it announces it
     (the launcher's cue for the log) and clears the process's state; each writes its timing,
     the second without the launcher and imports it did not pay."""
-    import sys
-    import types
 
     from rlxf_utils.rl import worker
 
@@ -293,16 +298,8 @@ def test_a_warm_worker_trains_its_algorithms_in_turn_each_with_its_own_timing(
         for m in ("policy_loaded", "train_start", "train_end"):
             timing.mark(m)
 
-    fake = types.ModuleType("rlxf_utils.rl.stage")
-    fake.run_algorithm = run_algorithm
-    fake.training_inputs = lambda cfg, run: ([], None, None)
-    monkeypatch.setitem(sys.modules, "rlxf_utils.rl.stage", fake)
-    monkeypatch.setattr(worker, "die_with_parent", lambda: None)
-    monkeypatch.setattr(worker, "hub_environment", lambda cfg: {})
+    _stand_in_stage(monkeypatch, worker, run_algorithm, ["ppo", "grpo"])
     monkeypatch.setattr(worker, "fresh_process_state", lambda: events.append("cleared"))
-    cfg = types.SimpleNamespace(rl=types.SimpleNamespace(algorithm=["ppo", "grpo"]))
-    monkeypatch.setattr(worker, "load_config", lambda path: cfg)
-    timing.MARKS.clear()
     monkeypatch.setenv(timing.LAUNCHED_AT, repr(time.time() - 1.0))
     monkeypatch.delenv("RANK", raising=False)
     argv = ["rl", "--params", "p.yaml", "--run-dir", str(tmp_path), "--algo", "ppo,grpo"]
