@@ -120,14 +120,9 @@ def _one_pass_logprobs(
     """One forward pass per batch over prompt + response, pairs batched by total length."""
     import torch
 
-    n = len(seqs)
-    logp = np.zeros(n, dtype=np.float64)
-    order = sorted(range(n), key=lambda j: len(seqs[j][0]))
+    logp = np.zeros(len(seqs), dtype=np.float64)
     device = next(model.parameters()).device
-    for start in range(0, n, batch_size):
-        idx = order[start : start + batch_size]
-        if all(n_tok[j] == 0 for j in idx):
-            continue
+    for idx in _one_pass_batches(seqs, n_tok, batch_size):
         width = max(len(seqs[j][0]) for j in idx)
         ids = torch.full((len(idx), width), pad_id, dtype=torch.long)
         attn = torch.zeros((len(idx), width), dtype=torch.long)
@@ -191,18 +186,23 @@ def _prompt_batches(
     return batches
 
 
+def _one_pass_batches(
+    seqs: Sequence[tuple[list[int], int]], n_tok: np.ndarray, batch_size: int
+) -> list[list[int]]:
+    """`_one_pass_logprobs`'s batches: pairs sorted by total length, `batch_size` at a time,
+    leaving out a batch whose responses are all empty."""
+    order = sorted(range(len(seqs)), key=lambda j: len(seqs[j][0]))
+    chunks = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+    return [idx for idx in chunks if any(n_tok[j] for j in idx)]
+
+
 def _one_pass_tokens(
     seqs: Sequence[tuple[list[int], int]], n_tok: np.ndarray, batch_size: int
 ) -> int:
     """Positions (padding included) `_one_pass_logprobs` runs: its batches, each as wide as its
     longest pair."""
-    order = sorted(range(len(seqs)), key=lambda j: len(seqs[j][0]))
-    total = 0
-    for start in range(0, len(order), batch_size):
-        idx = order[start : start + batch_size]
-        if any(n_tok[j] for j in idx):
-            total += len(idx) * max(len(seqs[j][0]) for j in idx)
-    return total
+    batches = _one_pass_batches(seqs, n_tok, batch_size)
+    return sum(len(idx) * max(len(seqs[j][0]) for j in idx) for idx in batches)
 
 
 def _shared_tokens(

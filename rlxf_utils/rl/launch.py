@@ -82,6 +82,11 @@ def warm_groups(cfg: Any, names: Sequence[str]) -> list[list[str]]:
     return groups
 
 
+def _stage_names(name: str | Sequence[str] | None) -> list[str]:
+    """The algorithms a stage's `name` names: none (SFT), one, or a `warm_groups` group."""
+    return [name] if isinstance(name, str) else list(name or [])
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -135,7 +140,7 @@ def stage_command(
 ) -> list[str]:
     """The `accelerate launch` command line of one stage ('sft', or 'rl' with algorithm `name`,
     or several algorithms of one `warm_groups` group, trained in turn by one process)."""
-    names = [name] if isinstance(name, str) else list(name or [])
+    names = _stage_names(name)
     n = max([processes_for(cfg, stage, x) for x in names] or [processes_for(cfg, stage, None)])
     if len(names) > 1 and n > 1:
         raise ValueError(f"{names}: only one-process algorithms share a process")
@@ -167,7 +172,7 @@ def run_stage(
     if cfg.compute.processes == "kernel":
         return None
     cmd = stage_command(cfg, params_file, run_dir, stage, name)
-    names = [name] if isinstance(name, str) else list(name or [])
+    names = _stage_names(name)
     label = names[0] if names else stage
     log_path = Path(run_dir) / "policy" / label / "launch.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
