@@ -30,7 +30,7 @@ from rlxf_utils.stats import (
     tail_resamples,
     variance_components,
 )
-from rlxf_utils.stats.intervals import bm_df
+from rlxf_utils.stats.intervals import bm_df, bm_df_moments
 
 #: The default evaluation's shape: 48 prompts in 17 countries, 1 to 8 prompts each.
 SIZES = np.array([8, 6, 5, 4, 4, 3, 3, 3, 2, 2, 2, 1, 1, 1, 1, 1, 1])
@@ -66,6 +66,20 @@ def test_bell_mccaffrey_df_are_g_minus_1_for_equal_clusters_and_fewer_otherwise(
     assert bm_df([4] * 17, 0.0) == pytest.approx(16) and bm_df([4] * 17, 0.9) == pytest.approx(16)
     assert bm_df(SIZES, 0.0) == pytest.approx(10.446, abs=1e-3)  # large countries carry it
     assert bm_df(SIZES, 1.0) < bm_df(SIZES, 0.5) < bm_df(SIZES, 0.0) < 16
+
+
+def test_the_df_from_sums_over_clusters_is_the_matrix_df() -> None:
+    """`bm_df_moments` (O(G), for the search over thousands of countries) is `bm_df` to
+    rounding: uneven and equal clusters, correlations from negative to 1, one to 300 clusters."""
+    rng = np.random.default_rng(3)
+    for _ in range(400):
+        sizes = rng.integers(0, 30, int(rng.integers(1, 300)))
+        rho = float(rng.choice([0.0, 1.0, rng.uniform(-0.2, 1.0)]))
+        exact, fast = bm_df(sizes, rho), bm_df_moments(sizes, rho)
+        assert (math.isnan(exact) and math.isnan(fast)) or fast == pytest.approx(exact, rel=1e-12)
+    assert bm_df_moments(SIZES, 0.0) == pytest.approx(bm_df(SIZES, 0.0), rel=1e-12)
+    assert bm_df_moments([4] * 17, 0.9) == pytest.approx(16, rel=1e-12)
+    assert math.isnan(bm_df_moments([5], 0.3))  # one cluster: no df
 
 
 def test_tail_resamples_leave_fifty_beyond_each_bound() -> None:

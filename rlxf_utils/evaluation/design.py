@@ -14,7 +14,7 @@ curve's draws: drawn once per prompt whatever k is), measured by the stage's pha
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -23,6 +23,7 @@ import pandas as pd
 from rlxf_utils.stats import (
     COMPONENTS,
     bm_df,
+    bm_df_moments,
     choose_design,
     component_table,
     design_grid,
@@ -144,10 +145,11 @@ def countries_needed(
     counts = np.asarray([v for v in available.values() if v > 0], dtype=float)  # quantile sorts
     counts = counts if counts.size else np.ones(1)
 
-    def row(g: int) -> dict[str, float]:
+    def row(g: int, df_of: Callable[[Any, float], float] = bm_df_moments) -> dict[str, float]:
         per = np.maximum(np.rint(np.quantile(counts, (np.arange(g) + 0.5) / g)), 1.0)
-        return _row(comp, per.tolist(), k, c_sample, c_prompt, m, alpha, power)
+        return _row(comp, per.tolist(), k, c_sample, c_prompt, m, alpha, power, df_of)
 
+    # the search runs on the O(G) df (thousands of countries), the row it reports on `bm_df`
     lo = hi = max(len(available), 2)  # the MDE falls as countries are added: double, then halve
     while not row(hi)["mde"] <= target_mde:
         if hi >= max_countries:
@@ -156,17 +158,19 @@ def countries_needed(
     while hi - lo > 1:  # hi reaches the target, lo (when below hi) does not
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if row(mid)["mde"] <= target_mde else (mid, hi)
-    return row(hi)
+    return row(hi, bm_df)
 
 
 def _row(comp: Mapping[str, float], per_country: Sequence[int], k: int, c_sample: float,
-         c_prompt: float, m: int, alpha: float, power: float) -> dict[str, float]:  # fmt: skip
-    """The run's own design, with its actual prompts per country."""
+         c_prompt: float, m: int, alpha: float, power: float,
+         df_of: Callable[[Any, float], float] = bm_df) -> dict[str, float]:  # fmt: skip
+    """The run's own design, with its actual prompts per country (`df_of`: `bm_df`, or its
+    O(G) twin `bm_df_moments` where a search tries thousands of countries)."""
     p_g = np.asarray(per_country, dtype=float)
     se = design_se(comp, p_g, k)
     s2 = [0.0 if math.isnan(comp[c]) else comp[c] for c in COMPONENTS]
     between = s2[0] + s2[1] + s2[2] / k
-    df = bm_df(p_g, s2[0] / between if between > 0 else 0.0)
+    df = df_of(p_g, s2[0] / between if between > 0 else 0.0)
     p = float(p_g.sum())
     return {"prompts": p, "samples_per_prompt": k, "countries": int((p_g > 0).sum()), "se": se,
             "df": df, "mde": mde(se, m, alpha, power, df), "cost": p * (c_prompt + k * c_sample)}  # fmt: skip
