@@ -1086,3 +1086,17 @@ def test_length_family_reads_the_judges_scores_as_written(tmp_path, close_figure
     assert m.tables["risk_length_reward"].set_index("policy").loc[
         "ppo", "spearman"
     ] == pytest.approx(1.0)
+
+
+def test_average_ranks_are_scipys_rankdata() -> None:
+    """The bootstraps' Spearman ranks without scipy's checks: the same numbers, ties and all."""
+    from scipy import stats
+
+    from rlxf_utils.stats.correlation import average_ranks
+
+    rng = np.random.default_rng(5)
+    for _ in range(300):
+        n = int(rng.integers(1, 200))
+        x = rng.integers(0, int(rng.integers(1, 20)), n).astype(float)
+        x = rng.normal(size=n) if rng.random() < 0.3 else x  # few ties or many
+        assert np.array_equal(average_ranks(x), stats.rankdata(x))

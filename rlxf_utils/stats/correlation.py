@@ -40,7 +40,20 @@ def spearman(x: np.ndarray, y: np.ndarray) -> float:
     x, y = x[ok], y[ok]
     if x.size < 3 or np.ptp(x) == 0 or np.ptp(y) == 0:
         return math.nan
-    return float(np.corrcoef(stats.rankdata(x), stats.rankdata(y))[0, 1])
+    return float(np.corrcoef(average_ranks(x), average_ranks(y))[0, 1])
+
+
+def average_ranks(x: np.ndarray) -> np.ndarray:
+    """`scipy.stats.rankdata(x)` (ties share their average rank) of a 1-D array without NaNs,
+    by scipy's own steps without its checks, which cost 10x the ranking at a bootstrap's sizes:
+    the ranks are the same numbers (halves of integer sums, exact in floating point)."""
+    order = np.argsort(x, kind="mergesort")
+    xs = x[order]
+    first = np.r_[True, xs[1:] != xs[:-1]]
+    dense = np.empty(x.size, dtype=np.intp)
+    dense[order] = np.cumsum(first)
+    ends = np.r_[np.flatnonzero(first), x.size]
+    return 0.5 * (ends[dense] + ends[dense - 1] + 1)
 
 
 def spearman_ci(
