@@ -136,3 +136,36 @@ def test_before_after_samples_are_kept_and_only_a_changed_policy_samples_again(s
     run.write_text("policy/ppo/adapter/adapter_model.safetensors", "ppo retrained")
     go()
     assert sampled == ["base", "sft", "ppo", "ppo"]
+
+
+def test_held_out_log_probs_are_kept_and_only_a_changed_policy_scores_again(setup, monkeypatch):
+    """Notebook 04's held-out perplexity (`tables.heldout_perplexity`): each policy's log-probs
+    kept in `eval/draws/`; a rerun reads them back (equal tables, listed as reused), and after
+    one adapter changed only that policy scores again. Table 3's completions are kept the same
+    way (`draws.kept_pass`)."""
+    import pandas as pd
+
+    from rlxf_utils.evaluation import tables
+
+    cfg, run, pset, _ = setup
+    scored = []
+    real = pset.sequence_logprobs
+    pset.sequence_logprobs = lambda name, *a, **kw: scored.append(name) or real(name, *a, **kw)
+    pset.names = ["base", "sft", "ppo"]
+    monkeypatch.setattr(tables, "build_prompts", lambda rows, tok, t, p: PROMPTS[: len(rows)])
+    rows = pd.DataFrame({"description": ["w16 w17", "w18", "w19 w10 w11"], "y": [1, 0, 1],
+                         "country": ["A", "B", "A"]})  # fmt: skip
+    go = lambda timer: tables.heldout_perplexity(pset, rows, "", cfg, 2, run, timer)  # noqa: E731
+    first = go(PhaseTimer("evaluation"))
+    assert scored == ["base", "sft", "ppo"]
+    timer = PhaseTimer("evaluation")
+    again = go(timer)
+    assert scored == ["base", "sft", "ppo"]  # every policy read back
+    assert again[0].equals(first[0]) and again[1].equals(first[1])
+    assert timer.reused == [f"held-out perplexity {p}" for p in ("base", "sft", "ppo")]
+    run.write_text("policy/ppo/adapter/adapter_model.safetensors", "ppo retrained")
+    go(PhaseTimer("evaluation"))
+    assert scored == ["base", "sft", "ppo", "ppo"]
+    other = rows.assign(description=["w12", "w18", "w19 w10 w11"])  # other texts: scored anew
+    tables.heldout_perplexity(pset, other, "", cfg, 2, run, PhaseTimer("evaluation"))
+    assert scored[4:] == ["base", "sft", "ppo"]

@@ -446,7 +446,9 @@ def test_a_further_seed_of_the_smoke_run(smoke_run: Path, tmp_path: Path) -> Non
 
     reused = json.loads((seed / "eval/summary.json").read_text(encoding="utf-8"))["reused_draws"]
     assert {"samples base", "samples sft", "samples sft_met", "best-of-N pool"} <= set(reused)
-    assert "samples ppo" not in reused
+    kept = {f"{part} {p}" for part in ("table 3", "held-out perplexity") for p in ("base", "sft")}
+    assert kept <= set(reused)  # ... and so are the passes of the policies it did not train
+    assert not {"samples ppo", "table 3 ppo", "held-out perplexity ppo"} & set(reused)
     run_draws = json.loads((run_dir / "eval/summary.json").read_text(encoding="utf-8"))
     assert run_draws["reused_draws"] == []  # the run drew its own
     assert not (seed / "policy/grpo").exists()  # only the algorithms asked for

@@ -5,7 +5,8 @@ A further training seed (`rlxf seeds`) evaluates the start policy, the supervise
 best-of-N's pool with the run's own sampling seed on the same prompts: the very draws of the
 run's notebook 04, which the seed reads from the run's `eval/draws/` (linked into the seed, as
 `seeds.REUSED` lists) instead of drawing them again. A rerun of notebook 04 after one algorithm
-changed redraws only that algorithm's samples.
+changed redraws only that algorithm's samples. Table 3's completions and the held-out log-probs
+are kept here the same way, per policy (`kept_pass`).
 
 A draw is read back only when every part of its key (`draw_parts`) is the same: the weights that
 make the policy (the policy model's, its adapter files, and the start policy's, under which
@@ -21,7 +22,7 @@ the timer lists it among `reused` (the summary's `reused_draws`)."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import pandas as pd
@@ -59,4 +60,19 @@ def draw(cfg: Any, run: RunDir, pset: Any, kind: str, name: str, prompts: Sequen
     )  # fmt: skip
     if reused and timer is not None and phase is not None:
         timer.reuse(phase, seconds)
+    return df
+
+
+def kept_pass(cfg: Any, run: RunDir, kind: str, name: str, prompts: Sequence[str],
+              settings: Mapping[str, Any], make: Callable[[], pd.DataFrame], timer: Any,
+              label: str) -> pd.DataFrame:  # fmt: skip
+    """`make()`'s frame for policy `name`, kept beside the draws: a pass that depends only on
+    the policy's weights, `prompts` and `settings` (table 3's completions, the held-out
+    log-probs), so that a rerun after one algorithm changed, or a further seed, makes it
+    again for that algorithm alone. Read back, it is listed in `timer`'s `reused` as `label`;
+    its seconds are not counted (no phase of the design's costs is made this way)."""
+    parts = sampling_parts(cfg, run, name, prompts, 1, settings, DRAW_CODE)
+    df, seconds, reused = kept_frame(run, FOLDER, kind, name, parts, make)
+    if reused:
+        timer.read_back(label, seconds)
     return df

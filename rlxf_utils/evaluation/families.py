@@ -287,7 +287,7 @@ def heldout_perplexity_family(ev: Evaluation) -> Measured:
         held = heldout_rows(inp.labelled, inp.run.read_parquet("data/contexts.parquet"),
                             ec.heldout_rows, inp.seed)  # fmt: skip
         ppl, ppl_rows = heldout_perplexity(inp.pset, held, inp.cfg.rl.prompt_template, inp.cfg,
-                                           ec.logprob_batch_size)  # fmt: skip
+                                           ec.logprob_batch_size, inp.run, inp.timer)  # fmt: skip
     return Measured(
         {"eval_heldout_perplexity": ppl},
         {"heldout_perplexity": ppl.to_dict("records")},
@@ -302,7 +302,7 @@ def table3_family(ev: Evaluation) -> Measured:
     inp = ev.inp
     with inp.timer("table 3"):
         t3 = table3(inp.pset, inp.contexts, inp.labelled, inp.reward_model, inp.audit_model,
-                    inp.cfg)  # fmt: skip
+                    inp.cfg, inp.run, inp.timer)  # fmt: skip
     return Measured({"eval_table3": t3})
 
 

@@ -45,8 +45,13 @@ class PhaseTimer:
         count in its time (the cost of drawing, which the design reads), and it is listed in
         `reused`."""
         self.seconds[phase] = round(self.seconds.get(phase, 0.0) + seconds, 1)
-        self.reused.append(phase)
-        log.info("%s: %s read back from %s (drawn in %.0f s)", self.stage, phase, "eval/draws",
+        self.read_back(phase, seconds)
+
+    def read_back(self, what: str, seconds: float) -> None:
+        """`what` (a phase, or one policy's part of one) was read back from `eval/draws`, where
+        it took `seconds` when made: listed in `reused`, its time not counted."""
+        self.reused.append(what)
+        log.info("%s: %s read back from %s (made in %.0f s)", self.stage, what, "eval/draws",
                  seconds)  # fmt: skip
 
     @contextlib.contextmanager

@@ -3,6 +3,7 @@ of every snapshot, held-out perplexity and the paper's Table 3."""
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -12,6 +13,7 @@ import pandas as pd
 
 from rlxf_utils.artifacts import RunDir
 from rlxf_utils.evaluation.best_of_n import best_of_n_kl_bound
+from rlxf_utils.evaluation.draws import kept_pass
 from rlxf_utils.evaluation.measures import text_table
 from rlxf_utils.evaluation.sampling import (
     add_rewards,
@@ -264,8 +266,10 @@ def frontier_points(
 
 
 def table3(pset: PolicySet, contexts: Sequence[Mapping[str, Any]], labelled: pd.DataFrame,
-           reward_model: Any, audit_model: Any, cfg: Any) -> pd.DataFrame:  # fmt: skip
-    """The paper's Table 3: its completion prompts for held-out countries, pre- and post-RL."""
+           reward_model: Any, audit_model: Any, cfg: Any, run: RunDir, timer: Any) -> pd.DataFrame:  # fmt: skip
+    """The paper's Table 3: its completion prompts for held-out countries, pre- and post-RL.
+    Each policy's completions are kept in `eval/draws/` (`draws.kept_pass`): a rerun or a
+    further seed completes only the policies whose weights changed; all are scored again."""
     ec, rl = cfg.evaluation, cfg.rl
     counts = pd.Series([c["country"] for c in contexts]).value_counts(sort=False)
     countries = (
@@ -281,9 +285,11 @@ def table3(pset: PolicySet, contexts: Sequence[Mapping[str, Any]], labelled: pd.
         {"country": c, "arrangement_type": arrangement[c], "econ_descriptor": sc.econ_descriptor}
         for c, sc in items
     ]
-    rows = []
+    rows, kw = [], sampling_kwargs(cfg, False)
     for name in pset.names:
-        df = pset.generate(name, prompts, 1, f"Table 3 {name}", sampling_kwargs(cfg, False))
+        df = kept_pass(cfg, run, "table3", name, prompts, kw,
+                       lambda name=name: pset.generate(name, prompts, 1, f"Table 3 {name}", kw),
+                       timer, f"table 3 {name}")  # fmt: skip
         df["reward"] = reward_model.score(
             ctx, df["response"].tolist(), batch_size=rl.reward_batch_size
         )
@@ -297,7 +303,7 @@ def table3(pset: PolicySet, contexts: Sequence[Mapping[str, Any]], labelled: pd.
 
 
 def heldout_perplexity(pset: PolicySet, rows: pd.DataFrame, template: str, cfg: Any,
-                       batch: int) -> tuple[pd.DataFrame, pd.DataFrame]:  # fmt: skip
+                       batch: int, run: RunDir, timer: Any) -> tuple[pd.DataFrame, pd.DataFrame]:  # fmt: skip
     """Perplexity of held-out historical descriptions (+ end token) after their context's RL
     prompt, under every generated policy: MET and Non-MET rows separately, and all together;
     and per row and policy (`row`, `country`, `y`, `nll` summed over its `n_tokens`), for
@@ -305,14 +311,26 @@ def heldout_perplexity(pset: PolicySet, rows: pd.DataFrame, template: str, cfg: 
 
     The rows are of held-out (eval) countries, which neither SFT nor RL saw; a policy that writes
     MONA conditions finds them far likelier than the zero-shot base does.
+
+    Each policy's log-probs are kept in `eval/draws/` (`draws.kept_pass`), so a rerun or a
+    further seed scores only the policies whose weights changed.
     """
     prompts = build_prompts(rows.to_dict("records"), pset.tok, template, cfg.policy)
     texts = [" ".join(str(t).split()) for t in rows["description"]]
     y = rows["y"].to_numpy()
     out, per_row = [], []
-    for name in pset.names:
+    settings = {"texts": hashlib.sha256("\0".join(texts).encode()).hexdigest(),
+                "batch_size": int(batch), "append_eos": True, "padding_side": "left"}  # fmt: skip
+
+    def score(name: str) -> pd.DataFrame:
         lp, n = pset.sequence_logprobs(name, prompts, texts, batch, append_eos=True,
                                        padding_side="left")  # fmt: skip
+        return pd.DataFrame({"lp": lp, "n": n})
+
+    for name in pset.names:
+        kept = kept_pass(cfg, run, "perplexity", name, prompts, settings,
+                         lambda name=name: score(name), timer, f"held-out perplexity {name}")  # fmt: skip
+        lp, n = kept["lp"].to_numpy(), kept["n"].to_numpy()
         per_row.append(pd.DataFrame({"policy": name, "row": np.arange(len(rows)),
                                      "country": rows["country"].astype(str).to_numpy(), "y": y,
                                      "nll": -np.asarray(lp, float), "n_tokens": n}))  # fmt: skip
