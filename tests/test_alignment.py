@@ -644,6 +644,8 @@ def test_frontier_points_score_every_algorithms_snapshots(tmp_path, monkeypatch)
         "rlxf_utils.evaluation.tables.frame_logprobs", lambda m, tok, df, b: np.full(len(df), -5.0)
     )
     monkeypatch.setattr("rlxf_utils.evaluation.tables.add_rewards", fake_rewards)
+    # made afresh every time (keeping them is tests/test_draws.py's)
+    monkeypatch.setattr("rlxf_utils.evaluation.tables.kept_pass", lambda *a: a[6]())
     cfg = SimpleNamespace(
         evaluation=SimpleNamespace(frontier_max_checkpoints=None, frontier_samples_per_prompt=1,
                                    logprob_batch_size=4, n_boot=100, alpha=0.05,
@@ -657,7 +659,9 @@ def test_frontier_points_score_every_algorithms_snapshots(tmp_path, monkeypatch)
         lambda cfg, progress=True, trained=False: {},
     )
     contexts = [{"country": f"C{i}"} for i in range(3)]
-    f, snap_samples = frontier_points(pset, run, ["a", "b", "c"], contexts, None, None, cfg, False)
+    f, snap_samples = frontier_points(
+        pset, run, ["a", "b", "c"], contexts, None, None, cfg, None, False
+    )
     assert sorted(zip(f["algo"], f["step"], strict=True)) == sorted(
         (a, s) for a in ALGOS for s in (1, 2)
     )
@@ -670,7 +674,7 @@ def test_frontier_points_score_every_algorithms_snapshots(tmp_path, monkeypatch)
     # an algorithm that trained longer than rl.steps (ILHF from history counts its own steps):
     # its step-3 snapshot is a snapshot, not its final policy
     run.write_json(f"policy/{ALGOS[0]}/settings.json", {"steps": 4})
-    f, _ = frontier_points(pset, run, ["a", "b", "c"], contexts, None, None, cfg, False)
+    f, _ = frontier_points(pset, run, ["a", "b", "c"], contexts, None, None, cfg, None, False)
     assert sorted(f.loc[f["algo"] == ALGOS[0], "step"]) == [1, 2, 3]
 
 

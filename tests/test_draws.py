@@ -169,3 +169,30 @@ def test_held_out_log_probs_are_kept_and_only_a_changed_policy_scores_again(setu
     other = rows.assign(description=["w12", "w18", "w19 w10 w11"])  # other texts: scored anew
     tables.heldout_perplexity(pset, other, "", cfg, 2, run, PhaseTimer("evaluation"))
     assert scored[4:] == ["base", "sft", "ppo"]
+
+
+def test_a_snapshots_pass_is_kept_under_its_own_weights(setup):
+    """The frontier's snapshot samples (`draws.kept_pass` with `snapshot`): kept per snapshot,
+    read back while the snapshot's file is the same, made again when it changed, and one
+    snapshot's frame never stands for another's."""
+    import pandas as pd
+
+    cfg, run, _, _ = setup
+    made = []
+
+    def go(step: int) -> pd.DataFrame:
+        path = run.path(f"policy/ppo/snapshots/step_{step:06d}/adapter_model.safetensors")
+        make = lambda: made.append(step) or pd.DataFrame({"step": [step], "x": [0.5]})  # noqa: E731
+        return draws.kept_pass(cfg, run, "frontier", "ppo", PROMPTS, KW, make,
+                               PhaseTimer("evaluation"), f"frontier ppo step {step}", 2, path)  # fmt: skip
+
+    for step in (1, 2):
+        run.write_text(
+            f"policy/ppo/snapshots/step_{step:06d}/adapter_model.safetensors", f"s{step}"
+        )
+    assert go(1)["step"].tolist() == [1] and go(2)["step"].tolist() == [2]
+    assert go(1)["step"].tolist() == [1] and go(2)["step"].tolist() == [2]
+    assert made == [1, 2]  # the second time both were read back, each its own
+    run.write_text("policy/ppo/snapshots/step_000002/adapter_model.safetensors", "retrained")
+    go(1), go(2)
+    assert made == [1, 2, 2]

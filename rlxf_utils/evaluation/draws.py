@@ -5,8 +5,8 @@ A further training seed (`rlxf seeds`) evaluates the start policy, the supervise
 best-of-N's pool with the run's own sampling seed on the same prompts: the very draws of the
 run's notebook 04, which the seed reads from the run's `eval/draws/` (linked into the seed, as
 `seeds.REUSED` lists) instead of drawing them again. A rerun of notebook 04 after one algorithm
-changed redraws only that algorithm's samples. Table 3's completions and the held-out log-probs
-are kept here the same way, per policy (`kept_pass`).
+changed redraws only that algorithm's samples. Table 3's completions, the held-out log-probs and
+the RL snapshots' samples (the frontier) are kept here the same way, per policy (`kept_pass`).
 
 A draw is read back only when every part of its key (`draw_parts`) is the same: the weights that
 make the policy (the policy model's, its adapter files, and the start policy's, under which
@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
-from rlxf_utils.artifacts import RunDir
+from rlxf_utils.artifacts import RunDir, sha256_file
 from rlxf_utils.evaluation.sampling import sample_tuned
 from rlxf_utils.models.kept import kept_frame, sampling_parts
 
@@ -65,14 +66,20 @@ def draw(cfg: Any, run: RunDir, pset: Any, kind: str, name: str, prompts: Sequen
 
 def kept_pass(cfg: Any, run: RunDir, kind: str, name: str, prompts: Sequence[str],
               settings: Mapping[str, Any], make: Callable[[], pd.DataFrame], timer: Any,
-              label: str) -> pd.DataFrame:  # fmt: skip
+              label: str, k: int = 1, snapshot: Path | None = None) -> pd.DataFrame:  # fmt: skip
     """`make()`'s frame for policy `name`, kept beside the draws: a pass that depends only on
-    the policy's weights, `prompts` and `settings` (table 3's completions, the held-out
-    log-probs), so that a rerun after one algorithm changed, or a further seed, makes it
-    again for that algorithm alone. Read back, it is listed in `timer`'s `reused` as `label`;
-    its seconds are not counted (no phase of the design's costs is made this way)."""
-    parts = sampling_parts(cfg, run, name, prompts, 1, settings, DRAW_CODE)
-    df, seconds, reused = kept_frame(run, FOLDER, kind, name, parts, make)
+    the policy's weights, `prompts`, k and `settings` (table 3's completions, the held-out
+    log-probs, an RL snapshot's samples), so that a rerun after one algorithm changed, or a
+    further seed, makes it again for that algorithm alone. `snapshot`: the adapter file of one
+    of `name`'s snapshots, which `make` loads; its hash joins the key and the frame is kept as
+    `<name>.<its folder>`. Read back, the frame is listed in `timer`'s `reused` as `label`; its
+    seconds are not counted (no phase of the design's costs is made this way)."""
+    parts = sampling_parts(cfg, run, name, prompts, k, settings, DRAW_CODE)
+    keep_as = name
+    if snapshot is not None:
+        parts["snapshot"] = sha256_file(snapshot)
+        keep_as = f"{name}.{snapshot.parent.name}"
+    df, seconds, reused = kept_frame(run, FOLDER, kind, keep_as, parts, make)
     if reused:
         timer.read_back(label, seconds)
     return df

@@ -250,7 +250,7 @@ def frontier_family(ev: Evaluation) -> Measured:
         if ec.frontier:
             snaps, snap_samples = frontier_points(inp.pset, inp.run, inp.prompts, inp.contexts,
                                                   inp.reward_model, inp.audit_model, inp.cfg,
-                                                  inp.progress)  # fmt: skip
+                                                  inp.timer, inp.progress)  # fmt: skip
     curve = ev.tables["eval_best_of_n_curve"]
     frontier = pd.concat([pd.DataFrame(final), snaps, curve], ignore_index=True)
     return Measured(

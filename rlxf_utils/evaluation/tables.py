@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -224,13 +225,16 @@ def frontier_points(
     reward_model: Any,
     audit_model: Any,
     cfg: Any,
+    timer: Any,
     progress: bool = True,
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Reward, audit reward and KL of every algorithm's snapshots (evenly thinned to the
     configured count; the final policies are measured with the full sample count elsewhere), and
     the snapshots' samples (`algo`, `step`, `prompt_id`, rewards and log-probs: the
-    over-optimisation curve's per-prompt gains)."""
+    over-optimisation curve's per-prompt gains). Each snapshot's samples and log-probs are kept
+    in `eval/draws/` (`draws.kept_pass`), so a rerun samples only the snapshots that changed."""
     ec, rl = cfg.evaluation, cfg.rl
+    gen_kw = sampling_kwargs(cfg, progress, trained=True)
     rows, frames = [], []
     for algo in pset.algos:
         last = trained_steps(run, algo, rl.steps)  # the final policy is measured apart
@@ -246,11 +250,18 @@ def frontier_points(
             snaps = [snaps[i] for i in sorted(set(keep))]
         for path in snaps:
             step = int(path.parent.name.split("_")[1])
-            name = pset.load_snapshot(algo, path)
-            df = sample_tuned(pset, name, prompts, ec.frontier_samples_per_prompt, sampling_kwargs(cfg, progress, trained=True),
-                              ec.logprob_batch_size, desc=f"{algo} step {step}", judges=False)  # fmt: skip
-            with pset.reference() as ref:
-                df["logp_ref"] = frame_logprobs(ref, pset.tok, df, ec.logprob_batch_size)
+
+            def sample(algo: str = algo, path: Path = path, step: int = step) -> pd.DataFrame:
+                name = pset.load_snapshot(algo, path)
+                df = sample_tuned(pset, name, prompts, ec.frontier_samples_per_prompt, gen_kw,
+                                  ec.logprob_batch_size, desc=f"{algo} step {step}", judges=False)  # fmt: skip
+                with pset.reference() as ref:
+                    df["logp_ref"] = frame_logprobs(ref, pset.tok, df, ec.logprob_batch_size)
+                return df
+
+            df = kept_pass(cfg, run, "frontier", algo, prompts,
+                           {**gen_kw, "logprob_batch": ec.logprob_batch_size}, sample, timer,
+                           f"frontier {algo} step {step}", ec.frontier_samples_per_prompt, path)  # fmt: skip
             add_rewards(df, contexts, reward_model, audit_model, rl.reward_batch_size,
                         cut_responses=ec.cut_responses)  # fmt: skip
             per = df.groupby("prompt_id")["reward"].mean()
