@@ -149,12 +149,17 @@ def stage_rows(
 
 
 def _reward_compute(run: Path) -> float:
-    """Notebook 02's training and test-set scoring seconds: every `*_train_s` of
+    """Notebook 02's training and test-set scoring seconds (`_reward_seconds`, added)."""
+    return sum(_reward_seconds(run))
+
+
+def _reward_seconds(run: Path) -> tuple[float, float]:
+    """Notebook 02's (training, test-set scoring) seconds: every `*_train_s` of
     `reward/metrics.json` `timing`, and each `*_score_texts_per_s` turned back into seconds with
     its protocol's test rows (`tables/split_sizes.csv`; the rate is those rows over the seconds)."""
     path = run / "reward" / "metrics.json"
     if not path.is_file():
-        return 0.0
+        return 0.0, 0.0
     timing = json.loads(path.read_text()).get("timing") or {}
     sizes_path = run / "tables" / "split_sizes.csv"
     sizes = pd.read_csv(sizes_path) if sizes_path.is_file() else pd.DataFrame()
@@ -163,16 +168,46 @@ def _reward_compute(run: Path) -> float:
         if {"protocol", "part", "rows"} <= set(sizes.columns)
         else {}
     )
-    total = 0.0
+    train = score = 0.0
     for protocol, per in timing.items():
         for k, v in per.items():
             if v is None:
                 continue
             if k.endswith("_train_s"):
-                total += float(v)
+                train += float(v)
             elif k.endswith("_score_texts_per_s") and protocol in test_rows and float(v) > 0:
-                total += test_rows[protocol] / float(v)
-    return total
+                score += test_rows[protocol] / float(v)
+    return train, score
+
+
+#: `by_kind`'s rows, in order.
+KINDS = (
+    "training steps (reward encoders, SFT, RL)",
+    "evaluation and test-set scoring",
+    "start-up, loading, I/O",
+    "the rest",
+)
+
+
+def by_kind(run: str | Path, study: pd.DataFrame) -> pd.DataFrame:
+    """The whole run's seconds by what they buy (`KINDS`): the training steps (notebook 02's
+    encoder epochs, every launched stage's steps), evaluation (notebook 02's test-set scoring,
+    notebook 04's compute phases), start-up + loading + I/O, and the rest (cells, kernels, the
+    risk stage, the time between). Shares of the notebooks' summed seconds."""
+    nb = study[study["level"] == "notebook"]
+    rows = study[study["level"] != "notebook"]
+    total = float(nb["total_s"].sum())
+    train, score = _reward_seconds(Path(run))
+    steps = float(rows.loc[rows["stage"].str.endswith("(process)"), "compute_s"].sum())
+    phases = rows["stage"].str.startswith("phase: ")
+    evaluation = score + float(rows.loc[phases, "compute_s"].sum())
+    overhead = float(nb[["startup_s", "loading_s", "io_s"]].to_numpy().sum())
+    seconds = [train + steps, evaluation, overhead]
+    seconds.append(total - sum(seconds))
+    out = pd.DataFrame({"kind": KINDS, "seconds": seconds})
+    out["minutes"] = out["seconds"] / 60
+    out["percent"] = 100 * out["seconds"] / total if total > 0 else float("nan")
+    return out
 
 
 def eval_rows(run: Path, notebook: str) -> list[dict[str, Any]] | None:
@@ -393,7 +428,8 @@ def main(argv: list[str] | None = None) -> int:
     study.round(2).to_csv(out.with_suffix(".csv"), index=False)
     md = [f"# Where the time went: {args.run_dir}", "", args.note, "",
           "Seconds (wall). `rest` = total - the named parts. Written by `bench/profile_study.py`.",
-          "", _md(study.round(1))]  # fmt: skip
+          "", _md(study.round(1)), "", "## By what the seconds buy", "",
+          _md(by_kind(args.run_dir, study).round(1))]  # fmt: skip
     if tests is not None:
         tests.round(2).to_csv(out.parent / f"{out.name}_tests.csv", index=False)
         md += ["## Slow tests", "", f"{args.pytest_log}: {tests['total_s'].sum():.1f} s listed",

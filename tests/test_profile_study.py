@@ -182,6 +182,20 @@ def test_pytest_durations_split_the_smoke_fixture_from_its_test() -> None:
         ps.parse_durations("3 passed in 1.0s\n")
 
 
+def test_by_kind_splits_the_run_by_what_its_seconds_buy(fake_run: Path) -> None:
+    """Training: the encoders' and TF-IDF's 14.5 s and PPO's 50 s of steps; evaluation: the test
+    sets' 100/50 + 40/20 s and notebook 04's phases but the reused draw (30 + 10); the four add
+    up to the notebooks' 190 s."""
+    study = ps.profile_run(fake_run)
+    kinds = ps.by_kind(fake_run, study).set_index("kind")["seconds"]
+    assert list(kinds.index) == list(ps.KINDS)
+    assert kinds.iloc[0] == pytest.approx(14.5 + 50.0)
+    assert kinds.iloc[1] == pytest.approx(4.0 + 40.0)
+    nb = study[study["level"] == "notebook"]
+    assert kinds.iloc[2] == pytest.approx(nb[["startup_s", "loading_s", "io_s"]].sum().sum())
+    assert kinds.sum() == pytest.approx(190.0)
+
+
 def test_main_writes_the_table_and_figure(fake_run: Path, tmp_path: Path) -> None:
     log = tmp_path / "pytest.log"
     log.write_text(PYTEST_LOG)
@@ -191,6 +205,7 @@ def test_main_writes_the_table_and_figure(fake_run: Path, tmp_path: Path) -> Non
     assert set(csv["notebook"]) == {"02_reward_model", "03_ppo_finetuning", "04_evaluation"}
     assert (out.parent / "profile_fake_tests.csv").is_file()
     assert "Slow tests" in out.with_suffix(".md").read_text()
+    assert ps.KINDS[0] in out.with_suffix(".md").read_text()
     assert out.with_suffix(".png").stat().st_size > 0
 
 
