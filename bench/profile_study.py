@@ -148,11 +148,6 @@ def stage_rows(
     return rows
 
 
-def _reward_compute(run: Path) -> float:
-    """Notebook 02's training and test-set scoring seconds (`_reward_seconds`, added)."""
-    return sum(_reward_seconds(run))
-
-
 def _reward_seconds(run: Path) -> tuple[float, float]:
     """Notebook 02's (training, test-set scoring) seconds: every `*_train_s` of
     `reward/metrics.json` `timing`, and each `*_score_texts_per_s` turned back into seconds with
@@ -193,7 +188,7 @@ def by_kind(run: str | Path, study: pd.DataFrame) -> pd.DataFrame:
     """The whole run's seconds by what they buy (`KINDS`): the training steps (notebook 02's
     encoder epochs, every launched stage's steps), evaluation (notebook 02's test-set scoring,
     notebook 04's compute phases), start-up + loading + I/O, and the rest (cells, kernels, the
-    risk stage, the time between). Shares of the notebooks' summed seconds."""
+    risk stage, the time between), each with its percent of the notebooks' summed seconds."""
     nb = study[study["level"] == "notebook"]
     rows = study[study["level"] != "notebook"]
     total = float(nb["total_s"].sum())
@@ -266,7 +261,7 @@ def notebook_rows(run: Path, entry: dict[str, Any]) -> list[dict[str, Any]]:
                 rows.append(_row("cell", name, f"{label} (kernel)", rest, "papermill"))
             elif "run_reward_stage(" in src:
                 rows.append(_row("cell", name, label, dur, "reward/metrics.json",
-                                 compute_s=_reward_compute(run)))  # fmt: skip
+                                 compute_s=sum(_reward_seconds(run))))  # fmt: skip
             elif "run_evaluation_stage(" in src and eval_rows(run, name) is not None:
                 sub = eval_rows(run, name) or []
                 rows += sub
