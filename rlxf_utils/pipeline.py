@@ -152,8 +152,11 @@ def environment_info() -> dict[str, Any]:
     try:
         import torch
 
+        from rlxf_utils.config.precision import native_bf16
+
         info["torch_threads"] = torch.get_num_threads()
         info["cuda"] = torch.cuda.is_available()
+        info["native_bf16"] = native_bf16()  # what 'auto' precisions resolved to bf16 on
         if info["cuda"]:
             info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     except ImportError:

@@ -56,11 +56,48 @@ def _resolved_text(profile: Path) -> str:
 
 
 @pytest.mark.parametrize("profile", PROFILES, ids=lambda p: p.stem)
-def test_every_profile_resolves_to_its_golden_parameters(profile: Path) -> None:
+def test_every_profile_resolves_to_its_golden_parameters(profile: Path, monkeypatch) -> None:
     """smoke, paper and full say only what differs from default (`extends:`); what they resolve
-    to is, byte for byte, what they resolved to as full copies."""
+    to is, byte for byte, what they resolved to as full copies (on a machine with native bf16,
+    where the 'auto' precisions resolve to the bf16 the profiles named before they were 'auto')."""
+    monkeypatch.setenv("RLXF_NATIVE_BF16", "1")
     golden = GOLDEN / f"{profile.stem}.json"
     assert _resolved_text(profile) == golden.read_text(encoding="utf-8"), profile.name
+
+
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_auto_precision_resolves_to_what_the_machine_runs_natively(tmp_path, monkeypatch, native):
+    """The default's 'auto' precisions become bf16 where the machine runs bf16 natively and fp32
+    where it does not (an AVX2-only CPU: bf16 27x slower there), when the parameters are read: the
+    frozen parameters hold what ran. What a profile names explicitly is kept."""
+    from rlxf_utils.config.precision import native_bf16
+    from rlxf_utils.models.generation import autocast
+
+    monkeypatch.setenv("RLXF_NATIVE_BF16", native)
+    assert native_bf16("cpu") is (native == "1")
+    raw = yaml.safe_load((ROOT / "params" / "default.yaml").read_text())
+    assert (raw["policy"]["autocast"], raw["reward"]["train_precision"],
+            raw["reward"]["score_precision"]) == ("auto", "auto", "auto")  # fmt: skip
+    cfg = load_config(ROOT / "params" / "smoke.yaml")
+    got = (cfg.policy.autocast, cfg.reward.train_precision, cfg.reward.score_precision)
+    assert got == (("bfloat16", "bf16", "bf16") if native == "1" else (None, "fp32", "fp32"))
+    frozen = cfg.resolved()
+    assert (frozen["policy"]["autocast"], frozen["reward"]["train_precision"],
+            frozen["reward"]["score_precision"]) == got  # fmt: skip
+    assert load_config(write_params(tmp_path, lambda r: None)).policy.autocast == got[0]
+    explicit = write_params(tmp_path, lambda r: r["reward"].update(train_precision="bf16"))
+    assert load_config(explicit).reward.train_precision == "bf16"  # as written, on any machine
+    mpnet = write_params(tmp_path, lambda r: r["reward"]["compare_encoders"][0].update(
+        train_precision="auto"))  # fmt: skip
+    assert load_config(mpnet).reward.compare_encoders[0].train_precision == got[1]
+    with autocast("auto", "cpu"):  # a PolicyConfig read alone: resolved where it is used
+        import torch
+
+        x = torch.ones(2, 2) @ torch.ones(2, 2)
+    assert x.dtype == (torch.bfloat16 if native == "1" else torch.float32)
+    monkeypatch.setenv("RLXF_NATIVE_BF16", "yes")
+    with pytest.raises(ValueError, match="RLXF_NATIVE_BF16='yes': expected '0' or '1'"):
+        native_bf16("cpu")
 
 
 def test_the_profiles_besides_default_extend_it() -> None:

@@ -56,9 +56,14 @@ def _logprobs_by_hand(model, frame, autocast: str | None) -> np.ndarray:
     return np.array(out)
 
 
-@pytest.mark.parametrize("autocast", [None, "bfloat16"])  # bfloat16: the paper profile's
+@pytest.mark.parametrize("autocast", [None, "bfloat16"])  # bfloat16: the default's on bf16 CPUs
 def test_the_start_policys_kl_to_itself_is_zero_through_evaluation(tmp_path, monkeypatch, autocast):
+    from rlxf_utils.config.precision import native_bf16
     from rlxf_utils.models.loading import apply_lora
+
+    if autocast and not native_bf16("cpu"):  # the tolerances below are oneDNN's bf16 rounding's
+        pytest.skip("this CPU has no native bf16 (torch's reference GEMM rounds otherwise: 0.28 "
+                    "nats a response measured); the default runs fp32 here")  # fmt: skip
 
     run = RunDir(tmp_path / "run")
     for seed, name in enumerate(("sft", "sft_met")):  # adapters far from zero: merging rounds

@@ -38,9 +38,11 @@ class PolicyConfig(Section):
     """Format prompts with the tokenizer's chat template when it has one (plain text otherwise)."""
     system_prompt: str | None = None
     """Replaces the chat template's default system turn (null: the template's own)."""
-    autocast: Literal["bfloat16"] | None = None
+    autocast: Literal["bfloat16", "auto"] | None = None
     """Mixed precision for SFT, RL and evaluation: 'bfloat16' runs matmuls under torch.autocast
-    (CPUs with avx512_bf16 and GPUs); null keeps everything in `dtype`"""
+    (fast on CPUs with avx512_bf16 and on GPUs); null keeps everything in `dtype`; 'auto' is
+    'bfloat16' where the device runs bf16 natively and null elsewhere, resolved when the
+    parameters are read (`config.precision`)"""
     lora: LoraSettings = Field(default_factory=LoraSettings)
     """The LoRA adapters every trained policy uses (SFT, RL, ILHF's particles)."""
     sampler: Literal["compact", "transformers"] = "compact"

@@ -13,10 +13,12 @@ from rlxf_utils.config.base import Section
 RESERVED_REWARD_NAMES = ("encoder", "tfidf", "majority", "context_only", "text_only")
 
 
-Precision = Literal["fp32", "bf16"]
+#: 'auto': 'bf16' where the device runs bf16 natively, else 'fp32' (`config.precision`, resolved
+#: when the parameters are read).
+Precision = Literal["fp32", "bf16", "auto"]
 
 
-ScorePrecision = Literal["fp32", "bf16", "int8"]
+ScorePrecision = Literal["fp32", "bf16", "int8", "auto"]
 
 
 class CompareEncoder(Section):
@@ -108,11 +110,12 @@ class RewardConfig(Section):
     train_precision: Precision = "fp32"
     """Encoder fine-tuning arithmetic: fp32, or bf16 autocast (CPU avx512_bf16 / GPU). bf16 trains
     in about half the time and was not distinguishable from fp32 in what the encoder learns
-    (bench/reward_precision.py; docs/measurements.md); set fp32 on CPUs without avx512_bf16."""
+    (bench/reward_precision.py; docs/measurements.md); 'auto': bf16 where the device runs it
+    natively, else fp32 (an AVX2-only CPU runs bf16 products 27x slower than fp32)."""
     score_precision: ScorePrecision = "fp32"
     """How RL, evaluation and the risk notebook score with the encoder: fp32, bf16 weights, or
-    int8 dynamic quantisation of the encoder's linear layers (the classifier head stays fp32).
-    Notebook 02 checks the setting against fp32 (`score_tolerance`); bench/reward.py measures
+    int8 dynamic quantisation of the encoder's linear layers (the classifier head stays fp32);
+    'auto': bf16 where the device runs it natively, else fp32. Notebook 02 checks the setting against fp32 (`score_tolerance`); bench/reward.py measures
     each setting's throughput."""
     score_tolerance: float = Field(default=0.02, gt=0, lt=1)
     """Largest |P(MET) - fp32's P(MET)| on the reward protocol's test rows that

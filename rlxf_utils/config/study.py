@@ -294,6 +294,24 @@ class StudyConfig(Section):
         return self.run.seed if self.rl.seed is None else self.rl.seed
 
     @model_validator(mode="after")
+    def _resolve_auto_precision(self) -> StudyConfig:
+        """'auto' precisions become what this machine runs natively (`config.precision`), so the
+        frozen parameters, and every fingerprint over them, hold the arithmetic that ran."""
+        settings = [(self.policy, "autocast", "bfloat16", None),
+                    (self.reward, "train_precision", "bf16", "fp32"),
+                    (self.reward, "score_precision", "bf16", "fp32"),
+                    *[(c, "train_precision", "bf16", "fp32")
+                      for c in self.reward.compare_encoders]]  # fmt: skip
+        if any(getattr(section, key) == "auto" for section, key, _, _ in settings):
+            from rlxf_utils.config.precision import resolve
+
+            for section, key, bf16, fp32 in settings:
+                setattr(
+                    section, key, resolve(getattr(section, key), self.compute.device, bf16, fp32)
+                )
+        return self
+
+    @model_validator(mode="after")
     def _start_exists(self) -> StudyConfig:
         if self.rl.start_policy == "sft" and not self.sft.enabled:
             raise ValueError("rl.start_policy is 'sft' but sft.enabled is false")

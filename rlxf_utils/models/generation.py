@@ -19,6 +19,7 @@ from transformers import (
 )
 
 from rlxf_utils.config import PolicyConfig, RLConfig
+from rlxf_utils.config.precision import resolve as resolve_precision
 from rlxf_utils.models import decode
 from rlxf_utils.models.decode import autocast_kv_cache, frozen_weights_in_autocast_dtype
 from rlxf_utils.prompts import build_policy_prompt
@@ -98,10 +99,13 @@ def encode_prompts(
 
 
 def autocast(dtype: str | None, device: str | torch.device = "cpu") -> Any:
-    """torch.autocast for `policy.autocast` ('bfloat16') on `device`; a no-op context for None."""
+    """torch.autocast for `policy.autocast` ('bfloat16') on `device`; a no-op context for None.
+    'auto' (a `PolicyConfig` not read through `StudyConfig`, which resolves it): bf16 where
+    `device` runs it natively (`config.precision`)."""
+    kind = torch.device(device).type
+    dtype = resolve_precision(dtype, kind, "bfloat16", None)
     if dtype is None:
         return contextlib.nullcontext()
-    kind = torch.device(device).type
     # cache_enabled=False: autocast otherwise casts each trainable weight once per context and
     # reuses the copy, so a whole training loop run inside one context (TRL's train()) would
     # keep sampling and scoring with the weights it started from

@@ -179,13 +179,16 @@ class RewardModel:
         bench/reward.py: as fast as casting the weights, half its error against fp32); 'int8'
         applies dynamic int8 quantisation (torch.ao) to a copy's encoder linear layers on CPU, the
         classifier head kept in fp32. Calibration and prior correction are unchanged: they act on
-        the margins.
+        the margins. 'auto': 'bf16' where the model's device runs bf16 natively, else 'fp32'.
         """
         import copy
         import warnings
 
         import torch
 
+        from rlxf_utils.config.precision import resolve
+
+        precision = resolve(precision, self.device.type, "bf16", "fp32")
         if precision not in SCORE_PRECISIONS:
             raise ValueError(f"precision {precision!r}; expected one of {SCORE_PRECISIONS}")
         if precision == self.precision:
@@ -406,7 +409,10 @@ def score_precision_check(
     `score_texts(texts, batch_size)` on `rm` (the protocol's test predictions), so the check
     does not score the test set in fp32 a second time.
     """
+    from rlxf_utils.config.precision import resolve
+
     texts = list(texts)
+    precision = resolve(precision, rm.device.type, "bf16", "fp32")  # 'auto': what runs natively
     out: dict[str, Any] = {"requested": precision, "tolerance": tolerance, "n": len(texts)}
 
     def timed(model: RewardModel) -> tuple[np.ndarray, float]:

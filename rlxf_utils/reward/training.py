@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # heavy imports stay lazy so that `import rlxf_utils.reward` 
     import torch
 
 from rlxf_utils.config import RewardConfig
+from rlxf_utils.config.precision import resolve as resolve_precision
 from rlxf_utils.reward.calibration import (
     calibration_report,
     classification_metrics,
@@ -252,6 +253,7 @@ def _train_once_inner(
             return control
 
     keep = KeepBest()
+    device_type = resolve_device(None).type
     with tempfile.TemporaryDirectory(prefix="rlxf-reward-") as tmp:
         args = TrainingArguments(
             output_dir=str(work_dir or tmp),
@@ -268,8 +270,9 @@ def _train_once_inner(
             report_to="none",
             seed=seed,
             data_seed=seed,
-            use_cpu=resolve_device(None).type == "cpu",
-            bf16=cfg.train_precision == "bf16",  # autocast: CPU avx512_bf16 or GPU
+            use_cpu=device_type == "cpu",
+            # bf16 autocast: CPU avx512_bf16 or GPU ('auto': where the device runs it natively)
+            bf16=resolve_precision(cfg.train_precision, device_type, "bf16", "fp32") == "bf16",
             dataloader_num_workers=0,
             disable_tqdm=not cfg.progress,
         )
