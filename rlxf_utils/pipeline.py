@@ -32,6 +32,7 @@ from typing import Any
 
 from rlxf_utils.artifacts import FROZEN_PARAMS, RunDir, sha256_file
 from rlxf_utils.config import PROJECT_ROOT, load_config
+from rlxf_utils.config.precision import native_bf16
 from rlxf_utils.data.checks import load_data
 from rlxf_utils.freshness import clear_record, fingerprint, stage_spec, up_to_date, write_record
 from rlxf_utils.runtime import hub_environment, quiet_library_warnings
@@ -151,8 +152,6 @@ def environment_info() -> dict[str, Any]:
         info["memory_gib"] = None
     try:
         import torch
-
-        from rlxf_utils.config.precision import native_bf16
 
         info["torch_threads"] = torch.get_num_threads()
         info["cuda"] = torch.cuda.is_available()

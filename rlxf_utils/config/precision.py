@@ -3,8 +3,10 @@
 bf16 autocast pays only where the hardware runs bf16 matrix products natively: GPUs that support
 bf16, and CPUs whose oneDNN bf16 path torch uses (AVX-512 cores; `avx512_bf16`/AMX make it
 fast). Elsewhere (an AVX2-only CPU, e.g. an AMD Zen 3 EPYC) torch falls back to a reference GEMM:
-measured on such a machine, a 512x576x1536 bf16 product took 735 ms against 27 ms in fp32, 27x
-slower (docs/measurements.md), so a default of bf16 would turn the study's hour into a day.
+measured on such a machine (an AMD EPYC, family 25 model 1; `bench/precision.py`), a
+512x576x1536 bf16 product took 713 ms against 13 ms in fp32, 55x slower, and a forward pass of the
+embedded policy 5.5x slower: a default of bf16 there stalled the smoke study's mpnet encoder for
+over ten minutes in its first training step.
 
 `policy.autocast`, `reward.train_precision` and `reward.score_precision` accept 'auto', which
 `StudyConfig` resolves once, when the parameters are read, to bf16 where `native_bf16` holds and to

@@ -111,7 +111,7 @@ class RewardConfig(Section):
     """Encoder fine-tuning arithmetic: fp32, or bf16 autocast (CPU avx512_bf16 / GPU). bf16 trains
     in about half the time and was not distinguishable from fp32 in what the encoder learns
     (bench/reward_precision.py; docs/measurements.md); 'auto': bf16 where the device runs it
-    natively, else fp32 (an AVX2-only CPU runs bf16 products 27x slower than fp32)."""
+    natively, else fp32 (an AVX2-only CPU runs bf16 products 55x slower than fp32)."""
     score_precision: ScorePrecision = "fp32"
     """How RL, evaluation and the risk notebook score with the encoder: fp32, bf16 weights, or
     int8 dynamic quantisation of the encoder's linear layers (the classifier head stays fp32);

@@ -19,6 +19,7 @@ from rlxf_utils.config.policy import (
     RLGFConfig,
     SFTConfig,
 )
+from rlxf_utils.config.precision import resolve
 from rlxf_utils.config.reward import ForensicConfig, RewardConfig
 
 
@@ -303,8 +304,6 @@ class StudyConfig(Section):
                     *[(c, "train_precision", "bf16", "fp32")
                       for c in self.reward.compare_encoders]]  # fmt: skip
         if any(getattr(section, key) == "auto" for section, key, _, _ in settings):
-            from rlxf_utils.config.precision import resolve
-
             for section, key, bf16, fp32 in settings:
                 setattr(
                     section, key, resolve(getattr(section, key), self.compute.device, bf16, fp32)

@@ -52,6 +52,7 @@ import numpy as np
 import pandas as pd
 
 from rlxf_utils.artifacts import atomic_dir, write_json
+from rlxf_utils.config.precision import resolve
 from rlxf_utils.prompts import (
     CONTEXT_FIELDS,
     serialize_condition,
@@ -185,8 +186,6 @@ class RewardModel:
         import warnings
 
         import torch
-
-        from rlxf_utils.config.precision import resolve
 
         precision = resolve(precision, self.device.type, "bf16", "fp32")
         if precision not in SCORE_PRECISIONS:
@@ -409,8 +408,6 @@ def score_precision_check(
     `score_texts(texts, batch_size)` on `rm` (the protocol's test predictions), so the check
     does not score the test set in fp32 a second time.
     """
-    from rlxf_utils.config.precision import resolve
-
     texts = list(texts)
     precision = resolve(precision, rm.device.type, "bf16", "fp32")  # 'auto': what runs natively
     out: dict[str, Any] = {"requested": precision, "tolerance": tolerance, "n": len(texts)}
