@@ -431,11 +431,10 @@ def paper_page(report_html: str, sources: list[Source]) -> tuple[str, list[str]]
 
 
 def _machine(env: dict) -> str:
+    bf16 = {True: "native bf16", False: "no native bf16 ('auto' precisions ran fp32)"}
     bits = [env.get("platform", ""), f"{env.get('cpu_count', '?')} CPUs",
             f"{env.get('memory_gib', '?')} GiB memory", "CUDA" if env.get("cuda") else "no GPU",
-            {True: "native bf16", False: "no native bf16 ('auto' precisions ran fp32)"}.get(
-                env.get("native_bf16"), ""),
-            f"Python {env.get('python', '?')}"]  # fmt: skip
+            bf16.get(env.get("native_bf16"), ""), f"Python {env.get('python', '?')}"]  # fmt: skip
     return ", ".join(b for b in bits if b)
 
 
