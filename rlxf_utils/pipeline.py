@@ -155,7 +155,7 @@ def environment_info() -> dict[str, Any]:
 
         info["torch_threads"] = torch.get_num_threads()
         info["cuda"] = torch.cuda.is_available()
-        info["native_bf16"] = native_bf16()  # what 'auto' precisions resolved to bf16 on
+        info["native_bf16"] = native_bf16()  # the default device's: where 'auto' became bf16
         if info["cuda"]:
             info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     except ImportError:

@@ -68,8 +68,8 @@ def test_every_profile_resolves_to_its_golden_parameters(profile: Path, monkeypa
 @pytest.mark.parametrize("native", ["1", "0"])
 def test_auto_precision_resolves_to_what_the_machine_runs_natively(tmp_path, monkeypatch, native):
     """The default's 'auto' precisions become bf16 where the machine runs bf16 natively and fp32
-    where it does not (an AVX2-only CPU: bf16 products 55x slower there), when the parameters are read: the
-    frozen parameters hold what ran. What a profile names explicitly is kept."""
+    where it does not (an AVX2-only CPU: bf16 products 55x slower there), when the parameters are
+    read: the frozen parameters hold what ran. What a profile names explicitly is kept."""
     from rlxf_utils.config.precision import native_bf16
     from rlxf_utils.models.generation import autocast
 

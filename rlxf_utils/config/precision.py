@@ -47,8 +47,11 @@ def native_bf16(device: str = "auto") -> bool:
     return _detected(device)
 
 
-def resolve(value: str | None, device: str, bf16: str, fp32: str | None) -> str | None:
-    """`value` with 'auto' replaced: `bf16` where `device` runs bf16 natively, else `fp32`."""
+def resolve(
+    value: str | None, device: str, bf16: str = "bf16", fp32: str | None = "fp32"
+) -> str | None:
+    """`value` with 'auto' replaced: `bf16` where `device` runs bf16 natively, else `fp32` (the
+    reward keys' names by default; `policy.autocast` passes 'bfloat16' and None)."""
     if value != "auto":
         return value
     return bf16 if native_bf16(device) else fp32

@@ -115,8 +115,8 @@ class RewardConfig(Section):
     score_precision: ScorePrecision = "fp32"
     """How RL, evaluation and the risk notebook score with the encoder: fp32, bf16 weights, or
     int8 dynamic quantisation of the encoder's linear layers (the classifier head stays fp32);
-    'auto': bf16 where the device runs it natively, else fp32. Notebook 02 checks the setting against fp32 (`score_tolerance`); bench/reward.py measures
-    each setting's throughput."""
+    'auto': bf16 where the device runs it natively, else fp32. Notebook 02 checks the setting
+    against fp32 (`score_tolerance`); bench/reward.py measures each setting's throughput."""
     score_tolerance: float = Field(default=0.02, gt=0, lt=1)
     """Largest |P(MET) - fp32's P(MET)| on the reward protocol's test rows that
     `score_precision` may show; above it notebook 02 warns and the bundle keeps fp32"""

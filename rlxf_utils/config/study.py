@@ -298,16 +298,12 @@ class StudyConfig(Section):
     def _resolve_auto_precision(self) -> StudyConfig:
         """'auto' precisions become what this machine runs natively (`config.precision`), so the
         frozen parameters, and every fingerprint over them, hold the arithmetic that ran."""
-        settings = [(self.policy, "autocast", "bfloat16", None),
-                    (self.reward, "train_precision", "bf16", "fp32"),
-                    (self.reward, "score_precision", "bf16", "fp32"),
-                    *[(c, "train_precision", "bf16", "fp32")
-                      for c in self.reward.compare_encoders]]  # fmt: skip
-        if any(getattr(section, key) == "auto" for section, key, _, _ in settings):
-            for section, key, bf16, fp32 in settings:
-                setattr(
-                    section, key, resolve(getattr(section, key), self.compute.device, bf16, fp32)
-                )
+        if self.policy.autocast == "auto":
+            self.policy.autocast = resolve("auto", self.compute.device, "bfloat16", None)
+        keys = [(s, "train_precision") for s in (self.reward, *self.reward.compare_encoders)]
+        for section, key in [*keys, (self.reward, "score_precision")]:
+            if getattr(section, key) == "auto":
+                setattr(section, key, resolve("auto", self.compute.device))
         return self
 
     @model_validator(mode="after")

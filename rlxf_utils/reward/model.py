@@ -187,7 +187,7 @@ class RewardModel:
 
         import torch
 
-        precision = resolve(precision, self.device.type, "bf16", "fp32")
+        precision = resolve(precision, self.device.type)
         if precision not in SCORE_PRECISIONS:
             raise ValueError(f"precision {precision!r}; expected one of {SCORE_PRECISIONS}")
         if precision == self.precision:
@@ -409,7 +409,7 @@ def score_precision_check(
     does not score the test set in fp32 a second time.
     """
     texts = list(texts)
-    precision = resolve(precision, rm.device.type, "bf16", "fp32")  # 'auto': what runs natively
+    precision = resolve(precision, rm.device.type)  # 'auto': what runs natively
     out: dict[str, Any] = {"requested": precision, "tolerance": tolerance, "n": len(texts)}
 
     def timed(model: RewardModel) -> tuple[np.ndarray, float]:

@@ -272,7 +272,7 @@ def _train_once_inner(
             data_seed=seed,
             use_cpu=device_type == "cpu",
             # bf16 autocast: CPU avx512_bf16 or GPU ('auto': where the device runs it natively)
-            bf16=resolve_precision(cfg.train_precision, device_type, "bf16", "fp32") == "bf16",
+            bf16=resolve_precision(cfg.train_precision, device_type) == "bf16",
             dataloader_num_workers=0,
             disable_tqdm=not cfg.progress,
         )
