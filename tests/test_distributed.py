@@ -132,6 +132,74 @@ def test_one_process_algorithms_share_a_warm_process_and_the_rest_run_alone(
     assert warm_groups(apart, order) == [[a] for a in order]
 
 
+def test_side_by_side_lanes_deal_a_warm_group_and_share_the_cores(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`compute.parallel_stages`: a warm group dealt to the lanes in turn, an algorithm on
+    several processes alone; each lane's process gets its share of the cores whatever the
+    number of algorithms pending (SFT, on its own, all of them); a lane needs warm processes."""
+    import os
+
+    from rlxf_utils.config import ConfigError
+    from rlxf_utils.rl.launch import lanes, stage_command
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    order = ["ppo", "ppo_mle", "d2lols", "grpo", "rloo"]
+    two = load_config(_params(tmp_path, num_processes=1, parallel_stages=2))
+    assert lanes(two, order) == [["ppo", "d2lols", "rloo"], ["ppo_mle", "grpo"]]
+    assert lanes(two, ["kto"]) == [["kto"]]
+    three = load_config(_params(tmp_path, num_processes=1, parallel_stages=3))
+    assert lanes(three, order) == [["ppo", "grpo"], ["ppo_mle", "rloo"], ["d2lols"]]
+
+    def threads(cfg, stage, name):
+        cmd = stage_command(cfg, tmp_path / "p.yaml", tmp_path, stage, name)
+        return int(cmd[cmd.index("--num_cpu_threads_per_process") + 1])
+
+    assert threads(two, "rl", ["ppo", "d2lols"]) == threads(two, "rl", "kto") == 2
+    assert threads(three, "rl", "kto") == 1 and threads(two, "sft", None) == 4
+    one = load_config(_params(tmp_path, num_processes=1))
+    assert lanes(one, order) == [order] and threads(one, "rl", "kto") == 4
+    several = load_config(_params(tmp_path, num_processes=2, parallel_stages=2))
+    assert lanes(several, ["ppo"]) == [["ppo"]] and threads(several, "rl", "ppo") == 2
+    assert lanes(several, ["ilhf_history", "ilhf_online"]) == [["ilhf_history"], ["ilhf_online"]]
+    with pytest.raises(ConfigError, match="parallel_stages 2 .* warm_stages: true"):
+        load_config(_params(tmp_path, num_processes=1, parallel_stages=2, warm_stages=False))
+
+
+def test_lanes_run_side_by_side_and_a_failed_lane_lets_the_other_finish(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`run_lanes`: the lanes' processes run at the same time (each waits to see the other's
+    file), a lane that fails does not stop the other, and its failure is raised after both."""
+    import sys
+
+    from rlxf_utils.rl import launch
+
+    def command(cfg, params_file, run_dir, stage, name):
+        first = name if isinstance(name, str) else name[0]
+        other = {"ppo": "ppo_mle", "ppo_mle": "ppo"}[first]
+        script = (
+            "import pathlib, sys, time\n"
+            f"here, there = pathlib.Path({str(tmp_path)!r}) / {first!r}, "
+            f"pathlib.Path({str(tmp_path)!r}) / {other!r}\n"
+            "here.write_text('up')\n"
+            "end = time.monotonic() + 60\n"
+            "while not there.exists() and time.monotonic() < end: time.sleep(0.05)\n"
+            "print('INFO saw the other lane' if there.exists() else 'INFO alone', flush=True)\n"
+            f"if {first!r} == 'ppo_mle': sys.exit('ValueError: ppo_mle broke')\n"
+            "time.sleep(0.5); (here.parent / 'ppo.done').write_text('ok')\n"
+        )
+        return [sys.executable, "-c", script]
+
+    monkeypatch.setattr(launch, "stage_command", command)
+    cfg = load_config(_params(tmp_path, num_processes=1, parallel_stages=2))
+    echoed: list[str] = []
+    with pytest.raises(StageFailed, match="rl stage 'ppo_mle' failed.*ppo_mle broke"):
+        launch.run_lanes(cfg, tmp_path / "p.yaml", tmp_path, ["ppo", "ppo_mle"], echoed.append)
+    assert (tmp_path / "ppo.done").read_text() == "ok"  # the other lane ran to its end
+    assert {"[ppo] INFO saw the other lane", "[ppo_mle] INFO saw the other lane"} <= set(echoed)
+
+
 def test_a_warm_process_writes_each_algorithms_log_apart_and_names_the_one_that_failed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -223,7 +223,7 @@ def test_the_kernel_computes_the_marker_once_and_reads_what_the_worker_wrote(tmp
 
     from rlxf_utils.artifacts import RunDir
     from rlxf_utils.config import load_config
-    from rlxf_utils.rl import stage
+    from rlxf_utils.rl import launch, stage
 
     cfg = load_config(Path(__file__).resolve().parent.parent / "params/smoke.yaml")
     run = RunDir(tmp_path / "run")
@@ -232,7 +232,7 @@ def test_the_kernel_computes_the_marker_once_and_reads_what_the_worker_wrote(tmp
                         lambda algo, *a, **k: markers.append(algo) or {"algo": algo, "v": 1})  # fmt: skip
     monkeypatch.setattr(stage, "run_algorithm", lambda *a, **k: pytest.fail("trained twice"))
 
-    def worker(cfg, params_file, run_dir, stage_name, algo, writes=True):
+    def worker(cfg, params_file, run_dir, stage_name, algo, writes=True, **_):
         launched.append(algo)
         out = Path(run_dir) / "policy" / algo
         out.mkdir(parents=True, exist_ok=True)
@@ -240,14 +240,14 @@ def test_the_kernel_computes_the_marker_once_and_reads_what_the_worker_wrote(tmp
         if writes:
             (out / "complete.json").write_text(json.dumps({"algo": algo, "v": 1}))
 
-    monkeypatch.setattr(stage, "run_stage", worker)
+    monkeypatch.setattr(launch, "run_stage", worker)
     go = lambda: stage.train_or_read("ppo", cfg, "p.yaml", run, toy_reward, [{}])  # noqa: E731
     assert go()["algo"].tolist() == ["ppo"]
     assert (markers, launched) == (["ppo"], ["ppo"])
     assert go()["step"].tolist() == [1]  # up to date: read, not launched again
     assert (markers, launched) == (["ppo", "ppo"], ["ppo"])
     (run.path("policy/ppo/complete.json")).write_text(json.dumps({"algo": "ppo", "v": 0}))
-    monkeypatch.setattr(stage, "run_stage", lambda *a, **k: worker(*a, **k, writes=False))
+    monkeypatch.setattr(launch, "run_stage", lambda *a, **k: worker(*a, **k, writes=False))
     with pytest.raises(RuntimeError, match="ppo: its training process ended without writing .*complete.json"):  # fmt: skip
         go()
     # `compute.processes: kernel`: trained in this process, with the marker computed here

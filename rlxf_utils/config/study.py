@@ -234,6 +234,13 @@ class ComputeConfig(Section):
     """'per_stage': consecutive one-process RL algorithms train in turn in one warm process (the
     imports and the reward model loaded once; accelerate's state cleared between them);
     false: each in a process of its own"""
+    parallel_stages: int = Field(default=1, ge=1)
+    """Warm processes that train the one-process RL algorithms side by side, each with
+    `cpu_count // parallel_stages` threads: a warm group's algorithms are dealt to them in turn
+    (lane i: the group's algorithms i, i + n, ...). On two CPU cores, where a stage's small
+    products keep its second thread idle much of the time, 2 lanes of one thread each train
+    more algorithms per minute. An algorithm's thread count follows from this setting alone,
+    never from how many algorithms are pending (a rerun of one trains as the first run did)."""
     accelerate_config: Path | None = None
     """None: one process with accelerate's defaults"""
     num_processes: int = Field(default=1, ge=1)
@@ -243,11 +250,17 @@ class ComputeConfig(Section):
     turns it off; HF_HUB_OFFLINE set in the environment still wins"""
 
     @model_validator(mode="after")
-    def _kernel_is_one_process(self) -> ComputeConfig:
+    def _processes_fit(self) -> ComputeConfig:
         if self.processes == "kernel" and self.num_processes > 1:
             raise ValueError(
                 f"processes 'kernel' trains inside the notebook: one process, but num_processes "
                 f"is {self.num_processes}; use processes: per_stage"
+            )
+        if self.parallel_stages > 1 and not (self.processes == "per_stage" and self.warm_stages):
+            raise ValueError(
+                f"parallel_stages {self.parallel_stages} runs warm processes side by side: it "
+                f"needs processes: per_stage and warm_stages: true (got {self.processes!r}, "
+                f"{self.warm_stages})"
             )
         return self
 

@@ -34,6 +34,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,24 @@ def warm_groups(cfg: Any, names: Sequence[str]) -> list[list[str]]:
     return groups
 
 
+def lanes(cfg: Any, group: Sequence[str]) -> list[list[str]]:
+    """A warm group's algorithms dealt to `compute.parallel_stages` side-by-side processes:
+    lane i trains the group's algorithms i, i + n, i + 2n, ... in turn (fewer lanes when the
+    group is shorter). A group of one several-process algorithm is one lane."""
+    n = cfg.compute.parallel_stages
+    if len(group) == 1 and processes_for(cfg, "rl", group[0]) > 1:
+        return [list(group)]
+    return [list(group[i::n]) for i in range(min(n, len(group)))]
+
+
+def stage_threads(cfg: Any, stage: str, n: int) -> int:
+    """Torch threads of each process of a stage on `n` processes: the cores shared among them,
+    and among `compute.parallel_stages` lanes for the one-process RL algorithms (whatever the
+    number of lanes running: an algorithm's threads follow from the settings alone)."""
+    side = cfg.compute.parallel_stages if stage == "rl" and n == 1 else 1
+    return max(1, (os.cpu_count() or 1) // (n * side))
+
+
 def _stage_names(name: str | Sequence[str] | None) -> list[str]:
     """The algorithms a stage's `name` names: none (SFT), one, or a `warm_groups` group."""
     return [name] if isinstance(name, str) else list(name or [])
@@ -93,9 +112,11 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def accelerate_args(config_file: str | Path | None, n: int, device: str = "auto") -> list[str]:
+def accelerate_args(config_file: str | Path | None, n: int, device: str = "auto",
+                    threads: int | None = None) -> list[str]:  # fmt: skip
     """`accelerate launch ...` up to the program: a config file, or
-    accelerate's defaults said out loud; `n` processes on a free local port; `--cpu` for one
+    accelerate's defaults said out loud; `n` processes on a free local port, each with
+    `threads` torch threads (default: the cores shared among them); `--cpu` for one
     process without CUDA (or with `device` 'cpu'). Several processes without CUDA run DDP over
     gloo: accelerate's `--multi_gpu` launcher falls back to MULTI_CPU (its `--cpu` launcher
     would need MPI)."""
@@ -110,7 +131,8 @@ def accelerate_args(config_file: str | Path | None, n: int, device: str = "auto"
         if n > 1:
             cmd += ["--multi_gpu"]
     cmd += ["--num_processes", str(n), "--main_process_port", str(_free_port())]
-    cmd += ["--num_cpu_threads_per_process", str(max(1, (os.cpu_count() or 1) // n))]
+    threads = threads or max(1, (os.cpu_count() or 1) // n)
+    cmd += ["--num_cpu_threads_per_process", str(threads)]
     if n == 1 and (device == "cpu" or not torch.cuda.is_available()):
         cmd += ["--cpu"]
     return cmd
@@ -148,7 +170,8 @@ def stage_command(
     # the config file describes the whole job; a one-process stage of a multi-process job
     # (SFT, ILHF) runs with accelerate's defaults instead
     whole = cfg.compute.accelerate_config is not None and n == cfg.compute.num_processes
-    cmd = accelerate_args(cfg.compute.accelerate_config if whole else None, n, cfg.compute.device)
+    cmd = accelerate_args(cfg.compute.accelerate_config if whole else None, n, cfg.compute.device,
+                          stage_threads(cfg, stage, n))  # fmt: skip
     cmd += ["-m", "rlxf_utils.rl.worker", stage, "--params", str(Path(params_file).resolve())]
     cmd += ["--run-dir", str(Path(run_dir).resolve())]
     return cmd + (["--algo", name] if name else [])
@@ -161,6 +184,7 @@ def run_stage(
     stage: str,
     name: str | Sequence[str] | None = None,
     echo: Callable[[str], Any] | None = print,
+    started: Callable[[subprocess.Popen], Any] | None = None,
 ) -> Path | None:
     """Run a stage in its own process (or do nothing with `compute.processes: kernel`), streaming
     its output through `echo` into `policy/<name or sft>/launch.log`; returns the log's path.
@@ -191,6 +215,8 @@ def run_stage(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
             bufsize=1, errors="replace",
         )  # fmt: skip
+        if started:
+            started(proc)
         assert proc.stdout is not None
         try:
             for line in proc.stdout:
@@ -225,6 +251,42 @@ def run_stage(
             + f"\n  last lines of {log_path}:\n{shown}"
         )
     return log_path
+
+
+def run_lanes(
+    cfg: Any,
+    params_file: str | Path,
+    run_dir: str | Path,
+    group: Sequence[str],
+    echo: Callable[[str], Any] | None = print,
+) -> None:
+    """Train a `warm_groups` group: its `lanes`, each a warm process (`run_stage`), side by side.
+    Every lane runs to its end even when another fails (what it trains is kept), then the first
+    failure is raised; an interrupt takes every lane's process down."""
+    todo = lanes(cfg, group)
+    if len(todo) == 1:
+        run_stage(cfg, params_file, run_dir, "rl", _one(todo[0]), echo=echo)
+        return
+    procs: list[subprocess.Popen] = []
+    pool = ThreadPoolExecutor(len(todo), thread_name_prefix="rlxf-lane")
+    futures = [pool.submit(run_stage, cfg, params_file, run_dir, "rl", _one(lane), echo=echo,
+                           started=procs.append) for lane in todo]  # fmt: skip
+    try:
+        wait(futures)
+    except BaseException:  # the kernel interrupted: no lane outlives it
+        for proc in procs:
+            proc.kill()
+        raise
+    finally:
+        pool.shutdown(wait=True)
+    for future in futures:
+        if future.exception() is not None:
+            raise future.exception()
+
+
+def _one(lane: list[str]) -> str | list[str]:
+    """A lane as `run_stage` names it: one algorithm, or a warm process's several."""
+    return lane if len(lane) > 1 else lane[0]
 
 
 def die_with_parent() -> None:

@@ -46,7 +46,7 @@ from rlxf_utils.rl.experience import (
     record_experience,
     sft_experience,
 )
-from rlxf_utils.rl.launch import processes_for, run_stage, warm_groups
+from rlxf_utils.rl.launch import processes_for, run_lanes, run_stage, warm_groups
 from rlxf_utils.rl.sft import is_trained as sft_is_trained
 from rlxf_utils.rl.sft import loss_figure, run_sft_stage
 from rlxf_utils.rl.tables import (
@@ -283,8 +283,9 @@ def train_or_read_all(
     contexts: Sequence[Mapping[str, Any]],
 ) -> list[pd.DataFrame]:
     """`train_or_read` for each of `algos`: those not up to date train in processes grouped by
-    `rl.launch.warm_groups` (one warm process for consecutive one-process algorithms), then
-    every log is read from what the processes wrote."""
+    `rl.launch.warm_groups` (one warm process for consecutive one-process algorithms, or
+    `compute.parallel_stages` of them side by side: `rl.launch.run_lanes`), then every log is
+    read from what the processes wrote."""
     markers = {a: algorithm_marker(a, cfg, run.root, len(contexts)) for a in algos}
     if cfg.compute.processes == "kernel":
         return [run_algorithm(a, cfg, run.root, reward_fn, contexts, marker=markers[a])
@@ -292,7 +293,7 @@ def train_or_read_all(
     done = {a: run.path(f"policy/{a}/complete.json") for a in algos}
     pending = [a for a in algos if not _matches(done[a], markers[a])]
     for group in warm_groups(cfg, pending):
-        run_stage(cfg, params_file, run.root, "rl", group if len(group) > 1 else group[0])
+        run_lanes(cfg, params_file, run.root, group)  # side by side: `compute.parallel_stages`
     for a in pending:
         if not _matches(done[a], markers[a]):
             raise RuntimeError(
