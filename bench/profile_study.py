@@ -138,14 +138,39 @@ def stage_rows(
                 "loading_s": timing.get("reward_loaded_s", 0.0) + timing.get("policy_loaded_s", 0.0),
                 "io_s": timing.get("written_s", 0.0) if name != "sft" else 0.0,
             }  # fmt: skip
-            rows.append(_row("stage", notebook, label, max(total, sum(parts.values())),
-                             "timing.json", **parts))  # fmt: skip
-            continue
-        started = folder / "started.json"
-        startup = started.stat().st_mtime - start if started.is_file() and start else 0.0
-        rows.append(_row("stage", notebook, label, total, "file times",
-                         compute_s=compute, startup_s=max(0.0, startup)))  # fmt: skip
+            total = max(total, sum(parts.values()))
+            rows.append(_row("stage", notebook, label, total, "timing.json", **parts))
+        else:
+            started = folder / "started.json"
+            startup = started.stat().st_mtime - start if started.is_file() and start else 0.0
+            rows.append(_row("stage", notebook, label, total, "file times",
+                             compute_s=compute, startup_s=max(0.0, startup)))  # fmt: skip
+        rows[-1]["span"] = (end - total, end)
     return rows
+
+
+def wall_shares(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Stage rows whose processes ran side by side (`compute.parallel_stages`) overlap in time:
+    each row's seconds are scaled by the wall time the processes' union covered over their
+    summed seconds, so a notebook's rows still add up to its wall time, and labelled so. Rows
+    that did not overlap come back as they were. Drops each row's `span` (start, end)."""
+    spans = sorted(r.pop("span") for r in rows)
+    summed = sum(e - s for s, e in spans)
+    covered, reach = 0.0, float("-inf")
+    for s, e in spans:  # the union's length
+        covered += max(0.0, e - max(s, reach))
+        reach = max(reach, e)
+    if not rows or summed <= covered + 1e-6:
+        return rows
+    share = covered / summed
+    out = []
+    for r in rows:
+        parts = {c: r[c] * share for c in CATEGORIES if c != "rest_s"}
+        stage = r["stage"].replace(" (process)", " (process, side by side: share of the wall)")
+        out.append(
+            _row(r["level"], r["notebook"], stage, r["total_s"] * share, r["basis"], **parts)
+        )
+    return out
 
 
 def _reward_seconds(run: Path) -> tuple[float, float]:
@@ -255,7 +280,7 @@ def notebook_rows(run: Path, entry: dict[str, Any]) -> list[dict[str, Any]]:
                 sft = "sft_step(" in src
                 names = ["sft"] if sft else _algorithms(run)
                 t0 = _time(c["metadata"]["papermill"]["start_time"])
-                sub = stage_rows(run, name, names, (t0, t0 + dur))
+                sub = wall_shares(stage_rows(run, name, names, (t0, t0 + dur)))
                 rows += sub
                 rest = dur - sum(r["total_s"] for r in sub)
                 rows.append(_row("cell", name, f"{label} (kernel)", rest, "papermill"))

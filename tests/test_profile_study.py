@@ -141,6 +141,35 @@ def test_profile_uses_the_stages_timing_file(fake_run: Path) -> None:
     assert r["rest_s"] == pytest.approx(70.0 - 4 - 6 - 1.5 - 50)
 
 
+def test_stages_side_by_side_share_the_wall_they_covered(
+    fake_run: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two lanes (`compute.parallel_stages`): GRPO's 50 s ran inside PPO's 70 s, so their rows
+    scale to the 70 s of wall time they covered, and the cell's kernel rest stays 80 - 70."""
+    manifest = json.loads((fake_run / "manifest.json").read_text())
+    manifest["params"]["rl"]["algorithm"] = ["ppo", "grpo"]
+    (fake_run / "manifest.json").write_text(json.dumps(manifest))
+    grpo = fake_run / "policy/grpo"
+    _touch(grpo / "launch.log", LAUNCH + 55.0, "log")
+    _touch(grpo / "complete.json", LAUNCH + 60.0)
+    pd.DataFrame({"step": [1], "step_time_s": [40.0]}).to_parquet(grpo / "train_log.parquet")
+    births = {"ppo": LAUNCH, "grpo": LAUNCH + 10.0}
+    monkeypatch.setattr(ps, "_birth", lambda p: births.get(p.parent.name))
+    df = ps.profile_run(fake_run)
+    _check_sums(df)
+    side = df[df["stage"].str.contains("side by side")].set_index("stage")["total_s"]
+    share = 70.0 / 120.0
+    assert side.to_dict() == pytest.approx({
+        "ppo (process, side by side: share of the wall)": 70.0 * share,
+        "grpo (process, side by side: share of the wall)": 50.0 * share,
+    })  # fmt: skip
+    assert df[df["stage"].str.endswith("(kernel)")].iloc[0]["total_s"] == pytest.approx(10.0)
+    steps = df.loc[df["stage"].str.contains("side by side"), "compute_s"]
+    assert steps.sum() == pytest.approx((50.0 + 40.0) * share)
+    alone = [{"span": (0.0, 5.0), "stage": "x"}, {"span": (5.0, 9.0), "stage": "y"}]
+    assert ps.wall_shares([dict(r) for r in alone]) == [{"stage": "x"}, {"stage": "y"}]
+
+
 def test_profile_names_what_is_missing(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="manifest.json"):
         ps.profile_run(tmp_path)
