@@ -366,9 +366,10 @@ def test_a_killed_study_resumes_to_the_same_artifacts(smoke_run: Path, tmp_path:
     equals the uninterrupted run's (timings aside; `rlxf_utils.compare`). The killed run starts
     from a hard-linked copy of the smoke run without PPO and DPO, so only notebook 03 reruns: the
     same resume path as a killed whole study (01 and 02 reused), for a tenth of its minutes.
-    DPO trains after PPO in the rerun's warm process (`rl.launch.warm_groups`), after KTO in the
-    smoke run's: the same artifacts, so nothing one algorithm leaves in the process reaches the
-    next."""
+    The smoke profile trains in two side-by-side lanes (`compute.parallel_stages`): in the
+    rerun PPO and DPO train beside each other, in the smoke run DPO trained in PPO's lane after
+    ILHF-online: the same artifacts, so nothing one algorithm leaves in a warm process, and
+    nothing a lane beside it does, reaches the next."""
     import os
     import shutil
     import subprocess
