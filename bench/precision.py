@@ -23,7 +23,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _cpu() -> dict:
+def cpu_facts() -> dict:
     flags, model = set(), platform.processor()
     try:
         text = Path("/proc/cpuinfo").read_text()
@@ -82,7 +82,7 @@ def main() -> None:
                      "matmul_gflops": round(2 * 512 * 576 * 1536 / mm / 1e9, 1),
                      "forward_s": round(fw, 3)})  # fmt: skip
         print(rows[-1], flush=True)
-    cpu = _cpu()
+    cpu = cpu_facts()
     result = {
         "cpu": cpu,
         "native_bf16": native_bf16("cpu"),
