@@ -197,6 +197,7 @@ def test_lanes_run_side_by_side_and_a_failed_lane_lets_the_other_finish(
     with pytest.raises(StageFailed, match="rl stage 'ppo_mle' failed.*ppo_mle broke"):
         launch.run_lanes(cfg, tmp_path / "p.yaml", tmp_path, ["ppo", "ppo_mle"], echoed.append)
     assert (tmp_path / "ppo.done").read_text() == "ok"  # the other lane ran to its end
+    assert echoed[0].startswith("2 warm processes side by side") and "ppo | ppo_mle" in echoed[0]
     assert {"[ppo] INFO saw the other lane", "[ppo_mle] INFO saw the other lane"} <= set(echoed)
 
 

@@ -267,6 +267,10 @@ def run_lanes(
     if len(todo) == 1:
         run_stage(cfg, params_file, run_dir, "rl", _one(todo[0]), echo=echo)
         return
+    if echo:
+        echo(f"{len(todo)} warm processes side by side (compute.parallel_stages), "
+             f"{stage_threads(cfg, 'rl', 1)} thread(s) each: "
+             + " | ".join(", ".join(lane) for lane in todo))  # fmt: skip
     procs: list[subprocess.Popen] = []
     pool = ThreadPoolExecutor(len(todo), thread_name_prefix="rlxf-lane")
     futures = [pool.submit(run_stage, cfg, params_file, run_dir, "rl", _one(lane), echo=echo,
