@@ -201,6 +201,42 @@ def test_lanes_run_side_by_side_and_a_failed_lane_lets_the_other_finish(
     assert {"[ppo] INFO saw the other lane", "[ppo_mle] INFO saw the other lane"} <= set(echoed)
 
 
+def test_an_interrupt_takes_every_lane_down(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kernel interrupted while two lanes train: `run_lanes` kills both processes and
+    re-raises at once, instead of waiting for them to end."""
+    import _thread
+    import sys
+    import threading
+    import time
+
+    import psutil
+
+    from rlxf_utils.rl import launch
+
+    def command(cfg, params_file, run_dir, stage, name):
+        script = f"import os, pathlib, time; pathlib.Path({str(tmp_path)!r}, {name!r}).write_text(str(os.getpid())); time.sleep(120)"  # fmt: skip
+        return [sys.executable, "-c", script]
+
+    def interrupt_when_both_run() -> None:
+        end = time.monotonic() + 30
+        while time.monotonic() < end and not all((tmp_path / a).exists() for a in ("ppo", "grpo")):
+            time.sleep(0.05)
+        _thread.interrupt_main()
+
+    monkeypatch.setattr(launch, "stage_command", command)
+    cfg = load_config(_params(tmp_path, num_processes=1, parallel_stages=2))
+    threading.Thread(target=interrupt_when_both_run, daemon=True).start()
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        launch.run_lanes(cfg, tmp_path / "p.yaml", tmp_path, ["ppo", "grpo"], echo=None)
+    assert time.monotonic() - t0 < 60
+    for a in ("ppo", "grpo"):
+        pid = int((tmp_path / a).read_text())
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
 def test_a_warm_process_writes_each_algorithms_log_apart_and_names_the_one_that_failed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -31,6 +31,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -272,13 +273,22 @@ def run_lanes(
              f"{stage_threads(cfg, 'rl', 1)} thread(s) each: "
              + " | ".join(", ".join(lane) for lane in todo))  # fmt: skip
     procs: list[subprocess.Popen] = []
+    cancelled = threading.Event()
+
+    def started(proc: subprocess.Popen) -> None:
+        procs.append(proc)
+        if cancelled.is_set():  # a lane that started after the interrupt
+            proc.kill()
+
     pool = ThreadPoolExecutor(len(todo), thread_name_prefix="rlxf-lane")
     futures = [pool.submit(run_stage, cfg, params_file, run_dir, "rl", _one(lane), echo=echo,
-                           started=procs.append) for lane in todo]  # fmt: skip
+                           started=started) for lane in todo]  # fmt: skip
     try:
-        wait(futures)
+        while wait(futures, timeout=0.5).not_done:  # short waits: an interrupt is seen at once
+            pass
     except BaseException:  # the kernel interrupted: no lane outlives it
-        for proc in procs:
+        cancelled.set()
+        for proc in list(procs):
             proc.kill()
         raise
     finally:
