@@ -28,10 +28,12 @@ from precision import cpu_facts  # bench/precision.py, beside this script
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _arm(run_dir: Path, work: Path, algos: list[str], lanes: int) -> dict:
-    """Train `algos` again on a hard-linked copy of `run_dir` with `lanes` side-by-side lanes."""
+def _arm(run_dir: Path, work: Path, algos: list[str], lanes: int) -> tuple[dict, Path]:
+    """Train `algos` again on a hard-linked copy of `run_dir` with `lanes` side-by-side lanes;
+    returns what the arm measured and the copy."""
     from rlxf_utils.artifacts import RunDir
     from rlxf_utils.config import load_config
+    from rlxf_utils.rl.launch import stage_threads
     from rlxf_utils.rl.stage import train_or_read_all, training_inputs
 
     dst = work / f"lanes_{lanes}"
@@ -57,11 +59,10 @@ def _arm(run_dir: Path, work: Path, algos: list[str], lanes: int) -> dict:
     origin = min(s for s, _ in spans.values())
     return {
         "lanes": lanes,
-        "threads_per_process": max(1, (os.cpu_count() or 1) // lanes),
+        "threads_per_process": stage_threads(cfg, "rl", 1),
         "wall_s": round(wall, 1),
         "spans_s": {a: [round(s - origin, 1), round(e - origin, 1)] for a, (s, e) in spans.items()},
-        "dir": dst,
-    }
+    }, dst
 
 
 def _adapters(run: Path, algos: list[str]) -> dict[str, bytes]:
@@ -109,9 +110,12 @@ def main(argv: list[str] | None = None) -> int:
     tag = "avx512bf16" if cpu["avx512_bf16"] else cpu["torch_cpu_capability"].lower()
     out = args.out or ROOT / "bench" / "results" / f"lanes_{tag}"
     with tempfile.TemporaryDirectory(prefix="rlxf-lanes-") as tmp:
-        arms = [_arm(run_dir, Path(tmp), args.algorithms, n) for n in (1, args.lanes)]
+        (one_arm, one_dir), (side_arm, side_dir) = (
+            _arm(run_dir, Path(tmp), args.algorithms, n) for n in (1, args.lanes)
+        )
+        arms = [one_arm, side_arm]
         own = _adapters(run_dir, args.algorithms)
-        one, side = (_adapters(arm.pop("dir"), args.algorithms) for arm in arms)
+        one, side = _adapters(one_dir, args.algorithms), _adapters(side_dir, args.algorithms)
     result = {
         "what": "notebook 03's RL step, one warm process against side-by-side lanes",
         "run_dir": str(run_dir),

@@ -160,7 +160,7 @@ def wall_shares(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for s, e in spans:  # the union's length
         covered += max(0.0, e - max(s, reach))
         reach = max(reach, e)
-    if not rows or summed <= covered + 1e-6:
+    if summed <= covered + 1e-6:
         return rows
     share = covered / summed
     out = []

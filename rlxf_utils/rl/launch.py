@@ -87,10 +87,8 @@ def warm_groups(cfg: Any, names: Sequence[str]) -> list[list[str]]:
 def lanes(cfg: Any, group: Sequence[str]) -> list[list[str]]:
     """A warm group's algorithms dealt to `compute.parallel_stages` side-by-side processes:
     lane i trains the group's algorithms i, i + n, i + 2n, ... in turn (fewer lanes when the
-    group is shorter). A group of one several-process algorithm is one lane."""
+    group is shorter: a several-process algorithm, always a group of its own, is one lane)."""
     n = cfg.compute.parallel_stages
-    if len(group) == 1 and processes_for(cfg, "rl", group[0]) > 1:
-        return [list(group)]
     return [list(group[i::n]) for i in range(min(n, len(group)))]
 
 
