@@ -43,8 +43,11 @@ publish: $(STAMP)
 smoke: PARAMS = params/smoke.yaml
 smoke: study
 
+# Two pytest-xdist workers, a file to each (tests/conftest.py): the smoke study's file starts
+# at once on one while the other runs the rest beside it. TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -28,7 +28,8 @@ Reads only what the run recorded (nothing is rerun), for each notebook and each 
 With `--pytest-log`, a pytest log with `--durations` output (`pytest --durations=0 -m slow`, or the
 project's default `--durations=15`): each listed test's setup, call and teardown seconds; a
 setup of at least `--fixture-min` seconds is a fixture's (the smoke study's, for
-`tests/test_notebooks.py`), shown as its own row.
+`tests/test_smoke_*.py`: built there, or under `make test`'s two workers waited for there while
+the other worker built it), shown as its own row.
 
     .venv/bin/python bench/profile_study.py --run-dir runs/default [--pytest-log test.log] \
         [--out bench/results/profile_default]
@@ -357,14 +358,13 @@ def parse_durations(text: str) -> pd.DataFrame:
 
 def tests_table(df: pd.DataFrame, fixture_min: float = 30.0) -> pd.DataFrame:
     """The tests' rows, with each setup of at least `fixture_min` seconds split off as a fixture
-    row (`kind` 'fixture'; the smoke study's in tests/test_notebooks.py) and the test keeping
+    row (`kind` 'fixture'; the smoke study's in tests/test_smoke_*.py) and the test keeping
     its call and teardown (`kind` 'test')."""
     rows = []
     for r in df.itertuples():
         if r.setup_s >= fixture_min:
-            what = (
-                "smoke study fixture" if r.test.startswith("tests/test_notebooks.py") else "fixture"
-            )
+            smoke = r.test.startswith("tests/test_smoke_")
+            what = "smoke study fixture, built or waited for" if smoke else "fixture"
             rows.append({"kind": "fixture", "test": f"{what} (set up for {r.test})",
                          "setup_s": r.setup_s, "call_s": 0.0, "teardown_s": 0.0,
                          "total_s": r.setup_s})  # fmt: skip

@@ -73,6 +73,33 @@ def current_schema_mona(tmp_path: Path) -> Path:
     return write_csv(tmp_path / "current.csv", new_header, new_rows)
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`make test` runs the suite on two pytest-xdist workers, a file to a worker in collection
+    order (`--dist loadfile --no-loadscope-reorder`). The smoke study (`smoke_run`, about a
+    third of the suite's CPU time, using about one core of two) and the tests that read it are
+    the longest chain: under xdist tests/test_smoke_study.py comes first, so one worker starts
+    the study at once, and every other file that reads it comes last, so the other worker runs
+    the rest beside it before it waits for the study and then takes a share of its tests."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # a plain `pytest` keeps the files' order
+
+        def rank(item: pytest.Item) -> int:
+            if item.path.name == "test_smoke_study.py":
+                return 0
+            return 2 if item.path in readers else 1
+
+        readers = {i.path for i in items if "smoke_run" in getattr(i, "fixturenames", ())}
+        items.sort(key=rank)  # stable: files keep their order within a rank
+
+
+@pytest.fixture(scope="session")
+def smoke_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The whole smoke study and its report, built once per `pytest` run (under xdist, once for
+    both workers) and read-only after: `smoke.shared_smoke_run`."""
+    from smoke import shared_smoke_run
+
+    return shared_smoke_run(tmp_path_factory)
+
+
 @pytest.fixture
 def one_thread():
     """Tiny models run far faster on one thread (and do not fight the shared cores)."""

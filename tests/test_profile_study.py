@@ -181,9 +181,9 @@ def test_profile_names_what_is_missing(tmp_path: Path) -> None:
 PYTEST_LOG = """\
 ..........s.......
 ============================= slowest durations ==============================
-700.12s setup    tests/test_notebooks.py::test_smoke_study_renders_the_report
-31.50s call     tests/test_notebooks.py::test_smoke_study_renders_the_report
-90.00s call     tests/test_notebooks.py::test_a_killed_study_resumes_to_the_same_artifacts
+700.12s setup    tests/test_smoke_study.py::test_smoke_study_renders_the_report
+31.50s call     tests/test_smoke_study.py::test_smoke_study_renders_the_report
+90.00s call     tests/test_smoke_study.py::test_a_killed_study_resumes_to_the_same_artifacts
 2.00s setup    tests/test_rl.py::test_ppo_runs
 12.25s call     tests/test_rl.py::test_ppo_runs
 0.50s teardown tests/test_rl.py::test_ppo_runs

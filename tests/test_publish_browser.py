@@ -2,7 +2,7 @@
 request out of the bundle, every image loaded, every link and anchor landing, the paper's contents
 working, no console error; from disk and from a static server. Here on a small run whose data,
 notebook outputs and paper carry the suite's hostile text (`test_report_safety`); the smoke run's
-bundle is checked in `test_notebooks.py`. The checker (`publish_check.browser_problems`) must
+bundle is checked in `test_smoke_study.py`. The checker (`publish_check.browser_problems`) must
 report a bundle with a live script or an outside image: the negative tests below."""
 
 from __future__ import annotations
