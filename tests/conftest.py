@@ -13,6 +13,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("MPLBACKEND", "Agg")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test`'s two workers and the smoke study's processes share two cores. torch's OpenMP
+    # threads (libgomp) spin while they wait, which takes the core from the other process's
+    # threads: two 2-thread processes at once took 91 s where one took 10.5 (bench/omp_wait.py;
+    # passive: 14 s, the same output bytes).
+    # Waiting passively changes no result; the study's kernels and training processes inherit it.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 ROOT = Path(__file__).resolve().parent.parent
 MONA = ROOT / "data" / "raw" / "MONA_From2002.csv"
