@@ -17,8 +17,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # `make test`'s two workers and the smoke study's processes share two cores. torch's OpenMP
     # threads (libgomp) spin while they wait, which takes the core from the other process's
     # threads: two 2-thread processes at once took 91 s where one took 10.5 (bench/omp_wait.py;
-    # passive: 14 s, the same output bytes).
-    # Waiting passively changes no result; the study's kernels and training processes inherit it.
+    # passive: 14 s, the same output bytes). The study's kernels and training processes inherit it.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -88,13 +87,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     the study at once, and every other file that reads it comes last, so the other worker runs
     the rest beside it before it waits for the study and then takes a share of its tests."""
     if os.environ.get("PYTEST_XDIST_WORKER"):  # a plain `pytest` keeps the files' order
+        readers = {i.path for i in items if "smoke_run" in getattr(i, "fixturenames", ())}
 
         def rank(item: pytest.Item) -> int:
             if item.path.name == "test_smoke_study.py":
                 return 0
             return 2 if item.path in readers else 1
 
-        readers = {i.path for i in items if "smoke_run" in getattr(i, "fixturenames", ())}
         items.sort(key=rank)  # stable: files keep their order within a rank
 
 
