@@ -8,7 +8,7 @@ Records both wall times and whether every adapter file came out byte-identical (
 arm's and to the run's own), and draws the two arms' per-algorithm process spans.
 
     .venv/bin/python bench/lanes.py --run-dir SMOKE_RUN [--algorithms ppo_mle grpo rloo kto]
-        # -> bench/results/lanes_<cpu>.{json,png}
+        [--lane-threads share|all]   # -> bench/results/lanes_<cpu>[_all].{json,png}
 """
 
 from __future__ import annotations
@@ -28,9 +28,10 @@ from precision import cpu_facts  # bench/precision.py, beside this script
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _arm(run_dir: Path, work: Path, algos: list[str], lanes: int) -> tuple[dict, Path]:
-    """Train `algos` again on a hard-linked copy of `run_dir` with `lanes` side-by-side lanes;
-    returns what the arm measured and the copy."""
+def _arm(run_dir: Path, work: Path, algos: list[str], lanes: int,
+         lane_threads: str = "share") -> tuple[dict, Path]:  # fmt: skip
+    """Train `algos` again on a hard-linked copy of `run_dir` with `lanes` side-by-side lanes
+    (`compute.lane_threads`); returns what the arm measured and the copy."""
     from rlxf_utils.artifacts import RunDir
     from rlxf_utils.config import load_config
     from rlxf_utils.rl.launch import stage_threads
@@ -41,7 +42,7 @@ def _arm(run_dir: Path, work: Path, algos: list[str], lanes: int) -> tuple[dict,
     for a in algos:
         shutil.rmtree(dst / "policy" / a)
     raw = yaml.safe_load((run_dir / "params.yaml").read_text(encoding="utf-8"))
-    raw.setdefault("compute", {})["parallel_stages"] = lanes
+    raw.setdefault("compute", {}).update(parallel_stages=lanes, lane_threads=lane_threads)
     params = work / f"params_{lanes}.yaml"
     params.write_text(yaml.safe_dump(raw), encoding="utf-8")
     cfg = load_config(params)
@@ -101,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-dir", type=Path, required=True, help="a finished run (e.g. a smoke run)")
     ap.add_argument("--algorithms", nargs="+", default=["ppo_mle", "grpo", "rloo", "kto"])
     ap.add_argument("--lanes", type=int, default=2)
+    ap.add_argument("--lane-threads", choices=["share", "all"], default="share",
+                    help="the lanes' threads (compute.lane_threads): the cores shared, or all each")  # fmt: skip
     ap.add_argument("--out", type=Path, default=None, help="default bench/results/lanes_<cpu>")
     args = ap.parse_args(argv)
     run_dir = args.run_dir.resolve()
@@ -108,10 +111,11 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"{run_dir / 'params.yaml'}: not a run directory (no params.yaml)")
     cpu = cpu_facts()
     tag = "avx512bf16" if cpu["avx512_bf16"] else cpu["torch_cpu_capability"].lower()
+    tag += "_all" if args.lane_threads == "all" else ""
     out = args.out or ROOT / "bench" / "results" / f"lanes_{tag}"
     with tempfile.TemporaryDirectory(prefix="rlxf-lanes-") as tmp:
         (one_arm, one_dir), (side_arm, side_dir) = (
-            _arm(run_dir, Path(tmp), args.algorithms, n) for n in (1, args.lanes)
+            _arm(run_dir, Path(tmp), args.algorithms, n, args.lane_threads) for n in (1, args.lanes)
         )
         arms = [one_arm, side_arm]
         own = _adapters(run_dir, args.algorithms)
@@ -127,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         "speedup": round(arms[0]["wall_s"] / arms[1]["wall_s"], 3),
         "adapters": len(own),
         "adapters_identical_between_arms": one == side,
-        "adapters_identical_to_the_run": one == own and side == own,
+        "adapters_identical_to_the_run": {"one process": one == own, "lanes": side == own},
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")

@@ -159,11 +159,50 @@ def test_side_by_side_lanes_deal_a_warm_group_and_share_the_cores(
     assert threads(three, "rl", "kto") == 1 and threads(two, "sft", None) == 4
     one = load_config(_params(tmp_path, num_processes=1))
     assert lanes(one, order) == [order] and threads(one, "rl", "kto") == 4
+    every = load_config(_params(tmp_path, num_processes=1, parallel_stages=2, lane_threads="all"))
+    assert lanes(every, order) == lanes(two, order) and threads(every, "rl", ["ppo", "grpo"]) == 4
     several = load_config(_params(tmp_path, num_processes=2, parallel_stages=2))
     assert lanes(several, ["ppo"]) == [["ppo"]] and threads(several, "rl", "ppo") == 2
     assert lanes(several, ["ilhf_history", "ilhf_online"]) == [["ilhf_history"], ["ilhf_online"]]
     with pytest.raises(ConfigError, match="parallel_stages 2 .* warm_stages: true"):
         load_config(_params(tmp_path, num_processes=1, parallel_stages=2, warm_stages=False))
+    with pytest.raises(ConfigError, match="lane_threads"):
+        load_config(_params(tmp_path, num_processes=1, parallel_stages=2, lane_threads="half"))
+
+
+@pytest.mark.parametrize(("lane_threads", "set_here", "seen"), [
+    ("all", None, "PASSIVE"),  # the lanes' threads outnumber the cores: they wait passively
+    ("all", "ACTIVE", "ACTIVE"),  # what the environment sets wins
+    ("share", None, "unset"),  # a core each: libgomp's own default
+])  # fmt: skip
+def test_lanes_that_outnumber_the_cores_wait_passively(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lane_threads: str, set_here: str | None,
+    seen: str,
+) -> None:  # fmt: skip
+    """`compute.lane_threads: all` on two lanes: each lane's process gets `OMP_WAIT_POLICY=PASSIVE`
+    unless this environment sets it; with the cores shared among the lanes, nothing is set."""
+    import os
+    import sys
+
+    from rlxf_utils.rl import launch
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    if set_here is None:
+        monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    else:
+        monkeypatch.setenv("OMP_WAIT_POLICY", set_here)
+
+    def command(cfg, params_file, run_dir, stage, name):
+        script = "import os; print('INFO wait', os.environ.get('OMP_WAIT_POLICY', 'unset'))"
+        return [sys.executable, "-c", script]
+
+    monkeypatch.setattr(launch, "stage_command", command)
+    cfg = load_config(_params(tmp_path, num_processes=1, parallel_stages=2,
+                              lane_threads=lane_threads))  # fmt: skip
+    echoed: list[str] = []
+    launch.run_lanes(cfg, tmp_path / "p.yaml", tmp_path, ["ppo", "grpo"], echoed.append)
+    assert {f"[ppo] INFO wait {seen}", f"[grpo] INFO wait {seen}"} <= set(echoed)
+    assert ("waiting passively" in echoed[0]) == (lane_threads == "all")
 
 
 def test_lanes_run_side_by_side_and_a_failed_lane_lets_the_other_finish(

@@ -241,6 +241,11 @@ class ComputeConfig(Section):
     products keep its second thread idle much of the time, 2 lanes of one thread each train
     more algorithms per minute. An algorithm's thread count follows from this setting alone,
     never from how many algorithms are pending (a rerun of one trains as the first run did)."""
+    lane_threads: Literal["share", "all"] = "share"
+    """The threads of each of `parallel_stages` lanes: 'share', `cpu_count // parallel_stages`;
+    'all', every core, the lanes' threads then outnumbering the cores and waiting passively
+    (`OMP_WAIT_POLICY=PASSIVE`, unless set), so that each algorithm trains with the threads, and
+    so the rounding, of one warm process: under bf16 one thread and two round differently."""
     accelerate_config: Path | None = None
     """None: one process with accelerate's defaults"""
     num_processes: int = Field(default=1, ge=1)

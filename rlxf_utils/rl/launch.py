@@ -34,7 +34,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
@@ -95,8 +95,10 @@ def lanes(cfg: Any, group: Sequence[str]) -> list[list[str]]:
 def stage_threads(cfg: Any, stage: str, n: int) -> int:
     """Torch threads of each process of a stage on `n` processes: the cores shared among them,
     and among `compute.parallel_stages` lanes for the one-process RL algorithms (whatever the
-    number of lanes running: an algorithm's threads follow from the settings alone)."""
-    side = cfg.compute.parallel_stages if stage == "rl" and n == 1 else 1
+    number of lanes running: an algorithm's threads follow from the settings alone), unless
+    `compute.lane_threads` is 'all'."""
+    shared = stage == "rl" and n == 1 and cfg.compute.lane_threads == "share"
+    side = cfg.compute.parallel_stages if shared else 1
     return max(1, (os.cpu_count() or 1) // (n * side))
 
 
@@ -184,11 +186,13 @@ def run_stage(
     name: str | Sequence[str] | None = None,
     echo: Callable[[str], Any] | None = print,
     started: Callable[[subprocess.Popen], Any] | None = None,
+    env_defaults: Mapping[str, str] | None = None,
 ) -> Path | None:
     """Run a stage in its own process (or do nothing with `compute.processes: kernel`), streaming
     its output through `echo` into `policy/<name or sft>/launch.log`; returns the log's path.
     Several algorithms (`warm_groups`): one process trains them in turn, each algorithm's lines
-    in its own `launch.log` (the worker announces each next one: `NEXT_STAGE`).
+    in its own `launch.log` (the worker announces each next one: `NEXT_STAGE`). `env_defaults`:
+    variables the process gets where this environment does not set them.
 
     Raises `StageFailed` with the stage's name (the algorithm training when it failed), exit
     code and the last `TAIL_LINES` lines."""
@@ -200,6 +204,8 @@ def run_stage(
     log_path = Path(run_dir) / "policy" / label / "launch.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     env = launch_env(cfg.compute.device)
+    for key, value in (env_defaults or {}).items():
+        env.setdefault(key, value)
     env["RLXF_PARENT_PID"] = str(os.getpid())  # the launcher dies with this process
     env["RLXF_LAUNCHED_AT"] = repr(time.time())  # its start-up, measured (`rl.timing`)
     tail: deque[str] = deque(maxlen=TAIL_LINES)
@@ -261,14 +267,20 @@ def run_lanes(
 ) -> None:
     """Train a `warm_groups` group: its `lanes`, each a warm process (`run_stage`), side by side.
     Every lane runs to its end even when another fails (what it trains is kept), then the first
-    failure is raised; an interrupt takes every lane's process down."""
+    failure is raised; an interrupt takes every lane's process down. Lanes whose threads
+    outnumber the cores (`compute.lane_threads: all`) wait passively: libgomp's default spin
+    of idle threads, against another process's threads on the same cores, slows both many
+    times over (`bench/omp_wait.py`)."""
     todo = lanes(cfg, group)
     if len(todo) == 1:
         run_stage(cfg, params_file, run_dir, "rl", _one(todo[0]), echo=echo)
         return
+    threads = stage_threads(cfg, "rl", 1)
+    crowded = len(todo) * threads > (os.cpu_count() or 1)
+    env = {"OMP_WAIT_POLICY": "PASSIVE"} if crowded else None
     if echo:
         echo(f"{len(todo)} warm processes side by side (compute.parallel_stages), "
-             f"{stage_threads(cfg, 'rl', 1)} thread(s) each: "
+             f"{threads} thread(s) each{', waiting passively' if crowded else ''}: "
              + " | ".join(", ".join(lane) for lane in todo))  # fmt: skip
     procs: list[subprocess.Popen] = []
     cancelled = threading.Event()
@@ -280,7 +292,7 @@ def run_lanes(
 
     pool = ThreadPoolExecutor(len(todo), thread_name_prefix="rlxf-lane")
     futures = [pool.submit(run_stage, cfg, params_file, run_dir, "rl", _one(lane), echo=echo,
-                           started=started) for lane in todo]  # fmt: skip
+                           started=started, env_defaults=env) for lane in todo]  # fmt: skip
     try:
         while wait(futures, timeout=0.5).not_done:  # short waits: an interrupt is seen at once
             pass
