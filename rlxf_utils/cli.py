@@ -265,7 +265,7 @@ def _cmd_seeds(args: argparse.Namespace) -> int:
 def _cmd_compare(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from rlxf_utils.compare import compare_runs
+    from rlxf_utils.compare import compare_runs, content_differences
 
     for d in (args.before, args.after):
         if not (Path(d) / "manifest.json").is_file():
@@ -273,9 +273,11 @@ def _cmd_compare(args: argparse.Namespace) -> int:
             return EXIT_BAD_INPUT
     result = compare_runs(args.before, args.after)
     print(", ".join(f"{k} {v}" for k, v in result.counts().items()))
+    changes = {p: content_differences(Path(args.before, p), Path(args.after, p))
+               for p in result.paths("differs")}  # fmt: skip
     for status in ("differs", "missing", "extra"):
         for path in result.paths(status):
-            print(f"{status}: {path}")
+            print(f"{status}: {path}" + _change_line(changes.get(path)))
     print("every artifact equal (timings aside)" if result.same else "artifacts differ")
     if args.out:
         from rlxf_utils.artifacts import write_json
@@ -284,8 +286,27 @@ def _cmd_compare(args: argparse.Namespace) -> int:
                    .get("git", {}).get("commit") for d in (args.before, args.after)]  # fmt: skip
         write_json(args.out, {"before": str(args.before), "after": str(args.after),
                               "commits": commits, "counts": result.counts(), "same": result.same,
-                              "status": result.status, "volatile": result.volatile})  # fmt: skip
+                              "status": result.status, "changes": changes,
+                              "volatile": result.volatile})  # fmt: skip
     return 0 if result.same else 1
+
+
+def _change_line(change: dict | None) -> str:
+    """A differing table's or JSON's change, in brief (`compare.content_differences`)."""
+    if not change:
+        return ""
+    parts = []
+    if change["largest"] is not None:
+        big = change["largest"]
+        parts.append(f"{change['numbers_changed']} numbers, the largest {big['where']}: "
+                     f"{big['before']!r} -> {big['after']!r}")  # fmt: skip
+    if change["other_values_changed"]:
+        key, before, after = change["first_other_changes"][0]
+        parts.append(f"{change['other_values_changed']} other values, first {key}: "
+                     f"{before!r} -> {after!r}")  # fmt: skip
+    if change["only_in_one"]:
+        parts.append(f"{change['only_in_one']} cells or keys in one run only")
+    return f" ({'; '.join(parts)})" if parts else ""
 
 
 def main(argv: list[str] | None = None) -> int:

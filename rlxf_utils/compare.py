@@ -11,6 +11,7 @@ and resume state.
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +21,14 @@ import pandas as pd
 
 from rlxf_utils.artifacts import sha256_file
 
-__all__ = ["TIMING", "VOLATILE", "ArtifactComparison", "artifact_content", "compare_runs"]
+__all__ = [
+    "TIMING",
+    "VOLATILE",
+    "ArtifactComparison",
+    "artifact_content",
+    "compare_runs",
+    "content_differences",
+]
 
 #: Paths that differ between two runs of the same study by design: the runner's records
 #: (`manifest.json`: times, commit, versions; `params.yaml`: absolute paths; `.rlxf/`: code and input fingerprints), the executed
@@ -107,3 +115,63 @@ def compare_runs(first: str | Path, second: str | Path) -> ArtifactComparison:
             twin = status.get(rel[: -len(".md")] + ".csv", "differs")
             status[rel] = "timings" if twin in ("identical", "timings") else "differs"
     return ArtifactComparison(status, volatile)
+
+
+def _flat(obj: Any, key: str = "") -> dict[str, Any]:
+    """A JSON value as {path: leaf}, timing keys left out (`_strip`)."""
+    if isinstance(obj, dict):
+        return {k: v for name, x in obj.items() if not TIMING.search(str(name))
+                for k, v in _flat(x, f"{key}.{name}" if key else str(name)).items()}  # fmt: skip
+    if isinstance(obj, list):
+        return {k: v for i, x in enumerate(obj) for k, v in _flat(x, f"{key}[{i}]").items()}
+    return {key: obj}
+
+
+def _cells(path: Path) -> dict[str, Any]:
+    """A table's cells as {"row R, column": value} (rows by position, timing columns left out),
+    a JSON or JSON-lines file's leaves as {path: value}."""
+    if path.suffix in (".parquet", ".csv"):
+        df = pd.read_parquet(path) if path.suffix == ".parquet" else pd.read_csv(path)
+        df = df[[c for c in df.columns if not TIMING.search(str(c))]]
+        return {f"row {i}, {c}": v for c in df.columns for i, v in enumerate(df[c].tolist())}
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".jsonl":
+        return _flat([json.loads(line) for line in text.splitlines() if line.strip()])
+    return _flat(json.loads(text))
+
+
+def _number(x: Any) -> float | None:
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return None
+    return float(x)
+
+
+def content_differences(first: Path, second: Path) -> dict[str, Any] | None:
+    """What changed between two versions of a table or JSON file (None for another kind): the
+    largest absolute change of a number present in both (`largest`: where, before, after, the
+    change and its ratio to the larger magnitude), how many numbers and how many other values
+    (words, verdicts, a number become missing) changed, the first few of the latter, and how
+    many cells or keys only one version has."""
+    if first.suffix not in (".parquet", ".csv", ".json", ".jsonl"):
+        return None
+    a, b = _cells(first), _cells(second)
+    largest: dict[str, Any] | None = None
+    numbers = 0
+    words: list[list[Any]] = []
+    for key in (k for k in a if k in b):
+        x, y = a[key], b[key]
+        nx, ny = _number(x), _number(y)
+        both = nx is not None and ny is not None
+        if both and not (math.isnan(nx) or math.isnan(ny)):
+            if nx != ny:
+                numbers += 1
+                change = abs(ny - nx)
+                if largest is None or change > largest["change"]:
+                    scale = max(abs(nx), abs(ny))
+                    largest = {"where": key, "before": x, "after": y, "change": change,
+                               "relative": change / scale}  # fmt: skip
+        elif not (both and math.isnan(nx) and math.isnan(ny)) and repr(x) != repr(y):
+            words.append([key, x, y])  # a word, a verdict, a number become missing
+    return {"largest": largest, "numbers_changed": numbers, "other_values_changed": len(words),
+            "first_other_changes": words[:5],
+            "only_in_one": len(set(a) ^ set(b))}  # fmt: skip
