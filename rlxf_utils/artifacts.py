@@ -232,7 +232,9 @@ class RunDir:
 
     def read_jsonl(self, rel: str | Path, stage: str | None = None) -> list[dict[str, Any]]:
         text = self.require(rel, stage).read_text(encoding="utf-8")
-        return [json.loads(line) for line in text.splitlines() if line.strip()]
+        # "\n" only: str.splitlines also breaks at U+2028, U+0085 and the like, which JSON
+        # strings hold unescaped (a sampled response did)
+        return [json.loads(line) for line in text.split("\n") if line.strip()]
 
     def read_parquet(self, rel: str | Path, stage: str | None = None) -> pd.DataFrame:
         return pd.read_parquet(self.require(rel, stage))

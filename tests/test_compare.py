@@ -85,3 +85,18 @@ def test_rlxf_compare_prints_each_changed_tables_largest_change(
     assert "differs: eval/summary.json (1 numbers, the largest gain: 0.5 -> 0.625)" in out
     saved = json.loads((tmp_path / "c.json").read_text())
     assert saved["changes"]["tables/rl_summary.csv"]["largest"]["change"] == 0.125
+
+
+def test_json_lines_holding_a_unicode_line_separator_are_read_whole(tmp_path: Path) -> None:
+    """A sampled text with U+2028 (JSON writes it unescaped with ensure_ascii=False): read back
+    by `RunDir.read_jsonl` and compared by `content_differences` as one record, not two halves."""
+    from rlxf_utils.compare import content_differences
+
+    run = RunDir(tmp_path / "run")
+    rows = [{"raw": "one\u2028two", "reward": 0.5}, {"raw": "three", "reward": 0.25}]
+    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+    run.write_text("eval/samples.jsonl", text)
+    assert run.read_jsonl("eval/samples.jsonl") == rows
+    (tmp_path / "b.jsonl").write_text(text.replace("0.25", "0.5"), encoding="utf-8")
+    d = content_differences(run.root / "eval/samples.jsonl", tmp_path / "b.jsonl")
+    assert d["largest"]["where"] == "[1].reward" and d["numbers_changed"] == 1
