@@ -136,7 +136,8 @@ def _cells(path: Path) -> dict[str, Any]:
         return {f"row {i}, {c}": v for c in df.columns for i, v in enumerate(df[c].tolist())}
     text = path.read_text(encoding="utf-8")
     if path.suffix == ".jsonl":
-        return _flat([json.loads(line) for line in text.split("\n") if line.strip()])  # not splitlines: U+2028 in a text is no line break
+        # "\n" only: str.splitlines also breaks at U+2028, which a JSON string holds unescaped
+        return _flat([json.loads(line) for line in text.split("\n") if line.strip()])
     return _flat(json.loads(text))
 
 
