@@ -30,6 +30,7 @@ __all__ = [
     "RunDir",
     "atomic_dir",
     "atomic_path",
+    "parse_jsonl",
     "read_manifest",
     "sha256_file",
     "to_jsonable",
@@ -157,6 +158,12 @@ def write_jsonl(
     return write_text(target, "".join(line + "\n" for line in lines))
 
 
+def parse_jsonl(text: str) -> list[Any]:
+    """`write_jsonl`'s text back as its rows. Split at "\n" only: str.splitlines also breaks at
+    U+2028, U+0085 and the like, which JSON strings hold unescaped (a sampled response did)."""
+    return [json.loads(line) for line in text.split("\n") if line.strip()]
+
+
 class RunDir:
     """One run's folder (`runs/<name>/`): typed read/write helpers with atomic writes.
 
@@ -231,10 +238,7 @@ class RunDir:
         return json.loads(self.require(rel, stage).read_text(encoding="utf-8"))
 
     def read_jsonl(self, rel: str | Path, stage: str | None = None) -> list[dict[str, Any]]:
-        text = self.require(rel, stage).read_text(encoding="utf-8")
-        # "\n" only: str.splitlines also breaks at U+2028, U+0085 and the like, which JSON
-        # strings hold unescaped (a sampled response did)
-        return [json.loads(line) for line in text.split("\n") if line.strip()]
+        return parse_jsonl(self.require(rel, stage).read_text(encoding="utf-8"))
 
     def read_parquet(self, rel: str | Path, stage: str | None = None) -> pd.DataFrame:
         return pd.read_parquet(self.require(rel, stage))

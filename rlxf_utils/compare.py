@@ -19,7 +19,7 @@ from typing import Any
 
 import pandas as pd
 
-from rlxf_utils.artifacts import sha256_file
+from rlxf_utils.artifacts import parse_jsonl, sha256_file
 
 __all__ = [
     "TIMING",
@@ -51,13 +51,17 @@ def _strip(obj: Any) -> Any:
     return obj
 
 
+def _table(path: Path) -> pd.DataFrame:
+    """A parquet or csv table without its timing columns."""
+    df = pd.read_parquet(path) if path.suffix == ".parquet" else pd.read_csv(path)
+    return df[[c for c in df.columns if not TIMING.search(str(c))]]
+
+
 def artifact_content(path: Path) -> str:
     """A file as comparable content: a table or JSON without its timing columns/keys, any other
     file by its sha256."""
     if path.suffix in (".parquet", ".csv"):
-        df = pd.read_parquet(path) if path.suffix == ".parquet" else pd.read_csv(path)
-        df = df[[c for c in df.columns if not TIMING.search(str(c))]]
-        return df.to_json(orient="split", double_precision=15)
+        return _table(path).to_json(orient="split", double_precision=15)
     if path.suffix == ".json":
         return json.dumps(_strip(json.loads(path.read_text(encoding="utf-8"))), sort_keys=True)
     return sha256_file(path)
@@ -118,9 +122,9 @@ def compare_runs(first: str | Path, second: str | Path) -> ArtifactComparison:
 
 
 def _flat(obj: Any, key: str = "") -> dict[str, Any]:
-    """A JSON value as {path: leaf}, timing keys left out (`_strip`)."""
+    """A JSON value as {path: leaf}."""
     if isinstance(obj, dict):
-        return {k: v for name, x in obj.items() if not TIMING.search(str(name))
+        return {k: v for name, x in obj.items()
                 for k, v in _flat(x, f"{key}.{name}" if key else str(name)).items()}  # fmt: skip
     if isinstance(obj, list):
         return {k: v for i, x in enumerate(obj) for k, v in _flat(x, f"{key}[{i}]").items()}
@@ -131,14 +135,10 @@ def _cells(path: Path) -> dict[str, Any]:
     """A table's cells as {"row R, column": value} (rows by position, timing columns left out),
     a JSON or JSON-lines file's leaves as {path: value}."""
     if path.suffix in (".parquet", ".csv"):
-        df = pd.read_parquet(path) if path.suffix == ".parquet" else pd.read_csv(path)
-        df = df[[c for c in df.columns if not TIMING.search(str(c))]]
+        df = _table(path)
         return {f"row {i}, {c}": v for c in df.columns for i, v in enumerate(df[c].tolist())}
     text = path.read_text(encoding="utf-8")
-    if path.suffix == ".jsonl":
-        # "\n" only: str.splitlines also breaks at U+2028, which a JSON string holds unescaped
-        return _flat([json.loads(line) for line in text.split("\n") if line.strip()])
-    return _flat(json.loads(text))
+    return _flat(_strip(parse_jsonl(text) if path.suffix == ".jsonl" else json.loads(text)))
 
 
 def _number(x: Any) -> float | None:
