@@ -24,6 +24,7 @@ ROOMS: dict[str, set[str]] = {
     "stats": set(),
     "config": {"algorithms"},
     "runtime": {"config"},
+    "processes": set(),
     "markdown": set(),
     "artifacts": {"markdown", "names"},
     "plots": {"stats"},
@@ -38,6 +39,7 @@ ROOMS: dict[str, set[str]] = {
         "artifacts",
         "prompts",
         "runtime",
+        "processes",
         "freshness",
         "data",
         "models",
@@ -51,6 +53,7 @@ ROOMS: dict[str, set[str]] = {
         "stats",
         "prompts",
         "runtime",
+        "processes",
         "data",
         "models",
         "reward",
@@ -78,6 +81,8 @@ LOCAL_IMPORTS = {
     "rlxf_utils.cli": "each command imports what it runs: `rlxf --help` starts in a blink",
     "rlxf_utils.rl.worker": "transformers reads the hub's offline switch at import: after "
     "`hub_environment`",
+    "rlxf_utils.evaluation.lanes": "a lane's process, like `rl.worker`, imports transformers only "
+    "after `hub_environment`",
 }
 MAX_LINES = (
     700  # "about 600": the PPO trainer, one readable file in the CleanRL spirit, is the largest

@@ -372,7 +372,7 @@ def test_a_launched_process_dies_with_its_parent(tmp_path: Path) -> None:
     pid_file = tmp_path / "pid"
     grandchild = (
         "import os, time\n"
-        "from rlxf_utils.rl.launch import die_with_parent\n"
+        "from rlxf_utils.processes import die_with_parent\n"
         "die_with_parent()\n"
         f"open({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
         "time.sleep(60)\n"

@@ -9,11 +9,10 @@ from collections.abc import Callable
 import numpy as np
 import pandas as pd
 
-from rlxf_utils.data.contexts import heldout_rows, load_contexts
+from rlxf_utils.data.contexts import load_contexts
 from rlxf_utils.evaluation.best_of_n import (
     best_of_n_curve,
     best_of_n_frame,
-    pool_sampling,
     versus_best_of_n,
 )
 from rlxf_utils.evaluation.design import design_table, variance_table
@@ -92,10 +91,7 @@ def sample_best_of_n(ev: Evaluation) -> Measured:
     is never compared with the very samples it was selected from; the reward keeps one."""
     inp, ec = ev.inp, ev.inp.ec
     with inp.timer("best-of-N pool"):
-        n_pool = max(max(ec.best_of_n_curve), ec.best_of_n)
-        pool = inp.draw("pool", inp.start, n_pool, pool_sampling(inp.sampling(inp.start)),
-                        "best-of-N pool", judges=False)  # fmt: skip
-        inp.score(pool)
+        pool = inp.score(inp.draw_pool())
         best = best_of_n_frame(pool[pool["sample_id"] < ec.best_of_n], "reward", ("prompt_id",))
         best = best.assign(policy="best_of_n", sample_id=0)
         add_judge_logprobs(inp.pset, best, inp.start, ec.logprob_batch_size)
@@ -284,10 +280,8 @@ def heldout_perplexity_family(ev: Evaluation) -> Measured:
     Non-MET descriptions under it (`eval_heldout_perplexity`; per row: `eval/heldout_nll_rows`)."""
     inp, ec = ev.inp, ev.inp.ec
     with inp.timer("held-out perplexity"):
-        held = heldout_rows(inp.labelled, inp.run.read_parquet("data/contexts.parquet"),
-                            ec.heldout_rows, inp.seed)  # fmt: skip
-        ppl, ppl_rows = heldout_perplexity(inp.pset, held, inp.cfg.rl.prompt_template, inp.cfg,
-                                           ec.logprob_batch_size, inp.run, inp.timer)  # fmt: skip
+        ppl, ppl_rows = heldout_perplexity(inp.pset, inp.heldout(), inp.cfg.rl.prompt_template,
+                                           inp.cfg, ec.logprob_batch_size, inp.run, inp.timer)  # fmt: skip
     return Measured(
         {"eval_heldout_perplexity": ppl},
         {"heldout_perplexity": ppl.to_dict("records")},

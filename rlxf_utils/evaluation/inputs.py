@@ -16,8 +16,9 @@ import pandas as pd
 import torch
 
 from rlxf_utils.artifacts import ArtifactMissing, RunDir
-from rlxf_utils.data.contexts import load_contexts
+from rlxf_utils.data.contexts import heldout_rows, load_contexts
 from rlxf_utils.data.splits import load_holdout, load_splits
+from rlxf_utils.evaluation.best_of_n import pool_sampling
 from rlxf_utils.evaluation.draws import draw
 from rlxf_utils.evaluation.sampling import add_rewards
 from rlxf_utils.models.generation import build_prompts, sampling_kwargs
@@ -121,6 +122,20 @@ class EvalInputs:
                     self.ec.logprob_batch_size, desc=name if kind == "samples" else phase,
                     judges=judges, timer=self.timer, phase=phase)  # fmt: skip
 
+    def draw_pool(self) -> pd.DataFrame:
+        """Best-of-N's pool: max(`best_of_n_curve`, `best_of_n`) start-policy candidates per
+        prompt, drawn with another seed than the policies' own samples (`pool_sampling`), without
+        the judges' log-probs (phase 'best-of-N pool')."""
+        ec = self.ec
+        n_pool = max(max(ec.best_of_n_curve), ec.best_of_n)
+        return self.draw("pool", self.start, n_pool, pool_sampling(self.sampling(self.start)),
+                         "best-of-N pool", judges=False)  # fmt: skip
+
+    def heldout(self) -> pd.DataFrame:
+        """The held-out historical descriptions whose perplexity every policy is measured on."""
+        return heldout_rows(self.labelled, self.run.read_parquet("data/contexts.parquet"),
+                            self.ec.heldout_rows, self.seed)  # fmt: skip
+
     def score(self, df: pd.DataFrame) -> pd.DataFrame:
         """`df` with `reward`, `reward_sd` and `audit_reward` (`sampling.add_rewards`, in place),
         a response cut at the evaluation cap scored by `evaluation.cut_responses`."""
@@ -129,9 +144,12 @@ class EvalInputs:
                            self.ec.cut_responses)  # fmt: skip
 
 
-def load_inputs(cfg: Any, run: RunDir, progress: bool = True) -> EvalInputs:
+def load_inputs(
+    cfg: Any, run: RunDir, progress: bool = True, reward_models: bool = True
+) -> EvalInputs:
     """Load the models, contexts and policies once (phase `loading`); ArtifactMissing names what
-    an earlier notebook should have written."""
+    an earlier notebook should have written. `reward_models=False`: no reward or audit model and no
+    reward heads (an evaluation lane, `evaluation.lanes`, samples and scores log-probs only)."""
     ec, rl = cfg.evaluation, cfg.rl
     if ec.num_threads is not None:
         torch.set_num_threads(ec.num_threads)
@@ -139,12 +157,16 @@ def load_inputs(cfg: Any, run: RunDir, progress: bool = True) -> EvalInputs:
     timer = PhaseTimer("evaluation")
     with timer("loading"):
         contexts = load_contexts(run.root, "eval", ec.max_prompts, cfg.run.seed)
-        reward_model, audit_model = load_reward(
-            run.require("reward_model", stage="notebook 02 (reward model)")
-        )
-        if audit_model is None:
-            raise ArtifactMissing(f"{run.path('reward_model')}: no audit model; rerun notebook 02")
-        heads = fit_or_load(run, cfg, reward_model)  # None: no reward_sd
+        reward_model = audit_model = heads = None
+        if reward_models:
+            reward_model, audit_model = load_reward(
+                run.require("reward_model", stage="notebook 02 (reward model)")
+            )
+            if audit_model is None:
+                raise ArtifactMissing(
+                    f"{run.path('reward_model')}: no audit model; rerun notebook 02"
+                )
+            heads = fit_or_load(run, cfg, reward_model)  # None: no reward_sd
         labelled, _ = load_splits(run)
         labelled = labelled.reset_index(drop=True)
         algos = list(rl.algorithm)

@@ -234,34 +234,11 @@ def frontier_points(
     over-optimisation curve's per-prompt gains). Each snapshot's samples and log-probs are kept
     in `eval/draws/` (`draws.kept_pass`), so a rerun samples only the snapshots that changed."""
     ec, rl = cfg.evaluation, cfg.rl
-    gen_kw = sampling_kwargs(cfg, progress, trained=True)
     rows, frames = [], []
     for algo in pset.algos:
-        last = trained_steps(run, algo, rl.steps)  # the final policy is measured apart
-        snaps = [
-            path
-            for path in sorted(
-                run.path(f"policy/{algo}/snapshots").glob("step_*/adapter_model.safetensors")
-            )
-            if int(path.parent.name.split("_")[1]) < last
-        ]
-        if ec.frontier_max_checkpoints and len(snaps) > ec.frontier_max_checkpoints:
-            keep = np.linspace(0, len(snaps) - 1, ec.frontier_max_checkpoints).round().astype(int)
-            snaps = [snaps[i] for i in sorted(set(keep))]
-        for path in snaps:
-            step = int(path.parent.name.split("_")[1])
-
-            def sample(algo: str = algo, path: Path = path, step: int = step) -> pd.DataFrame:
-                name = pset.load_snapshot(algo, path)
-                df = sample_tuned(pset, name, prompts, ec.frontier_samples_per_prompt, gen_kw,
-                                  ec.logprob_batch_size, desc=f"{algo} step {step}", judges=False)  # fmt: skip
-                with pset.reference() as ref:
-                    df["logp_ref"] = frame_logprobs(ref, pset.tok, df, ec.logprob_batch_size)
-                return df
-
-            df = kept_pass(cfg, run, "frontier", algo, prompts,
-                           {**gen_kw, "logprob_batch": ec.logprob_batch_size}, sample, timer,
-                           f"frontier {algo} step {step}", ec.frontier_samples_per_prompt, path)  # fmt: skip
+        for path in frontier_snapshots(run, algo, cfg):
+            step = snapshot_step(path)
+            df = snapshot_draw(pset, run, prompts, cfg, timer, algo, path, progress)
             add_rewards(df, contexts, reward_model, audit_model, rl.reward_batch_size,
                         cut_responses=ec.cut_responses)  # fmt: skip
             per = df.groupby("prompt_id")["reward"].mean()
@@ -276,12 +253,77 @@ def frontier_points(
     return pd.DataFrame(rows), (pd.concat(frames, ignore_index=True) if frames else pd.DataFrame())
 
 
+def snapshot_step(path: Path) -> int:
+    """The training step of a snapshot's adapter file (`.../step_0008/adapter_model.safetensors`)."""
+    return int(path.parent.name.split("_")[1])
+
+
+def frontier_snapshots(run: RunDir, algo: str, cfg: Any) -> list[Path]:
+    """The adapter files of `algo`'s snapshots on the frontier: those before its last step (the
+    final policy is measured apart), evenly thinned to `evaluation.frontier_max_checkpoints`."""
+    last = trained_steps(run, algo, cfg.rl.steps)
+    snaps = [
+        path
+        for path in sorted(run.path(f"policy/{algo}/snapshots").glob("step_*/adapter_model.safetensors"))
+        if snapshot_step(path) < last
+    ]  # fmt: skip
+    most = cfg.evaluation.frontier_max_checkpoints
+    if most and len(snaps) > most:
+        keep = np.linspace(0, len(snaps) - 1, most).round().astype(int)
+        snaps = [snaps[i] for i in sorted(set(keep))]
+    return snaps
+
+
+def snapshot_draw(pset: PolicySet, run: RunDir, prompts: Sequence[str], cfg: Any, timer: Any,
+                  algo: str, path: Path, progress: bool = True) -> pd.DataFrame:  # fmt: skip
+    """One snapshot's samples with their log-probs under it and the start policy, kept in
+    `eval/draws/` (`draws.kept_pass`): what `frontier_points` scores, and what an evaluation
+    lane (`evaluation.lanes`) draws ahead of it."""
+    ec = cfg.evaluation
+    gen_kw = sampling_kwargs(cfg, progress, trained=True)
+    step = snapshot_step(path)
+
+    def sample() -> pd.DataFrame:
+        name = pset.load_snapshot(algo, path)
+        df = sample_tuned(pset, name, prompts, ec.frontier_samples_per_prompt, gen_kw,
+                          ec.logprob_batch_size, desc=f"{algo} step {step}", judges=False)  # fmt: skip
+        with pset.reference() as ref:
+            df["logp_ref"] = frame_logprobs(ref, pset.tok, df, ec.logprob_batch_size)
+        return df
+
+    return kept_pass(cfg, run, "frontier", algo, prompts,
+                     {**gen_kw, "logprob_batch": ec.logprob_batch_size}, sample, timer,
+                     f"frontier {algo} step {step}", ec.frontier_samples_per_prompt, path)  # fmt: skip
+
+
 def table3(pset: PolicySet, contexts: Sequence[Mapping[str, Any]], labelled: pd.DataFrame,
            reward_model: Any, audit_model: Any, cfg: Any, run: RunDir, timer: Any) -> pd.DataFrame:  # fmt: skip
     """The paper's Table 3: its completion prompts for held-out countries, pre- and post-RL.
     Each policy's completions are kept in `eval/draws/` (`draws.kept_pass`): a rerun or a
     further seed completes only the policies whose weights changed; all are scored again."""
     ec, rl = cfg.evaluation, cfg.rl
+    items, prompts, ctx = table3_prompts(contexts, labelled, cfg)
+    rows = []
+    for name in pset.names:
+        df = table3_draw(pset, cfg, run, timer, name, prompts)
+        df["reward"] = reward_model.score(
+            ctx, df["response"].tolist(), batch_size=rl.reward_batch_size
+        )
+        df["audit_reward"] = audit_model.score(ctx, df["response"].tolist())
+        apply_cut_rule(df, ec.cut_responses)  # the rule every evaluated response is scored by
+        r, a = df["reward"], df["audit_reward"]
+        for (c, sc), p, text, rr, aa in zip(items, prompts, df["response"], r, a, strict=True):
+            rows.append({"country": c, "econ_descriptor": sc.econ_descriptor, "prompt": p, "policy": name,
+                         "response": text, "reward": float(rr), "audit_reward": float(aa)})  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def table3_prompts(contexts: Sequence[Mapping[str, Any]], labelled: pd.DataFrame,
+                   cfg: Any) -> tuple[list[tuple[str, Any]], list[str], list[dict[str, Any]]]:  # fmt: skip
+    """Table 3's (country, scenario) items, their completion prompts and their contexts: the
+    `evaluation.table3_countries` held-out countries with the most prompts, each country's most
+    frequent arrangement type."""
+    ec = cfg.evaluation
     counts = pd.Series([c["country"] for c in contexts]).value_counts(sort=False)
     countries = (
         counts.rename_axis("country").reset_index(name="n")
@@ -296,21 +338,16 @@ def table3(pset: PolicySet, contexts: Sequence[Mapping[str, Any]], labelled: pd.
         {"country": c, "arrangement_type": arrangement[c], "econ_descriptor": sc.econ_descriptor}
         for c, sc in items
     ]
-    rows, kw = [], sampling_kwargs(cfg, False)
-    for name in pset.names:
-        df = kept_pass(cfg, run, "table3", name, prompts, kw,
-                       lambda name=name: pset.generate(name, prompts, 1, f"Table 3 {name}", kw),
-                       timer, f"table 3 {name}")  # fmt: skip
-        df["reward"] = reward_model.score(
-            ctx, df["response"].tolist(), batch_size=rl.reward_batch_size
-        )
-        df["audit_reward"] = audit_model.score(ctx, df["response"].tolist())
-        apply_cut_rule(df, ec.cut_responses)  # the rule every evaluated response is scored by
-        r, a = df["reward"], df["audit_reward"]
-        for (c, sc), p, text, rr, aa in zip(items, prompts, df["response"], r, a, strict=True):
-            rows.append({"country": c, "econ_descriptor": sc.econ_descriptor, "prompt": p, "policy": name,
-                         "response": text, "reward": float(rr), "audit_reward": float(aa)})  # fmt: skip
-    return pd.DataFrame(rows)
+    return items, prompts, ctx
+
+
+def table3_draw(pset: PolicySet, cfg: Any, run: RunDir, timer: Any, name: str,
+                prompts: Sequence[str]) -> pd.DataFrame:  # fmt: skip
+    """Policy `name`'s Table 3 completions, kept in `eval/draws/` (`draws.kept_pass`)."""
+    kw = sampling_kwargs(cfg, False)
+    return kept_pass(cfg, run, "table3", name, prompts, kw,
+                     lambda: pset.generate(name, prompts, 1, f"Table 3 {name}", kw),
+                     timer, f"table 3 {name}")  # fmt: skip
 
 
 def heldout_perplexity(pset: PolicySet, rows: pd.DataFrame, template: str, cfg: Any,
@@ -326,21 +363,10 @@ def heldout_perplexity(pset: PolicySet, rows: pd.DataFrame, template: str, cfg: 
     Each policy's log-probs are kept in `eval/draws/` (`draws.kept_pass`), so a rerun or a
     further seed scores only the policies whose weights changed.
     """
-    prompts = build_prompts(rows.to_dict("records"), pset.tok, template, cfg.policy)
-    texts = [" ".join(str(t).split()) for t in rows["description"]]
     y = rows["y"].to_numpy()
     out, per_row = [], []
-    settings = {"texts": hashlib.sha256("\0".join(texts).encode()).hexdigest(),
-                "batch_size": int(batch), "append_eos": True, "padding_side": "left"}  # fmt: skip
-
-    def score(name: str) -> pd.DataFrame:
-        lp, n = pset.sequence_logprobs(name, prompts, texts, batch, append_eos=True,
-                                       padding_side="left")  # fmt: skip
-        return pd.DataFrame({"lp": lp, "n": n})
-
     for name in pset.names:
-        kept = kept_pass(cfg, run, "perplexity", name, prompts, settings,
-                         lambda name=name: score(name), timer, f"held-out perplexity {name}")  # fmt: skip
+        kept = heldout_draw(pset, rows, template, cfg, batch, run, timer, name)
         lp, n = kept["lp"].to_numpy(), kept["n"].to_numpy()
         per_row.append(pd.DataFrame({"policy": name, "row": np.arange(len(rows)),
                                      "country": rows["country"].astype(str).to_numpy(), "y": y,
@@ -351,6 +377,24 @@ def heldout_perplexity(pset: PolicySet, rows: pd.DataFrame, template: str, cfg: 
             rec[f"nll_{label}"] = float(-lp[sel].sum() / n[sel].sum()) if sel.any() else math.nan
         out.append(rec)
     return pd.DataFrame(out), pd.concat(per_row, ignore_index=True)
+
+
+def heldout_draw(pset: PolicySet, rows: pd.DataFrame, template: str, cfg: Any, batch: int,
+                 run: RunDir, timer: Any, name: str) -> pd.DataFrame:  # fmt: skip
+    """Policy `name`'s log-probs (`lp`) and token counts (`n`) of the held-out descriptions
+    `rows` (+ end token) after their context's RL prompt, kept in `eval/draws/`."""
+    prompts = build_prompts(rows.to_dict("records"), pset.tok, template, cfg.policy)
+    texts = [" ".join(str(t).split()) for t in rows["description"]]
+    settings = {"texts": hashlib.sha256("\0".join(texts).encode()).hexdigest(),
+                "batch_size": int(batch), "append_eos": True, "padding_side": "left"}  # fmt: skip
+
+    def score() -> pd.DataFrame:
+        lp, n = pset.sequence_logprobs(name, prompts, texts, batch, append_eos=True,
+                                       padding_side="left")  # fmt: skip
+        return pd.DataFrame({"lp": lp, "n": n})
+
+    return kept_pass(cfg, run, "perplexity", name, prompts, settings, score, timer,
+                     f"held-out perplexity {name}")  # fmt: skip
 
 
 def trained_steps(run: RunDir, algo: str, default: int) -> int:

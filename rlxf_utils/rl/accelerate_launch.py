@@ -4,7 +4,7 @@ A stage must not outlive the notebook kernel that launched it: an interrupted `m
 leaves no training process behind. The launcher's workers do the same (`rl.worker.main`).
 """
 
-from rlxf_utils.rl.launch import die_with_parent
+from rlxf_utils.processes import die_with_parent
 
 if __name__ == "__main__":
     import os

@@ -13,7 +13,8 @@ from pathlib import Path
 
 from rlxf_utils.artifacts import RunDir
 from rlxf_utils.config import load_config
-from rlxf_utils.rl.launch import NEXT_STAGE, die_with_parent
+from rlxf_utils.processes import die_with_parent
+from rlxf_utils.rl.launch import NEXT_STAGE
 from rlxf_utils.rl.memory import memory_table
 from rlxf_utils.rl.timing import MARKS, mark, write_stage_timing
 from rlxf_utils.runtime import hub_environment, is_main_process, process_state
