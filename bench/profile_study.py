@@ -234,13 +234,20 @@ def by_kind(run: str | Path, study: pd.DataFrame) -> pd.DataFrame:
 def eval_rows(run: Path, notebook: str) -> list[dict[str, Any]] | None:
     """Notebook 04's phases, one row each (`eval/summary.json` `seconds`): "loading" is loading,
     "writing" I/O, every other phase compute. A phase whose draw was read back from an earlier
-    run (`reused_draws`) took no time in this one and is left out. None without the file."""
+    run (`reused_draws`) took no time in this one and is left out; the draws made ahead of the
+    stage by its side-by-side lanes (`evaluation.lanes`, the summary's `lanes`) are one row of
+    their wall seconds. None without the file."""
     path = run / "eval" / "summary.json"
     if not path.is_file():
         return None
     summary = json.loads(path.read_text())
     reused = set(summary.get("reused_draws") or [])
     rows = []
+    lanes = summary.get("lanes") or {}
+    if lanes.get("lanes"):
+        s = float(lanes["seconds"])
+        rows.append(_row("stage", notebook, f"phase: draws in {lanes['lanes']} lanes (side by side)",
+                         s, "eval/summary.json", compute_s=s))  # fmt: skip
     for phase, s in (summary.get("seconds") or {}).items():
         if phase in reused:
             continue

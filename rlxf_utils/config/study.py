@@ -240,7 +240,9 @@ class ComputeConfig(Section):
     (lane i: the group's algorithms i, i + n, ...). On two CPU cores, where a stage's small
     products keep its second thread idle much of the time, 2 lanes of one thread each train
     more algorithms per minute. An algorithm's thread count follows from this setting alone,
-    never from how many algorithms are pending (a rerun of one trains as the first run did)."""
+    never from how many algorithms are pending (a rerun of one trains as the first run did).
+    With `lane_threads: all`, notebook 04 also draws its samples in this many side-by-side
+    processes before its measures (`evaluation.lanes`: the same draws, read back)."""
     lane_threads: Literal["share", "all"] = "share"
     """The threads of each of `parallel_stages` lanes: 'share', `cpu_count // parallel_stages`;
     'all', every core, the lanes' threads then outnumbering the cores and waiting passively

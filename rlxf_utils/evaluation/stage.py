@@ -50,13 +50,14 @@ import pandas as pd
 from rlxf_utils.artifacts import RunDir
 from rlxf_utils.evaluation.families import EVAL_FAMILIES
 from rlxf_utils.evaluation.inputs import Evaluation, load_inputs
+from rlxf_utils.evaluation.lanes import run_draw_lanes
 
 #: `eval/summary.json`'s entries, in order: the settings' and the families'.
 SUMMARY_KEYS = (
     "algorithms", "start_policy", "max_new_tokens", "rl_max_new_tokens", "cut_responses",
     "policies", "best_of_n_curve", "vs_best_of_n", "overoptimisation", "need_rl", "heldout_perplexity", "n_prompts", "samples_per_prompt",
     "best_of_n", "alpha", "power", "equivalence_margin", "kl_match_ratio", "target_mde", "families", "interval",
-    "cluster", "history_contrast", "reference_rows", "summary", "reused_draws", "seconds",
+    "cluster", "history_contrast", "reference_rows", "summary", "reused_draws", "lanes", "seconds",
 )  # fmt: skip
 
 
@@ -74,7 +75,10 @@ class EvalStage:
 
 
 def run_evaluation_stage(cfg: Any, run: RunDir, progress: bool = True) -> EvalStage:
-    """Generate, score, ground and compare every policy on the held-out contexts; write it all."""
+    """Generate, score, ground and compare every policy on the held-out contexts; write it all.
+    The draws first, in side-by-side processes where `evaluation.lanes.lanes_apply` allows: the
+    families then read them back from `eval/draws/`."""
+    lanes = run_draw_lanes(cfg, run, echo=print if progress else None)
     inp = load_inputs(cfg, run, progress)
     ev = Evaluation(inp)
     ec = cfg.evaluation
@@ -89,6 +93,8 @@ def run_evaluation_stage(cfg: Any, run: RunDir, progress: bool = True) -> EvalSt
         "power": ec.power,
         "equivalence_margin": ec.equivalence_margin,
         "target_mde": ec.target_mde,
+        # the draws' side-by-side processes: their tasks and wall seconds (0 lanes: the kernel drew)
+        "lanes": lanes,
     }
     figures: dict[str, Any] = {}
     files: dict[str, pd.DataFrame] = {}
