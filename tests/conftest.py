@@ -86,15 +86,30 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     the longest chain: under xdist tests/test_smoke_study.py comes first, so one worker starts
     the study at once, and every other file that reads it comes last, so the other worker runs
     the rest beside it before it waits for the study and then takes a share of its tests."""
-    if os.environ.get("PYTEST_XDIST_WORKER"):  # a plain `pytest` keeps the files' order
-        readers = {i.path for i in items if "smoke_run" in getattr(i, "fixturenames", ())}
+    xdist = bool(os.environ.get("PYTEST_XDIST_WORKER"))  # a plain `pytest` keeps the order
+    readers = {i.path for i in items if "smoke_run" in getattr(i, "fixturenames", ())}
 
-        def rank(item: pytest.Item) -> int:
-            if item.path.name == "test_smoke_study.py":
-                return 0
-            return 2 if item.path in readers else 1
+    def rank(item: pytest.Item) -> int:
+        if not xdist:
+            return 1
+        if item.path.name == "test_smoke_study.py":
+            return 0
+        return 2 if item.path in readers else 1
 
-        items.sort(key=rank)  # stable: files keep their order within a rank
+    # Order dependence made visible: `RLXF_TEST_ORDER_SEED=1 make test` runs the files in a
+    # seeded random order, shuffled within each rank above, each file's tests in their order.
+    files = list(dict.fromkeys(i.path for i in items))
+    if (seed := os.environ.get("RLXF_TEST_ORDER_SEED")) is not None:
+        import random
+
+        random.Random(seed).shuffle(files)
+    place = {f: n for n, f in enumerate(files)}
+    items.sort(key=lambda i: (rank(i), place[i.path]))  # stable: a file's tests keep their order
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    seed = os.environ.get("RLXF_TEST_ORDER_SEED")
+    return f"files in a shuffled order: RLXF_TEST_ORDER_SEED={seed}" if seed is not None else None
 
 
 @pytest.fixture(scope="session")
@@ -125,3 +140,42 @@ if os.environ.get("RLXF_TEST_AUTOCAST"):
     PolicyConfig.model_fields["autocast"].default = os.environ["RLXF_TEST_AUTOCAST"]
     PolicyConfig.model_rebuild(force=True)
     assert PolicyConfig().autocast == os.environ["RLXF_TEST_AUTOCAST"]
+
+
+@pytest.fixture(autouse=True)
+def _sigint_guard(request: pytest.FixtureRequest):
+    """Every test leaves SIGINT's handler as it found it; one that changes it fails, naming
+    itself and the handler it left, and the handler is put back for the next test.
+
+    `_thread.interrupt_main()` (the interrupt tests' simulated Ctrl-C) calls whatever Python
+    handler SIGINT has: a handler left behind by an earlier test on the same worker (asyncio's
+    no-op from `loop.add_signal_handler`, say) swallows it, and the interrupt test fails far
+    from the leak (issue 82). Tests that need Python's own handler take `python_sigint`."""
+    import signal
+
+    found = signal.getsignal(signal.SIGINT)
+    yield
+    left = signal.getsignal(signal.SIGINT)
+    if left is not found:
+        signal.signal(signal.SIGINT, found)
+        pytest.fail(f"{request.node.nodeid} left SIGINT's handler as {left!r} (found {found!r})",
+                    pytrace=False)  # fmt: skip
+
+
+@pytest.fixture
+def python_sigint():
+    """Python's own SIGINT handler (`signal.default_int_handler`, which raises
+    KeyboardInterrupt) for the test's duration, for a test that interrupts the main thread.
+
+    It finds either that handler or SIG_IGN (a shell starts background jobs with SIGINT ignored,
+    and Python then installs none); anything else is a leak from an earlier test, which fails
+    here instead of as a swallowed interrupt."""
+    import signal
+
+    found = signal.getsignal(signal.SIGINT)
+    assert found in (signal.default_int_handler, signal.SIG_IGN), (
+        f"SIGINT's handler is {found!r} before this test: an earlier test left it changed"
+    )
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, found)

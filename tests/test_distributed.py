@@ -241,7 +241,7 @@ def test_lanes_run_side_by_side_and_a_failed_lane_lets_the_other_finish(
 
 
 def test_an_interrupt_takes_every_lane_down(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, python_sigint: None
 ) -> None:
     """The kernel interrupted while two lanes train: `run_lanes` kills both processes and
     re-raises at once, instead of waiting for them to end."""

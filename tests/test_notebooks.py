@@ -253,11 +253,24 @@ def test_under_two_workers_the_smoke_files_come_first_and_last(
     items = [item("test_a.py"), item("test_smoke_seeds.py", "smoke_run"), item("test_b.py"),
              item("test_smoke_study.py", "smoke_run"), item("test_smoke_study.py"),
              item("test_c.py", "tmp_path")]  # fmt: skip
-    plain = list(items)
+    plain, shuffled = list(items), list(items)
     monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    monkeypatch.delenv("RLXF_TEST_ORDER_SEED", raising=False)
     conftest.pytest_collection_modifyitems(None, plain)
     assert plain == items
     monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw1")
     conftest.pytest_collection_modifyitems(None, items)
     assert [i.name for i in items] == ["test_smoke_study.py", "test_smoke_study.py", "test_a.py",
                                        "test_b.py", "test_c.py", "test_smoke_seeds.py"]  # fmt: skip
+    # RLXF_TEST_ORDER_SEED shuffles the files within those ranks, a file's tests kept together
+    orders = set()
+    for seed in range(40):
+        monkeypatch.setenv("RLXF_TEST_ORDER_SEED", str(seed))
+        again = list(shuffled)
+        conftest.pytest_collection_modifyitems(None, again)
+        names = [i.name for i in again]
+        assert names[:2] == ["test_smoke_study.py"] * 2 and names[-1] == "test_smoke_seeds.py"
+        orders.add(tuple(names[2:5]))
+        conftest.pytest_collection_modifyitems(None, shuffled_again := list(shuffled))
+        assert [i.name for i in shuffled_again] == names  # the same seed, the same order
+    assert len(orders) == 6  # every order of the three middle files comes up
