@@ -110,19 +110,30 @@ def test_whiten():
 
 
 def test_kl_controller_direction():
-    """By hand: g = ln(1e4) / 4 per unit error; the error is log2 of the KL looked one step
-    ahead over the target, clipped at +-1; beta falls at half the rate it rises."""
-    g = math.log(1e4) / 4
-    ctl = AdaptiveKLController(0.1, target=6.0, beta_range=(0.01, 100.0), steps_to_cross=4)
-    ctl.update(12.0)  # twice the target (no previous KL: no look-ahead): full error
-    assert math.isclose(ctl.value, 0.1 * math.exp(g))
-    high = ctl.value
-    ctl.update(9.0)  # 9 now, falling by 3: looks ahead to 6 = on target, unchanged
-    assert math.isclose(ctl.value, high)
-    ctl.update(4.0)  # falling by 5 to -1 ahead: full error down, at half the rate
-    assert math.isclose(ctl.value, high * math.exp(-g / 2))
-    ctl.update(4.0)  # flat at 2/3 of the target: log2(2/3) at half the rate
-    assert math.isclose(ctl.value, high * math.exp(-g / 2 + g / 2 * math.log2(4 / 6)))
+    """By hand: the smoothed KL s_t = KL_1, then (s_{t-1} + KL_t) / 2 at weight 0.5; the error
+    log2(s_t / target) clipped at +-1; beta moves by 1.5 ** error up and 1.5 ** (error / 2) down."""
+    g = math.log(1.5)
+    ctl = AdaptiveKLController(0.1, target=6.0, beta_range=(0.01, 100.0), step_ratio=1.5,
+                               smoothing=0.5)  # fmt: skip
+    ctl.update(12.0)  # twice the target: full error, x1.5
+    assert math.isclose(ctl.value, 0.15) and ctl.smoothed == 12.0
+    ctl.update(0.0)  # smoothed (12 + 0) / 2 = 6: on target, unchanged (no look-ahead)
+    assert math.isclose(ctl.value, 0.15) and ctl.smoothed == 6.0
+    ctl.update(0.0)  # smoothed 3, half the target: full error down, at half the rate
+    assert math.isclose(ctl.value, 0.15 * math.exp(-g / 2))
+    ctl.update(5.0)  # smoothed 4 = 2/3 of the target: log2(2/3) at half the rate
+    assert math.isclose(ctl.value, 0.15 * math.exp(-g / 2 + g / 2 * math.log2(4 / 6)))
+    ctl.update(float("nan"))  # a NaN KL leaves it alone
+    assert math.isclose(ctl.value, 0.15 * math.exp(-g / 2 + g / 2 * math.log2(4 / 6)))
+    again = AdaptiveKLController(1.0, 6.0)
+    again.load_state_dict(ctl.state_dict())  # a resumed run goes on from the same smoothed KL
+    assert (again.value, again.smoothed) == (ctl.value, ctl.smoothed) == (again.value, 4.0)
+    for bad, match in (
+        ({"step_ratio": 1.0}, "kl_step_ratio"),
+        ({"smoothing": 0.0}, "kl_smoothing"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            AdaptiveKLController(0.1, 6.0, **bad)
     for _ in range(20):
         ctl.update(100.0)
     assert ctl.value == 100.0  # the range holds it
@@ -317,12 +328,15 @@ def test_beta_moves_under_shipped_settings(profile):
     if not rl.adaptive_kl:
         pytest.skip(f"{profile}: fixed beta")
     up, down = kl_controller(rl), kl_controller(rl)
-    # within the run's own horizon, beta can reach either end of its range
+    # a KL persistently twice the target (or zero) moves beta by the full ratio every step (by
+    # its square root down), no further than its range
+    (low, high), r = rl.kl_coef_range, rl.kl_step_ratio
     for _ in range(rl.steps):
         up.update(2 * rl.target_kl)
         down.update(0.0)
-    assert up.value == rl.kl_coef_range[1], (profile, up.value)
-    assert down.value == rl.kl_coef_range[0], (profile, down.value)
+    assert up.value == pytest.approx(min(rl.kl_coef * r**rl.steps, high)), (profile, up.value)
+    assert down.value == pytest.approx(max(rl.kl_coef * r ** (-rl.steps / 2), low)), profile
+    assert up.value > rl.kl_coef or rl.kl_coef == high
 
 
 def test_the_critic_learns_the_return(tmp_path):

@@ -62,7 +62,8 @@ def _rl_cases() -> dict[str, dict[str, Any]]:
         "kl_coef": 0.05,
         "target_kl": 6.0,
         "kl_coef_range": [0.01, 100.0],
-        "kl_adapt_steps": None,
+        "kl_step_ratio": 1.5,
+        "kl_smoothing": 0.5,
         "steps": 16,
         "grpo_loss_type": "dapo",
     }

@@ -153,6 +153,20 @@ def test_summary_table_reads_the_critic_from_an_interval() -> None:
     assert summary_table(prior).iloc[0]["explained_variance_prior_last_third"] == pytest.approx(0.5)
 
 
+def test_summary_table_counts_the_steps_beta_sat_at_each_bound() -> None:
+    """β's trace in the table: first, last, range reached, and steps at the adaptive controller's
+    floor and ceiling (issue 78: the report says how long each arm sat at a bound)."""
+    trace = [0.05, 0.05, 0.075, 0.1125, 100.0, 100.0, 100.0, 0.05 * 1.5**0.5]
+    logs = pd.DataFrame({"algo": "grpo", "step": range(1, 9), "reward_mean": 0.5, "kl": 1.0,
+                         "entropy": 2.0, "explained_variance": np.nan, "kl_coef": trace,
+                         "step_time_s": 1.0, "tokens_per_s": 10.0})  # fmt: skip
+    row = summary_table(logs, beta_range=(0.05, 100.0)).iloc[0]
+    assert (row["beta_steps_at_floor"], row["beta_steps_at_ceiling"]) == (2, 3)
+    assert (row["beta_min"], row["beta_max"], row["beta_last"]) == (0.05, 100.0, trace[-1])
+    fixed = summary_table(logs).iloc[0]  # no controller's range: no bound to sit at
+    assert np.isnan(fixed["beta_steps_at_floor"]) and np.isnan(fixed["beta_steps_at_ceiling"])
+
+
 def test_a_finished_algorithm_is_reused_only_while_its_inputs_are_unchanged(tmp_path, monkeypatch):
     """policy/<algo>/complete.json holds the settings and the hashes of the data, the reward and
     the start policy: a retrained reward (or new data, or another SFT) retrains the algorithm."""

@@ -195,9 +195,9 @@ class RLConfig(Section):
     """The KL coefficient beta every RL algorithm starts from (PPO, the RLGF algorithms, GRPO,
     RLOO)."""
     adaptive_kl: bool = True
-    """Every RL algorithm: the adaptive controller of beta towards target_kl (log-space, with a
-    one-step look-ahead: `rl.core.AdaptiveKLController`), once per step on the step's KL per
-    response (false: beta stays at kl_coef for all)."""
+    """Every RL algorithm: the adaptive controller of beta towards target_kl (log space, on a
+    smoothed KL, at most `kl_step_ratio` a step: `rl.core.AdaptiveKLController`), once per step
+    on the step's KL per response (false: beta stays at kl_coef for all)."""
     target_kl: float = Field(default=6.0, gt=0.0)
     """The KL target per response, in nats, of every RL algorithm (the adaptive controller's set
     point)."""
@@ -211,9 +211,12 @@ class RLConfig(Section):
     """The adaptive controller's range of beta, [low, high] (`rl.core.AdaptiveKLController`): one
     range for every family, wide enough for k1 of a sequence against a reward in [0, 1] (PPO,
     RLGF, RLOO) and k3 per token against unit-scaled advantages (GRPO)."""
-    kl_adapt_steps: float | None = Field(default=None, gt=0.0)
-    """Steps in which the adaptive beta crosses kl_coef_range at full error (KL 2x off target);
-    null: a quarter of `steps`, so that beta can reach any value of its range within the run."""
+    kl_step_ratio: float = Field(default=1.5, gt=1.0)
+    """The most the adaptive controller moves beta in one step: a factor of this up, of its
+    square root down (`rl.core.AdaptiveKLController`)."""
+    kl_smoothing: float = Field(default=0.5, gt=0.0, le=1.0)
+    """The weight of each step's KL in the smoothed KL the adaptive controller acts on (an
+    exponential moving average; 1: the step's KL alone)."""
     gamma: float = Field(default=1.0, ge=0.0, le=1.0)
     """PPO's discount over tokens."""
     lam: float = Field(default=0.95, ge=0.0, le=1.0)
@@ -256,12 +259,6 @@ class RLConfig(Section):
     """Recompute activations in the update: memory for time."""
     num_threads: int | None = Field(default=None, gt=0)
     """Torch threads for RL (null: every core)."""
-
-    @property
-    def kl_cross_steps(self) -> float:
-        """Steps in which the adaptive beta crosses kl_coef_range at full error: `kl_adapt_steps`,
-        null: a quarter of `steps` (at least 1)."""
-        return kl_cross_steps(self.kl_adapt_steps, self.steps)
 
     @field_validator("algorithm", mode="before")
     @classmethod
@@ -450,8 +447,3 @@ class OfflineConfig(Section):
     """RFT: responses sampled per training context from the start policy; the reward model's
     best is kept (= rl.num_generations and evaluation.best_of_n in the profiles: the best-of-N
     policy it distils)."""
-
-
-def kl_cross_steps(kl_adapt_steps: float | None, steps: int) -> float:
-    """`RLConfig.kl_cross_steps` from the two parameters (for a report reading a run's params)."""
-    return float(kl_adapt_steps or max(1.0, steps / 4))

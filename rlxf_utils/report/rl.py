@@ -12,7 +12,6 @@ import pandas as pd
 
 from rlxf_utils.artifacts import RunDir
 from rlxf_utils.config import CRITIC_INIT
-from rlxf_utils.config.policy import kl_cross_steps
 from rlxf_utils.markdown import is_present, markdown_table
 from rlxf_utils.report.wording import display_name, name_cells, sentence, spaced, table, value
 
@@ -49,11 +48,11 @@ def ppo_context(rows: pd.DataFrame, rl: dict[str, Any]) -> dict[str, Any]:
 
 
 def kl_context(rl: dict[str, Any]) -> dict[str, Any]:
-    """`kl_regime_sentence`: the run's KL control parameters, with the steps in which the
-    adaptive beta crosses its range (`config.policy.kl_cross_steps`) and GRPO's loss."""
-    out = {k: rl[k] for k in ("adaptive_kl", "kl_coef", "target_kl", "grpo_loss_type")}
+    """`kl_regime_sentence`: the run's KL control parameters and GRPO's loss."""
+    keys = ("adaptive_kl", "kl_coef", "target_kl", "grpo_loss_type", "kl_step_ratio",
+            "kl_smoothing")  # fmt: skip
+    out = {k: rl[k] for k in keys}
     out["kl_coef_range"] = list(rl["kl_coef_range"])
-    out["kl_adapt_steps"] = kl_cross_steps(rl.get("kl_adapt_steps"), rl["steps"])
     return out
 
 

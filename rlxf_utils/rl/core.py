@@ -204,31 +204,23 @@ def explained_variance(
 
 
 class AdaptiveKLController:
-    """Adaptive beta that can cross its useful range within the run's horizon.
+    """Adaptive beta that moves smoothly: in log space, on a smoothed KL, a bounded factor a step.
 
-    Ziegler et al. (2019)'s proportional rule, beta *= 1 + K_beta clip(KL / target - 1, +-0.2),
-    moves beta by at most 2% a step at K_beta = 0.1: over a 16-step run beta could only end in
-    [0.036, 0.069] whatever the KL, and the methods ended twenty-fold apart in KL. Here beta is
-    controlled in log space:
+        s_t = KL_1 (t = 1),  (1 - w) s_{t-1} + w KL_t (t > 1)       w = `rl.kl_smoothing`
+        e_t = clip(log2(s_t / target), -1, 1)
+        beta_{t+1} = clip(beta_t r^{e_t} (e_t > 0) or beta_t r^{e_t / 2} (e_t < 0),
+                          beta_min, beta_max)                        r = `rl.kl_step_ratio`
 
-        e_t = clip(log2(KL_hat_t / target), -1, 1),  KL_hat_t = KL_t + (KL_t - KL_{t-1})
-        log beta_{t+1} = clip(log beta_t + g e_t (e_t > 0) or g e_t / 2 (e_t < 0),
-                              log beta_min, log beta_max),
-        g = log(beta_max / beta_min) / steps_to_cross
-
-    `KL_hat` looks one step ahead along the KL's last change (a derivative term: a KL still
-    rising towards the target raises beta before it overshoots); the error saturates at a factor
-    2 off target; beta falls at half the rate it rises (every run starts at KL 0, and beta must
-    not be wound down to its floor before the policy has moved); at full error it crosses
-    [beta_min, beta_max] in `steps_to_cross` steps (`rl.kl_adapt_steps`, null: a quarter of
-    `rl.steps`). One range for every family: beta prices k1 of a sequence against a reward in
-    [0, 1] (PPO, RLGF, RLOO) and k3 per token against unit-scaled advantages (GRPO), which need
-    betas two orders of magnitude apart (`rl.kl_coef_range`). tests/test_kl_control.py: on a toy
-    problem whose KL runs away under a fixed beta (to 3-5x the target), each family ends within
-    2x the target.
+    At most a factor r a step up (1.5 in the profiles) and sqrt(r) down: every run starts at KL 0,
+    and beta must not be wound down before the policy has moved. The error saturates at a factor
+    2 off target, and the controller acts on the smoothed KL, not on one minibatch's KL or a
+    look-ahead along its last change. The controller it replaces crossed [0.01, 100] in a quarter
+    of the run (x10 a step at the default's 16 steps) on a one-step look-ahead, and swung beta
+    between its bounds (issue 78); tests/test_kl_control.py shows that one fails the bounds this
+    one keeps. `kl_coef_range` stays a guard: the report counts the steps beta sat at a bound.
     """
 
-    #: beta falls at this fraction of the rate at which it rises
+    #: beta falls at this fraction of the (log) rate at which it rises
     DOWN = 0.5
 
     def __init__(
@@ -236,47 +228,51 @@ class AdaptiveKLController:
         init: float,
         target: float,
         beta_range: tuple[float, float] = (0.01, 100.0),
-        steps_to_cross: float = 4.0,
+        step_ratio: float = 1.5,
+        smoothing: float = 0.5,
     ):
         low, high = (float(b) for b in beta_range)
         if not 0 < low < high:
             raise ValueError(f"rl.kl_coef_range must be 0 < low < high; got {beta_range}")
-        if not steps_to_cross > 0:
-            raise ValueError(f"rl.kl_adapt_steps must be positive; got {steps_to_cross}")
+        if not step_ratio > 1:
+            raise ValueError(f"rl.kl_step_ratio must be above 1; got {step_ratio}")
+        if not 0 < smoothing <= 1:
+            raise ValueError(f"rl.kl_smoothing must be in (0, 1]; got {smoothing}")
         self.value = float(np.clip(float(init), low, high))
         self.target, self.low, self.high = float(target), low, high
-        self.gain = math.log(high / low) / float(steps_to_cross)
-        self.previous: float | None = None
+        self.gain, self.smoothing = math.log(float(step_ratio)), float(smoothing)
+        self.smoothed: float | None = None
 
     def update(self, current_kl: float, n_steps: int = 1) -> None:
         """Move beta once for this step's KL per response (nats); a NaN KL leaves it alone."""
         kl = float(current_kl)
         if not math.isfinite(kl):
             return
-        ahead = kl if self.previous is None else kl + (kl - self.previous)
-        self.previous = kl
-        error = -1.0 if ahead <= 0 else float(np.clip(math.log2(ahead / self.target), -1, 1))
+        w = self.smoothing
+        s = kl if self.smoothed is None else (1 - w) * self.smoothed + w * kl
+        self.smoothed = s
+        error = -1.0 if s <= 0 else float(np.clip(math.log2(s / self.target), -1, 1))
         step = self.gain * error * (1.0 if error > 0 else self.DOWN)
         self.value = float(np.clip(self.value * math.exp(step), self.low, self.high))
 
     def state_dict(self) -> dict[str, float | None]:
-        return {"value": self.value, "target": self.target, "previous": self.previous}
+        return {"value": self.value, "target": self.target, "smoothed": self.smoothed}
 
     def load_state_dict(self, state: Mapping[str, float | None]) -> None:
         self.value = float(state["value"])  # type: ignore[arg-type]
-        prev = state.get("previous")
-        self.previous = None if prev is None else float(prev)
+        prev = state.get("smoothed")
+        self.smoothed = None if prev is None else float(prev)
 
 
 def kl_controller(rl: Any) -> AdaptiveKLController | FixedKLController:
     """The KL coefficient's controller every RL algorithm uses (`rl.adaptive_kl`, `rl.kl_coef`,
-    `rl.target_kl`, `rl.kl_coef_range`, `rl.kl_adapt_steps`; `rl` an `RLConfig`): updated once
-    per step with the step's mean KL per response, in nats (PPO and the RLGF algorithms:
-    `PPOTrainer.train_step`; GRPO and RLOO: `trl_runs.beta_control`)."""
+    `rl.target_kl`, `rl.kl_coef_range`, `rl.kl_step_ratio`, `rl.kl_smoothing`; `rl` an
+    `RLConfig`): updated once per step with the step's mean KL per response, in nats (PPO and
+    the RLGF algorithms: `PPOTrainer.train_step`; GRPO and RLOO: `trl_runs.beta_control`)."""
     if not rl.adaptive_kl:
         return FixedKLController(rl.kl_coef)
     return AdaptiveKLController(rl.kl_coef, rl.target_kl, tuple(rl.kl_coef_range),
-                                rl.kl_cross_steps)  # fmt: skip
+                                rl.kl_step_ratio, rl.kl_smoothing)  # fmt: skip
 
 
 class FixedKLController:

@@ -20,8 +20,8 @@ One readable file in the CleanRL spirit: every implementation detail is named an
     GAE       advantages and returns (gamma, lambda), advantages whitened over the batch
     update    several epochs of shuffled minibatches: clipped surrogate + clipped value loss,
               gradient clipping, early stop when the approximate KL to the rollout policy is too big
-    beta      adaptive KL controller (`core.AdaptiveKLController`: log-space, one step ahead, able to
-              cross rl.kl_coef_range within the run) or a fixed coefficient
+    beta      adaptive KL controller (`core.AdaptiveKLController`: log space, on a smoothed KL, at
+              most rl.kl_step_ratio a step) or a fixed coefficient
 
 Device placement goes through `accelerate`, so the same code runs on CPU, one GPU or several GPUs
 (`accelerate launch`). Checkpoints hold everything needed for an exact resume on CPU.

@@ -323,7 +323,8 @@ def rl_step(
     tables = {"rl_algorithm_settings": settings_table(run.root, cfg.rl.algorithm),
               "rl_train_experience": train_experience(cfg, run)}  # fmt: skip
     run.write_figure("rl_training_curves", training_curves_figure(logs))
-    tables["rl_summary"] = summary_table(logs, alpha=cfg.evaluation.alpha)
+    beta_range = tuple(cfg.rl.kl_coef_range) if cfg.rl.adaptive_kl else None
+    tables["rl_summary"] = summary_table(logs, alpha=cfg.evaluation.alpha, beta_range=beta_range)
     if any(a in RLGF_ALGORITHMS for a in cfg.rl.algorithm):
         tables["rlgf_guidance"] = guidance_table(logs)
     tables["ilhf_training"] = training_table(logs)

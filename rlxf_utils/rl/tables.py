@@ -74,11 +74,18 @@ def own_reward(g: pd.DataFrame) -> pd.Series:
     return g["reward_learner"] if "reward_learner" in g else g["reward_mean"]
 
 
-def summary_table(logs: pd.DataFrame, window: int = 3, alpha: float = 0.05) -> pd.DataFrame:
+def summary_table(
+    logs: pd.DataFrame,
+    window: int = 3,
+    alpha: float = 0.05,
+    beta_range: tuple[float, float] | None = None,
+) -> pd.DataFrame:
     """Per algorithm: the learner's own reward (`own_reward`) at the start and end (mean of the
     first and last `window` steps that have one; `reward_first_step`: the first), final KL, step time,
-    and the critic's explained variance over the last third of the steps with a t interval at
-    1 - alpha over those steps (so "positive" is read from the interval, not the mean)."""
+    the critic's explained variance over the last third of the steps with a t interval at
+    1 - alpha over those steps (so "positive" is read from the interval, not the mean), and β's
+    trace: first, last, smallest, largest and, with the adaptive controller's `beta_range`, the
+    steps at which β sat at its floor and at its ceiling (NaN without a β or a range)."""
     from scipy import stats
 
     rows = []
@@ -113,11 +120,24 @@ def summary_table(logs: pd.DataFrame, window: int = 3, alpha: float = 0.05) -> p
                 else np.nan,
                 "beta_first": g["kl_coef"].iloc[0],
                 "beta_last": g["kl_coef"].iloc[-1],
+                "beta_min": g["kl_coef"].min(),
+                "beta_max": g["kl_coef"].max(),
+                **_steps_at_bounds(g["kl_coef"], beta_range),
                 "step_time_s": g["step_time_s"].median(),
                 "tokens_per_s": g["tokens_per_s"].median(),
             }
         )
     return pd.DataFrame(rows)
+
+
+def _steps_at_bounds(beta: pd.Series, beta_range: tuple[float, float] | None) -> dict[str, float]:
+    """The steps a β trace sat at the floor and at the ceiling of the controller's range."""
+    b = beta.dropna().to_numpy(float)
+    if beta_range is None or not b.size:
+        return {"beta_steps_at_floor": np.nan, "beta_steps_at_ceiling": np.nan}
+    low, high = beta_range
+    return {"beta_steps_at_floor": int(np.isclose(b, low, rtol=1e-6).sum()),
+            "beta_steps_at_ceiling": int(np.isclose(b, high, rtol=1e-6).sum())}  # fmt: skip
 
 
 #: Which critic each RLGF scheme fits (on which tokens), for the guidance table and the report.
