@@ -35,6 +35,7 @@ FIELD_NAMES: dict[str, str] = {
     "audit_reward_finished": "audit reward, finished responses",
     "reward_as_written": "reward, cut responses as written",
     "audit_reward_as_written": "audit reward, cut responses as written",
+    "finished_share": "share finished before the cap",
     # the data section's tables (notebook 01)
     "status_raw": "MONA code",
     "n_met": "MET",

@@ -214,7 +214,7 @@ def test_summary_table_finds_a_real_gain_and_only_it() -> None:
     assert s.loc["base", "perplexity"] == pytest.approx(math.exp(1.0))
     assert s.loc["ppo", "finished"] == pytest.approx(2 / 3)  # samples 0 and 2 of 3 finished
     assert set(paired["measure"]) == {"reward", "audit_reward", "gap", "reward_finished",
-                                      "audit_reward_finished"}  # fmt: skip
+                                      "audit_reward_finished", "finished_share"}  # fmt: skip
     assert s.loc["ppo", "gap"] == pytest.approx(0.1, abs=0.01) and s.loc["ppo", "gap_low"] > 0
     assert (paired["n_clusters"] == 10).all()  # tests run over the 10 countries, not 30 prompts
     null, _ = summary_table(

@@ -78,7 +78,8 @@ def test_a_cut_response_fails_under_both_judges_and_keeps_its_score_as_written()
     out = add_rewards(_samples(), contexts, _Judge(0.6), _Judge(0.7), 4, cut_responses="failed")
     cut = out["finished"].eq(False)
     assert (out.loc[cut, "reward"] == 0).all() and (out.loc[cut, "audit_reward"] == 0).all()
-    # every other response, history's too (no cap), keeps its scores; every row keeps them as written
+    # every other response (one without a `finished` value too) keeps its scores; every row keeps
+    # them as written
     assert (out.loc[~cut, "reward"] == 0.6).all() and (out.loc[~cut, "audit_reward"] == 0.7).all()
     assert (out["reward_as_written"] == 0.6).all() and (out["audit_reward_as_written"] == 0.7).all()
     assert not out["reward_truncated"].any()  # these judges read every word
@@ -175,6 +176,26 @@ def test_the_summary_keeps_the_gains_as_written_beside_the_rules() -> None:
     for pre in ("gain_as_written", "audit_gain_as_written"):
         assert abs(r[pre]) < 0.01 and r[f"{pre}_low"] > -0.03  # no loss of the rule's size
     assert {"reward_as_written", "audit_reward_as_written"} <= set(paired["measure"])
+
+
+def test_the_finished_share_is_a_family_of_its_own_beside_every_gain() -> None:
+    """Issue 78: `ppo` finishes one response in three where the start policy finishes all: the
+    share's change, -2/3 exactly on every prompt, is its own family against the start policy
+    (`finished_gain`), so a reader sees how much of the gain under the cut rule is length."""
+    from rlxf_utils.evaluation.tables import summary_table
+
+    df = apply_cut_rule(_one_in_three("sft", 0.02), "failed")
+    s, paired = summary_table(df, ["sft", "ppo"], "sft", 4, n_boot=200, alpha=0.05, seed=0)
+    r = s.set_index("policy").loc["ppo"]
+    assert r["finished_gain"] == pytest.approx(-2 / 3) and r["finished_gain_verdict"] == "below"
+    assert r["finished"] == pytest.approx(1 / 3)
+    assert "finished_share" in set(paired["measure"])
+    assert np.isnan(s.set_index("policy").loc["sft", "finished_gain"])  # the start: no change
+    # a reference without a cap (history's descriptions: no `finished`) is not in the family
+    hist = df[df["policy"] == "sft"].assign(policy="history_met", finished=np.nan)
+    s2, _ = summary_table(pd.concat([df, hist]), ["sft", "ppo"], "sft", 4, n_boot=200, alpha=0.05,
+                          seed=0)  # fmt: skip
+    assert np.isnan(s2.set_index("policy").loc["history_met", "finished_gain"])
 
 
 def test_the_summary_gives_each_policys_bounds_among_finished_responses() -> None:

@@ -171,3 +171,26 @@ def test_an_include_inside_an_included_file_resolves_from_the_main_folder(tmp_pa
     (gen / "t_table.md").write_text("{{< include _generated/t.md >}}\n\n: cap {#tbl-t}\n")
     out = expand_shortcodes("{{< include _generated/t_table.md >}}\n", {}, tmp_path)
     assert out == "| a |\n|---|\n| 1 |\n\n\n: cap {#tbl-t}\n\n"
+
+
+def test_a_table_a_stage_had_nothing_for_publishes_as_an_empty_page(tmp_path) -> None:
+    """Issue 80: a run of `rl.algorithm: [ppo, grpo, rft]` wrote `tables/ilhf_training.csv` as a
+    single newline and `rlxf publish` stopped with pandas' EmptyDataError. The ILHF table now
+    keeps its header without ILHF, and a table written with nothing at all still publishes."""
+    import pandas as pd
+
+    from rlxf_utils.report.publish import table_page
+    from rlxf_utils.rl.tables import ILHF_TRAINING_COLUMNS, training_table
+
+    logs = pd.DataFrame({"algo": ["ppo", "grpo"], "step": [1, 1]})
+    assert list(training_table(logs).columns) == list(ILHF_TRAINING_COLUMNS)
+    assert training_table(logs).empty
+    bare = tmp_path / "ilhf_training.csv"
+    bare.write_text("\n", encoding="utf-8")
+    page = table_page(bare)
+    assert "<p>0 rows.</p>" in page and "ilhf_training" in page
+    header = tmp_path / "header.csv"
+    training_table(logs).to_csv(header, index=False)
+    assert "<th>pairs_per_step</th>" in table_page(header) and "<p>0 rows.</p>" in table_page(
+        header
+    )

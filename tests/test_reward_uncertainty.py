@@ -280,7 +280,7 @@ def test_summary_table_carries_reward_sd_and_its_paired_change() -> None:
         and s.loc["ppo", "sd_gain_low"] > 0
     )
     assert abs(s.loc["best_of_n", "sd_gain"]) < 0.002 and s.loc["best_of_n", "sd_gain_low"] < 0
-    assert set(paired["measure"]) == {"reward", "audit_reward", "gap", "reward_sd", "reward_finished", "audit_reward_finished"}  # fmt: skip
+    assert set(paired["measure"]) == {"reward", "audit_reward", "gap", "reward_sd", "reward_finished", "audit_reward_finished", "finished_share"}  # fmt: skip
     assert (paired.loc[paired.measure == "reward_sd", "n_clusters"] == 10).all()
     fig = plot_reward_uncertainty(s.reset_index(), "base", 0.05)
     assert len(fig.axes[0].lines) > 0

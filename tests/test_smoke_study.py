@@ -84,6 +84,17 @@ def test_smoke_study_renders_the_report(smoke_run: Path, tmp_path: Path) -> None
     }
     base = ev["base"]
     assert f"{base['ave_r']:.3f} [{base['ave_r_low']:.3f}, {base['ave_r_high']:.3f}]" in text
+    # history's descriptions follow generated text's cut rule, and the finished share is a
+    # family of its own beside every gain (issue 78)
+    from rlxf_utils.config import load_config
+
+    cap = load_config(ROOT / "params/smoke.yaml").eval_max_new_tokens
+    samples = pd.read_parquet(run_dir / "eval/samples.parquet")
+    hist = samples[samples["policy"].isin(["history_met", "history_nonmet", "random_policy"])]
+    assert len(hist) and hist["finished"].notna().all()
+    assert (hist["finished"].astype(bool) == (hist["n_tokens"] <= cap)).all()
+    assert (hist.loc[~hist["finished"].astype(bool), "reward"] == 0).all()
+    assert all(f"finished_gain_{k}" in ev["ppo"] for k in ("low", "high", "verdict"))
     # verdict sentences: the report prints the one its section computed from the run's tests
     # (the rules themselves are unit-tested with injected verdicts, e.g. test_reward.py)
     ppo_sentence = next(

@@ -115,6 +115,9 @@ def sample_history(ev: Evaluation) -> Measured:
             )  # fmt: skip
         hist["logp_base"], hist["n_tokens"] = lp, n_tok
         hist["logp_policy"] = hist["logp_ref"] = np.nan
+        # the cut rule of generated text (issue 78): a description would have finished under the
+        # evaluation's cap iff its tokens and the end token fit in it (a sample's `finished`)
+        hist["finished"] = np.asarray(n_tok) <= inp.cfg.eval_max_new_tokens
         inp.score(hist)
     return Measured(products={"samples": pd.concat([ev.samples, hist], ignore_index=True)})
 

@@ -75,7 +75,8 @@ def apply_cut_rule(df: pd.DataFrame, rule: str) -> pd.DataFrame:
     the text as it stands; under 'failed' a response whose `finished` is False (it reached the
     cap without an end token) scores P(MET) = 0 under the reward model and the audit, whatever
     its policy, so a cut can never make a gain. Under 'as_written' the scores are the text's.
-    Rows without a `finished` value (history's real descriptions: no cap) keep their scores."""
+    Rows without a `finished` value keep their scores (history's real descriptions have one:
+    whether the description and its end token fit in the cap, `families.sample_history`)."""
     if rule not in CUT_RULES:
         raise ValueError(f"evaluation.cut_responses={rule!r}; expected one of {list(CUT_RULES)}")
     cut = df["finished"].eq(False).to_numpy() if "finished" in df else np.zeros(len(df), dtype=bool)

@@ -63,8 +63,8 @@ def vs_start_family(policies: Sequence[str], start: str) -> list[str]:
 
 
 def finished_only(samples: pd.DataFrame) -> pd.DataFrame:
-    """The responses that ended before the token cap (`finished` true; the history references,
-    which have no cap, are left out). Which responses finish is an outcome of the policy, so the
+    """The responses that ended before the token cap (`finished` true; a history reference: its
+    description fits in the cap). Which responses finish is an outcome of the policy, so the
     gain among finished responses, on the prompts where both policies finished one, compares two
     differently selected subsets: a description of that subset, never a check of the full gain.
     What it can say about the answers that would finish under either policy is bounded by
@@ -72,6 +72,16 @@ def finished_only(samples: pd.DataFrame) -> pd.DataFrame:
     if "finished" not in samples:
         return samples.iloc[:0]
     return samples[samples["finished"].eq(True)]
+
+
+def finished_shares(samples: pd.DataFrame) -> pd.DataFrame:
+    """The responses with a `finished` value (generated under the evaluation's cap; the history
+    references have none), with `finished_share` 1.0 where the response ended before the cap
+    and 0.0 where it was cut: per prompt its mean is the policy's finished share there."""
+    if "finished" not in samples:
+        return samples.iloc[:0].assign(finished_share=pd.Series(dtype=float))
+    rows = samples.dropna(subset=["finished"])
+    return rows.assign(finished_share=rows["finished"].astype(bool).astype(float))
 
 
 #: The Lee bounds' columns in the summary, per judge prefix (`gain_finished`, ...): the bounds,
@@ -120,6 +130,8 @@ def summary_table(
     finished response on a prompt where the start policy has one), a description of a subset the
     policies select, with its Lee bounds `{prefix}_lee_lower`, `_lee_upper`, the interval that
     covers them `_lee_low`, `_lee_high` and its `_lee_prompts` (`finished_bounds`);
+    `finished_gain` the change in the share of responses finished before the cap against the
+    start policy (`finished_shares`: a family of its own, every generated member with a share);
     `gain_as_written` and `audit_gain_as_written` the gains with every cut response scored as
     written (`evaluation.sampling.apply_cut_rule`: the cut rule's sensitivity); `finished`
     each policy's share of responses that ended before the evaluation's cap. `reward_sd` is the mean SD
@@ -147,6 +159,17 @@ def summary_table(
         for col in ("reward", "audit_reward")
         if start in set(done["policy"])
     ]
+    # the finished share as its own family (issue 78): a gain scored with cut responses as failed
+    # is a change in the share finished times the mean score plus the share times the change in
+    # that score, so length enters every gain; this family shows the first part beside it
+    shares = finished_shares(samples)
+    share_family = [p for p in pkw["policies"] if p in set(shares["policy"])]
+    share_paired = (
+        [paired_table(shares, start, "finished_share", **{**pkw, "policies": share_family})
+         .assign(measure="finished_share")]
+        if start in set(shares["policy"]) and share_family
+        else []
+    )  # fmt: skip
     # the sensitivity reading of the cut rule: every response scored as written
     as_written = [
         paired_table(samples, start, f"{col}_as_written", **pkw).assign(measure=f"{col}_as_written")
@@ -160,6 +183,7 @@ def summary_table(
             paired_table(samples, start, "reward_minus_audit", **pkw).assign(measure="gap"),
             *sd_paired,
             *fin_paired,
+            *share_paired,
             *as_written,
         ],
         ignore_index=True,
@@ -182,6 +206,7 @@ def summary_table(
     for measure, prefix in (("reward", "gain"), ("audit_reward", "audit_gain"), ("gap", "gap"),
                             ("reward_sd", "sd_gain"), ("reward_finished", "gain_finished"),
                             ("audit_reward_finished", "audit_gain_finished"),
+                            ("finished_share", "finished_gain"),
                             ("reward_as_written", "gain_as_written"),
                             ("audit_reward_as_written", "audit_gain_as_written")):  # fmt: skip
         p = paired[paired["measure"] == measure].set_index("policy")

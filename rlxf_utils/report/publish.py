@@ -251,7 +251,10 @@ MAX_TABLE_ROWS = 2000
 
 def table_page(csv: Path) -> str:
     """The CSV `csv` as an escaped HTML table (every cell as text), with a link to the file."""
-    frame = pd.read_csv(csv, dtype=str, keep_default_na=False)
+    try:
+        frame = pd.read_csv(csv, dtype=str, keep_default_na=False)
+    except pd.errors.EmptyDataError:  # a stage that had nothing for it wrote no header either
+        frame = pd.DataFrame()
     shown = frame.head(MAX_TABLE_ROWS)
     head = "".join(f"<th>{html.escape(str(c))}</th>" for c in shown.columns)
     rows = "\n".join(

@@ -180,6 +180,12 @@ def guidance_table(logs: Any) -> Any:
     return pd.DataFrame(rows)
 
 
+#: `training_table`'s columns: a run without ILHF writes the table with its header alone.
+ILHF_TRAINING_COLUMNS = ("algorithm", "steps", "pairs_per_step", "mixed_outcome_share",
+                         "loss_first", "loss_last", "pref_accuracy_last", "particle_spread_last",
+                         "reward_last", "kl_last", "step_time_s")  # fmt: skip
+
+
 def training_table(logs: pd.DataFrame) -> pd.DataFrame:
     """Per ILHF algorithm: steps, pairs per step (and the share with different outcomes), the ILHF
     loss at the start and end, the particles' preference accuracy on pairs with a winner, the
@@ -198,4 +204,4 @@ def training_table(logs: pd.DataFrame) -> pd.DataFrame:
                      "reward_last": g["reward_mean"].tail(third).mean(),
                      "kl_last": g["kl"].tail(third).mean(),
                      "step_time_s": g["step_time_s"].median()})  # fmt: skip
-    return pd.DataFrame(rows)
+    return pd.DataFrame(rows, columns=list(ILHF_TRAINING_COLUMNS))
