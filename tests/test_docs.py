@@ -193,6 +193,66 @@ def path_problems(page: str, text: str) -> list[str]:
     return bad
 
 
+#: A name in code that reads like a config key: dotted lower-case identifiers, `key: value` kept
+#: to its key; not a module of the package (`rlxf_utils.x`) nor a file (`a.json`).
+DOTTED = re.compile(r"[a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)+")
+FILE_END = re.compile(
+    r"\.(py|md|ya?ml|json|jsonl|csv|parquet|png|txt|toml|ipynb|html|pdf|qmd|lock)$"
+)
+
+
+@cache
+def _config() -> tuple[object, frozenset[str], frozenset[str]]:
+    """The default profile's resolved config, its sections and every other field name in it."""
+    from pydantic import BaseModel
+
+    from rlxf_utils.config import load_config
+
+    cfg = load_config(ROOT / "params" / "default.yaml")
+    sections = frozenset(type(cfg).model_fields)
+    leaves: set[str] = set()
+
+    def walk(model: BaseModel) -> None:
+        for name in type(model).model_fields:
+            leaves.add(name)
+            if isinstance(value := getattr(model, name), BaseModel):
+                walk(value)
+
+    walk(cfg)
+    return cfg, sections, frozenset(leaves - sections)
+
+
+def _is_key(name: str) -> bool:
+    """`name` is a field (or property) of the config, section by section."""
+    node: object = _config()[0]
+    for part in name.split("."):
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif not isinstance(node, dict) and hasattr(node, part) and not part.startswith("_"):
+            node = getattr(node, part)
+        else:
+            return False
+    return True
+
+
+def key_problems(page: str, text: str) -> list[str]:
+    """Names in code that read as config keys but are none: a dotted name that starts with a
+    section (`rl.`, `evaluation.`, ...) and is neither a key nor a module or object of the
+    package, or one that ends with a key's name under another path (`algorithms.algorithm`)."""
+    _, sections, leaves = _config()
+    bad = []
+    for span in (m.group(2) for m in INLINE_CODE.finditer(FENCE.sub("", text))):
+        head = re.split(r"[\s:=(]", span.strip(), maxsplit=1)[0].rstrip(".,;")
+        if not DOTTED.fullmatch(head) or head.startswith("rlxf_utils.") or FILE_END.search(head):
+            continue
+        first, last = head.split(".")[0], head.split(".")[-1]
+        if _is_key(head):
+            continue
+        if last in leaves or (first in sections and _module_problem(f"rlxf_utils.{head}")):
+            bad.append(f"{page}: `{head}` is no config key")
+    return bad
+
+
 def outside_problems(page: str, text: str) -> list[str]:
     """References to what a clone of the project does not have: the workspace's shared folder,
     absolute paths of this machine, issue numbers."""
@@ -296,6 +356,80 @@ def test_nothing_points_outside_the_project() -> None:
     assert not bad, bad
 
 
+def _notebook_texts() -> list[tuple[str, str]]:
+    """Each notebook's markdown, and its code cells' strings and comments, as one text."""
+    import json
+
+    out = []
+    for nb in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        cells = json.loads(nb.read_text(encoding="utf-8"))["cells"]
+        out.append((nb.name, "\n\n".join("".join(c["source"]) for c in cells)))
+    return out
+
+
+def test_every_config_key_named_in_the_docs_and_notebooks_exists() -> None:
+    """A page, a notebook or a parameters comment names a key the schema has (a renamed or
+    mistyped key would send a reader to a setting that stops the run as unknown)."""
+    params = [(f.name, "\n".join(f"`{c}`" for c in re.findall(r"#.*", f.read_text("utf-8"))))
+              for f in sorted((ROOT / "params").glob("*.yaml"))]  # fmt: skip
+    texts = [(p.name, t) for p, t in _pages()] + _notebook_texts() + params
+    bad = [msg for name, text in texts for msg in key_problems(name, text)]
+    assert not bad, bad
+
+
+def method_problems(name: str, text: str) -> list[str]:
+    """Sentences that name a statistical method for what the code does otherwise: Holm or
+    Wilcoxon (`stats.REFERENCE_ONLY`) without saying they are for reference, or a bootstrap as
+    the interval of a paired difference, which is `stats.PAIRED_INTERVAL`'s."""
+    from rlxf_utils.stats import PAIRED_INTERVAL, REFERENCE_ONLY
+
+    bad = []
+    for sentence in re.split(r"(?<=[.;])\s+|\n\s*\n", FENCE.sub("", text)):
+        said = " ".join(sentence.split())
+        for method in REFERENCE_ONLY:
+            if method in said and "for reference" not in said:
+                bad.append(f"{name}: names {method} as if a verdict read it: {said[:120]}")
+        paired = re.search(r"paired (difference|test|change|gain)", said)
+        if paired and "bootstrap" in said and PAIRED_INTERVAL not in said:
+            bad.append(f"{name}: a bootstrap for a paired difference: {said[:120]}")
+    return bad
+
+
+def test_the_notebooks_name_the_statistical_methods_the_code_uses() -> None:
+    """Notebook 04 once promised "a Holm-adjusted Wilcoxon p-value" and "a cluster-bootstrap
+    CI" for the paired gains, which the code reads from the cluster-robust t interval in
+    Bonferroni families; a notebook's markdown now names what `rlxf_utils.stats` says."""
+    import json
+
+    bad = []
+    for nb in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        cells = json.loads(nb.read_text(encoding="utf-8"))["cells"]
+        text = "\n\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
+        bad += method_problems(nb.name, text)
+    assert not bad, bad
+    said = ("Paired tests, Holm-corrected. Per-country tests (Holm-adjusted, for reference). "
+            "The paired difference with a cluster-bootstrap CI. Ave(R) with a cluster-bootstrap "
+            "CI. The paired difference with the cluster-robust t interval.")  # fmt: skip
+    assert [m.split(":")[1].strip() for m in method_problems("x", said)] == [
+        "names Holm as if a verdict read it", "a bootstrap for a paired difference"]  # fmt: skip
+
+
+def test_the_readme_cites_from_the_bibliography_and_the_licence_is_pyprojects() -> None:
+    """The README's BibTeX is `reports/references.bib`'s entries, character for character (not
+    retyped), the paper's among them; LICENSE is the licence `pyproject.toml` names."""
+    import tomllib
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    bib = (ROOT / "reports" / "references.bib").read_text(encoding="utf-8")
+    blocks = re.findall(r"```bibtex\n(.*?)```", readme, re.S)
+    entries = [e.strip() for b in blocks for e in re.split(r"\n(?=@)", b.strip())]
+    assert any(e.startswith("@techreport{atashbar2024rlxf,") for e in entries), entries
+    assert entries and all(e in bib for e in entries), [e for e in entries if e not in bib]
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    assert meta["license"]["text"] == "MIT"
+    assert (ROOT / "LICENSE").read_text(encoding="utf-8").startswith("MIT License\n")
+
+
 def test_the_readme_is_short() -> None:
     n = len((ROOT / "README.md").read_text(encoding="utf-8").splitlines())
     assert n <= README_MAX_LINES, n
@@ -356,6 +490,14 @@ def test_each_check_catches_what_it_is_for(tmp_path: Path) -> None:
         "page.md: no module rlxf_utils.no_such",
     ]
     assert len(outside_problems("page.md", broken)) == 3
+    keys = ("`rl.algorithm`, `algorithms.algorithm` (notebook 03 before), `rl.steps: 16`, "
+            "`rl.no_such_key`, `evaluation.lanes` (a module), `rl.core.AdaptiveKLController`, "
+            "`rl.optimizer_steps_per_batch` (a property), `evaluation.kl_budgets.x`, `a.json`")  # fmt: skip
+    assert key_problems("page.md", keys) == [
+        "page.md: `algorithms.algorithm` is no config key",
+        "page.md: `rl.no_such_key` is no config key",
+        "page.md: `evaluation.kl_budgets.x` is no config key",
+    ]
     yaml_text = (
         "# one\n# two\n# three\nkey: 1\n\n"  # three full lines: too long
         "a: 1  # trailing\n   # and a continuation\n   # and another\n"  # 1 + 2: too long

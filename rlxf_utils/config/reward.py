@@ -102,7 +102,8 @@ class RewardConfig(Section):
     group_by_length: bool = True
     """Length-grouped batches with dynamic padding (faster)."""
     calibrate: bool = True
-    """Temperature scaling on the validation slice."""
+    """Platt scaling on the validation slice: a temperature and an offset
+    (`reward.calibration.fit_platt`)."""
     ece_bins: int = Field(default=10, ge=2)
     """Bins of the expected calibration error and the reliability diagram."""
     score_batch_size: int = Field(default=64, gt=0)

@@ -72,7 +72,7 @@ def label_sensitivity(
     own test rows, and the Spearman correlation of its scores with the reference variant's on
     the test rows every variant keeps, with a percentile-bootstrap interval at level 1 - alpha
     that resamples arrangements. Each model is `reward.tfidf.train_tfidf` with the reward config,
-    temperature-scaled on the split's validation rows under the same variant.
+    Platt-scaled on the split's validation rows under the same variant.
     """
 
     variants = list(mappings)

@@ -1,6 +1,7 @@
 """Every interval and test of the study in one place: bootstrap and cluster-bootstrap intervals
 (`intervals`: with the cluster-robust t interval and the verdict with an equivalence margin),
-paired comparisons with Holm's adjustment (`paired`), bootstrap by weights for
+paired comparisons (`paired`: cluster t intervals in Bonferroni families, Holm's
+adjustment of the reference p-values beside), bootstrap by weights for
 classification metrics (`weighted`), rates with Wilson intervals and clustered trend tests
 (`rates`), correlations with intervals (`correlation`), variance components, minimum detectable effects
 and the evaluation's design (`power`), and training seeds as replications (`replications`).
@@ -32,6 +33,8 @@ from .intervals import (
     tail_resamples,
 )
 from .paired import (
+    PAIRED_INTERVAL,
+    REFERENCE_ONLY,
     holm,
     paired_comparison,
     paired_table,
@@ -69,6 +72,8 @@ from .weighted import (
 __all__ = [
     "COMPONENTS",
     "MAX_SEEDS",
+    "PAIRED_INTERVAL",
+    "REFERENCE_ONLY",
     "VERDICTS",
     "allocate",
     "basic_ci",

@@ -51,9 +51,9 @@ def paired_comparison(
     The verdict's quantities share one unit, the prompt (each weighs the same): the mean
     difference and its interval at the family's level 1 - alpha / family_size
     (`stats.family_alpha`: the study's one multiplicity rule). `method` 't' (the default): the
-    cluster-robust t interval with G - 1 degrees of freedom over the `clusters` (one label per
-    prompt such as its country; without them every prompt is its own cluster), see
-    `intervals.cluster_t` for why; 'bootstrap': the percentile bootstrap resampling whole
+    cluster-robust t interval (CR2 variance, Bell-McCaffrey degrees of freedom) over the
+    `clusters` (one label per prompt such as its country; without them every prompt is its own
+    cluster), see `intervals.cluster_t` for why; 'bootstrap': the percentile bootstrap resampling whole
     clusters, with at least `tail_resamples` resamples (50 beyond each bound of the family's
     interval) whatever `n_boot` says. `p_value` is dual to the interval (below alpha / m exactly
     when it excludes 0) and `p_family` = min(1, m x p_value), below alpha exactly when the
@@ -146,6 +146,14 @@ def _dz(mean_diff: float, sd: float) -> float:
     return mean_diff / sd
 
 
+#: How prose names the interval of every paired difference the study reads a verdict from
+#: (`paired_comparison`'s default, `intervals.cluster_t`).
+PAIRED_INTERVAL = "cluster-robust t"
+#: Methods computed beside the verdicts for reference only (`paired_table`'s `p_ttest_holm`,
+#: `p_wilcoxon_holm`): prose that names one says it is for reference (tests/test_docs.py).
+REFERENCE_ONLY = ("Holm", "Wilcoxon")
+
+
 def holm(pvalues: Sequence[float] | np.ndarray) -> np.ndarray:
     """Holm-Bonferroni step-down adjusted p-values (monotone, capped at 1); NaNs stay NaN.
 
@@ -214,7 +222,8 @@ def paired_table(
     power: float = 0.8,
 ) -> pd.DataFrame:
     """Every policy (or the named `policies`: the family's members) vs `base` on their shared
-    prompts, with Holm adjustment across policies.
+    prompts, one family at Bonferroni's level (Holm's adjustment of the reference p-values
+    beside it).
 
     Rewards are averaged within each (policy, prompt) first; each comparison uses only the
     prompts both policies were scored on. The table is one family: each interval is at level
