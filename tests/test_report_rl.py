@@ -244,3 +244,21 @@ if __name__ == "__main__":  # rewrite the golden text (and with --fixture, the f
     for section in SECTIONS:
         (GOLDEN / f"{section}.md").write_text(_rendered(section), encoding="utf-8")
         print(f"wrote {GOLDEN / section}.md")
+
+
+def test_a_side_by_side_table_of_many_algorithms_stacks_in_blocks() -> None:
+    """Thirteen algorithms side by side ran past the PDF's margin: the settings table shows at
+    most seven at once, each later block opening with a row of its algorithms' names."""
+    import pandas as pd
+
+    from rlxf_utils.report.rl import MAX_SIDE_BY_SIDE, stacked_columns
+
+    names = [f"A{i}" for i in range(13)]
+    df = pd.DataFrame([{"setting": s, **{a: f"{s}-{a}" for a in names}} for s in ("loss", "lr")])
+    out = stacked_columns(df, "setting")
+    assert list(out.columns) == ["setting", *names[:MAX_SIDE_BY_SIDE]]
+    assert out["setting"].tolist() == ["loss", "lr", "setting", "loss", "lr"]
+    assert out.iloc[2].tolist() == ["setting", *names[7:], ""]  # the second block's names
+    assert out.iloc[3].tolist() == ["loss", *[f"loss-{a}" for a in names[7:]], ""]
+    few = df[["setting", *names[:3]]]
+    assert stacked_columns(few, "setting").equals(few)

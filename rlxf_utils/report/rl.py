@@ -109,7 +109,10 @@ def rl_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], dic
     includes = {
         # spaces, not underscores: long names wrap in the PDF's narrow columns
         "rl_algorithm_settings.md": markdown_table(
-            name_cells(algo_settings.assign(setting=algo_settings["setting"].map(spaced)))
+            stacked_columns(
+                name_cells(algo_settings.assign(setting=algo_settings["setting"].map(spaced))),
+                "setting",
+            )
         ),
         "sft_summary.md": markdown_table(name_cells(sft).rename(columns=spaced), floatfmt=".3f")
         if not sft.empty
@@ -122,6 +125,30 @@ def rl_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], dic
         ),
     }
     return variables, includes
+
+
+#: The most algorithm columns a side-by-side table shows at once: more run past the PDF's margin.
+MAX_SIDE_BY_SIDE = 7
+
+
+def stacked_columns(df: pd.DataFrame, key: str, width: int = MAX_SIDE_BY_SIDE) -> pd.DataFrame:
+    """A table of one column per algorithm (`key` naming the rows) as blocks of at most `width`
+    algorithms stacked in one table: each block after the first opens with a row that repeats
+    the header for its algorithms (`key`'s header in the first cell), short blocks padded."""
+    cols = [c for c in df.columns if c != key]
+    if len(cols) <= width:
+        return df
+    blocks = [cols[i : i + width] for i in range(0, len(cols), width)]
+    heads = [str(c) for c in blocks[0]]
+    frames = []
+    for n, block in enumerate(blocks):
+        part = df[[key, *block]].astype(str)
+        part.columns = [key, *heads[: len(block)]]
+        if n:
+            names = pd.DataFrame([[key, *[str(c) for c in block]]], columns=part.columns)
+            part = pd.concat([names, part], ignore_index=True)
+        frames.append(part.reindex(columns=[key, *heads], fill_value=""))
+    return pd.concat(frames, ignore_index=True)
 
 
 def _experience_display(run: RunDir, stage: str) -> pd.DataFrame:
