@@ -75,9 +75,9 @@ def finished_only(samples: pd.DataFrame) -> pd.DataFrame:
 
 
 def finished_shares(samples: pd.DataFrame) -> pd.DataFrame:
-    """The responses with a `finished` value (generated under the evaluation's cap; the history
-    references have none), with `finished_share` 1.0 where the response ended before the cap
-    and 0.0 where it was cut: per prompt its mean is the policy's finished share there."""
+    """The responses with a `finished` value (generated text, and history's descriptions: whether
+    each fits in the evaluation's cap), with `finished_share` 1.0 where the response ended before
+    the cap and 0.0 where it was cut: per prompt its mean is the policy's finished share there."""
     if "finished" not in samples:
         return samples.iloc[:0].assign(finished_share=pd.Series(dtype=float))
     rows = samples.dropna(subset=["finished"])
@@ -222,8 +222,7 @@ def summary_table(
             out[f"{prefix}_{name}"] = out["policy"].map(lee[src]).astype(float)
     out = out.merge(kl[["policy", "kl", "kl_se", "kl_kind"]], on="policy", how="left")
     out["perplexity"] = out["policy"].map(ppl)
-    fin = samples.dropna(subset=["finished"]).groupby("policy")["finished"].mean()
-    out["finished"] = out["policy"].map(fin.astype(float))
+    out["finished"] = out["policy"].map(shares.groupby("policy")["finished_share"].mean())
     if "reward_truncated" in samples:  # the reward model read only the beginning of the input
         cut_in = samples.dropna(subset=["reward_truncated"]).groupby("policy")["reward_truncated"]
         out["reward_truncated"] = out["policy"].map(cut_in.mean().astype(float))
