@@ -13,7 +13,7 @@ RUN_DIR ?=
 export TOKENIZERS_PARALLELISM := false
 export MPLBACKEND := Agg
 
-.PHONY: install study smoke publish test lint format clean-runs
+.PHONY: install study smoke publish readme test lint format clean-runs
 
 install: $(STAMP)
 
@@ -38,6 +38,11 @@ RUN_PATH = $(or $(RUN_DIR),runs/$(shell $(BIN)/python -c "from rlxf_utils.config
 ## one folder for a static host with the paper, its executed notebooks and tables, linked.
 publish: $(STAMP)
 	$(BIN)/rlxf publish --run-dir $(RUN_PATH)
+
+## The README's results from a finished run made from committed code (RUN_DIR, else runs/default):
+## its figure and table of methods, stamped with its commit, into docs/results/ and README.md.
+readme: $(STAMP)
+	$(BIN)/rlxf publish --run-dir $(RUN_PATH) --readme
 
 ## The same study in minutes on a MONA subsample (params/smoke.yaml).
 smoke: PARAMS = params/smoke.yaml

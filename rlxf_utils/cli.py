@@ -2,7 +2,7 @@
 
 rlxf run --params params/default.yaml [--run-dir runs/default] [--only 01,02] [--force | --from 03]
 rlxf report --run-dir runs/default [--engine auto|quarto|pandoc]
-rlxf publish --run-dir runs/default [--out DIR] [--check]
+rlxf publish --run-dir runs/default [--out DIR] [--check] [--readme [ROOT]]
 rlxf seeds --run-dir runs/default --seeds 1 2 [--algorithms grpo,ppo] [--quiet]
 rlxf data summary data/raw/MONA_From2002.csv [--params params/default.yaml] [--unrecognised ...]
 rlxf compare runs/a runs/b
@@ -100,9 +100,21 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def _cmd_publish(args: argparse.Namespace) -> int:
-    from rlxf_utils.artifacts import NotARun
+    from rlxf_utils.artifacts import ArtifactMissing, NotARun
     from rlxf_utils.report.publish import PublishError, publish_bundle
 
+    if args.readme is not None:
+        from rlxf_utils.config import PROJECT_ROOT
+        from rlxf_utils.report.readme import ReadmeError, write_readme_results
+
+        try:
+            res = write_readme_results(args.run_dir, args.readme or PROJECT_ROOT)
+        except (ReadmeError, NotARun, ArtifactMissing, ValueError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        print(f"README results from run {res.stamp['run']} (commit {res.stamp['commit'][:7]}, "
+              f"{res.stamp['date']}):\n  " + "\n  ".join(str(f) for f in res.files))  # fmt: skip
+        return 0
     try:
         bundle = publish_bundle(args.run_dir, args.out)
     except (PublishError, NotARun) as exc:
@@ -182,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
         "and an index; every table and figure of the paper links to the notebook cell that wrote "
         "it and to its data. Render the report first (rlxf report).",
         epilog="exit codes: 0 written (and, with --check, every check passed); 1 --check found a "
-        "problem; 2 bad input (no run or no rendered report)",
+        "problem; 2 bad input (no run or no rendered report; with --readme, a run refused)",
     )  # fmt: skip
     pb.add_argument("--run-dir", required=True, help="a rendered run folder, e.g. runs/default")
     pb.add_argument(
@@ -191,6 +203,11 @@ def build_parser() -> argparse.ArgumentParser:
     pb.add_argument("--check", action="store_true",
                     help="open every page in headless Chromium and read the PDF's layout "
                     "(needs playwright, chromium and pdftotext)")  # fmt: skip
+    pb.add_argument("--readme", nargs="?", const="", default=None, metavar="ROOT",
+                    help="instead of the bundle: the run's figure and table of methods, stamped "
+                    "with its commit, date, profile and machine, into ROOT/docs/results/ and "
+                    "ROOT/README.md's results section (ROOT: this checkout); refuses a run with "
+                    "uncommitted changes, without a commit or without its report")  # fmt: skip
     pb.set_defaults(func=_cmd_publish)
 
     d = sub.add_parser("data", help="inspect MONA data")

@@ -319,6 +319,58 @@ def comment_problems(name: str, text: str, limit: int = COMMENT_MAX_LINES) -> li
             for line, n in comment_runs(text) if n > limit]  # fmt: skip
 
 
+#: A timing the README quotes: `**figure** (commit, date)`.
+TIMING = re.compile(r"\*\*([^*]+)\*\*\s*\(([0-9a-f]{7,40}),\s*(\d{4}-\d{2}-\d{2})\)")
+TIMINGS_HEADING = "How long on my machine"
+
+
+def _section(text: str, heading: str) -> str:
+    """A page's section under `heading`, to the next heading of any level."""
+    m = re.search(rf"^#+ +{re.escape(heading)} *$(.*?)(?=^#|\Z)", text, re.M | re.S)
+    return m.group(1) if m else ""
+
+
+def timing_problems(readme: str, measurements: str) -> list[str]:
+    """The README's timing table: each cell a figure with its commit and date, or "not measured",
+    and each figure in a row of measurements.md of that date and commit (quoted, not derived)."""
+    rows = [ln for ln in _section(readme, TIMINGS_HEADING).splitlines() if ln.startswith("|")]
+    cells = [c.strip() for ln in rows[2:] for c in ln.strip().strip("|").split("|")[1:]]
+    if len(rows) < 3 or not cells:
+        return [f"README.md: no table under '{TIMINGS_HEADING}'"]
+    measured = [ln for ln in measurements.splitlines() if re.match(r"\| \d{4}-\d{2}-\d{2},", ln)]
+    bad = []
+    for cell in cells:
+        m = TIMING.fullmatch(cell)
+        if cell == "not measured":
+            continue
+        if not m:
+            bad.append(
+                f"README.md: a timing is neither '**figure** (commit, date)' nor 'not measured': {cell}"
+            )
+            continue
+        figure, commit, date = m.groups()
+        if not any(
+            ln.startswith(f"| {date},") and commit in ln and figure in ln for ln in measured
+        ):
+            bad.append(
+                f"README.md: {figure} ({commit}, {date}) is in no row of measurements.md of that date and commit"
+            )
+    return bad  # fmt: skip
+
+
+def date_order_problems(page: str, text: str) -> list[str]:
+    """Rows of a page's tables that are older than a row below them (each table newest first)."""
+    bad = []
+    for table in re.split(r"\n(?!\|)", text):
+        dates = re.findall(r"^\| (\d{4}-\d{2}-\d{2}),", table, re.M)
+        bad += [
+            f"{page}: a {b} row below a {a} row"
+            for a, b in zip(dates, dates[1:], strict=False)
+            if b > a
+        ]
+    return bad
+
+
 # -- the tests ----------------------------------------------------------------------------------------
 
 
@@ -435,6 +487,63 @@ def test_the_readme_is_short() -> None:
     assert n <= README_MAX_LINES, n
 
 
+def test_the_readme_timings_are_rows_of_the_measurements() -> None:
+    """Each figure of the README's "how long" table stands in docs/measurements.md with the same
+    commit and date, so the table cannot drift from the record or re-derive a number."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    measurements = (ROOT / "docs" / "measurements.md").read_text(encoding="utf-8")
+    assert len(TIMING.findall(_section(readme, TIMINGS_HEADING))) >= 3
+    bad = timing_problems(readme, measurements)
+    assert not bad, bad
+
+
+def test_the_measurements_are_newest_first() -> None:
+    bad = date_order_problems(
+        "measurements.md", (ROOT / "docs" / "measurements.md").read_text("utf-8")
+    )
+    assert not bad, bad  # fmt: skip
+
+
+RESULTS = ROOT / "docs" / "results"
+
+
+def test_the_readme_shows_the_results_docs_results_holds() -> None:
+    """The README's results section is what `rlxf publish --readme` writes from the stamp and
+    table in docs/results/ (not edited by hand); rerun that command when this fails."""
+    import json
+
+    from rlxf_utils.report.readme import BEGIN, END, STAMP, TABLE, readme_section
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert BEGIN in readme and END in readme
+    section = readme.split(BEGIN)[1].split(END)[0]
+    stamp = json.loads((RESULTS / STAMP).read_text(encoding="utf-8"))
+    assert section.strip() == readme_section(stamp, (RESULTS / TABLE).read_text("utf-8")).strip()
+    assert stamp["dirty"] is False and stamp["profile"] and stamp["date"]
+
+
+def test_the_stamped_results_commit_is_in_the_history() -> None:
+    """The commit docs/results/ was made from is an ancestor of HEAD: a picture from a commit this
+    history lacks (a rewritten branch, another fork) fails here instead of passing as current."""
+    import json
+    import subprocess
+
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True)
+
+    try:
+        inside = git("rev-parse", "--is-inside-work-tree").stdout.strip() == "true"
+    except OSError:
+        inside = False
+    if not inside:
+        pytest.skip("not a git checkout: the stamped commit cannot be looked up")
+    if git("rev-parse", "--is-shallow-repository").stdout.strip() == "true":
+        pytest.skip("a shallow clone: its history may end before the stamped commit")
+    commit = json.loads((RESULTS / "run.json").read_text(encoding="utf-8"))["commit"]
+    found = git("merge-base", "--is-ancestor", commit, "HEAD")
+    assert found.returncode == 0, f"docs/results/run.json: commit {commit} is not in the history of HEAD: rerun rlxf publish --readme ({found.stderr.strip()})"  # fmt: skip
+
+
 def test_parameter_comments_are_short() -> None:
     files = sorted((ROOT / "params").rglob("*.yaml"))
     assert files
@@ -505,6 +614,29 @@ def test_each_check_catches_what_it_is_for(tmp_path: Path) -> None:
         "c: >-  # the block's own comment\n  # not a comment: text\n  # still text\n  more text\n"
         "d: 'a # in quotes'\n"
     )
+    readme = (
+        "# R\n\n### How long on my machine\n\n| machine | study | tests |\n| --- | --- | --- |\n"
+        "| A | **62.0 min** (c6f1dc4, 2026-12-02) | not measured |\n"
+        "| B | **61.0 min** (c6f1dc4, 2026-12-02) | **11.6 min** (e4ebda1, 2026-12-01) |\n"
+        "| C | about an hour | **1,170 s** (52df052, 2026-12-02) |\n\n## Next\n"
+    )
+    measured = (
+        "| 2026-12-02, f92378c and c6f1dc4 | the study | f92378c 63.7 min, c6f1dc4 **62.0 min** |\n"
+        "| 2026-12-02, e4ebda1 | the suite | **11.6 min** of pytest |\n"
+        "| 2026-12-02, b911b26 → 52df052 | the smoke | **1,430 → 1,170 s** |\n"
+        "| 2026-12-03, 0000000 | out of order | |\n\n| 2026-11-01, x | another table | |\n"
+    )
+    assert timing_problems(readme, measured) == [
+        "README.md: 61.0 min (c6f1dc4, 2026-12-02) is in no row of measurements.md of that date and commit",
+        "README.md: 11.6 min (e4ebda1, 2026-12-01) is in no row of measurements.md of that date and commit",
+        "README.md: a timing is neither '**figure** (commit, date)' nor 'not measured': about an hour",
+    ]
+    assert timing_problems("# R\n", measured) == [
+        "README.md: no table under 'How long on my machine'"
+    ]
+    assert date_order_problems("m.md", measured) == [
+        "m.md: a 2026-12-03 row below a 2026-12-02 row"
+    ]
     assert comment_runs(yaml_text) == [(1, 3), (6, 3), (9, 2), (12, 1)]
     assert comment_problems("x.yaml", yaml_text) == [
         "x.yaml:1: a comment of 3 lines (at most 2)",
