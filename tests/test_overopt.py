@@ -96,15 +96,19 @@ def test_points_are_paired_gains_against_sqrt_kl():
     assert ppo.loc[8, "proxy"] == pytest.approx(0.2) and ppo.loc[8, "gold"] == pytest.approx(-0.1)
     assert (pts["proxy_low"] <= pts["proxy"]).all() and (pts["proxy"] <= pts["proxy_high"]).all()
     fits = overoptimisation_fits(pts)
-    assert set(zip(fits["family"], fits["reward"], strict=True)) == {
-        ("best_of_n", "proxy"),
-        ("best_of_n", "gold"),
-        ("rl", "proxy"),
-        ("rl", "gold"),
+    # each method its own fit, none pooled
+    assert set(zip(fits["method"], fits["family"], fits["reward"], strict=True)) == {
+        ("best_of_n", "best_of_n", "proxy"),
+        ("best_of_n", "best_of_n", "gold"),
+        ("ppo", "rl", "proxy"),
+        ("ppo", "rl", "gold"),
     }
-    # best-of-n has 3 points with d > 0: fitted; RL only 2: not
-    assert fits.set_index(["family", "reward"]).loc[("best_of_n", "proxy"), "points"] == 3
-    assert math.isnan(fits.set_index(["family", "reward"]).loc[("rl", "proxy"), "alpha"])
+    # best-of-n has 3 points with d > 0: fitted (no interval on beta: one degree of freedom);
+    # PPO only 2: not fitted
+    bon_fit = fits.set_index(["method", "reward"]).loc[("best_of_n", "proxy")]
+    assert bon_fit["points"] == 3 and math.isfinite(bon_fit["beta"])
+    assert math.isnan(bon_fit["beta_low"])
+    assert math.isnan(fits.set_index(["method", "reward"]).loc[("ppo", "proxy"), "alpha"])
     fig = plot_overoptimisation(pts, fits, "sft")
     assert len(fig.axes) == 2
     # an algorithm that counts its own steps (ILHF from history) has its final point there
@@ -138,15 +142,20 @@ def test_report_section_reads_every_verdict_from_an_interval(tmp_path):
     assert "| best-of-n" in files["eval_overoptimisation_fit.md"]
 
 
-def test_the_rl_fit_pools_only_the_rl_algorithms():
-    """Gao's RL form is fitted to PPO's, TRL's and the RLGF algorithms' points; ILHF's and the
-    offline methods' points are drawn, not fitted."""
-    d = np.array([0.5, 1.0, 1.5])
+def test_every_method_gets_its_own_fit_none_pooled():
+    """Gao's RL form is fitted to each trained method's own points (PPO's recover its alpha and
+    beta exactly, whatever GRPO's, KTO's or ILHF's points do); beta's t interval needs four
+    points."""
+    d = np.array([0.5, 1.0, 1.5, 2.0])
     rows = [{"method": m, "point": i, "sqrt_kl": x, "proxy": y, "gold": y}
-            for m, ys in (("ppo", d * (0.3 - 0.1 * np.log(d))), ("grpo", d * (0.3 - 0.1 * np.log(d))),
-                          ("kto", [9.0, -9.0, 9.0]), ("ilhf_history", [5.0, 5.0, -5.0]))
+            for m, ys in (("ppo", d * (0.3 - 0.1 * np.log(d))), ("grpo", d * (0.5 - 0.0 * np.log(d))),
+                          ("kto", [9.0, -9.0, 9.0, 0.0]), ("ilhf_history", [5.0, 5.0, -5.0, 1.0]))
             for i, (x, y) in enumerate(zip(d, ys, strict=True))]  # fmt: skip
-    fits = overoptimisation_fits(pd.DataFrame(rows)).set_index(["family", "reward"])
-    rl = fits.loc[("rl", "proxy")]
-    assert rl["points"] == 6
-    assert rl["alpha"] == pytest.approx(0.3) and rl["beta"] == pytest.approx(0.1)
+    fits = overoptimisation_fits(pd.DataFrame(rows)).set_index(["method", "reward"])
+    assert set(fits.index.get_level_values("method")) == {"ppo", "grpo", "kto", "ilhf_history"}
+    ppo = fits.loc[("ppo", "proxy")]
+    assert ppo["points"] == 4 and ppo["family"] == "rl"
+    assert ppo["alpha"] == pytest.approx(0.3) and ppo["beta"] == pytest.approx(0.1)
+    assert ppo["beta_low"] == pytest.approx(0.1) and ppo["beta_high"] == pytest.approx(0.1)
+    assert fits.loc[("grpo", "proxy"), "beta"] == pytest.approx(0.0, abs=1e-12)
+    assert fits.loc[("kto", "proxy"), "beta_low"] < fits.loc[("kto", "proxy"), "beta_high"]

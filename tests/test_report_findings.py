@@ -72,7 +72,16 @@ def _findings() -> dict[str, tuple[str, list]]:
     t = _methods(METHODS)
     none = t.assign(gain_low=-1.0, gain_high=0.032, audit_gain_low=-1.0)
     need = {"ci_level": 0.997, "pairs": 15, "winners": ["grpo", "ppo_mle"]}
+    cut = {"rule": "failed", "cap": 128, "rl_cap": 48}
     return {
+        "headline as stated, cut answers failed": ("headline", [{
+            "stated": {"family": "vs_start", "judge": "audit_reward"}, "cut": cut,
+            "budgets": [0.5, 1.0, 2.0, 4.0]}]),
+        "headline at a KL budget, under the reward model, as written": ("headline", [{
+            "stated": {"family": "kl_budget", "judge": "reward"},
+            "cut": {**cut, "rule": "as_written"}, "budgets": None}]),
+        "headline not stated (an older run)": ("headline", [{"stated": None, "cut": None,
+                                                             "budgets": None}]),
         "reward below the claim": ("reward_finding", [f.reward_finding(_metrics(0.64))]),
         "reward claim within an interval, no main model": (
             "reward_finding", [f.reward_finding(_metrics(0.85, main=False))]),
@@ -262,12 +271,15 @@ def _overopt() -> dict[str, tuple[str, list]]:
                  ("grpo", "GRPO", 4, "snapshot", 0.9, 0.0002, -0.003, 0.004, 0.001, -0.2, 0.3),
                  ("grpo", "GRPO", 8, "final", 0.6, 0.0, -0.1, 0.1, 0.0, -0.3, 0.3)])  # fmt: skip
     start = {"start": "sft", "alpha": 0.004, "margin": 0.01}
-    fits = [{"family": "best_of_n", "reward": "proxy", "alpha": 0.31, "alpha_se": 0.02,
-             "beta": -0.0001, "beta_se": 0.001, "r2": 0.93, "points": 4},
-            {"family": "rl", "reward": "gold", "alpha": -0.02, "alpha_se": 0.07, "beta": None,
-             "beta_se": math.nan, "r2": 0.04, "points": 5},
-            {"family": "rl", "reward": "proxy", "alpha": 0.1, "alpha_se": 0.01, "beta": 0.05,
-             "beta_se": 0.01, "r2": 0.5, "points": 5}]  # fmt: skip
+    fits = [{"method": "best_of_n", "family": "best_of_n", "reward": "proxy", "alpha": 0.31,
+             "alpha_se": 0.02, "beta": -0.0001, "beta_se": 0.001, "beta_low": -0.003, "r2": 0.93,
+             "points": 4},
+            {"method": "ppo", "family": "rl", "reward": "gold", "alpha": -0.02, "alpha_se": 0.07,
+             "beta": None, "beta_se": math.nan, "beta_low": None, "r2": 0.04, "points": 5},
+            {"method": "ppo", "family": "rl", "reward": "proxy", "alpha": 0.1, "alpha_se": 0.01,
+             "beta": 0.05, "beta_se": 0.01, "beta_low": 0.02, "r2": 0.5, "points": 5},
+            {"method": "grpo", "family": "rl", "reward": "gold", "alpha": 0.1, "alpha_se": 0.01,
+             "beta": 0.05, "beta_se": 0.01, "beta_low": 0.01, "r2": 0.5, "points": 6}]  # fmt: skip
     return {
         "predates": ("predates", ["notebook 04_evaluation"]),
         "no point measured": ("curve_sentence", [{**start, "points": [], "gold": None,
@@ -281,11 +293,36 @@ def _overopt() -> dict[str, tuple[str, list]]:
         "no fit": ("fit_sentence", [[]]),
         "one fit": ("fit_sentence", [fits[:1]]),
         "three fits": ("fit_sentence", [fits]),
+        "budgets: no run of them": ("budget_sentence", [None]),
+        "budgets: one reached by all, one by one method, one told apart": ("budget_sentence", [
+            _budget_context()]),
         "distinct share": ("distinct_sentence", [{"candidates": 4.0, "distinct": 0.95,
                                                   "fraction": 0.987}]),
         "distinct share not recorded": ("distinct_sentence", [{"candidates": 0, "distinct": None,
                                                                "fraction": None}]),
     }  # fmt: skip
+
+
+def _budget_context() -> dict[str, Any]:
+    """`overopt.budget_context` on a run with three methods: at 1 nat all reach and one pair is
+    told apart under the reward model, none under the audit; at 4 nats only PPO reaches."""
+    from rlxf_utils.artifacts import RunDir
+    from rlxf_utils.report.overopt import budget_context
+
+    gains = pd.DataFrame([{"budget": b, "measure": m, "method": a, "reaches": b < 2 or a == "ppo"}
+                          for b in (1.0, 4.0) for m in ("reward", "audit_reward")
+                          for a in ("ppo", "grpo", "best_of_n")])  # fmt: skip
+    pairs = pd.DataFrame([
+        {"budget": 1.0, "measure": m, "policy": a, "versus": v, "diff": d, "low": d - 0.01,
+         "high": d + 0.01, "ci_level": 0.9983}
+        for m, shift in (("reward", 0.0), ("audit_reward", -0.02))
+        for a, v, d in (("ppo", "grpo", 0.02 + shift), ("ppo", "best_of_n", 0.005 + shift),
+                        ("grpo", "best_of_n", -0.004))])  # fmt: skip
+    with __import__("tempfile").TemporaryDirectory() as tmp:
+        run = RunDir(Path(tmp))
+        run.write_table("eval_kl_budget_gains", gains)
+        run.write_table("eval_kl_budget_pairs", pairs)
+        return budget_context(run, "notebook 04_evaluation")
 
 
 def _gold_cases() -> dict[str, tuple[str, list]]:

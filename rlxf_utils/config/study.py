@@ -39,6 +39,20 @@ class Table3Scenario(Section):
         return v
 
 
+class Headline(Section):
+    """The one comparison that answers the study's question, fixed in the params before any
+    result is read (the estimand: each method's mean gain in P(MET) over the start policy on the
+    held-out prompts, cut answers scored by `evaluation.cut_responses`); every other family of
+    the report is secondary."""
+
+    family: Literal["vs_start", "kl_budget"] = "vs_start"
+    """'vs_start': every method as trained against the start policy (`eval_methods`);
+    'kl_budget': every method's gain at the first of `evaluation.kl_budgets` it reaches."""
+    judge: Literal["audit_reward", "reward"] = "audit_reward"
+    """'audit_reward': the disjoint-rows audit no method was optimised against; 'reward': the
+    RL reward model the methods were optimised against."""
+
+
 class EvaluationConfig(Section):
     """Alignment evaluation (notebook 04) on the held-out contexts."""
 
@@ -99,6 +113,12 @@ class EvaluationConfig(Section):
     only the best design at the run's own sampling cost)"""
     grounding_k: int = Field(default=10, ge=1)
     """Nearest historical conditions per response."""
+    kl_budgets: list[float] = Field(default_factory=lambda: [0.5, 1.0, 2.0, 4.0], min_length=1)
+    """KL budgets (nats per response, increasing) at which every pair of methods whose reward-KL
+    curves reach them is compared, each method's reward read off its curve
+    (`evaluation.curves`); fixed before any run."""
+    headline: Headline = Field(default_factory=Headline)
+    """The headline comparison, stated before the run (`Headline`)."""
     frontier: bool = True
     """Score every algorithm's snapshots for the reward-KL frontier."""
     frontier_samples_per_prompt: int = Field(default=1, ge=1)
@@ -136,6 +156,13 @@ class EvaluationConfig(Section):
     reward_heads_rows: int = Field(default=2000, ge=50)
     """Reward-training rows (the reward protocol's train split, seeded subsample) the heads fit
     on"""
+
+    @field_validator("kl_budgets")
+    @classmethod
+    def _budgets(cls, v: list[float]) -> list[float]:
+        if any(b <= 0 for b in v) or any(b >= c for b, c in zip(v, v[1:], strict=False)):
+            raise ValueError(f"KL budgets must be positive and increasing (nats); got {v}")
+        return v
 
 
 class LabelMapping(Section):

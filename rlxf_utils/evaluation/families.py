@@ -9,11 +9,18 @@ from collections.abc import Callable
 import numpy as np
 import pandas as pd
 
+from rlxf_utils.algorithms import algorithm_label
 from rlxf_utils.data.contexts import load_contexts
 from rlxf_utils.evaluation.best_of_n import (
     best_of_n_curve,
     best_of_n_frame,
     versus_best_of_n,
+)
+from rlxf_utils.evaluation.curves import (
+    budget_comparisons,
+    budget_reach,
+    method_curves,
+    plot_budget_gains,
 )
 from rlxf_utils.evaluation.design import design_table, variance_table
 from rlxf_utils.evaluation.figures import (
@@ -278,6 +285,29 @@ def overoptimisation_family(ev: Evaluation) -> Measured:
     )
 
 
+def kl_budget_family(ev: Evaluation) -> Measured:
+    """Every method against every other at the same KL (`evaluation.curves`): each method's
+    reward-KL curve (the start policy, its snapshots, its final policy; best-of-N's n), read at
+    each of `evaluation.kl_budgets` it reaches; every pair of the methods reaching a budget one
+    family per budget and judge, and each one's gain over the start policy there."""
+    inp, ec = ev.inp, ev.inp.ec
+    with inp.timer("KL budgets"):
+        curves = method_curves(ev.samples, ev.snap_samples, ev.pool, inp.algos, inp.start,
+                               inp.curve_ns)  # fmt: skip
+        pairs, gains = budget_comparisons(curves, ec.kl_budgets, inp.country, ec.alpha, ec.power)
+        reach = budget_reach(gains, pairs)
+    labels = {m: algorithm_label(m) if m != "best_of_n" else "best-of-N" for m in curves}
+    figures = {"eval_kl_budgets": plot_budget_gains(gains, inp.start, labels)} if len(gains) else {}
+    entries = {"kl_budgets": list(ec.kl_budgets), "kl_budget_reach": reach.to_dict("records"),
+               "headline": ec.headline.model_dump()}  # fmt: skip
+    return Measured(
+        {"eval_kl_budget_pairs": pairs, "eval_kl_budget_gains": gains,
+         "eval_kl_budget_reach": reach},
+        entries,
+        figures,
+    )  # fmt: skip
+
+
 def heldout_perplexity_family(ev: Evaluation) -> Measured:
     """Does each policy still write conditions: the perplexity of held-out historical MET and
     Non-MET descriptions under it (`eval_heldout_perplexity`; per row: `eval/heldout_nll_rows`)."""
@@ -394,6 +424,7 @@ EVAL_FAMILIES: dict[str, Callable[[Evaluation], Measured]] = {
     "best_of_n_curve": best_of_n_curve_family,
     "frontier": frontier_family,
     "overoptimisation": overoptimisation_family,
+    "kl_budgets": kl_budget_family,
     "heldout_perplexity": heldout_perplexity_family,
     "table3": table3_family,
     "rlgf": rlgf_family,

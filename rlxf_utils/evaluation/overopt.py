@@ -17,7 +17,7 @@ snapshots and best-of-n points beside it are drawn at that level too. Gao et al.
 forms are fitted by least squares where at least three points with d > 0 allow it:
 
     best-of-n    R(d) = d (alpha - beta d)
-    RL           R(d) = d (alpha - beta log d)       (all RL points pooled: one curve per reward)
+    RL           R(d) = d (alpha - beta log d)       (every trained method its own curve)
 
 A positive `beta` is over-optimisation's signature (the gain turns down as d grows); the figure
 shows whether the proxy and the gold part ways.
@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from rlxf_utils.algorithms import RL_ALGORITHMS, algorithm_label
+from rlxf_utils.algorithms import algorithm_label
 from rlxf_utils.evaluation.best_of_n import best_of_n_kl_bound, order_weights
 from rlxf_utils.models.logprobs import kl_estimate
 from rlxf_utils.plots import ci_err
@@ -194,19 +194,26 @@ def fit_form(d: np.ndarray, r: np.ndarray, form: str) -> dict[str, float]:
 
 
 def overoptimisation_fits(points: pd.DataFrame) -> pd.DataFrame:
-    """Gao et al.'s forms fitted to the best-of-n points and to the pooled points of the RL
-    algorithms (PPO, TRL's, the RLGF algorithms: the optimiser Gao's RL form describes; ILHF and
-    the offline methods are drawn, not fitted), for the proxy and the gold reward: family, reward,
-    form, points, alpha, beta (with SEs), R²."""
+    """Gao et al.'s forms fitted to each method's own points, for the proxy and the gold reward:
+    best-of-n's form to best-of-n, the RL form to every trained method (the RL and guided
+    algorithms, ILHF and the offline methods alike: each its own curve, none pooled); `method`,
+    `family` (the form's: 'best_of_n' or 'rl'), reward, form, points, alpha, beta (with SEs), R²,
+    and `beta_low`, `beta_high`: beta's 95% t interval on the fit's points - 2 degrees of
+    freedom (NaN with fewer than four points: two coefficients leave it no spread to read)."""
+    from scipy import stats as st
+
     rows = []
     if points.empty:
         return pd.DataFrame(rows)
-    for family, sel in (("best_of_n", points["method"] == "best_of_n"),
-                        ("rl", points["method"].isin(RL_ALGORITHMS))):  # fmt: skip
-        g = points[sel]
+    for method, g in points.groupby("method", sort=False):
+        family = "best_of_n" if method == "best_of_n" else "rl"
         for key in ("proxy", "gold"):
             fit = fit_form(g["sqrt_kl"].to_numpy(float), g[key].to_numpy(float), family)
-            rows.append({"family": family, "reward": key, "form": FORMS[family][0], **fit})
+            dof = fit["points"] - 2
+            half = (st.t.ppf(0.975, dof) * fit["beta_se"]) if dof > 1 else math.nan
+            rows.append({"method": method, "family": family, "reward": key,
+                         "form": FORMS[family][0], **fit, "beta_low": fit["beta"] - half,
+                         "beta_high": fit["beta"] + half})  # fmt: skip
     return pd.DataFrame(rows)
 
 
@@ -216,7 +223,10 @@ def plot_overoptimisation(points: pd.DataFrame, fits: pd.DataFrame, start: str,
     algorithm's snapshots (joined from the origin), bars their intervals, dashed Gao fits."""
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.6), sharey=True)
+    methods = list(dict.fromkeys(points["method"])) if len(points) else []
+    palette = plt.get_cmap("tab20")
+    colour = {m: ("gray" if m == "best_of_n" else palette(i % 20)) for i, m in enumerate(methods)}
     for ax, key in zip(axes, ("proxy", "gold"), strict=True):
         ax.axhline(0, color="black", lw=0.8)
         for method, g in points.groupby("method", sort=False):
@@ -224,34 +234,36 @@ def plot_overoptimisation(points: pd.DataFrame, fits: pd.DataFrame, start: str,
             if method != "best_of_n":
                 g = pd.concat([pd.DataFrame([{"sqrt_kl": 0.0, key: 0.0, f"{key}_low": 0.0,
                                               f"{key}_high": 0.0}]), g])  # fmt: skip
-            style = dict(fmt="--*", color="gray") if method == "best_of_n" else dict(fmt="-o")
+            style = (
+                dict(fmt="*--", ms=5, lw=0.8)
+                if method == "best_of_n"
+                else dict(fmt="o:", ms=3, lw=0.8)
+            )
             ax.errorbar(g["sqrt_kl"], g[key], yerr=ci_err(g, key, f"{key}_low", f"{key}_high"),
-                        capsize=2, ms=4, label="best-of-n" if method == "best_of_n" else algorithm_label(str(method)),
+                        capsize=2, color=colour[method], elinewidth=0.6,
+                        label="best-of-n" if method == "best_of_n" else algorithm_label(str(method)),
                         **style)  # fmt: skip
         for _, f in fits[fits["reward"] == key].iterrows() if len(fits) else []:
-            if not math.isfinite(f["alpha"]):
+            if not math.isfinite(f["alpha"]) or f["method"] not in colour:
                 continue
-            sel = (
-                points["method"] == "best_of_n"
-                if f["family"] == "best_of_n"
-                else points["method"].isin(RL_ALGORITHMS)
-            )
-            top = points.loc[sel, "sqrt_kl"].max()
+            top = points.loc[points["method"] == f["method"], "sqrt_kl"].max()
             d = np.linspace(1e-3, top, 100)
             f1, f2 = FORMS[f["family"]][1](d)
-            ax.plot(d, f["alpha"] * f1 - f["beta"] * f2, ls=":", lw=1.2,
-                    color="gray" if f["family"] == "best_of_n" else "black",
-                    label=f"fit, {'best-of-n' if f['family'] == 'best_of_n' else 'RL algorithms pooled'}")  # fmt: skip
+            ax.plot(d, f["alpha"] * f1 - f["beta"] * f2, lw=1.0, color=colour[f["method"]],
+                    ls="--" if f["family"] == "best_of_n" else "-")  # fmt: skip
         ax.set(
             xlabel=f"√KL(policy ‖ {start}), √nats",
             title=REWARDS["reward" if key == "proxy" else "audit_reward"],
         )
         ax.grid(alpha=0.3)
     axes[0].set_ylabel(f"gain over {start} (P(MET))")
-    axes[1].legend(fontsize=7, loc="best")
-    fig.suptitle(f"Over-optimisation: proxy and gold reward against √KL (bars: {level(alpha)} simultaneous cluster t CI over countries)",
-                 fontsize=10)  # fmt: skip
-    fig.tight_layout()
+    handles, names = axes[1].get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, names, fontsize=7, loc="lower center", ncol=min(len(names), 8),
+                   frameon=False)  # fmt: skip
+    fig.suptitle(f"Over-optimisation: proxy and gold reward against √KL, each method's points and its own Gao et al. fit (bars: {level(alpha)} simultaneous cluster t CI over countries)",
+                 fontsize=9)  # fmt: skip
+    fig.tight_layout(rect=(0, 0.05 * (1 + len(methods) // 8), 1, 1))
     return fig
 
 

@@ -130,7 +130,8 @@ def offline_finding(need: dict[str, Any]) -> dict[str, Any]:
 
 def findings_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
     """Variables `reward`, `rl`, `best_of_n`, `offline` (one finding each; `seeds` too where the
-    run has further training seeds) and `abstract` (them as running text); `findings.md`, the
+    run has further training seeds), `abstract` (them as running text) and `headline` (the
+    comparison the params named before the run, the rest secondary); `findings.md`, the
     key-findings list."""
     meta = run.read_json("reward/metrics.json", stage="notebook 02_reward_model")
     stage = "notebook 04_evaluation"
@@ -148,6 +149,13 @@ def findings_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
                                  own.get("finished"), cut_rule(summary))  # fmt: skip
         facts["best_of_n"] = best_of_n_finding(table, start)
     found = {k: sentence("findings", f"{k}_finding", v) for k, v in facts.items()}
+    # the headline, as the params stated it before the run (none: a run from before it was)
+    headline = summary.get("headline")
+    found["headline"] = sentence(
+        "findings",
+        "headline",
+        {"stated": headline, "cut": cut_rule(summary), "budgets": summary.get("kl_budgets")},
+    )
     if "rl" not in facts:
         found["rl"] = found["best_of_n"] = sentence("findings", "predates", stage)
     keys = [*FINDINGS, "seeds"] if seeds is not None else list(FINDINGS)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from rlxf_utils.artifacts import RunDir
@@ -17,7 +18,7 @@ from rlxf_utils.report.wording import EQUIVALENT, sentence, table
 from rlxf_utils.stats import bound_verdict, level
 
 #: The section's sentences (the report's variables), each a macro of the template.
-SENTENCES = ("sentence", "fit_sentence", "distinct_sentence")
+SENTENCES = ("sentence", "fit_sentence", "distinct_sentence", "budget_sentence")
 
 
 def point(r: pd.Series, margin: float | None = None, gold: dict[str, Any] | None = None) -> dict:
@@ -49,6 +50,35 @@ def curve(pts: pd.DataFrame, margin: float | None, gold: dict[str, Any] | None) 
              **point(r, margin, gold)} for b, r in rows]  # fmt: skip
 
 
+def budget_context(run: RunDir, stage: str) -> dict[str, Any] | None:
+    """What the KL-budget sentence reads (`evaluation.curves`): per budget, the methods reaching
+    it and not, and per judge the pairs compared, their family's level and the pairs an interval distinguishes
+    (`policy`, `versus`, `est`, `low`, `high`) or, where none is, the largest difference any
+    interval allows (`widest`). None for a run from before the budgets."""
+    if not run.exists("tables/eval_kl_budget_gains.csv"):
+        return None
+    gains = run.read_table("eval_kl_budget_gains", stage)
+    pairs = run.read_table("eval_kl_budget_pairs", stage)
+    out = []
+    for b, g in gains.groupby("budget", sort=True):
+        first = g[g["measure"] == g["measure"].iloc[0]]
+        reach = first["reaches"].astype(str).str.lower().eq("true")
+        rec = {"budget": float(b), "reaching": first.loc[reach, "method"].tolist(),
+               "missing": first.loc[~reach, "method"].tolist(), "judges": []}  # fmt: skip
+        for measure in dict.fromkeys(g["measure"]):
+            p = pairs[(pairs["budget"] == b) & (pairs["measure"] == measure)]
+            apart = p[(p["low"] > 0) | (p["high"] < 0)]
+            widest = float(np.nanmax(np.abs(p[["low", "high"]].to_numpy()))) if len(p) else None
+            rec["judges"].append({
+                "measure": measure, "pairs": len(p),
+                "level": float(p["ci_level"].iloc[0]) if len(p) else None,
+                "apart": [{"policy": r.policy, "versus": r.versus, "est": r.diff, "low": r.low,
+                           "high": r.high} for r in apart.itertuples()],
+                "widest": widest})  # fmt: skip
+        out.append(rec)
+    return {"budgets": out}
+
+
 def overopt_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
     """Variables (`sentence`, `fit_sentence`, `distinct_sentence`, `level`) and the fit table."""
     stage = "notebook 04_evaluation"
@@ -58,8 +88,9 @@ def overopt_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
         note = sentence("overopt", "predates", stage)
         return (
             {**dict.fromkeys(SENTENCES, note), "level": level(alpha)},
-            {"eval_overoptimisation_fit.md": table_note(note)},
-        )
+            {"eval_overoptimisation_fit.md": table_note(note),
+             "eval_kl_budget_reach.md": table_note(note)},
+        )  # fmt: skip
     pts = run.read_table("eval_overoptimisation", stage)
     fits = run.read_table("eval_overoptimisation_fit", stage)
     if "ci_level" in pts and pts["ci_level"].notna().any():  # the vs-start family's level
@@ -68,12 +99,14 @@ def overopt_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
     gold = gold_auc(run)
     info = meta.get("overoptimisation", {})
     fitted = [{**f, "alpha": _finite(f["alpha"]), "beta": _finite(f["beta"]),
-               "points": int(f["points"])}
+               "beta_low": _finite(f.get("beta_low")), "points": int(f["points"]),
+               "method": f.get("method", f["family"])}
               for f in fits.to_dict("records") if _finite(f["alpha"]) is not None]  # fmt: skip
     context = {
         "sentence": {"start": meta.get("start_policy", "sft"), "alpha": alpha, "margin": margin,
                      "points": curve(pts, margin, gold), "gold": gold, "ceiling": ceiling(run)},
         "fit_sentence": fitted,
+        "budget_sentence": budget_context(run, stage),
         "distinct_sentence": {"candidates": info.get("candidates_per_prompt", 0),
                               "distinct": info.get("prompts_all_distinct"),
                               "fraction": info.get("distinct_fraction")},
@@ -84,5 +117,18 @@ def overopt_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
     variables = {k: sentence("overopt", macros.get(k, k), v) for k, v in context.items()}
     return (
         {**variables, "level": level(alpha)},
-        {"eval_overoptimisation_fit.md": table("eval_overoptimisation_fit", fits, finite=_finite)},
+        {
+            "eval_overoptimisation_fit.md": table(
+                "eval_overoptimisation_fit", fits, finite=_finite
+            ),
+            "eval_kl_budget_reach.md": budget_table(run, stage),
+        },  # fmt: skip
     )
+
+
+def budget_table(run: RunDir, stage: str) -> str:
+    """The KL budgets' reach: per budget, the methods reaching it, those not, and per judge the
+    pairs compared and distinguished (a note for a run from before the budgets)."""
+    if not run.exists("tables/eval_kl_budget_reach.csv"):
+        return table_note(sentence("overopt", "predates", stage))
+    return table("eval_kl_budget_reach", run.read_table("eval_kl_budget_reach", stage))

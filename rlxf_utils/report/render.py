@@ -245,6 +245,7 @@ OPTIONAL_FIGURES = {
     "eval_reward_uncertainty": "notebook 04_evaluation",
     "eval_inclusive": "notebook 04_evaluation",
     "eval_methods": "notebook 04_evaluation",
+    "eval_kl_budgets": "notebook 04_evaluation",
     "reward_encoders": "notebook 02_reward_model",
 }
 
