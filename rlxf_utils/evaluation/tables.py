@@ -68,7 +68,7 @@ def finished_only(samples: pd.DataFrame) -> pd.DataFrame:
     gain among finished responses, on the prompts where both policies finished one, compares two
     differently selected subsets: a description of that subset, never a check of the full gain.
     What it can say about the answers that would finish under either policy is bounded by
-    `finished_bounds` (Lee's trimming bounds within prompts)."""
+    `finished_bounds` (Lee's trimming bounds within countries)."""
     if "finished" not in samples:
         return samples.iloc[:0]
     return samples[samples["finished"].eq(True)]
@@ -92,7 +92,7 @@ LEE_COLUMNS = {"lee_lower": "lower", "lee_upper": "upper", "lee_low": "low", "le
 
 def finished_bounds(samples: pd.DataFrame, start: str, col: str, policies: Sequence[str],
                     alpha: float) -> pd.DataFrame:  # fmt: skip
-    """Per policy of `policies`, Lee's trimming bounds within prompts on its gain in `col` over
+    """Per policy of `policies`, Lee's trimming bounds within countries on its gain in `col` over
     the start policy among responses that would finish under either (`stats.selection.lee_bounds`:
     clusters are countries; the interval around the bounds at the family's level
     `stats.family_alpha(alpha, m)`, m the policies bounded), one row each (`policy` and

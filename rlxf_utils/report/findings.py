@@ -54,7 +54,7 @@ def reward_finding(meta: dict[str, Any]) -> dict[str, Any]:
 
 def _finished_check(r: pd.Series, key: str) -> dict[str, Any] | None:
     """The gain `key` of a method among finished responses only, a subset the policies select:
-    its estimate and interval (`est`, `low`, `high`) and its Lee bounds within prompts (`lee`:
+    its estimate and interval (`est`, `low`, `high`) and its Lee bounds within countries (`lee`:
     `lower`, `upper`, the interval covering them `low`, `high`, and `prompts`; None for runs from
     before them). None where the subset's gain has no interval (runs from before; too few
     finished responses)."""
