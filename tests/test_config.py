@@ -30,8 +30,10 @@ def test_every_profile_validates(profile: Path) -> None:
     assert cfg.resolved()["run"]["name"] == profile.stem
 
 
-def test_profiles_are_the_four_of_the_design() -> None:
-    assert {p.stem for p in PROFILES} == {"smoke", "default", "full", "paper"}
+def test_profiles_are_the_four_of_the_design_and_the_control() -> None:
+    """DESIGN.md's four, and the positive control (the default's pipeline on planted labels,
+    run beside the default by `make study`)."""
+    assert {p.stem for p in PROFILES} == {"smoke", "default", "full", "paper", "control"}
 
 
 #: Every profile's resolved parameters (what the manifest and the frozen `params.yaml` record),

@@ -107,6 +107,33 @@ class DataChecks(Section):
     """Fewest rows of each outcome (a file of one outcome gives a reward model nothing to learn)."""
 
 
+class PlantedOutcome(Section):
+    """The positive control's planted outcome, P*(MET | text) = sigmoid(intercept + strength x z)
+    with z the weighted properties of the text (`rlxf_utils.data.planted`): fixed before the
+    control is first run, never changed after its results are read."""
+
+    seed: int = Field(ge=0)
+    """Seed of the labels drawn from P* (each row's uniform number: the seed and its id)."""
+    intercept: float
+    """P*'s intercept (default.yaml's: the mean P* over MONA's labelled rows is their MET share)."""
+    strength: float = Field(gt=0)
+    """The scale of z (default.yaml's: the rule's expected AUC over MONA's labelled rows 0.75)."""
+    weights: dict[str, float]
+    """Each property's weight: `quantified`, `deadline`, `institution` and `length`."""
+    length_centre: float
+    """Centre of log words (default.yaml's: their mean over MONA's labelled rows)."""
+    length_scale: float = Field(gt=0)
+    """Scale of log words (their SD over MONA's labelled rows)."""
+
+    @field_validator("weights")
+    @classmethod
+    def _every_property(cls, v: dict[str, float]) -> dict[str, float]:
+        want = {"quantified", "deadline", "institution", "length"}
+        if set(v) != want:
+            raise ValueError(f"weights must name exactly {sorted(want)}; got {sorted(v)}")
+        return v
+
+
 class DataConfig(Section):
     """Where the MONA file is, what it must hash to, how to label it and how to split it."""
 
@@ -122,6 +149,9 @@ class DataConfig(Section):
     """The split protocols and the held-out contexts."""
     table2_sample_size: int = Field(default=8, gt=0)
     """Rows in the paper's Table 2 sample (notebook 01)."""
+    planted: PlantedOutcome | None = None
+    """The positive control (params/control.yaml): every assessed row's label drawn from a
+    planted P*(MET | text) instead of MONA's status (kept as `y_observed`); null: the real labels."""
     checks: DataChecks = Field(default_factory=DataChecks)
     """Sanity checks on the file, applied before any work (`rlxf run`, notebook 01, `rlxf data
     summary`)."""

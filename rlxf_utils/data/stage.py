@@ -16,6 +16,7 @@ from rlxf_utils.data.checks import load_data
 from rlxf_utils.data.contexts import build_contexts
 from rlxf_utils.data.findings import data_findings
 from rlxf_utils.data.mona import subsample_arrangements
+from rlxf_utils.data.planted import plant, planted_summary
 from rlxf_utils.data.read import MonaTable
 from rlxf_utils.data.splits import (
     carve_policy_pool,
@@ -63,6 +64,8 @@ def run_data_stage(cfg: Any, run: Any) -> DataStage:
         subsampled_from = len(conditions)
         conditions = subsample_arrangements(conditions, d.max_rows, cfg.run.seed)
         log.info("subsampled %d -> %d rows (whole arrangements)", subsampled_from, len(conditions))
+    if d.planted is not None:  # the positive control: labels drawn from a known P*
+        conditions = plant(conditions, d.planted)
     labelled = conditions[conditions["label"] != "excluded"].reset_index(drop=True)
     s = d.splits
     splits = make_splits(
@@ -103,6 +106,9 @@ def run_data_stage(cfg: Any, run: Any) -> DataStage:
     report["rows_used"] = len(conditions)
     report["labelled_used"] = len(labelled)
     run.write_json("data/load_report.json", report)
+    if d.planted is not None:
+        held = splits[cfg.reward.reward_protocol]["test"]
+        run.write_json("data/planted.json", planted_summary(labelled, held, d.planted))
     return DataStage(table, conditions, labelled, splits, contexts, duplicates, subsampled_from,
                      holdout, pool_duplicates=across_pools)  # fmt: skip
 

@@ -16,6 +16,7 @@ from rlxf_utils.evaluation.best_of_n import (
     best_of_n_frame,
     versus_best_of_n,
 )
+from rlxf_utils.evaluation.control import control_table, detected
 from rlxf_utils.evaluation.curves import (
     budget_comparisons,
     budget_reach,
@@ -223,6 +224,19 @@ def compare_policies(ev: Evaluation) -> Measured:
     return Measured(tables, entries, figures, products=products)
 
 
+def control_family(ev: Evaluation) -> Measured:
+    """The positive control (a run whose labels were drawn from a planted P*, `data.planted`):
+    each method's true gain beside both judges' estimates and verdicts (`eval_control`), and the
+    smallest true gain each judge saw. Nothing in a run on MONA's own labels."""
+    if ev.inp.cfg.data.planted is None:
+        return Measured()
+    table = control_table(ev.samples, ev.family, ev.inp.start, ev.inp.ec.alpha)
+    entries = {"control": {"detected_reward": detected(table, "reward"),
+                           "detected_audit": detected(table, "audit"),
+                           "methods": len(table)}}  # fmt: skip
+    return Measured({"eval_control": table}, entries)
+
+
 def best_of_n_curve_family(ev: Evaluation) -> Measured:
     """The best-of-N curve (expected best-of-N reward for each N, KL at its bound) and each RL
     policy against it at its own KL."""
@@ -421,6 +435,7 @@ EVAL_FAMILIES: dict[str, Callable[[Evaluation], Measured]] = {
     "grounding": ground_samples,
     "record_samples": record_samples,
     "paired": compare_policies,
+    "control": control_family,
     "best_of_n_curve": best_of_n_curve_family,
     "frontier": frontier_family,
     "overoptimisation": overoptimisation_family,

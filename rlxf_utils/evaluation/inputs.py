@@ -17,6 +17,7 @@ import torch
 
 from rlxf_utils.artifacts import ArtifactMissing, RunDir
 from rlxf_utils.data.contexts import heldout_rows, load_contexts
+from rlxf_utils.data.planted import planted_probability
 from rlxf_utils.data.splits import load_holdout, load_splits
 from rlxf_utils.evaluation.best_of_n import pool_sampling
 from rlxf_utils.evaluation.draws import draw
@@ -138,7 +139,11 @@ class EvalInputs:
 
     def score(self, df: pd.DataFrame) -> pd.DataFrame:
         """`df` with `reward`, `reward_sd` and `audit_reward` (`sampling.add_rewards`, in place),
-        a response cut at the evaluation cap scored by `evaluation.cut_responses`."""
+        and in the positive control `planted`, the text's true P*(MET | text) (`data.planted`);
+        a response cut at the evaluation cap scored by `evaluation.cut_responses`, P* alike."""
+        planted = self.cfg.data.planted
+        if planted is not None:  # the positive control: every response's true P*(MET | text)
+            df["planted"] = planted_probability(df["response"].astype(str).tolist(), planted)
         return add_rewards(df, self.contexts, self.reward_model, self.audit_model,
                            self.cfg.rl.reward_batch_size, self.heads,
                            self.ec.cut_responses)  # fmt: skip

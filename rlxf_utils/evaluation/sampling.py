@@ -50,7 +50,7 @@ def add_judge_logprobs(pset: PolicySet, df: pd.DataFrame, name: str, batch: int)
 #: `evaluation.cut_responses`: how a response still cut at the evaluation cap is scored.
 CUT_RULES = ("as_written", "failed")
 #: The judges' columns the cut rule sets (each keeps its as-written score in `<col>_as_written`).
-JUDGED = ("reward", "audit_reward")
+JUDGED = ("reward", "audit_reward", "planted")  # planted: the control's P*, where a run has one
 
 
 def add_rewards(df: pd.DataFrame, contexts: Sequence[Mapping[str, Any]], reward_model: Any,

@@ -56,7 +56,7 @@ from rlxf_utils.evaluation.lanes import run_draw_lanes
 SUMMARY_KEYS = (
     "algorithms", "start_policy", "max_new_tokens", "rl_max_new_tokens", "cut_responses",
     "policies", "best_of_n_curve", "vs_best_of_n", "overoptimisation", "need_rl", "heldout_perplexity", "n_prompts", "samples_per_prompt",
-    "best_of_n", "alpha", "power", "equivalence_margin", "kl_match_ratio", "kl_budgets", "kl_budget_reach", "headline",
+    "best_of_n", "alpha", "power", "equivalence_margin", "kl_match_ratio", "kl_budgets", "kl_budget_reach", "headline", "control",
     "target_mde", "families", "interval",
     "cluster", "history_contrast", "reference_rows", "summary", "reused_draws", "lanes", "seconds",
 )  # fmt: skip
@@ -109,7 +109,8 @@ def run_evaluation_stage(cfg: Any, run: RunDir, progress: bool = True) -> EvalSt
         # wall time per phase, up to this write (a draw read back: the seconds it took when drawn)
         entries["seconds"] = dict(inp.timer.seconds)
         entries["reused_draws"] = list(inp.timer.reused)
-        _write(run, ev.tables, figures, files, {key: entries[key] for key in SUMMARY_KEYS})
+        _write(run, ev.tables, figures, files,
+               {key: entries[key] for key in SUMMARY_KEYS if key in entries})  # fmt: skip
     return EvalStage(ev.samples, ev.summary, ev.paired, ev.frontier, ev.tables["eval_table3"],
                      inp.algos, ev.tables)  # fmt: skip
 

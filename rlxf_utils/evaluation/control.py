@@ -1,0 +1,71 @@
+"""The positive control's question: with labels drawn from a known P*(MET | text)
+(`data.planted`), would the study's judges have seen a gain where there is one?
+
+Every evaluated response of a control run carries its true P* (`planted`, under the same cut rule
+as the judges). Per method of the vs-start family, its gain over the start policy under the truth
+and under each judge, on the same prompts, each with the cluster t interval over countries at the
+family's simultaneous level (`stats.family_alpha`, the level of every gain in the tables), and
+whether each judge's verdict (above, below, not distinguishable) is the truth's. `detected`: the
+smallest true gain among the methods whose gain a judge's interval puts above zero.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import pandas as pd
+
+from rlxf_utils.markdown import is_present
+from rlxf_utils.stats import bound_verdict, cluster_t, family_alpha, per_prompt_means
+
+#: The truth and the judges: column in the samples -> prefix of the table's columns.
+MEASURES = {"planted": "true", "reward": "reward", "audit_reward": "audit"}
+
+#: The columns of `control_table`.
+CONTROL_COLUMNS = ["policy", "n", *[f"{k}{e}" for k in MEASURES.values()
+                                    for e in ("_gain", "_low", "_high", "_verdict")],
+                   "reward_matches", "audit_matches", "ci_level"]  # fmt: skip
+
+
+def control_table(samples: pd.DataFrame, family: Sequence[str], start: str,
+                  alpha: float) -> pd.DataFrame:  # fmt: skip
+    """Per policy of `family` (the vs-start family, its size the level's m): its gain over
+    `start` under P* and each judge with intervals and verdicts, and whether each judge's verdict
+    matches the truth's. Empty (with its columns) where the samples carry no `planted`."""
+    if "planted" not in samples or not len(family):
+        return pd.DataFrame(columns=CONTROL_COLUMNS)
+    a = family_alpha(alpha, len(family))
+    country = samples.groupby("prompt_id")["country"].first() if "country" in samples else None
+    wide = {m: per_prompt_means(samples, m) for m in MEASURES}
+    rows = []
+    for policy in family:
+        rec: dict[str, Any] = {"policy": policy, "ci_level": 1 - a}
+        for m, key in MEASURES.items():
+            w = wide[m]
+            if policy not in w or start not in w:
+                rec.update({f"{key}_gain": math.nan, f"{key}_low": math.nan,
+                            f"{key}_high": math.nan, f"{key}_verdict": None})  # fmt: skip
+                continue
+            gain = (w[policy] - w[start]).dropna()
+            labels = None if country is None else country.loc[gain.index].to_numpy()
+            res = cluster_t(gain.to_numpy(float), labels, a)
+            rec.update({f"{key}_gain": float(gain.mean()), f"{key}_low": res["low"],
+                        f"{key}_high": res["high"], "n": int(gain.size),
+                        f"{key}_verdict": bound_verdict(res["low"], res["high"])})  # fmt: skip
+        for judge in ("reward", "audit"):
+            truth, said = rec.get("true_verdict"), rec.get(f"{judge}_verdict")
+            rec[f"{judge}_matches"] = bool(said == truth) if truth and said else None
+        rows.append(rec)
+    return pd.DataFrame(rows).reindex(columns=CONTROL_COLUMNS)
+
+
+def detected(table: pd.DataFrame, judge: str) -> float | None:
+    """The smallest true gain among the methods whose gain `judge` ('reward', 'audit') puts
+    above zero, None where it puts none there."""
+    if table.empty:
+        return None
+    hit = table[table[f"{judge}_verdict"] == bound_verdict(1.0, 2.0)]
+    gains = [g for g in hit["true_gain"] if is_present(g)]
+    return float(min(gains)) if gains else None
