@@ -7,6 +7,9 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PARAMS ?= params/default.yaml
 RUN_DIR ?=
+# The positive control (notebooks 01-04 on planted labels) beside the run, which its report reads.
+CONTROL ?= params/control.yaml
+CONTROL_ONLY := 01,02,03,04
 
 # Hub access comes from the profile (compute.hf_offline, offline by default); an explicit
 # HF_HUB_OFFLINE=0/1 in the environment wins.
@@ -25,8 +28,10 @@ $(STAMP): pyproject.toml requirements-models.txt
 	$(BIN)/python -m ipykernel install --sys-prefix --name rlxf --display-name "RLXF study (.venv)"
 	@touch $(STAMP)
 
-## The main job: every notebook with params/default.yaml, then the report; outputs in runs/default/.
+## The main job: the positive control (runs/control/), every notebook with params/default.yaml, then
+## the report; outputs in runs/default/.
 study: $(STAMP)
+	$(if $(CONTROL),$(BIN)/rlxf run --params $(CONTROL) --run-dir $(dir $(RUN_PATH))control --only $(CONTROL_ONLY))
 	$(BIN)/rlxf run --params $(PARAMS) $(if $(RUN_DIR),--run-dir $(RUN_DIR))
 	$(BIN)/rlxf report --run-dir $(RUN_PATH)
 	$(BIN)/rlxf publish --run-dir $(RUN_PATH)
@@ -46,6 +51,7 @@ readme: $(STAMP)
 
 ## The same study in minutes on a MONA subsample (params/smoke.yaml).
 smoke: PARAMS = params/smoke.yaml
+smoke: CONTROL =
 smoke: study
 
 # Two pytest-xdist workers, a file to each (tests/conftest.py): the smoke study's file starts

@@ -748,7 +748,7 @@ def test_report_draws_a_placeholder_for_a_figure_the_run_lacks(tmp_path) -> None
     (figs / "eval_easy_hard.png").write_bytes(b"real")
     assert placeholder_figures(figs, OPTIONAL_FIGURES) == [
         "eval_reward_perplexity", "eval_reward_uncertainty", "eval_inclusive", "eval_methods",
-        "reward_encoders",
+        "eval_kl_budgets", "reward_encoders",
     ]  # fmt: skip
     assert (figs / "eval_reward_perplexity.png").read_bytes()[:4] == b"\x89PNG"
     assert (figs / "eval_easy_hard.png").read_bytes() == b"real"  # an existing figure is kept

@@ -61,7 +61,7 @@ def _run_with(tmp_path, auc_low: float) -> RunDir:
 def test_a_gold_at_chance_cannot_confirm_or_refute_a_gain(tmp_path):
     gold = gold_auc(_run_with(tmp_path, 0.48))
     assert gold == {"auc": 0.56, "low": 0.48, "high": 0.64, "rows": 300, "level": "95%",
-                    "can_judge": False}  # fmt: skip
+                    "above_chance": False, "control": None, "can_judge": False}  # fmt: skip
     assert gold_cannot_judge(gold, -0.01, 0.02)
     # a rise or a fall under a gold at chance is no verdict either (issue 59, item 4)
     assert gold_cannot_judge(gold, 0.01, 0.02) and gold_cannot_judge(gold, -0.02, -0.01)

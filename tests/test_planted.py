@@ -133,3 +133,22 @@ def test_the_data_stage_of_a_control_run_draws_its_labels_and_says_how(tmp_path)
     assert (written["y"].dropna().astype(int) == lab.set_index("row_id")["y"]
             .reindex(written.loc[written["y"].notna(), "row_id"]).astype(int).to_numpy()).all()  # fmt: skip
     assert summary["agrees_with_observed"] < 1.0
+
+
+def test_the_gold_gate_reads_the_control_beside_a_run(tmp_path):
+    """The audit's verdicts are read as a judge's where the control run beside this one shows it
+    putting a true gain above zero with every verdict the truth's; one wrong verdict, or no run
+    beside, leaves the gate to its AUC on human rows."""
+    from rlxf_utils.artifacts import RunDir
+    from rlxf_utils.report.gold import control_audit
+
+    main, ctl = RunDir(tmp_path / "default"), RunDir(tmp_path / "control")
+    assert control_audit(main) is None
+    t = control_table(_control_samples(), ["up", "flat"], "sft", 0.05)
+    ctl.write_table("eval_control", t)
+    seen = control_audit(main)
+    assert seen == {"methods": 2, "matched": 2, "detected": pytest.approx(t["true_gain"].iloc[0]),
+                    "sees": True}  # fmt: skip
+    ctl.write_table("eval_control", t.assign(audit_matches=[True, False]))
+    assert not control_audit(main)["sees"]
+    assert control_audit(ctl) is None  # the control itself has no control beside it

@@ -26,7 +26,7 @@ from rlxf_utils.report.seeds import finished_checks
 from rlxf_utils.report.wording import sentence
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "report"
-SECTIONS = ("findings", "seeds", "overopt", "gold")
+SECTIONS = ("findings", "seeds", "overopt", "gold", "control")
 
 
 def _rendered(section: str) -> str:
@@ -325,12 +325,73 @@ def _budget_context() -> dict[str, Any]:
         return budget_context(run, "notebook 04_evaluation")
 
 
+def _control_cases() -> dict[str, tuple[str, list]]:
+    """The control section's branches: no control run; the audit saw a gain smaller than the
+    main study's largest bound, larger than it, or a gain the main study saw too; the audit saw
+    nothing."""
+
+    def row(policy: str, true: tuple, reward: tuple, audit: tuple) -> dict[str, Any]:
+        def m(t: tuple) -> dict[str, Any]:
+            return {"est": t[0], "low": t[1], "high": t[2], "verdict": t[3]}
+
+        return {"policy": policy, "n": 48, "level": 0.9875, "true": m(true), "reward": m(reward),
+                "audit": m(audit), "reward_matches": reward[3] == true[3],
+                "audit_matches": audit[3] == true[3]}  # fmt: skip
+
+    up, null = "above", "not distinguishable"
+    rows = [row("ppo", (0.04, 0.02, 0.06, up), (0.08, 0.05, 0.11, up), (0.03, 0.01, 0.05, up)),
+            row("grpo", (0.01, -0.01, 0.03, null), (0.05, 0.02, 0.08, up), (0.0, -0.02, 0.02, null))]  # fmt: skip
+    base = {"rows": rows, "auc": 0.748, "auc_all": 0.75, "held_out": 1130, "agrees": 0.61,
+            "detected_audit": 0.04, "detected_reward": 0.01, "largest_true": 0.04, "commit": "abc1234",
+            "true_above": [0.04],
+            "main": {"bound": 0.021, "methods": 13, "any_above": False}}  # fmt: skip
+    return {
+        "control: none beside the run": ("control_sentence", [None]),
+        "control: seen, and the main bound below it": ("control_sentence", [base]),
+        "control: seen, the main bound above it": (
+            "control_sentence",
+            [{**base, "main": {"bound": 0.06, "methods": 13, "any_above": False}}],
+        ),
+        "control: seen, and the main study saw one": (
+            "control_sentence",
+            [{**base, "main": {"bound": 0.06, "methods": 13, "any_above": True}}],
+        ),
+        "control: a true gain the audit missed": (
+            "control_sentence",
+            [{**base, "detected_audit": None}],
+        ),
+        "control: no true gain to find": (
+            "control_sentence",
+            [
+                {
+                    **base,
+                    "detected_audit": None,
+                    "rows": rows[1:],
+                    "largest_true": 0.01,
+                    "true_above": [],
+                }
+            ],
+        ),  # fmt: skip
+    }
+
+
 def _gold_cases() -> dict[str, tuple[str, list]]:
     one = {**CEILING, "rows": CEILING["rows"][:1], "alpha": 0.01}
     three = {**CEILING, "rows": [*CEILING["rows"], {**CEILING["rows"][1], "judge": "gold"}]}
     return {
         "a gold that judges": ("auc_words", [_gold(True)]),
         "a gold at chance, as the audit's": ("auc_words", [_gold(False), "the audit's"]),
+        "a gold at chance on human rows that the control shows to see a gain": (
+            "auc_words",
+            [
+                {
+                    **_gold(False),
+                    "above_chance": False,
+                    "can_judge": True,
+                    "control": {"methods": 5, "matched": 5, "detected": 0.031, "sees": True},
+                }
+            ],
+        ),
         "ceiling, two judges": ("ceiling_sentence", [CEILING]),
         "ceiling, one judge": ("ceiling_sentence", [one]),
         "ceiling, three judges": ("ceiling_sentence", [three]),
@@ -344,7 +405,8 @@ def _plain(x: Any) -> Any:
 
 def _write_fixture() -> None:
     for section, cases in (("findings", _findings()), ("seeds", _seeds()),
-                           ("overopt", _overopt()), ("gold", _gold_cases())):  # fmt: skip
+                           ("overopt", _overopt()), ("gold", _gold_cases()),
+                           ("control", _control_cases())):  # fmt: skip
         out = {case: {"macro": m, "args": args} for case, (m, args) in cases.items()}
         (GOLDEN / f"{section}.json").write_text(
             json.dumps(out, indent=1, default=_plain, ensure_ascii=False) + "\n", encoding="utf-8"

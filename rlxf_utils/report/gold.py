@@ -7,7 +7,10 @@ own MET descriptions over their Non-MET ones), against which every gain and boun
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
+
+import pandas as pd
 
 from rlxf_utils.artifacts import RunDir
 from rlxf_utils.markdown import is_present
@@ -19,8 +22,11 @@ GOLD_ROW = "audit"
 
 def gold_auc(run: RunDir) -> dict[str, Any] | None:
     """The gold judge's AUC on the reference rows (evaluation countries' rows no model trained
-    on) with its interval: `auc`, `low`, `high`, `rows`, `level`, and `can_judge` (the interval
-    lies above 0.5); None for a run without the check."""
+    on) with its interval: `auc`, `low`, `high`, `rows`, `level`, `above_chance` (the interval
+    lies above 0.5), `control` (`control_audit`: the audit on generated text in the positive
+    control beside the run, or None) and `can_judge`: above chance, or shown by the control to
+    see a true gain on generated text with every verdict the truth's; None for a run without the
+    check."""
     if not run.exists("tables/reward_reference_check.csv"):
         return None
     t = run.read_table("reward_reference_check", "notebook 02_reward_model")
@@ -31,9 +37,36 @@ def gold_auc(run: RunDir) -> dict[str, Any] | None:
     alpha = 0.05
     if run.exists("eval/summary.json"):
         alpha = run.read_json("eval/summary.json", "notebook 04_evaluation").get("alpha", alpha)
+    above = bool(is_present(r["auc_low"]) and r["auc_low"] > 0.5)
+    control = control_audit(run)
     return {"auc": float(r["auc"]), "low": float(r["auc_low"]), "high": float(r["auc_high"]),
-            "rows": int(r["rows"]), "level": level(alpha),
-            "can_judge": bool(is_present(r["auc_low"]) and r["auc_low"] > 0.5)}  # fmt: skip
+            "rows": int(r["rows"]), "level": level(alpha), "above_chance": above,
+            "control": control,
+            "can_judge": above or bool(control and control["sees"])}  # fmt: skip
+
+
+#: The positive control's run folder beside a run (`params/control.yaml`'s `run.name`).
+CONTROL_RUN = "control"
+
+
+def control_audit(run: RunDir) -> dict[str, Any] | None:
+    """What the positive control beside `run` (`runs/control`, its `eval_control` table) shows of
+    the audit on generated text: `methods` compared with the truth P*, `matched` (how many of its
+    verdicts are the truth's), `detected` (the smallest true gain it put above zero, or None) and
+    `sees` (it put some true gain above zero and matched the truth every time: then its verdicts
+    on this run are read as a judge's, whatever its AUC on human rows). None without a control."""
+    path = Path(run.root).parent / CONTROL_RUN
+    table = path / "tables" / "eval_control.csv"
+    if Path(run.root).resolve() == path.resolve() or not table.is_file():
+        return None
+    t = pd.read_csv(table)
+    if t.empty:
+        return None
+    matched = int(t["audit_matches"].astype(str).str.lower().eq("true").sum())
+    hit = t.loc[t["audit_verdict"] == "above", "true_gain"].dropna()
+    detected = float(hit.min()) if len(hit) else None
+    return {"methods": len(t), "matched": matched, "detected": detected,
+            "sees": detected is not None and matched == len(t)}  # fmt: skip
 
 
 def gold_cannot_judge(gold: dict[str, Any] | None, low: Any, high: Any) -> bool:

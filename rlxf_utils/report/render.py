@@ -27,6 +27,7 @@ from rlxf_utils.artifacts import ArtifactMissing, NotARun, RunDir, atomic_path, 
 from rlxf_utils.config import PROJECT_ROOT
 from rlxf_utils.markdown import markdown_table
 from rlxf_utils.names import map_strings
+from rlxf_utils.report.control import control_section
 from rlxf_utils.report.data import (
     data_section,
     pool_duplicates_sentence,
@@ -204,6 +205,7 @@ def build_sources(run: RunDir, build: Path, src: Path = REPORT_SRC) -> dict[str,
         ("rl", rl_section(run, params)),
         ("eval", eval_section(run, params.get("evaluation", {}).get("alpha", 0.05))),
         ("overopt", overopt_section(run)),
+        ("control", control_section(run)),
         ("offline", offline_section(run)),
         ("findings", findings_section(run)),
         ("seeds", seeds_section(run)),

@@ -1,0 +1,99 @@
+"""Could the study see a gain? The positive control's answer in words (`docs/methods.md`, "The
+positive control"): the control run beside this one (`runs/control`, `params/control.yaml`),
+its planted rule, each control method's true gain beside both judges' estimates and verdicts
+(`tables/eval_control.csv`), the smallest true gain the audit saw on generated text, and this
+run's null read against it. The words are the author's, in `reports/templates/control.jinja`."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from rlxf_utils.artifacts import RunDir
+from rlxf_utils.markdown import is_present
+from rlxf_utils.report.evaluation import table_note
+from rlxf_utils.report.gold import CONTROL_RUN
+from rlxf_utils.report.wording import sentence, table
+
+STAGE = "notebook 04_evaluation"
+
+
+def control_run(run: RunDir) -> RunDir | None:
+    """The finished control run beside `run` (its evaluation written), None where there is none
+    or `run` is itself the control."""
+    path = Path(run.root).parent / CONTROL_RUN
+    if Path(run.root).resolve() == path.resolve():
+        return None
+    ctl = RunDir(path)
+    return ctl if ctl.exists("tables/eval_control.csv") else None
+
+
+def _finite(x: Any) -> float | None:
+    return float(x) if is_present(x) and math.isfinite(float(x)) else None
+
+
+def main_audit_bound(run: RunDir) -> dict[str, Any] | None:
+    """This run's largest audit gain any trained method's interval allows (the upper ends in
+    `eval_methods`, the trained methods), with its level; None without the table."""
+    if not run.exists("tables/eval_methods.csv"):
+        return None
+    m = run.read_table("eval_methods", STAGE)
+    trained = m[m["group"].isin(["RL", "ILHF", "offline"])] if "group" in m else m
+    highs = [
+        h for h in trained.get("audit_gain_high", pd.Series(dtype=float)) if _finite(h) is not None
+    ]
+    lows = [
+        lo
+        for lo in trained.get("audit_gain_low", pd.Series(dtype=float))
+        if _finite(lo) is not None
+    ]
+    if not highs:
+        return None
+    return {"bound": float(max(highs)), "methods": len(highs),
+            "any_above": any(lo > 0 for lo in lows)}  # fmt: skip
+
+
+def control_context(run: RunDir) -> dict[str, Any] | None:
+    """What `control.jinja` reads; None where no control run sits beside `run`."""
+    ctl = control_run(run)
+    if ctl is None:
+        return None
+    t = ctl.read_table("eval_control", STAGE)
+    summary = ctl.read_json("eval/summary.json", STAGE)
+    planted = (
+        ctl.read_json("data/planted.json", "notebook 01_data")
+        if ctl.exists("data/planted.json")
+        else {}
+    )
+    rows = [{"policy": r["policy"], "n": r["n"], "level": r["ci_level"],
+             **{k: {"est": r[f"{k}_gain"], "low": r[f"{k}_low"], "high": r[f"{k}_high"],
+                    "verdict": r[f"{k}_verdict"]} for k in ("true", "reward", "audit")},
+             "reward_matches": r["reward_matches"], "audit_matches": r["audit_matches"]}
+            for r in t.to_dict("records")]  # fmt: skip
+    found = summary.get("control", {})
+    return {"rows": rows, "auc": _finite(planted.get("held_out_expected_auc")),
+            "auc_all": _finite(planted.get("expected_auc")),
+            "held_out": planted.get("held_out_rows"), "agrees": _finite(planted.get("agrees_with_observed")),
+            "detected_audit": _finite(found.get("detected_audit")),
+            "detected_reward": _finite(found.get("detected_reward")),
+            "largest_true": max((r["true"]["est"] for r in rows if _finite(r["true"]["est"]) is not None),
+                                default=None),
+            "true_above": sorted(float(r["true"]["est"]) for r in rows if r["true"]["verdict"] == "above"),
+            "main": main_audit_bound(run), "commit": ctl.read_json("manifest.json").get("git", {}).get("commit", "")[:7]
+            if ctl.exists("manifest.json") else ""}  # fmt: skip
+
+
+def control_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
+    """The variable `sentence` and the table `eval_control.md` (a note without a control run)."""
+    ctx = control_context(run)
+    text = sentence("control", "control_sentence", ctx)
+    if ctx is None:
+        return {"sentence": text}, {"eval_control.md": table_note("no control run beside this run")}
+    ctl = control_run(run)
+    assert ctl is not None
+    return {"sentence": text}, {
+        "eval_control.md": table("eval_control", ctl.read_table("eval_control", STAGE))
+    }
