@@ -163,6 +163,11 @@ def _rlgf_cases() -> dict[str, dict[str, Any]]:
         "guided algorithms against PPO + MLE, RL against sft_met, every table": {
             "ran_sentence": {"algorithms": algos, "guided": ["ppo_pp", "d2lols"], "guide": "sft_met"},
             "critics_sentence": critics_context(log),
+            "claims_sentence": {"ran": True, "budgets": [0.5, 1.0, 2.0], "versus": [
+                {"policy": "ppo", "missing": [1.0, 2.0], "rows": [
+                    {"budget": 0.5, "measure": "reward", "est": 0.01, "low": -0.01, "high": 0.03, "verdict": U},
+                    {"budget": 0.5, "measure": "audit_reward", "est": -0.02, "low": -0.04, "high": -0.005, "verdict": B}]},
+                {"policy": "ppo_pp", "missing": [0.5, 1.0, 2.0], "rows": []}]},
             "guidance_sentence": full["guidance"],
             "rl_vs_sft_met_sentence": full["rl_vs_sft_met"],
             "easy_hard_sentence": easy_hard_context(easy_hard, "sft", 0.05, preamble=False),
@@ -181,6 +186,7 @@ def _rlgf_cases() -> dict[str, dict[str, Any]]:
         "no guided algorithm": {
             "ran_sentence": {"algorithms": ["ppo", "grpo"], "guided": [], "guide": "sft_met"},
             "critics_sentence": critics_context(pd.DataFrame()),
+            "claims_sentence": {"ran": False, "budgets": None, "versus": []},
             "guidance_sentence": guidance_context(guidance[guidance.question == r], ["ppo", "grpo"], 0.05)["guidance"],
             "no_comparison_note": guidance_context(None, ["ppo", "grpo"], 0.05)["guidance"],
             "easy_hard_sentence": easy_hard_context(easy_hard.iloc[0:0], "sft", 0.05),
@@ -190,6 +196,7 @@ def _rlgf_cases() -> dict[str, dict[str, Any]]:
             "guidance_sentence": guidance_context(guidance[guidance.question == r], ["ppo_pp", "grpo"], 0.05)["guidance"],
             "predates_note": {"missing": ["eval_rlgf", "eval_guidance"], "stage": "notebook 04_evaluation"},
             "predates_sentence": {"stage": "notebook 04_evaluation"},
+            "claims_sentence": {"ran": True, "budgets": None, "versus": []},
         },
     }  # fmt: skip
 

@@ -23,7 +23,7 @@ from rlxf_utils.prompts import CONTEXT_FIELDS
 from rlxf_utils.report.evaluation import eval_meta, table_note
 from rlxf_utils.report.gold import gold_auc
 from rlxf_utils.report.wording import display_name, num, sentence, table, value
-from rlxf_utils.stats import level
+from rlxf_utils.stats import bound_verdict, level
 
 
 def comparisons(g: pd.DataFrame, policies: Sequence[str], versus: str,
@@ -160,6 +160,37 @@ def rlgf_markdown(tables: Mapping[str, pd.DataFrame], algos: Sequence[str], star
 RLGF_TABLES = ("eval_rlgf", "eval_easy_hard", "eval_guidance")
 
 
+#: The RLGF paper's headline: D²LOLS above each of its parts and above PPO.
+CLAIM_VERSUS = ("ppo", "ppo_pp", "aggrevated", "lols")
+
+
+def claims_context(run: RunDir, algos: Sequence[str]) -> dict[str, Any]:
+    """The RLGF paper's claims read at common KL (`eval_kl_budget_pairs`, `evaluation.curves`):
+    per comparator of D²LOLS that ran (`CLAIM_VERSUS`), per budget both curves reach, D²LOLS's
+    difference under each judge (`est`, `low`, `high`, `verdict`, D²LOLS minus the comparator)
+    and the budgets where they were not both compared (`missing`). `ran`: D²LOLS ran; `budgets`:
+    none for a run from before the budgets."""
+    out: dict[str, Any] = {"ran": "d2lols" in algos, "budgets": None, "versus": []}
+    if not out["ran"] or not run.exists("tables/eval_kl_budget_pairs.csv"):
+        return out
+    pairs = run.read_table("eval_kl_budget_pairs", "notebook 04_evaluation")
+    meta = run.read_json("eval/summary.json", "notebook 04_evaluation")
+    out["budgets"] = [float(b) for b in meta.get("kl_budgets", sorted(pairs["budget"].unique()))]
+    for other in (a for a in CLAIM_VERSUS if a in algos):
+        rows, seen = [], set()
+        for r in pairs.itertuples():
+            if {r.policy, r.versus} != {"d2lols", other}:
+                continue
+            sign = 1.0 if r.policy == "d2lols" else -1.0
+            lo, hi = sorted((sign * r.low, sign * r.high))
+            rows.append({"budget": float(r.budget), "measure": r.measure, "est": sign * r.diff,
+                         "low": lo, "high": hi, "verdict": bound_verdict(lo, hi)})  # fmt: skip
+            seen.add(float(r.budget))
+        out["versus"].append({"policy": other, "rows": rows,
+                              "missing": [b for b in out["budgets"] if b not in seen]})  # fmt: skip
+    return out
+
+
 def rlgf_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
     """The RLGF section: the paper's table, easy vs hard prompts and the two verdicts (does
     guidance beat PPO, does RL beat `sft_met`), read from notebook 04's tables; every verb comes
@@ -179,6 +210,7 @@ def rlgf_section(run: RunDir, params: dict[str, Any]) -> tuple[dict[str, Any], d
         "ran_sentence": sentence("rlgf", "ran_sentence",
                                  {"algorithms": algos, "guided": guided, "guide": guide}),
         "critics_sentence": sentence("rlgf", "critics_sentence", critics_context(log)),
+        "claims_sentence": sentence("rlgf", "claims_sentence", claims_context(run, algos)),
         "guide": display_name(guide),
         "easy_hard_level": lvl,  # the gains' family level, once the table is read (below)
     }  # fmt: skip
