@@ -222,6 +222,11 @@ def train_sft(
     return pd.DataFrame(rows)
 
 
+#: `run_sft_stage`'s columns: with `sft.enabled: false` notebook 03 writes the header alone.
+SFT_SUMMARY_COLUMNS = ("policy", "outcomes", "eligible_rows", "examples", "left_out_too_long",
+                       "met_share", "steps", "seconds", "tokens_per_s", "loss_first", "loss_last")  # fmt: skip
+
+
 def run_sft_stage(cfg: StudyConfig, run: RunDir, progress: bool = True) -> pd.DataFrame:
     """Train `sft` and `sft_met`; write `policy/<name>/{adapter/, train_log.parquet, data.json}`.
 

@@ -21,7 +21,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from rlxf_utils.algorithms import RL_ALGORITHMS, RLGF_ALGORITHMS, SFT_POLICIES, algorithm
+from rlxf_utils.algorithms import RL_ALGORITHMS, SFT_POLICIES, algorithm
 from rlxf_utils.artifacts import RunDir, atomic_path
 from rlxf_utils.config import StudyConfig
 from rlxf_utils.data.contexts import load_contexts
@@ -47,8 +47,8 @@ from rlxf_utils.rl.experience import (
     sft_experience,
 )
 from rlxf_utils.rl.launch import processes_for, run_lanes, run_stage, warm_groups
+from rlxf_utils.rl.sft import SFT_SUMMARY_COLUMNS, loss_figure, run_sft_stage
 from rlxf_utils.rl.sft import is_trained as sft_is_trained
-from rlxf_utils.rl.sft import loss_figure, run_sft_stage
 from rlxf_utils.rl.tables import (
     guidance_table,
     settings_table,
@@ -243,7 +243,8 @@ def sft_step(cfg: StudyConfig, params_file: str | Path, run: RunDir) -> pd.DataF
     (`tables/sft_summary`) and the loss figure (`figures/sft_loss`); returns the table."""
     if cfg.sft.enabled and not sft_is_trained(cfg, run):
         run_stage(cfg, params_file, run.root, "sft")  # its own process; then read what it wrote
-    summary = run_sft_stage(cfg, run) if cfg.sft.enabled else pd.DataFrame()
+    summary = (run_sft_stage(cfg, run) if cfg.sft.enabled
+               else pd.DataFrame(columns=list(SFT_SUMMARY_COLUMNS)))  # fmt: skip
     run.write_table("sft_summary", summary)
     if cfg.sft.enabled:
         logs = [run.read_parquet(f"policy/{n}/train_log.parquet") for n in SFT_POLICIES]
@@ -325,8 +326,9 @@ def rl_step(
     run.write_figure("rl_training_curves", training_curves_figure(logs))
     beta_range = tuple(cfg.rl.kl_coef_range) if cfg.rl.adaptive_kl else None
     tables["rl_summary"] = summary_table(logs, alpha=cfg.evaluation.alpha, beta_range=beta_range)
-    if any(a in RLGF_ALGORITHMS for a in cfg.rl.algorithm):
-        tables["rlgf_guidance"] = guidance_table(logs)
+    # every table, with its header alone when no algorithm of its family ran: a rerun of a run dir
+    # with fewer algorithms leaves none of the earlier run's rows behind
+    tables["rlgf_guidance"] = guidance_table(logs)
     tables["ilhf_training"] = training_table(logs)
     for name, table in tables.items():
         run.write_table(name, table)

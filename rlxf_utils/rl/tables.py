@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from rlxf_utils.algorithms import ILHF_ALGORITHMS, algorithm_label
+from rlxf_utils.algorithms import ILHF_ALGORITHMS, RLGF_ALGORITHMS, algorithm_label
 from rlxf_utils.artifacts import RunDir
 
 
@@ -147,14 +147,24 @@ CRITIC_OF_SCHEME = {
 }
 
 
+#: `guidance_table`'s columns: a run without an RLGF algorithm writes the table with its header
+#: alone (so a rerun without one leaves no earlier run's guidance behind).
+GUIDANCE_COLUMNS = ("algorithm", "scheme", "steps", "learner_share", "reward_mean", "kl_last",
+                    "critic", "explained_variance", "explained_variance_prior", "step_time_s",
+                    "cost_vs_ppo")  # fmt: skip
+
+
 def guidance_table(logs: Any) -> Any:
     """Per algorithm and scheme: steps, the learner's share of the response tokens, mean reward,
     KL and critic explained variance, and the median step time relative to PPO's (when PPO ran).
 
     `logs`: the stacked training logs (`rl.stage.read_logs`); PPO's rows give the cost baseline.
+    Logs without an RLGF algorithm: the header alone (PPO's rows are only their baseline).
     """
     import pandas as pd
 
+    if "scheme" not in logs or not logs["algo"].isin(RLGF_ALGORITHMS).any():
+        return pd.DataFrame(columns=list(GUIDANCE_COLUMNS))
     ppo_time = logs.loc[logs["algo"] == "ppo", "step_time_s"].median()
     rows = []
     for (algo, scheme), g in logs.groupby(["algo", "scheme"], sort=False, dropna=True):
@@ -177,7 +187,7 @@ def guidance_table(logs: Any) -> Any:
                 "cost_vs_ppo": g["step_time_s"].median() / ppo_time if ppo_time > 0 else np.nan,
             }
         )
-    return pd.DataFrame(rows)
+    return pd.DataFrame(rows, columns=list(GUIDANCE_COLUMNS))
 
 
 #: `training_table`'s columns: a run without ILHF writes the table with its header alone.
