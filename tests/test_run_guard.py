@@ -175,9 +175,12 @@ def test_a_relative_run_dir_reaches_the_kernels_as_absolute_paths(
     make = subprocess.run(["make", "--no-print-directory", "-n", "study", "RUN_DIR=runs/x"],
                           cwd=ROOT, text=True, capture_output=True, check=True,
                           env=env).stdout.splitlines()  # fmt: skip
-    run_line = next(line for line in make if " run --params " in line)
+    control = next(line for line in make if " run --params params/control.yaml" in line)
+    run_line = next(line for line in make if " run --params " in line and line != control)
     report_line = next(line for line in make if " report --run-dir " in line)
     assert run_line.endswith("--run-dir runs/x") and report_line.endswith("report --run-dir runs/x")
+    # the positive control beside the run, where its report looks for it
+    assert "--run-dir runs/control --only 01,02,03,04" in control
     # without RUN_DIR the report's folder is the profile's resolved run.name (smoke extends default)
     make = subprocess.run(["make", "--no-print-directory", "-n", "study", "PARAMS=params/smoke.yaml"],
                           cwd=ROOT, text=True, capture_output=True, check=True,
