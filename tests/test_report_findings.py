@@ -86,6 +86,7 @@ def _findings() -> dict[str, tuple[str, list]]:
         "reward claim within an interval, no main model": (
             "reward_finding", [f.reward_finding(_metrics(0.85, main=False))]),
         "rl: raised, lowered, nulls beside them": ("rl_finding", [f.rl_finding(t, "sft", "99.6%")]),
+        "rl: RL policies only, no ILHF": ("rl_finding", [f.rl_finding(t.iloc[0:2], "sft", "99%")]),
         "rl: every interval off zero": (
             "rl_finding", [f.rl_finding(t.iloc[1:3].assign(audit_gain_low=0.001), "sft", "99%")]),
         "rl: the audit's movers among finished responses": ("rl_finding", [f.rl_finding(

@@ -99,6 +99,7 @@ def rl_finding(
         return None
     return {"n": len(rows), "start": start, "level": ci_level, "gold_at_chance": gold_at_chance,
             "start_finished": start_finished, "cut": cut,
+            "groups": [g for g in ("RL", "ILHF") if (rows["group"] == g).any()],
             "reward": _moved(rows, "gain"), "audit": _moved(rows, "audit_gain")}  # fmt: skip
 
 
