@@ -3,9 +3,9 @@
 
 Every evaluated response of a control run carries its true P* (`planted`, under the same cut rule
 as the judges). Per method of the vs-start family, its gain over the start policy under the truth
-and under each judge, on the same prompts, each with the cluster t interval over countries at the
-family's simultaneous level (`stats.family_alpha`, the level of every gain in the tables), and
-whether each judge's verdict (above, below, not distinguishable) is the truth's. `detected`: the
+and under each judge, on the same prompts, each with the cluster t interval over countries
+(`stats.paired_comparison`) at the family's simultaneous level (`stats.family_alpha`, the level
+of every gain in the tables), and whether each judge's verdict (above, below, not distinguishable) is the truth's. `detected`: the
 smallest true gain among the methods whose gain a judge's interval puts above zero.
 """
 
@@ -18,7 +18,7 @@ from typing import Any
 import pandas as pd
 
 from rlxf_utils.markdown import is_present
-from rlxf_utils.stats import bound_verdict, cluster_t, family_alpha, per_prompt_means
+from rlxf_utils.stats import bound_verdict, family_alpha, paired_comparison, per_prompt_means
 
 #: The truth and the judges: column in the samples -> prefix of the table's columns.
 MEASURES = {"planted": "true", "reward": "reward", "audit_reward": "audit"}
@@ -48,12 +48,12 @@ def control_table(samples: pd.DataFrame, family: Sequence[str], start: str,
                 rec.update({f"{key}_gain": math.nan, f"{key}_low": math.nan,
                             f"{key}_high": math.nan, f"{key}_verdict": None})  # fmt: skip
                 continue
-            gain = (w[policy] - w[start]).dropna()
-            labels = None if country is None else country.loc[gain.index].to_numpy()
-            res = cluster_t(gain.to_numpy(float), labels, a)
-            rec.update({f"{key}_gain": float(gain.mean()), f"{key}_low": res["low"],
-                        f"{key}_high": res["high"], "n": int(gain.size),
-                        f"{key}_verdict": bound_verdict(res["low"], res["high"])})  # fmt: skip
+            res = paired_comparison(w[policy].to_numpy(float), w[start].to_numpy(float),
+                                    alpha=alpha, family_size=len(family),
+                                    clusters=None if country is None else country.loc[w.index].to_numpy())  # fmt: skip
+            rec.update({f"{key}_gain": res["mean_diff"], f"{key}_low": res["ci_low"],
+                        f"{key}_high": res["ci_high"], "n": res["n"],
+                        f"{key}_verdict": bound_verdict(res["ci_low"], res["ci_high"])})  # fmt: skip
         for judge in ("reward", "audit"):
             truth, said = rec.get("true_verdict"), rec.get(f"{judge}_verdict")
             rec[f"{judge}_matches"] = bool(said == truth) if truth and said else None

@@ -24,7 +24,7 @@ never reaches b is listed as not reaching it, never extrapolated.
 
 At each budget and under each judge, one family (`stats.family_alpha`): every pair of the
 methods that reach it, the per-prompt difference of their values with the cluster t interval over
-countries (`stats.cluster_t`) at 1 - alpha / m, m the pairs compared; and, in a family of its own,
+countries (`stats.paired_comparison`, `stats.cluster_t`) at 1 - alpha / m, m the pairs compared; and, in a family of its own,
 each reaching method's gain over the start policy at that budget. No pair is left out for where
 training happened to end, only for a method not reaching a budget (counted in `budget_reach`).
 """
@@ -42,8 +42,7 @@ import pandas as pd
 
 from rlxf_utils.evaluation.best_of_n import best_of_n_kl_bound
 from rlxf_utils.evaluation.overopt import REWARDS, best_of_n_expectations
-from rlxf_utils.markdown import is_present
-from rlxf_utils.stats import bound_verdict, cluster_t, family_alpha, mde, null_bound
+from rlxf_utils.stats import bound_verdict, paired_comparison
 
 #: The columns of `budget_pairs`.
 PAIR_COLUMNS = ["budget", "measure", "policy", "versus", "n", "n_clusters", "diff", "low", "high",
@@ -180,17 +179,19 @@ def method_curves(samples: pd.DataFrame, snapshots: pd.DataFrame, pool: pd.DataF
     return curves
 
 
-def _interval(values: np.ndarray, labels: np.ndarray, alpha: float, m: int,
+def _compared(a: pd.Series, b: pd.Series, clusters: pd.Series, alpha: float, m: int,
               power: float) -> dict[str, Any]:  # fmt: skip
-    """The cluster t interval of a family of `m` at `alpha` and what the tables carry of it."""
-    a = family_alpha(alpha, m)
-    res = cluster_t(values, labels, a)
-    lo, hi = float(res["low"]), float(res["high"])
-    return {"n": int(np.isfinite(values).sum()), "n_clusters": int(res["n_clusters"]),
-            "low": lo, "high": hi, "verdict": bound_verdict(lo, hi),
-            "p_family": min(1.0, m * res["p"]) if is_present(res["p"]) else math.nan,
-            "ci_level": 1 - a, "bound": null_bound(lo, hi),
-            "mde": mde(res["se"], m, alpha, power, res["df"]) if is_present(res["se"]) else math.nan,
+    """a minus b on the prompts both hold (`stats.paired_comparison`: the cluster t interval over
+    `clusters` in a family of `m`) as the tables carry it: `diff` and its interval, verdict,
+    family p-value and level, bound and MDE."""
+    pair = pd.concat([a, b], axis=1, join="inner")
+    res = paired_comparison(pair.iloc[:, 0].to_numpy(float), pair.iloc[:, 1].to_numpy(float),
+                            alpha=alpha, clusters=clusters.loc[pair.index].to_numpy(),
+                            family_size=m, power=power)  # fmt: skip
+    return {"n": res["n"], "n_clusters": res["n_clusters"], "diff": res["mean_diff"],
+            "low": res["ci_low"], "high": res["ci_high"],
+            "verdict": bound_verdict(res["ci_low"], res["ci_high"]), "p_family": res["p_family"],
+            "ci_level": res["ci_level"], "bound": res["bound"], "mde": res["mde"],
             "family_size": m}  # fmt: skip
 
 
@@ -212,17 +213,12 @@ def budget_comparisons(curves: Mapping[str, Curve], budgets: Sequence[float],
             if at[name] is None:
                 gains.append(row)
                 continue
-            gain = (at[name] - c.values[measure][0]).dropna()
-            res = _interval(gain.to_numpy(float), clusters.loc[gain.index].to_numpy(), alpha,
-                            m_gain, power)  # fmt: skip
-            gains.append({**row, **res, "gain": float(gain.mean())})
+            res = _compared(at[name], c.values[measure][0], clusters, alpha, m_gain, power)
+            gains.append({**row, **res, "gain": res.pop("diff")})
         combos = list(itertools.combinations(reach, 2))
         for a, v in combos:
-            diff = (at[a] - at[v]).dropna()
-            res = _interval(diff.to_numpy(float), clusters.loc[diff.index].to_numpy(), alpha,
-                            len(combos), power)  # fmt: skip
-            pairs.append({"budget": float(b), "measure": measure, "policy": a, "versus": v,
-                          **res, "diff": float(diff.mean())})  # fmt: skip
+            res = _compared(at[a], at[v], clusters, alpha, len(combos), power)
+            pairs.append({"budget": float(b), "measure": measure, "policy": a, "versus": v, **res})
     return (pd.DataFrame(pairs, columns=PAIR_COLUMNS),
             pd.DataFrame(gains).reindex(columns=GAIN_COLUMNS))  # fmt: skip
 
