@@ -7,7 +7,6 @@ run's null read against it. The words are the author's, in `reports/templates/co
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Any
 
 import pandas as pd
@@ -15,20 +14,10 @@ import pandas as pd
 from rlxf_utils.artifacts import RunDir
 from rlxf_utils.markdown import is_present
 from rlxf_utils.report.evaluation import table_note
-from rlxf_utils.report.gold import CONTROL_RUN
+from rlxf_utils.report.gold import control_run
 from rlxf_utils.report.wording import sentence, table
 
 STAGE = "notebook 04_evaluation"
-
-
-def control_run(run: RunDir) -> RunDir | None:
-    """The finished control run beside `run` (its evaluation written), None where there is none
-    or `run` is itself the control."""
-    path = Path(run.root).parent / CONTROL_RUN
-    if Path(run.root).resolve() == path.resolve():
-        return None
-    ctl = RunDir(path)
-    return ctl if ctl.exists("tables/eval_control.csv") else None
 
 
 def _finite(x: Any) -> float | None:
@@ -56,12 +45,8 @@ def main_audit_bound(run: RunDir) -> dict[str, Any] | None:
             "any_above": any(lo > 0 for lo in lows)}  # fmt: skip
 
 
-def control_context(run: RunDir) -> dict[str, Any] | None:
-    """What `control.jinja` reads; None where no control run sits beside `run`."""
-    ctl = control_run(run)
-    if ctl is None:
-        return None
-    t = ctl.read_table("eval_control", STAGE)
+def control_context(run: RunDir, ctl: RunDir, t: pd.DataFrame) -> dict[str, Any]:
+    """What `control.jinja` reads of the control run `ctl` beside `run` and its table `t`."""
     summary = ctl.read_json("eval/summary.json", STAGE)
     planted = (
         ctl.read_json("data/planted.json", "notebook 01_data")
@@ -88,12 +73,10 @@ def control_context(run: RunDir) -> dict[str, Any] | None:
 
 def control_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
     """The variable `sentence` and the table `eval_control.md` (a note without a control run)."""
-    ctx = control_context(run)
-    text = sentence("control", "control_sentence", ctx)
-    if ctx is None:
-        return {"sentence": text}, {"eval_control.md": table_note("no control run beside this run")}
     ctl = control_run(run)
-    assert ctl is not None
-    return {"sentence": text}, {
-        "eval_control.md": table("eval_control", ctl.read_table("eval_control", STAGE))
-    }
+    if ctl is None:
+        text = sentence("control", "control_sentence", None)
+        return {"sentence": text}, {"eval_control.md": table_note("no control run beside this run")}
+    t = ctl.read_table("eval_control", STAGE)
+    text = sentence("control", "control_sentence", control_context(run, ctl, t))
+    return {"sentence": text}, {"eval_control.md": table("eval_control", t)}

@@ -10,9 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import pandas as pd
-
 from rlxf_utils.artifacts import RunDir
+from rlxf_utils.evaluation.control import detected
 from rlxf_utils.markdown import is_present
 from rlxf_utils.stats import level
 
@@ -49,24 +48,33 @@ def gold_auc(run: RunDir) -> dict[str, Any] | None:
 CONTROL_RUN = "control"
 
 
-def control_audit(run: RunDir) -> dict[str, Any] | None:
-    """What the positive control beside `run` (`runs/control`, its `eval_control` table) shows of
-    the audit on generated text: `methods` compared with the truth P*, `matched` (how many of its
-    verdicts are the truth's), `detected` (the smallest true gain it put above zero, or None) and
-    `sees` (it put some true gain above zero and matched the truth every time: then its verdicts
-    on this run are read as a judge's, whatever its AUC on human rows). None without a control."""
+def control_run(run: RunDir) -> RunDir | None:
+    """The finished positive control beside `run` (`CONTROL_RUN`, its `eval_control` written),
+    None where there is none or `run` is itself the control."""
     path = Path(run.root).parent / CONTROL_RUN
-    table = path / "tables" / "eval_control.csv"
-    if Path(run.root).resolve() == path.resolve() or not table.is_file():
+    if Path(run.root).resolve() == path.resolve():
         return None
-    t = pd.read_csv(table)
+    ctl = RunDir(path)
+    return ctl if ctl.exists("tables/eval_control.csv") else None
+
+
+def control_audit(run: RunDir) -> dict[str, Any] | None:
+    """What the positive control beside `run` (`control_run`, its `eval_control` table) shows of
+    the audit on generated text: `methods` compared with the truth P*, `matched` (how many of its
+    verdicts are the truth's), `detected` (the smallest true gain it put above zero, or None:
+    `evaluation.control.detected`) and `sees` (it put some true gain above zero and matched the
+    truth every time: then its verdicts on this run are read as a judge's, whatever its AUC on
+    human rows). None without a control."""
+    ctl = control_run(run)
+    if ctl is None:
+        return None
+    t = ctl.read_table("eval_control", "notebook 04_evaluation")
     if t.empty:
         return None
     matched = int(t["audit_matches"].astype(str).str.lower().eq("true").sum())
-    hit = t.loc[t["audit_verdict"] == "above", "true_gain"].dropna()
-    detected = float(hit.min()) if len(hit) else None
-    return {"methods": len(t), "matched": matched, "detected": detected,
-            "sees": detected is not None and matched == len(t)}  # fmt: skip
+    found = detected(t, "audit")
+    return {"methods": len(t), "matched": matched, "detected": found,
+            "sees": found is not None and matched == len(t)}  # fmt: skip
 
 
 def gold_cannot_judge(gold: dict[str, Any] | None, low: Any, high: Any) -> bool:
