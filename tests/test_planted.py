@@ -44,7 +44,7 @@ def test_a_row_keeps_its_label_whatever_rows_are_read():
     assert np.array_equal(row_uniforms(ids[50:], 7), u[50:])
     assert not np.array_equal(row_uniforms(ids, 8), u)
     texts = ["Raise the VAT rate to 18 percent by end-June 2025."] * 200
-    y = planted_labels(texts, ids, RULE)
+    y = planted_labels(planted_probability(texts, RULE), ids, RULE.seed)
     assert abs(y.mean() - planted_probability(texts[:1], RULE)[0]) < 0.1
 
 

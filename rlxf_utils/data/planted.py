@@ -83,9 +83,10 @@ def row_uniforms(row_ids: Sequence[Any], seed: int) -> np.ndarray:
     return np.asarray(out, dtype=float)
 
 
-def planted_labels(texts: Sequence[str], row_ids: Sequence[Any], rule: Any) -> np.ndarray:
-    """Labels drawn from P*: 1 where the row's uniform number (`row_uniforms`) is below its P*."""
-    return (row_uniforms(row_ids, rule.seed) < planted_probability(texts, rule)).astype(int)
+def planted_labels(p: Any, row_ids: Sequence[Any], seed: int) -> np.ndarray:
+    """Labels drawn from P* (`p`, per row: `planted_probability`): 1 where the row's uniform
+    number (`row_uniforms`) is below its P*."""
+    return (row_uniforms(row_ids, seed) < np.asarray(p, dtype=float)).astype(int)
 
 
 def expected_auc(p: Any, score: Any) -> float:
@@ -110,7 +111,7 @@ def plant(conditions: pd.DataFrame, rule: Any) -> pd.DataFrame:
     out = conditions.copy()
     out["y_observed"], out["label_observed"] = out["y"], out["label"]
     p = planted_probability(out["description"].astype(str).tolist(), rule)
-    y = planted_labels(out["description"].astype(str).tolist(), out["row_id"].tolist(), rule)
+    y = planted_labels(p, out["row_id"].tolist(), rule.seed)
     assessed = out["label"].ne("excluded").to_numpy()
     out["planted_p"] = p
     out["y"] = pd.array(np.where(assessed, y, pd.NA), dtype="Int8")
@@ -124,10 +125,10 @@ def planted_summary(
     """What the control's labels are: the rule (its numbers), the mean P*, the planted MET share,
     how often a planted label agrees with the real one, and the rule's expected AUC (on every
     labelled row and on `held_out_rows`, the rows of arrangements no model trains on)."""
-    held = labelled[labelled["row_id"].isin(set(held_out_rows))]
-    score = planted_score(labelled["description"].astype(str).tolist(), rule)
-    held_score = planted_score(held["description"].astype(str).tolist(), rule)
-    feats = planted_features(labelled["description"].astype(str).tolist())
+    held = labelled["row_id"].isin(set(held_out_rows)).to_numpy()
+    texts = labelled["description"].astype(str).tolist()
+    score, p = planted_score(texts, rule), labelled["planted_p"].to_numpy(float)
+    feats = planted_features(texts)
     return {
         "rule": rule.model_dump(),
         "rows": len(labelled),
@@ -136,10 +137,8 @@ def planted_summary(
         "agrees_with_observed": float(
             (labelled["y"].astype(int) == labelled["y_observed"].astype(int)).mean()
         ),
-        "expected_auc": expected_auc(labelled["planted_p"].to_numpy(float), score),
-        "held_out_rows": len(held),
-        "held_out_expected_auc": expected_auc(held["planted_p"].to_numpy(float), held_score)
-        if len(held)
-        else math.nan,
+        "expected_auc": expected_auc(p, score),
+        "held_out_rows": int(held.sum()),
+        "held_out_expected_auc": expected_auc(p[held], score[held]) if held.any() else math.nan,
         "feature_shares": {k: float(v) for k, v in feats[list(FEATURES)].mean().items()},
     }
