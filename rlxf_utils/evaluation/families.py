@@ -310,7 +310,7 @@ def kl_budget_family(ev: Evaluation) -> Measured:
                                inp.curve_ns)  # fmt: skip
         pairs, gains = budget_comparisons(curves, ec.kl_budgets, inp.country, ec.alpha, ec.power)
         reach = budget_reach(gains, pairs)
-    labels = {m: algorithm_label(m) if m != "best_of_n" else "best-of-N" for m in curves}
+    labels = {m: algorithm_label(m) for m in curves}  # best-of-N has its label too
     figures = {"eval_kl_budgets": plot_budget_gains(gains, inp.start, labels)} if len(gains) else {}
     entries = {"kl_budgets": list(ec.kl_budgets), "kl_budget_reach": reach.to_dict("records"),
                "headline": ec.headline.model_dump()}  # fmt: skip
