@@ -297,6 +297,7 @@ def _overopt() -> dict[str, tuple[str, list]]:
         "budgets: no run of them": ("budget_sentence", [None]),
         "budgets: one reached by all, one by one method, one told apart": ("budget_sentence", [
             _budget_context()]),
+        "budgets: none distinguishable": ("budget_sentence", [_budget_context(distinct=False)]),
         "distinct share": ("distinct_sentence", [{"candidates": 4.0, "distinct": 0.95,
                                                   "fraction": 0.987}]),
         "distinct share not recorded": ("distinct_sentence", [{"candidates": 0, "distinct": None,
@@ -304,7 +305,7 @@ def _overopt() -> dict[str, tuple[str, list]]:
     }  # fmt: skip
 
 
-def _budget_context() -> dict[str, Any]:
+def _budget_context(distinct: bool = True) -> dict[str, Any]:
     """`overopt.budget_context` on a run with three methods: at 1 nat all reach and one pair is
     told apart under the reward model, none under the audit; at 4 nats only PPO reaches."""
     from rlxf_utils.artifacts import RunDir
@@ -322,6 +323,9 @@ def _budget_context() -> dict[str, Any]:
     with __import__("tempfile").TemporaryDirectory() as tmp:
         run = RunDir(Path(tmp))
         run.write_table("eval_kl_budget_gains", gains)
+        run.write_table("eval_kl_budget_pairs", pairs)
+        if not distinct:  # every pair's interval holds zero
+            pairs = pairs.assign(low=pairs["diff"] - 0.05, high=pairs["diff"] + 0.05)
         run.write_table("eval_kl_budget_pairs", pairs)
         return budget_context(run, "notebook 04_evaluation")
 
