@@ -18,7 +18,13 @@ from rlxf_utils.data.planted import (
     planted_probability,
     row_uniforms,
 )
-from rlxf_utils.evaluation.control import CONTROL_COLUMNS, control_table, detected
+from rlxf_utils.evaluation.control import (
+    CONTROL_COLUMNS,
+    control_table,
+    detected,
+    judge_scale,
+    registered,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 RULE = load_config(ROOT / "params" / "control.yaml").data.planted
@@ -111,6 +117,13 @@ def test_each_judge_is_read_against_the_truth():
     assert t.loc["flat", "audit_matches"]
     assert detected(t.reset_index(), "audit") == pytest.approx(t.loc["up", "true_gain"])
     assert detected(t.reset_index(), "reward") == pytest.approx(t["true_gain"].min())
+    # the audit reads the gain it detected on its own scale: about half of it here
+    assert registered(t.reset_index(), "audit") == pytest.approx(t.loc["up", "audit_gain"])
+    assert registered(t.reset_index(), "reward") == pytest.approx(t["reward_gain"].min())
+    assert judge_scale(t.reset_index(), "audit") == pytest.approx(0.5, abs=0.05)
+    assert judge_scale(t.reset_index(), "reward") == pytest.approx(1.0, abs=0.05)
+    none = t.reset_index().assign(audit_verdict="not distinguishable", true_verdict="below")
+    assert registered(none, "audit") is None and judge_scale(none, "audit") is None
     # a run on MONA's own labels has no truth: no table
     assert control_table(_control_samples().drop(columns="planted"), ["up"], "sft", 0.05).empty
 

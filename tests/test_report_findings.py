@@ -348,7 +348,9 @@ def _control_cases() -> dict[str, tuple[str, list]]:
             row("grpo", (0.01, -0.01, 0.03, null), (0.05, 0.02, 0.08, up), (0.0, -0.02, 0.02, null))]  # fmt: skip
     base = {"rows": rows, "auc": 0.748, "auc_all": 0.75, "held_out": 1130, "agrees": 0.61,
             "detected_audit": 0.04, "detected_reward": 0.01, "largest_true": 0.04, "commit": "abc1234",
-            "true_above": [0.04],
+            "true_above": [0.04], "seen_audit": 0.03, "scale_audit": 0.75,
+            "audit_auc": {"control": {"auc": 0.644, "low": 0.613, "high": 0.674, "level": "95%"},
+                          "main": {"auc": 0.541, "low": 0.49, "high": 0.59, "level": "95%"}},
             "main": {"bound": 0.021, "methods": 13, "any_above": False}}  # fmt: skip
     return {
         "control: none beside the run": ("control_sentence", [None]),
@@ -359,7 +361,13 @@ def _control_cases() -> dict[str, tuple[str, list]]:
         ),
         "control: seen, and the main study saw one": (
             "control_sentence",
-            [{**base, "main": {"bound": 0.06, "methods": 13, "any_above": True}}],
+            [
+                {
+                    **base,
+                    "main": {"bound": 0.06, "methods": 13, "any_above": True},
+                    "audit_auc": None,
+                }
+            ],
         ),
         "control: a true gain the audit missed": (
             "control_sentence",

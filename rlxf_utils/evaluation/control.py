@@ -7,6 +7,11 @@ and under each judge, on the same prompts, each with the cluster t interval over
 (`stats.paired_comparison`) at the family's simultaneous level (`stats.family_alpha`, the level
 of every gain in the tables), and whether each judge's verdict (above, below, not distinguishable) is the truth's. `detected`: the
 smallest true gain among the methods whose gain a judge's interval puts above zero.
+
+A judge is a different model from P*, so it reads a gain on its own scale: a true gain of 0.1 in
+P* may show as 0.02 under a judge that puts it above zero. What this run's null can be compared
+with is therefore the judge's own estimate of the gains it detected (`registered`), and how much
+of a true gain the judge registers (`judge_scale`), never the true gain itself.
 """
 
 from __future__ import annotations
@@ -66,6 +71,30 @@ def detected(table: pd.DataFrame, judge: str) -> float | None:
     above zero, None where it puts none there."""
     if table.empty:
         return None
-    hit = table[table[f"{judge}_verdict"] == bound_verdict(1.0, 2.0)]
-    gains = [g for g in hit["true_gain"] if is_present(g)]
+    gains = [g for g in _above(table, judge)["true_gain"] if is_present(g)]
     return float(min(gains)) if gains else None
+
+
+def _above(table: pd.DataFrame, key: str) -> pd.DataFrame:
+    return table[table[f"{key}_verdict"] == bound_verdict(1.0, 2.0)]
+
+
+def registered(table: pd.DataFrame, judge: str) -> float | None:
+    """The smallest of `judge`'s own estimates among the methods it puts above zero: the size, on
+    the judge's scale, of the smallest gain it detected; None where it puts none there."""
+    if table.empty:
+        return None
+    gains = [g for g in _above(table, judge)[f"{judge}_gain"] if is_present(g)]
+    return float(min(gains)) if gains else None
+
+
+def judge_scale(table: pd.DataFrame, judge: str) -> float | None:
+    """How much of a true gain `judge` registers: the sum of its estimates over the sum of the
+    true gains, over the methods whose true gain lies above zero; None where none does."""
+    if table.empty:
+        return None
+    hit = _above(table, "true")
+    pairs = [(t, j) for t, j in zip(hit["true_gain"], hit[f"{judge}_gain"], strict=True)
+             if is_present(t) and is_present(j)]  # fmt: skip
+    total = sum(t for t, _ in pairs)
+    return float(sum(j for _, j in pairs) / total) if pairs and total > 0 else None

@@ -12,9 +12,10 @@ from typing import Any
 import pandas as pd
 
 from rlxf_utils.artifacts import RunDir
+from rlxf_utils.evaluation.control import detected, judge_scale, registered
 from rlxf_utils.markdown import is_present
 from rlxf_utils.report.evaluation import table_note
-from rlxf_utils.report.gold import control_run
+from rlxf_utils.report.gold import control_run, gold_auc
 from rlxf_utils.report.wording import sentence, table
 
 STAGE = "notebook 04_evaluation"
@@ -47,7 +48,6 @@ def main_audit_bound(run: RunDir) -> dict[str, Any] | None:
 
 def control_context(run: RunDir, ctl: RunDir, t: pd.DataFrame) -> dict[str, Any]:
     """What `control.jinja` reads of the control run `ctl` beside `run` and its table `t`."""
-    summary = ctl.read_json("eval/summary.json", STAGE)
     planted = (
         ctl.read_json("data/planted.json", "notebook 01_data")
         if ctl.exists("data/planted.json")
@@ -58,12 +58,14 @@ def control_context(run: RunDir, ctl: RunDir, t: pd.DataFrame) -> dict[str, Any]
                     "verdict": r[f"{k}_verdict"]} for k in ("true", "reward", "audit")},
              "reward_matches": r["reward_matches"], "audit_matches": r["audit_matches"]}
             for r in t.to_dict("records")]  # fmt: skip
-    found = summary.get("control", {})
+    audit_auc = {name: ({k: g[k] for k in ("auc", "low", "high", "level")} if g else None)
+                 for name, g in (("control", gold_auc(ctl)), ("main", gold_auc(run)))}  # fmt: skip
     return {"rows": rows, "auc": _finite(planted.get("held_out_expected_auc")),
             "auc_all": _finite(planted.get("expected_auc")),
             "held_out": planted.get("held_out_rows"), "agrees": _finite(planted.get("agrees_with_observed")),
-            "detected_audit": _finite(found.get("detected_audit")),
-            "detected_reward": _finite(found.get("detected_reward")),
+            "detected_audit": detected(t, "audit"), "detected_reward": detected(t, "reward"),
+            "seen_audit": registered(t, "audit"), "scale_audit": judge_scale(t, "audit"),
+            "audit_auc": audit_auc,
             "largest_true": max((r["true"]["est"] for r in rows if _finite(r["true"]["est"]) is not None),
                                 default=None),
             "true_above": sorted(float(r["true"]["est"]) for r in rows if r["true"]["verdict"] == "above"),
