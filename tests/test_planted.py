@@ -11,6 +11,7 @@ import pytest
 
 from rlxf_utils.config import load_config
 from rlxf_utils.data.planted import (
+    FEATURES,
     expected_auc,
     plant,
     planted_features,
@@ -20,6 +21,7 @@ from rlxf_utils.data.planted import (
 )
 from rlxf_utils.evaluation.control import (
     CONTROL_COLUMNS,
+    control_features,
     control_table,
     detected,
     judge_scale,
@@ -165,3 +167,20 @@ def test_the_gold_gate_reads_the_control_beside_a_run(tmp_path):
     ctl.write_table("eval_control", t.assign(audit_matches=[True, False]))
     assert not control_audit(main)["sees"]
     assert control_audit(ctl) is None  # the control itself has no control beside it
+
+
+def test_the_control_shows_what_each_method_changed_in_its_answers():
+    samples = pd.DataFrame({
+        "policy": ["sft", "sft", "short", "short", "other"],
+        "response": ["Raise revenue by 2 percent by end-June through the ministry of finance",
+                     "Reform the tax code", "Cut 5 percent", "Audit", "x"],
+        "planted": [0.5, 0.6, 0.8, 0.7, 0.1],
+    })  # fmt: skip
+    t = control_features(samples, ["sft", "short", "absent"]).set_index("policy")
+    assert list(t.reset_index().columns) == ["policy", "responses", "words", *FEATURES, "planted"]
+    assert list(t.index) == ["sft", "short"]  # the order given, a policy without samples left out
+    assert t.loc["sft", "words"] == pytest.approx((12 + 4) / 2)
+    assert t.loc["sft", "quantified"] == 0.5 and t.loc["sft", "deadline"] == 0.5
+    assert t.loc["sft", "institution"] == 0.5 and t.loc["short", "institution"] == 0.0
+    assert t.loc["short", "quantified"] == 0.5 and t.loc["short", "words"] == 2.0
+    assert t.loc["short", "planted"] == pytest.approx(0.75)

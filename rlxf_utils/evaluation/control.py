@@ -22,6 +22,7 @@ from typing import Any
 
 import pandas as pd
 
+from rlxf_utils.data.planted import FEATURES, planted_features
 from rlxf_utils.markdown import is_present
 from rlxf_utils.stats import bound_verdict, family_alpha, paired_comparison, per_prompt_means
 
@@ -98,3 +99,25 @@ def judge_scale(table: pd.DataFrame, judge: str) -> float | None:
              if is_present(t) and is_present(j)]  # fmt: skip
     total = sum(t for t, _ in pairs)
     return float(sum(j for _, j in pairs) / total) if pairs and total > 0 else None
+
+
+#: The columns of `control_features`.
+FEATURE_COLUMNS = ["policy", "responses", "words", *FEATURES, "planted"]
+
+
+def control_features(samples: pd.DataFrame, policies: Sequence[str]) -> pd.DataFrame:
+    """Where each policy of `policies` (those in `samples`, in that order) stands on P*'s
+    properties: its responses' mean length in words (`words`), the share of them with each of
+    `data.planted.FEATURES`, and their mean P* (`planted`, under the cut rule): what a method
+    changed in its answers to move the truth."""
+    rows = []
+    for policy in policies:
+        s = samples[samples["policy"] == policy]
+        if s.empty:
+            continue
+        f = planted_features(s["response"].tolist())
+        words = [max(len(str(t).split()), 1) for t in s["response"]]
+        rows.append({"policy": policy, "responses": len(s), "words": float(sum(words) / len(words)),
+                     **{k: float(f[k].mean()) for k in FEATURES},
+                     "planted": float(s["planted"].mean()) if "planted" in s else math.nan})  # fmt: skip
+    return pd.DataFrame(rows, columns=FEATURE_COLUMNS)

@@ -12,7 +12,7 @@ from typing import Any
 import pandas as pd
 
 from rlxf_utils.artifacts import RunDir
-from rlxf_utils.evaluation.control import detected, judge_scale, registered
+from rlxf_utils.evaluation.control import control_features, detected, judge_scale, registered
 from rlxf_utils.markdown import is_present
 from rlxf_utils.report.evaluation import table_note
 from rlxf_utils.report.gold import control_run, gold_auc
@@ -78,7 +78,18 @@ def control_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
     ctl = control_run(run)
     if ctl is None:
         text = sentence("control", "control_sentence", None)
-        return {"sentence": text}, {"eval_control.md": table_note("no control run beside this run")}
+        note = table_note("no control run beside this run")
+        return {"sentence": text}, {"eval_control.md": note, "eval_control_features.md": note}
     t = ctl.read_table("eval_control", STAGE)
     text = sentence("control", "control_sentence", control_context(run, ctl, t))
-    return {"sentence": text}, {"eval_control.md": table("eval_control", t)}
+    return {"sentence": text}, {"eval_control.md": table("eval_control", t),
+                                "eval_control_features.md": table("eval_control_features",
+                                                                  features(ctl, t))}  # fmt: skip
+
+
+def features(ctl: RunDir, t: pd.DataFrame) -> pd.DataFrame:
+    """`evaluation.control.control_features` of the control's recorded samples: its start policy
+    and each method of `t`."""
+    start = ctl.read_json("eval/summary.json", STAGE).get("start_policy", "sft")
+    samples = ctl.read_parquet("eval/samples.parquet")
+    return control_features(samples, [start, *t["policy"]])
