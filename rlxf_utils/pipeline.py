@@ -130,6 +130,31 @@ def _git(*args: str) -> str | None:
     return res.stdout.strip() if res.returncode == 0 else None
 
 
+#: The CPU flags that decide the study's precision and speed (`docs/measurements.md`).
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+
+
+def cpu_model(cpuinfo: str | None = None) -> str | None:
+    """The CPU as a reader names it: /proc/cpuinfo's model name, family and model, and which of
+    `CPU_FLAGS` it has, e.g. 'AMD EPYC (family 25, model 17; avx2, avx512f, avx512_bf16)'; None
+    where the file is not there (not Linux)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return None
+    first = cpuinfo.split("\n\n", 1)[0]
+    fields = {k.strip(): v.strip() for k, _, v in (ln.partition(":") for ln in first.splitlines())}
+    name = fields.get("model name")
+    if not name:
+        return None
+    flags = set(fields.get("flags", "").split())
+    has = ", ".join(f for f in CPU_FLAGS if f in flags) or "none of " + ", ".join(CPU_FLAGS)
+    where = ", ".join(f"{k} {fields[k]}" for k in ("cpu family", "model") if k in fields)
+    where = where.replace("cpu family", "family")
+    return f"{name} ({where}; {has})" if where else f"{name} ({has})"
+
+
 def environment_info() -> dict[str, Any]:
     """Versions, platform and hardware: what a reviewer needs to judge a rerun's numbers."""
     versions = {}
@@ -143,6 +168,7 @@ def environment_info() -> dict[str, Any]:
         "platform": platform.platform(),
         "machine": platform.machine(),
         "cpu_count": os.cpu_count(),
+        "cpu": cpu_model(),
         "packages": versions,
     }
     try:

@@ -150,3 +150,25 @@ def test_the_command_writes_them_and_a_readme_without_the_section_is_refused(
     (checkout / "README.md").write_text("# P\n\nno section\n")
     with pytest.raises(ReadmeError, match="README.md: no results section"):
         write_readme_results(run, checkout)
+
+
+def test_a_run_that_named_its_cpu_is_stamped_with_it(tmp_path: Path, checkout: Path) -> None:
+    from rlxf_utils.pipeline import cpu_model
+
+    info = ("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\n"
+            "model name\t: AMD EPYC\nflags\t\t: fpu sse avx2 avx512f avx512_bf16\n\n"
+            "processor\t: 1\nmodel name\t: other\n")  # fmt: skip
+    assert cpu_model(info) == "AMD EPYC (family 25, model 17; avx2, avx512f, avx512_bf16)"
+    assert cpu_model("processor\t: 0\nmodel name\t: Old\nflags\t\t: sse\n") == (
+        "Old (none of avx2, avx512f, avx512_bf16, amx_bf16)"
+    )
+    assert cpu_model("processor\t: 0\n") is None  # no model name: not a guess
+    run = fake_run(tmp_path)
+    manifest = json.loads((run / "manifest.json").read_text(encoding="utf-8"))
+    manifest["environment"]["cpu"] = cpu_model(info)
+    (run / "manifest.json").write_text(json.dumps(manifest), encoding="utf-8")
+    stamp = write_readme_results(run, checkout).stamp
+    assert stamp["machine"] == (
+        "AMD EPYC (family 25, model 17; avx2, avx512f, avx512_bf16), 2 CPUs, native bf16, "
+        "23.5 GiB memory, no GPU"
+    )

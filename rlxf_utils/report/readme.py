@@ -62,16 +62,18 @@ class ReadmeError(ValueError):
 
 
 def _machine(env: dict[str, Any]) -> str:
-    """What the run recorded about its machine; the CPU's model is not among it."""
+    """What the run recorded about its machine (a run before the manifest named its CPU says so)."""
     if not env:
         return "not recorded"
     bf16 = {True: "native bf16", False: "no native bf16 (fp32)"}.get(env.get("native_bf16"))
     cpus = f"{env['cpu_count']} CPUs" if env.get("cpu_count") else None
     gpus = ", ".join(env.get("gpus") or []) or ("no GPU" if env.get("cuda") is False else None)
     memory = f"{env['memory_gib']} GiB memory" if env.get("memory_gib") else None
-    bits = [env.get("machine"), cpus, bf16, memory, gpus]
+    bits = [env.get("cpu") or env.get("machine"), cpus, bf16, memory, gpus]
     said = ", ".join(str(b) for b in bits if b)
-    return f"{said} (CPU model not recorded)" if said else "not recorded"
+    if said and not env.get("cpu"):
+        said += " (CPU model not recorded)"
+    return said or "not recorded"
 
 
 def run_stamp(run_dir: str | Path) -> dict[str, Any]:
