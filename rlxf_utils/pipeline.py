@@ -150,8 +150,8 @@ def cpu_model(cpuinfo: str | None = None) -> str | None:
         return None
     flags = set(fields.get("flags", "").split())
     has = ", ".join(f for f in CPU_FLAGS if f in flags) or "none of " + ", ".join(CPU_FLAGS)
-    where = ", ".join(f"{k} {fields[k]}" for k in ("cpu family", "model") if k in fields)
-    where = where.replace("cpu family", "family")
+    where = ", ".join(f"{said} {fields[k]}" for k, said in (("cpu family", "family"), ("model", "model"))
+                      if k in fields)  # fmt: skip
     return f"{name} ({where}; {has})" if where else f"{name} ({has})"
 
 

@@ -20,6 +20,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from rlxf_utils.data.planted import FEATURES, planted_features
@@ -70,23 +71,25 @@ def control_table(samples: pd.DataFrame, family: Sequence[str], start: str,
 def detected(table: pd.DataFrame, judge: str) -> float | None:
     """The smallest true gain among the methods whose gain `judge` ('reward', 'audit') puts
     above zero, None where it puts none there."""
-    if table.empty:
-        return None
-    gains = [g for g in _above(table, judge)["true_gain"] if is_present(g)]
-    return float(min(gains)) if gains else None
+    return _smallest_above(table, judge, "true_gain")
 
 
 def _above(table: pd.DataFrame, key: str) -> pd.DataFrame:
     return table[table[f"{key}_verdict"] == bound_verdict(1.0, 2.0)]
 
 
+def _smallest_above(table: pd.DataFrame, judge: str, column: str) -> float | None:
+    """The smallest `column` among the methods `judge` puts above zero, None where it puts none."""
+    if table.empty:
+        return None
+    values = [v for v in _above(table, judge)[column] if is_present(v)]
+    return float(min(values)) if values else None
+
+
 def registered(table: pd.DataFrame, judge: str) -> float | None:
     """The smallest of `judge`'s own estimates among the methods it puts above zero: the size, on
     the judge's scale, of the smallest gain it detected; None where it puts none there."""
-    if table.empty:
-        return None
-    gains = [g for g in _above(table, judge)[f"{judge}_gain"] if is_present(g)]
-    return float(min(gains)) if gains else None
+    return _smallest_above(table, judge, f"{judge}_gain")
 
 
 def judge_scale(table: pd.DataFrame, judge: str) -> float | None:
@@ -115,9 +118,9 @@ def control_features(samples: pd.DataFrame, policies: Sequence[str]) -> pd.DataF
         s = samples[samples["policy"] == policy]
         if s.empty:
             continue
-        f = planted_features(s["response"].tolist())
-        words = [max(len(str(t).split()), 1) for t in s["response"]]
-        rows.append({"policy": policy, "responses": len(s), "words": float(sum(words) / len(words)),
+        f = planted_features(s["response"].tolist())  # words: the rule's own count, exp(log_words)
+        rows.append({"policy": policy, "responses": len(s),
+                     "words": float(np.rint(np.exp(f["log_words"])).mean()),
                      **{k: float(f[k].mean()) for k in FEATURES},
                      "planted": float(s["planted"].mean()) if "planted" in s else math.nan})  # fmt: skip
     return pd.DataFrame(rows, columns=FEATURE_COLUMNS)

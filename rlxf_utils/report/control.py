@@ -74,7 +74,8 @@ def control_context(run: RunDir, ctl: RunDir, t: pd.DataFrame) -> dict[str, Any]
 
 
 def control_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
-    """The variable `sentence` and the table `eval_control.md` (a note without a control run)."""
+    """The variable `sentence` and the tables `eval_control.md` and `eval_control_features.md`
+    (a note in each without a control run)."""
     ctl = control_run(run)
     if ctl is None:
         text = sentence("control", "control_sentence", None)
