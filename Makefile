@@ -31,7 +31,7 @@ $(STAMP): pyproject.toml requirements-models.txt
 ## The main job: the positive control (runs/control/), every notebook with params/default.yaml, then
 ## the report; outputs in runs/default/.
 study: $(STAMP)
-	$(if $(CONTROL),$(BIN)/rlxf run --params $(CONTROL) --run-dir $(dir $(RUN_PATH))control --only $(CONTROL_ONLY))
+	$(if $(CONTROL),$(BIN)/rlxf run --params $(CONTROL) --run-dir $(dir $(RUN_PATH))control --only $(CONTROL_ONLY) --skip-fresh)
 	$(BIN)/rlxf run --params $(PARAMS) $(if $(RUN_DIR),--run-dir $(RUN_DIR))
 	$(BIN)/rlxf report --run-dir $(RUN_PATH)
 	$(BIN)/rlxf publish --run-dir $(RUN_PATH)

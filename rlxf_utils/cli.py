@@ -35,7 +35,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     try:
         run_dir = run_study(
             args.params, args.run_dir, only=only, progress=not args.quiet, force=args.force,
-            from_=args.from_,
+            from_=args.from_, force_only=not args.skip_fresh,
         )  # fmt: skip
     except (ConfigError, ValueError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -168,6 +168,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--params", required=True, help="parameters file, e.g. params/default.yaml")
     r.add_argument("--run-dir", default=None, help="output folder (default runs/<run.name>)")
     r.add_argument("--only", default=None, help="comma-separated notebook numbers, e.g. 01,02")
+    r.add_argument(
+        "--skip-fresh", action="store_true",
+        help="with --only: skip each named notebook that is up to date (make study's control)",
+    )  # fmt: skip
     r.add_argument("--quiet", action="store_true", help="no per-cell progress bar")
     r.add_argument(
         "--force", action="store_true", help="rerun every notebook, even those up to date"

@@ -402,6 +402,11 @@ def _run_locked(cfg: Any, run: RunDir, notebooks: list[Path], numbers: list[str]
         clear_record(run, nb.stem)
         print(f"[{i}/{total}] {nb.stem}  ->  {out}", flush=True)
         started = dt.datetime.now(dt.UTC)
+        # a run killed from outside (a closed terminal, a session's end) records nothing after
+        # this: the manifest says "running", never the "ok" of the copy papermill overwrites
+        record([NotebookResult(name=nb.stem, status="running",
+                               started=started.isoformat(timespec="seconds"), ended="",
+                               seconds=0.0, output=str(out))])  # fmt: skip
         t0 = time.perf_counter()
         error = None
         try:

@@ -133,6 +133,10 @@ def test_runner_skips_what_is_up_to_date_and_reruns_what_changed(tmp_path: Path)
     (run_dir / "fail").unlink()
     assert run() == ["02", "03"]
     assert run(from_="03") == ["03"] and run(force=True) == ["01", "02", "03"]
+    # --only forces the named notebooks; with --skip-fresh (make study's control) they resume
+    assert run(only=["02"]) == ["02"] and run(only=["01", "02"], force_only=False) == []
+    (run_dir / "b" / "y.txt").write_text("tampered")
+    assert run(only=["01", "02"], force_only=False) == ["02"]
     with pytest.raises(ValueError, match="--from 7"):
         run(from_="7")
 

@@ -180,7 +180,8 @@ def test_a_relative_run_dir_reaches_the_kernels_as_absolute_paths(
     report_line = next(line for line in make if " report --run-dir " in line)
     assert run_line.endswith("--run-dir runs/x") and report_line.endswith("report --run-dir runs/x")
     # the positive control beside the run, where its report looks for it
-    assert "--run-dir runs/control --only 01,02,03,04" in control
+    # ... resumed as the run is: a rerun of `make study` skips the control's finished notebooks
+    assert "--run-dir runs/control --only 01,02,03,04 --skip-fresh" in control
     # without RUN_DIR the report's folder is the profile's resolved run.name (smoke extends default)
     make = subprocess.run(["make", "--no-print-directory", "-n", "study", "PARAMS=params/smoke.yaml"],
                           cwd=ROOT, text=True, capture_output=True, check=True,
@@ -210,6 +211,47 @@ def test_ctrl_c_prints_one_line_exits_130_and_the_manifest_says_interrupted(
     assert entry["name"] == Path(fake_kernel[0]["path"]).stem and entry["status"] == "interrupted"
     with run_lock(run_dir):  # released
         pass
+
+
+def test_a_notebook_killed_mid_run_is_running_in_the_manifest_never_its_old_ok(
+    tmp_path: Path, monkeypatch, fake_kernel
+) -> None:
+    """A run killed from outside (no Ctrl-C, nothing recorded after) over a finished one: the
+    manifest names the notebook "running", so the report and README refuse the run."""
+    import papermill
+
+    run_dir = tmp_path / "r"
+    write_manifest(RunDir(run_dir), load_config(SMOKE), [pipeline_result("01_data_exploration")])
+    seen: list[dict] = []
+
+    def killed(path, out, **kw):
+        seen.append(json.loads((run_dir / "manifest.json").read_text()))
+        raise OSError("killed")  # stands in for SIGKILL: nothing after the call runs
+
+    monkeypatch.setattr(papermill, "execute_notebook", killed)
+    with pytest.raises(OSError):
+        run_study(SMOKE, run_dir, progress=False, force=True)
+    (entry,) = json.loads((run_dir / "manifest.json").read_text())["notebooks"]
+    assert entry["name"] == "01_data_exploration" and entry["status"] == "running"
+    assert entry["started"] and not entry["ended"] and seen[0]["notebooks"] == [entry]
+
+
+def test_skip_fresh_reaches_the_runner_and_only_still_forces_without_it(monkeypatch) -> None:
+    import rlxf_utils.pipeline as pipeline
+
+    calls: list[dict] = []
+    monkeypatch.setattr(pipeline, "run_study", lambda *a, **kw: calls.append(kw) or Path("r"))
+    assert main(["run", "--params", str(SMOKE), "--only", "01,02", "--skip-fresh"]) == 0
+    assert main(["run", "--params", str(SMOKE), "--only", "04"]) == 0
+    assert [c["force_only"] for c in calls] == [False, True]
+    assert [c["only"] for c in calls] == [["01", "02"], ["04"]]
+
+
+def pipeline_result(name: str):
+    from rlxf_utils.pipeline import NotebookResult
+
+    return NotebookResult(name=name, status="ok", started="2026-01-01T00:00:00+00:00",
+                          ended="2026-01-01T00:01:00+00:00", seconds=60.0, output="x")  # fmt: skip
 
 
 def test_a_failed_check_leaves_no_run_dir_behind(tmp_path: Path, capsys) -> None:
