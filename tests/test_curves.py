@@ -166,3 +166,33 @@ def test_points_the_kl_cannot_tell_apart_are_pooled_never_divided_by():
     # a method whose every point sits within noise of the start policy reaches no budget
     flat = make_curve("f", [_point(0.0, r0), _point(0.05, r0 + 0.2, noise())], ["reward"])
     assert flat.kl.size == 1 and not flat.reaches(0.01)
+
+
+def test_a_curve_that_jumps_past_a_budget_is_listed_not_read_there():
+    """An ILHF ensemble keeps no snapshots: its curve is the start policy and a final policy at
+    29 nats. Read along the straight line, 0.5 nats would hold a tight 'gain' made of the two
+    endpoints' noise; with a span of 4 it is listed as passing the budget with no point near."""
+    samples, snaps = _frames({"a": [0.01, 0.02], "ens": [-0.2, -0.2]},
+                             {"a": [0.4, 1.0], "ens": [29.0, 29.0]})  # fmt: skip
+    snaps = snaps[snaps.algo != "ens"]  # the ensemble: the final policy alone
+    curves = method_curves(samples, snaps, None, ["a", "ens"], "sft", [1])
+    assert curves["ens"].kl.tolist() == [0.0, 29.0]
+    clusters = pd.Series(np.arange(PROMPTS) % 8)
+    line = value_at(curves["ens"], 0.5, "reward") - curves["ens"].values["reward"][0]
+    assert line.mean() == pytest.approx(-0.2 * 0.5 / 29, abs=1e-3)  # what the line would say
+    assert value_at(curves["ens"], 0.5, "reward", span=4.0) is None
+    assert value_at(curves["ens"], 8.0, "reward", span=4.0) is not None  # 29 <= 4 x 8
+    assert curves["a"].point_beyond(0.5) == pytest.approx(1.0)
+    pairs, gains = budget_comparisons(curves, [0.5, 8.0], clusters, 0.05, span=4.0)
+    assert pairs[pairs.measure == "reward"]["budget"].tolist() == []  # one method read at each
+    g = gains[gains.measure == "reward"].set_index(["budget", "method"])
+    assert g.loc[(0.5, "ens"), "reaches"] and not g.loc[(0.5, "ens"), "near"]
+    assert g.loc[(0.5, "ens"), "point_kl"] == pytest.approx(29.0)
+    assert np.isnan(g.loc[(0.5, "ens"), "gain"]) and g.loc[(0.5, "a"), "family_size"] == 1
+    assert not g.loc[(8.0, "a"), "reaches"] and g.loc[(8.0, "ens"), "near"]
+    reach = budget_reach(gains, pairs).set_index("budget")
+    assert reach.loc[0.5, "no_point_near"] == "ens" and reach.loc[0.5, "not_reaching"] == "none"
+    assert reach.loc[0.5, "reaching"] == 1 and reach.loc[8.0, "not_reaching"] == "a"
+    # without a span (the rule off) the line is read, as before
+    pairs, gains = budget_comparisons(curves, [0.5], clusters, 0.05)
+    assert len(pairs[pairs.measure == "reward"]) == 1

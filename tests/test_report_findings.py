@@ -298,6 +298,8 @@ def _overopt() -> dict[str, tuple[str, list]]:
         "budgets: one reached by all, one by one method, one told apart": ("budget_sentence", [
             _budget_context()]),
         "budgets: none distinguishable": ("budget_sentence", [_budget_context(distinct=False)]),
+        "budgets: a curve passes one with no point near": ("budget_sentence",
+                                                           [_budget_context(far=True)]),
         "distinct share": ("distinct_sentence", [{"candidates": 4.0, "distinct": 0.95,
                                                   "fraction": 0.987}]),
         "distinct share not recorded": ("distinct_sentence", [{"candidates": 0, "distinct": None,
@@ -305,15 +307,20 @@ def _overopt() -> dict[str, tuple[str, list]]:
     }  # fmt: skip
 
 
-def _budget_context(distinct: bool = True) -> dict[str, Any]:
+def _budget_context(distinct: bool = True, far: bool = False) -> dict[str, Any]:
     """`overopt.budget_context` on a run with three methods: at 1 nat all reach and one pair is
-    told apart under the reward model, none under the audit; at 4 nats only PPO reaches."""
+    told apart under the reward model, none under the audit; at 4 nats only PPO reaches. `far`:
+    a fourth, an ensemble at 29 nats without snapshots, passes both with no point near (span 4)."""
     from rlxf_utils.artifacts import RunDir
     from rlxf_utils.report.overopt import budget_context
 
     gains = pd.DataFrame([{"budget": b, "measure": m, "method": a, "reaches": b < 2 or a == "ppo"}
                           for b in (1.0, 4.0) for m in ("reward", "audit_reward")
                           for a in ("ppo", "grpo", "best_of_n")])  # fmt: skip
+    if far:
+        gains = pd.concat([gains.assign(near=gains["reaches"]), pd.DataFrame(
+            [{"budget": b, "measure": m, "method": "ilhf_online", "reaches": True, "near": False}
+             for b in (1.0, 4.0) for m in ("reward", "audit_reward")])], ignore_index=True)  # fmt: skip
     pairs = pd.DataFrame([
         {"budget": 1.0, "measure": m, "policy": a, "versus": v, "diff": d, "low": d - 0.01,
          "high": d + 0.01, "ci_level": 0.9983}
@@ -327,6 +334,8 @@ def _budget_context(distinct: bool = True) -> dict[str, Any]:
         if not distinct:  # every pair's interval holds zero
             pairs = pairs.assign(low=pairs["diff"] - 0.05, high=pairs["diff"] + 0.05)
         run.write_table("eval_kl_budget_pairs", pairs)
+        if far:
+            run.write_json("eval/summary.json", {"kl_budget_span": 4.0})
         return budget_context(run, "notebook 04_evaluation")
 
 

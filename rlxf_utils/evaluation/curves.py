@@ -20,7 +20,11 @@ is
 
 with k_j,p the prompt's mean KL at point j and K_j their mean over prompts (the added term has
 mean zero: the estimate is the plain interpolation, its variance the KLs' too). A method that
-never reaches b is listed as not reaching it, never extrapolated.
+never reaches b is listed as not reaching it, never extrapolated. Nor is a gap bridged: b is read
+only where the first point at or beyond it lies within `evaluation.kl_budget_span` times b (a
+method whose curve jumps from the start policy to 29 nats, as an ensemble without snapshots can,
+is listed as passing b with no point near it): linear in KL across a wider gap is an assumption
+about the curve, not a reading of it, and its interval would carry only the endpoints' noise.
 
 At each budget and under each judge, one family (`stats.family_alpha`): every pair of the
 methods that reach it, the per-prompt difference of their values with the cluster t interval over
@@ -48,9 +52,9 @@ from rlxf_utils.stats import bound_verdict, paired_comparison
 PAIR_COLUMNS = ["budget", "measure", "policy", "versus", "n", "n_clusters", "diff", "low", "high",
                 "verdict", "p_family", "ci_level", "bound", "mde", "family_size"]  # fmt: skip
 #: The columns of `budget_gains`.
-GAIN_COLUMNS = ["budget", "measure", "method", "reaches", "max_kl", "points", "gain", "low",
-                "high", "verdict", "p_family", "ci_level", "bound", "mde", "family_size",
-                "kl_is_bound"]  # fmt: skip
+GAIN_COLUMNS = ["budget", "measure", "method", "reaches", "near", "point_kl", "max_kl", "points",
+                "gain", "low", "high", "verdict", "p_family", "ci_level", "bound", "mde",
+                "family_size", "kl_is_bound"]  # fmt: skip
 
 
 @dataclass
@@ -72,6 +76,15 @@ class Curve:
 
     def reaches(self, budget: float) -> bool:
         return bool(self.kl.size > 1 and self.max_kl >= budget)
+
+    def point_beyond(self, budget: float) -> float:
+        """The KL of the curve's first point at or beyond `budget` (NaN where none is)."""
+        at = self.kl[self.kl >= budget] if self.kl.size > 1 else self.kl[:0]
+        return float(at.min()) if at.size else math.nan
+
+    def near(self, budget: float, span: float | None) -> bool:
+        """The curve reaches `budget` with a point at most `span` times it (any, span None)."""
+        return self.reaches(budget) and (span is None or self.point_beyond(budget) <= span * budget)
 
 
 def make_curve(method: str, points: Sequence[pd.DataFrame], measures: Sequence[str],
@@ -130,10 +143,13 @@ def kl_groups(kl_pp: pd.DataFrame, order: Sequence[int]) -> list[list[int]]:
     return kept
 
 
-def value_at(curve: Curve, budget: float, measure: str) -> pd.Series | None:
+def value_at(
+    curve: Curve, budget: float, measure: str, span: float | None = None
+) -> pd.Series | None:
     """Each prompt's value of `measure` at KL `budget` along `curve`, the KLs' error carried by
-    the delta method (module docstring); None where the curve does not reach `budget`."""
-    if not curve.reaches(budget):
+    the delta method (module docstring); None where the curve does not reach `budget`, or (with
+    `span`) reaches it with no point within `span` times it."""
+    if not curve.near(budget, span):
         return None
     kl, v, kpp = curve.kl, curve.values[measure], curve.kl_pp
     # the first point at or beyond the budget, and the one before it (points sorted by KL)
@@ -197,19 +213,24 @@ def _compared(a: pd.Series, b: pd.Series, clusters: pd.Series, alpha: float, m: 
 
 def budget_comparisons(curves: Mapping[str, Curve], budgets: Sequence[float],
                        clusters: pd.Series, alpha: float, power: float = 0.8,
-                       measures: Sequence[str] = tuple(REWARDS)) -> tuple[pd.DataFrame, pd.DataFrame]:  # fmt: skip
+                       measures: Sequence[str] = tuple(REWARDS),
+                       span: float | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:  # fmt: skip
     """(`budget_pairs`, `budget_gains`): at each budget and measure, every pair of the methods
-    that reach it (a family of their count) and each method's gain over the start policy there
-    (a family of the reaching methods; a row with `reaches` False for the others). `clusters`:
-    each prompt_id's country."""
+    read there (a family of their count) and each one's gain over the start policy there (a
+    family of the methods read; a row without a gain for the others: `reaches` False, or
+    `near` False where the curve passes the budget with no point within `span` times it).
+    `point_kl`: the KL of the first point at or beyond the budget. `clusters`: each prompt_id's
+    country."""
     pairs, gains = [], []
     for b, measure in itertools.product(budgets, measures):
-        at = {name: value_at(c, b, measure) for name, c in curves.items()}
+        at = {name: value_at(c, b, measure, span) for name, c in curves.items()}
         reach = [name for name, v in at.items() if v is not None]
         m_gain = max(len(reach), 1)
         for name, c in curves.items():
-            row = {"budget": float(b), "measure": measure, "method": name, "reaches": at[name] is not None,
-                   "max_kl": c.max_kl, "points": int(c.kl.size), "kl_is_bound": c.kl_is_bound}  # fmt: skip
+            row = {"budget": float(b), "measure": measure, "method": name,
+                   "reaches": c.reaches(b), "near": at[name] is not None,
+                   "point_kl": c.point_beyond(b), "max_kl": c.max_kl, "points": int(c.kl.size),
+                   "kl_is_bound": c.kl_is_bound}  # fmt: skip
             if at[name] is None:
                 gains.append(row)
                 continue
@@ -224,17 +245,22 @@ def budget_comparisons(curves: Mapping[str, Curve], budgets: Sequence[float],
 
 
 def budget_reach(gains: pd.DataFrame, pairs: pd.DataFrame) -> pd.DataFrame:
-    """Per budget (under the first measure: reaching is the KL's, not the judge's): the methods
-    reaching it, those not, the pairs compared and how many an interval distinguishes under each judge."""
+    """Per budget (under the first measure: reaching is the KL's, not the judge's): how many
+    methods are read there (`reaching`), those whose curves do not reach it, those that pass it
+    with no point near it (`no_point_near`; `budget_comparisons`' `span`), the pairs compared and
+    how many an interval distinguishes under each judge."""
     rows = []
     if gains.empty:
         return pd.DataFrame(rows)
     first = gains["measure"].iloc[0]
     for b, g in gains[gains["measure"] == first].groupby("budget", sort=True):
+        reaches = g["reaches"].astype(bool)
+        read = g["near"].astype(bool) if "near" in g else reaches
         rec = {
             "budget": float(b),
-            "reaching": int(g["reaches"].sum()),
-            "not_reaching": ", ".join(g.loc[~g["reaches"].astype(bool), "method"]) or "none",
+            "reaching": int(read.sum()),
+            "not_reaching": ", ".join(g.loc[~reaches, "method"]) or "none",
+            "no_point_near": ", ".join(g.loc[reaches & ~read, "method"]) or "none",
         }
         for measure in dict.fromkeys(gains["measure"]):
             p = pairs[(pairs["budget"] == b) & (pairs["measure"] == measure)]
@@ -261,13 +287,15 @@ def plot_budget_gains(gains: pd.DataFrame, start: str, labels: Mapping[str, str]
             ax = axes[i][k]
             g = gains[(gains["measure"] == measure) & (gains["budget"] == b)].set_index("method")
             g = g.reindex(methods)
-            ok = g["reaches"].fillna(False).astype(bool).to_numpy()
+            ok = g["near"].fillna(False).astype(bool).to_numpy()
+            passed = g["reaches"].fillna(False).astype(bool).to_numpy()
             est = g["gain"].to_numpy(float)
             err = np.vstack([est - g["low"].to_numpy(float), g["high"].to_numpy(float) - est])
             ax.axvline(0, color="black", lw=0.8)
             ax.errorbar(est[ok], y[ok], xerr=np.abs(err[:, ok]), fmt="o", ms=3, capsize=2)
             for j in np.flatnonzero(~ok):
-                ax.text(0, y[j], "not reached", fontsize=6, color="gray", ha="center", va="center")
+                ax.text(0, y[j], "no point near" if passed[j] else "not reached", fontsize=6,
+                        color="gray", ha="center", va="center")  # fmt: skip
             ax.set_yticks(y, [labels.get(m, m) for m in methods], fontsize=7)
             ax.grid(axis="x", alpha=0.3)
             if i == 0:

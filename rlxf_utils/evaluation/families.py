@@ -308,11 +308,13 @@ def kl_budget_family(ev: Evaluation) -> Measured:
     with inp.timer("KL budgets"):
         curves = method_curves(ev.samples, ev.snap_samples, ev.pool, inp.algos, inp.start,
                                inp.curve_ns)  # fmt: skip
-        pairs, gains = budget_comparisons(curves, ec.kl_budgets, inp.country, ec.alpha, ec.power)
+        pairs, gains = budget_comparisons(curves, ec.kl_budgets, inp.country, ec.alpha, ec.power,
+                                          span=ec.kl_budget_span)  # fmt: skip
         reach = budget_reach(gains, pairs)
     labels = {m: algorithm_label(m) for m in curves}  # best-of-N has its label too
     figures = {"eval_kl_budgets": plot_budget_gains(gains, inp.start, labels)} if len(gains) else {}
-    entries = {"kl_budgets": list(ec.kl_budgets), "kl_budget_reach": reach.to_dict("records"),
+    entries = {"kl_budgets": list(ec.kl_budgets), "kl_budget_span": ec.kl_budget_span,
+               "kl_budget_reach": reach.to_dict("records"),
                "headline": ec.headline.model_dump()}  # fmt: skip
     return Measured(
         {"eval_kl_budget_pairs": pairs, "eval_kl_budget_gains": gains,

@@ -56,7 +56,7 @@ from rlxf_utils.evaluation.lanes import run_draw_lanes
 SUMMARY_KEYS = (
     "algorithms", "start_policy", "max_new_tokens", "rl_max_new_tokens", "cut_responses",
     "policies", "best_of_n_curve", "vs_best_of_n", "overoptimisation", "need_rl", "heldout_perplexity", "n_prompts", "samples_per_prompt",
-    "best_of_n", "alpha", "power", "equivalence_margin", "kl_match_ratio", "kl_budgets", "kl_budget_reach", "headline", "control",
+    "best_of_n", "alpha", "power", "equivalence_margin", "kl_match_ratio", "kl_budgets", "kl_budget_span", "kl_budget_reach", "headline", "control",
     "target_mde", "families", "interval",
     "cluster", "history_contrast", "reference_rows", "summary", "reused_draws", "lanes", "seconds",
 )  # fmt: skip

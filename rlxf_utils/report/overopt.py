@@ -51,8 +51,9 @@ def curve(pts: pd.DataFrame, margin: float | None, gold: dict[str, Any] | None) 
 
 
 def budget_context(run: RunDir, stage: str) -> dict[str, Any] | None:
-    """What the KL-budget sentence reads (`evaluation.curves`): per budget, the methods reaching
-    it and not, and per judge the pairs compared, their family's level and the pairs an interval distinguishes
+    """What the KL-budget sentence reads (`evaluation.curves`): per budget, the methods read there
+    (`reaching`), those whose curves do not reach it (`missing`) and those that pass it with no
+    point near it (`far`), and per judge the pairs compared, their family's level and the pairs an interval distinguishes
     (`policy`, `versus`, `est`, `low`, `high`) or, where none is, the largest difference any
     interval allows (`widest`). None for a run from before the budgets."""
     if not run.exists("tables/eval_kl_budget_gains.csv"):
@@ -63,8 +64,10 @@ def budget_context(run: RunDir, stage: str) -> dict[str, Any] | None:
     for b, g in gains.groupby("budget", sort=True):
         first = g[g["measure"] == g["measure"].iloc[0]]
         reach = first["reaches"].astype(str).str.lower().eq("true")
-        rec = {"budget": float(b), "reaching": first.loc[reach, "method"].tolist(),
-               "missing": first.loc[~reach, "method"].tolist(), "judges": []}  # fmt: skip
+        read = first["near"].astype(str).str.lower().eq("true") if "near" in first else reach
+        rec = {"budget": float(b), "reaching": first.loc[read, "method"].tolist(),
+               "missing": first.loc[~reach, "method"].tolist(),
+               "far": first.loc[reach & ~read, "method"].tolist(), "judges": []}  # fmt: skip
         for measure in dict.fromkeys(g["measure"]):
             p = pairs[(pairs["budget"] == b) & (pairs["measure"] == measure)]
             apart = p[(p["low"] > 0) | (p["high"] < 0)]
@@ -76,7 +79,11 @@ def budget_context(run: RunDir, stage: str) -> dict[str, Any] | None:
                            "high": r.high} for r in apart.itertuples()],
                 "widest": widest})  # fmt: skip
         out.append(rec)
-    return {"budgets": out}
+    meta = (
+        run.read_json("eval/summary.json", stage=stage) if run.exists("eval/summary.json") else {}
+    )
+    span = meta.get("kl_budget_span")
+    return {"budgets": out, "span": span}
 
 
 def overopt_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
