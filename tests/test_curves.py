@@ -182,12 +182,15 @@ def test_a_curve_that_jumps_past_a_budget_is_listed_not_read_there():
     assert line.mean() == pytest.approx(-0.2 * 0.5 / 29, abs=1e-3)  # what the line would say
     assert value_at(curves["ens"], 0.5, "reward", span=4.0) is None
     assert value_at(curves["ens"], 8.0, "reward", span=4.0) is not None  # 29 <= 4 x 8
-    assert curves["a"].point_beyond(0.5) == pytest.approx(1.0)
+    assert curves["a"].bracket(0.5) == pytest.approx((0.4, 1.0))
+    # a point just below the budget is near too, however far the next one lies
+    assert curves["a"].near(0.5, 1.3) and not curves["a"].near(0.5, 1.2)  # 0.5 / 0.4 = 1.25
+    assert curves["a"].near(0.45, 1.2) and curves["ens"].bracket(0.5) == (0.0, 29.0)
     pairs, gains = budget_comparisons(curves, [0.5, 8.0], clusters, 0.05, span=4.0)
     assert pairs[pairs.measure == "reward"]["budget"].tolist() == []  # one method read at each
     g = gains[gains.measure == "reward"].set_index(["budget", "method"])
     assert g.loc[(0.5, "ens"), "reaches"] and not g.loc[(0.5, "ens"), "near"]
-    assert g.loc[(0.5, "ens"), "point_kl"] == pytest.approx(29.0)
+    assert g.loc[(0.5, "ens"), "kl_above"] == pytest.approx(29.0)
     assert np.isnan(g.loc[(0.5, "ens"), "gain"]) and g.loc[(0.5, "a"), "family_size"] == 1
     assert not g.loc[(8.0, "a"), "reaches"] and g.loc[(8.0, "ens"), "near"]
     reach = budget_reach(gains, pairs).set_index("budget")

@@ -118,10 +118,11 @@ class EvaluationConfig(Section):
     curves reach them is compared, each method's reward read off its curve
     (`evaluation.curves`); fixed before any run."""
     kl_budget_span: float | None = Field(default=4.0, gt=1.0)
-    """A budget b is read off a method's curve only where its first point at or beyond b lies
-    at most this many times b (null: wherever the curve reaches b). Five snapshots over 16 steps
+    """A budget b is read off a method's curve only where one of the two points around b lies
+    within this factor of it: the first beyond at most this many times b, or the last below (not
+    the start policy, at 0) at least b over it (null: wherever the curve reaches b). Five snapshots over 16 steps
     put neighbouring points of a curve whose KL grows with the steps within a factor of 3; a
-    curve that passes b with no point within 4 times it (a method without snapshots whose final
+    curve that passes b with no point within a factor of 4 (a method without snapshots whose final
     policy sits at 29 nats) is listed, not read: linear in KL across that gap is an assumption,
     not a measurement."""
     headline: Headline = Field(default_factory=Headline)

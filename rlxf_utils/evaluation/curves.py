@@ -21,10 +21,11 @@ is
 with k_j,p the prompt's mean KL at point j and K_j their mean over prompts (the added term has
 mean zero: the estimate is the plain interpolation, its variance the KLs' too). A method that
 never reaches b is listed as not reaching it, never extrapolated. Nor is a gap bridged: b is read
-only where the first point at or beyond it lies within `evaluation.kl_budget_span` times b (a
-method whose curve jumps from the start policy to 29 nats, as an ensemble without snapshots can,
-is listed as passing b with no point near it): linear in KL across a wider gap is an assumption
-about the curve, not a reading of it, and its interval would carry only the endpoints' noise.
+only where one of the two points around it lies within a factor `evaluation.kl_budget_span` of b
+(the origin, at 0, never does; a method whose curve jumps from the start policy to 29 nats, as an
+ensemble without snapshots can, is listed as passing b with no point near it): linear in KL
+across a wider gap is an assumption about the curve, not a reading of it, and its interval
+would carry only the endpoints' noise.
 
 At each budget and under each judge, one family (`stats.family_alpha`): every pair of the
 methods that reach it, the per-prompt difference of their values with the cluster t interval over
@@ -52,8 +53,8 @@ from rlxf_utils.stats import bound_verdict, paired_comparison
 PAIR_COLUMNS = ["budget", "measure", "policy", "versus", "n", "n_clusters", "diff", "low", "high",
                 "verdict", "p_family", "ci_level", "bound", "mde", "family_size"]  # fmt: skip
 #: The columns of `budget_gains`.
-GAIN_COLUMNS = ["budget", "measure", "method", "reaches", "near", "point_kl", "max_kl", "points",
-                "gain", "low", "high", "verdict", "p_family", "ci_level", "bound", "mde",
+GAIN_COLUMNS = ["budget", "measure", "method", "reaches", "near", "kl_below", "kl_above", "max_kl",
+                "points", "gain", "low", "high", "verdict", "p_family", "ci_level", "bound", "mde",
                 "family_size", "kl_is_bound"]  # fmt: skip
 
 
@@ -77,14 +78,22 @@ class Curve:
     def reaches(self, budget: float) -> bool:
         return bool(self.kl.size > 1 and self.max_kl >= budget)
 
-    def point_beyond(self, budget: float) -> float:
-        """The KL of the curve's first point at or beyond `budget` (NaN where none is)."""
-        at = self.kl[self.kl >= budget] if self.kl.size > 1 else self.kl[:0]
-        return float(at.min()) if at.size else math.nan
+    def bracket(self, budget: float) -> tuple[float, float]:
+        """The KLs of the curve's points around `budget`: the last below it (0 for the origin)
+        and the first at or beyond it (NaN where none is)."""
+        above = self.kl[self.kl >= budget] if self.kl.size > 1 else self.kl[:0]
+        below = self.kl[self.kl < budget]
+        return (float(below.max()) if below.size else math.nan,
+                float(above.min()) if above.size else math.nan)  # fmt: skip
 
     def near(self, budget: float, span: float | None) -> bool:
-        """The curve reaches `budget` with a point at most `span` times it (any, span None)."""
-        return self.reaches(budget) and (span is None or self.point_beyond(budget) <= span * budget)
+        """The curve reaches `budget` and one of the two points around it lies within a factor
+        `span` of it (at most `span` times it above, at least 1 / `span` of it below; the origin,
+        at 0, is never near); any reached budget with `span` None."""
+        if not self.reaches(budget) or span is None:
+            return self.reaches(budget)
+        lo, hi = self.bracket(budget)
+        return hi <= span * budget or (lo > 0 and lo * span >= budget)
 
 
 def make_curve(method: str, points: Sequence[pd.DataFrame], measures: Sequence[str],
@@ -218,9 +227,9 @@ def budget_comparisons(curves: Mapping[str, Curve], budgets: Sequence[float],
     """(`budget_pairs`, `budget_gains`): at each budget and measure, every pair of the methods
     read there (a family of their count) and each one's gain over the start policy there (a
     family of the methods read; a row without a gain for the others: `reaches` False, or
-    `near` False where the curve passes the budget with no point within `span` times it).
-    `point_kl`: the KL of the first point at or beyond the budget. `clusters`: each prompt_id's
-    country."""
+    `near` False where the curve passes the budget with no point within a factor `span` of it).
+    `kl_below`, `kl_above`: the KLs of the curve's points around the budget (`Curve.bracket`).
+    `clusters`: each prompt_id's country."""
     pairs, gains = [], []
     for b, measure in itertools.product(budgets, measures):
         at = {name: value_at(c, b, measure, span) for name, c in curves.items()}
@@ -229,8 +238,8 @@ def budget_comparisons(curves: Mapping[str, Curve], budgets: Sequence[float],
         for name, c in curves.items():
             row = {"budget": float(b), "measure": measure, "method": name,
                    "reaches": c.reaches(b), "near": at[name] is not None,
-                   "point_kl": c.point_beyond(b), "max_kl": c.max_kl, "points": int(c.kl.size),
-                   "kl_is_bound": c.kl_is_bound}  # fmt: skip
+                   **dict(zip(("kl_below", "kl_above"), c.bracket(b), strict=True)),
+                   "max_kl": c.max_kl, "points": int(c.kl.size), "kl_is_bound": c.kl_is_bound}  # fmt: skip
             if at[name] is None:
                 gains.append(row)
                 continue
