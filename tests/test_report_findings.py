@@ -310,7 +310,8 @@ def _overopt() -> dict[str, tuple[str, list]]:
 def _budget_context(distinct: bool = True, far: bool = False) -> dict[str, Any]:
     """`overopt.budget_context` on a run with three methods: at 1 nat all reach and one pair is
     told apart under the reward model, none under the audit; at 4 nats only PPO reaches. `far`:
-    a fourth, an ensemble at 29 nats without snapshots, passes both with no point near (span 4)."""
+    a fourth, an ensemble at 29 nats without snapshots, passes both with no point near (span 4),
+    and a fifth reaches neither."""
     from rlxf_utils.artifacts import RunDir
     from rlxf_utils.report.overopt import budget_context
 
@@ -319,8 +320,9 @@ def _budget_context(distinct: bool = True, far: bool = False) -> dict[str, Any]:
                           for a in ("ppo", "grpo", "best_of_n")])  # fmt: skip
     if far:
         gains = pd.concat([gains.assign(near=gains["reaches"]), pd.DataFrame(
-            [{"budget": b, "measure": m, "method": "ilhf_online", "reaches": True, "near": False}
-             for b in (1.0, 4.0) for m in ("reward", "audit_reward")])], ignore_index=True)  # fmt: skip
+            [{"budget": b, "measure": m, "method": a, "reaches": a != "kto", "near": False}
+             for b in (1.0, 4.0) for m in ("reward", "audit_reward")
+             for a in ("ilhf_online", "kto")])], ignore_index=True)  # fmt: skip
     pairs = pd.DataFrame([
         {"budget": 1.0, "measure": m, "policy": a, "versus": v, "diff": d, "low": d - 0.01,
          "high": d + 0.01, "ci_level": 0.9983}
