@@ -100,6 +100,9 @@ class NotebookResult:
     how: str = "ran"
     #: for a reused notebook, when the run that produced it ended
     reused_from: str | None = None
+    #: the git commit of the code that ran the notebook (a reused one keeps its run's; None
+    #: in manifests from before it was recorded)
+    commit: str | None = None
 
 
 def discover_notebooks(
@@ -318,6 +321,14 @@ def _kernel_available(name: str) -> bool:
     return name in KernelSpecManager().find_kernel_specs()
 
 
+def _recorded_commit(run: RunDir, name: str) -> str | None:
+    """The commit the manifest records for notebook `name` (None where it records none)."""
+    if not run.exists("manifest.json"):
+        return None
+    entries = {n.get("name"): n for n in run.read_json("manifest.json").get("notebooks", [])}
+    return (entries.get(name) or {}).get("commit")
+
+
 def run_study(
     params_file: str | Path,
     run_dir: str | Path | None = None,
@@ -378,6 +389,10 @@ def _run_locked(cfg: Any, run: RunDir, notebooks: list[Path], numbers: list[str]
     # writes in adapter_config.json (target_modules), is the same in every run
     os.environ.setdefault("PYTHONHASHSEED", "0")
     record([])
+    git = git_info()
+    commit = (
+        f"{git['commit']}-dirty" if git.get("dirty") and git.get("commit") else git.get("commit")
+    )
     total = len(notebooks)
     rerun = force or only is not None  # once a notebook reruns, every later one does
     for i, (nb, number) in enumerate(zip(notebooks, numbers, strict=True), start=1):
@@ -394,7 +409,7 @@ def _run_locked(cfg: Any, run: RunDir, notebooks: list[Path], numbers: list[str]
                 record([NotebookResult(
                     name=nb.stem, status="ok", started=old.get("ended", ""), ended=old.get("ended", ""),
                     seconds=old.get("seconds", 0.0), output=str(out), how="reused",
-                    reused_from=old.get("ended"),
+                    reused_from=old.get("ended"), commit=_recorded_commit(run, nb.stem),
                 )])  # fmt: skip
                 continue
             print(f"[{i}/{total}] {nb.stem}: rerun ({why})", flush=True)
@@ -406,7 +421,7 @@ def _run_locked(cfg: Any, run: RunDir, notebooks: list[Path], numbers: list[str]
         # this: the manifest says "running", never the "ok" of the copy papermill overwrites
         record([NotebookResult(name=nb.stem, status="running",
                                started=started.isoformat(timespec="seconds"), ended="",
-                               seconds=0.0, output=str(out))])  # fmt: skip
+                               seconds=0.0, output=str(out), commit=commit)])  # fmt: skip
         t0 = time.perf_counter()
         error = None
         try:
@@ -441,6 +456,7 @@ def _run_locked(cfg: Any, run: RunDir, notebooks: list[Path], numbers: list[str]
             seconds=round(seconds, 1),
             output=str(out),
             error=error,
+            commit=commit,
         )
         if status == "ok":
             write_record(run, nb.stem, digest, parts, spec, seconds)

@@ -152,6 +152,25 @@ def test_the_command_writes_them_and_a_readme_without_the_section_is_refused(
         write_readme_results(run, checkout)
 
 
+def test_notebooks_reused_from_another_commit_are_named_in_the_stamp(tmp_path: Path) -> None:
+    """A run whose notebooks 04 and 05 were rerun at the stamp's commit over 01-03 of an earlier
+    run: the stamp names those three, with their commit where the manifest records it."""
+    other = "fedcba9876543210fedcba9876543210fedcba98"
+    notebooks = [{"name": "01_x", "status": "ok", "how": "reused"},  # from before commits
+                 {"name": "02_x", "status": "ok", "how": "reused", "commit": other},
+                 {"name": "03_x", "status": "ok", "how": "ran", "commit": f"{other}-dirty"},
+                 {"name": "04_x", "status": "ok", "how": "ran", "commit": COMMIT},
+                 {"name": "05_x", "status": "ok", "how": "ran"}]  # fmt: skip
+    stamp = run_stamp(fake_run(tmp_path, notebooks=notebooks))
+    assert [e["name"] for e in stamp["earlier"]] == ["01_x", "02_x", "03_x"]
+    section = readme_section(stamp, "| a |\n|---|\n| b |\n")
+    assert (
+        "Reused from an earlier run and not rerun at that commit: 01_x (commit not "
+        "recorded), 02_x (commit fedcba9), 03_x (commit fedcba9 with uncommitted changes)"
+    ) in section
+    assert "Reused" not in readme_section(run_stamp(fake_run(tmp_path / "b")), "| a |\n")
+
+
 def test_a_run_that_named_its_cpu_is_stamped_with_it(tmp_path: Path, checkout: Path) -> None:
     from rlxf_utils.pipeline import cpu_model
 

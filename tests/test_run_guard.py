@@ -234,6 +234,14 @@ def test_a_notebook_killed_mid_run_is_running_in_the_manifest_never_its_old_ok(
     (entry,) = json.loads((run_dir / "manifest.json").read_text())["notebooks"]
     assert entry["name"] == "01_data_exploration" and entry["status"] == "running"
     assert entry["started"] and not entry["ended"] and seen[0]["notebooks"] == [entry]
+    git = pipeline_git()
+    assert entry["commit"] == git["commit"] + ("-dirty" if git["dirty"] else "")
+
+
+def pipeline_git() -> dict:
+    from rlxf_utils.pipeline import git_info
+
+    return git_info()
 
 
 def test_skip_fresh_reaches_the_runner_and_only_still_forces_without_it(monkeypatch) -> None:

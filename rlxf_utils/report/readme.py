@@ -119,6 +119,13 @@ def run_stamp(run_dir: str | Path) -> dict[str, Any]:
         "level": family_level(RunDir(root).read_table("eval_paired", _STAGE)),
         "figure": f"figures/{FIGURE}",
         "table": "tables/eval_methods.csv",
+        # notebooks reused from an earlier run at another commit, or at one not recorded
+        "earlier": [
+            {"name": n.get("name", "?"), "commit": n.get("commit")}
+            for n in manifest.get("notebooks", [])
+            if (n.get("commit") or commit) != commit
+            or (not n.get("commit") and n.get("how") == "reused")
+        ],
     }
 
 
@@ -135,6 +142,13 @@ def methods_table(run_dir: str | Path) -> str:
     run = RunDir(run_dir)
     start = run.read_json("eval/summary.json", stage=_STAGE).get("start_policy", "sft")
     return _drop_empty_columns(table("eval_methods", run.read_table("eval_methods", _STAGE), start=start))  # fmt: skip
+
+
+def _commit_said(commit: str | None) -> str:
+    if not commit:
+        return "commit not recorded"
+    dirty = commit.endswith("-dirty")
+    return f"commit {commit[:7]}" + (" with uncommitted changes" if dirty else "")
 
 
 def readme_section(stamp: dict[str, Any], methods: str) -> str:
@@ -154,11 +168,16 @@ def readme_section(stamp: dict[str, Any], methods: str) -> str:
     else:
         caveat = (f"**These are the {name} profile's numbers, not the default study's** "
                   f"(`{stamp['profile']}`: {setting}).")  # fmt: skip
+    earlier = ""
+    if stamp.get("earlier"):
+        said = [f"{e['name']} ({_commit_said(e['commit'])})" for e in stamp["earlier"]]
+        earlier = (f" Reused from an earlier run and not rerun at that commit: {', '.join(said)}"
+                   " (the run's `manifest.json`).")  # fmt: skip
     return "\n".join([
         caveat,
         "",
         f"Run `{stamp['run']}`, commit `{stamp['commit'][:7]}` (no uncommitted changes), "
-        f"{stamp['date'][:10]}; machine: {stamp['machine']}. Written by "
+        f"{stamp['date'][:10]}; machine: {stamp['machine']}.{earlier} Written by "
         f"`rlxf publish --readme` from the run's `{stamp['figure']}` and `{stamp['table']}`; "
         f"the stamp: [{RESULTS}/{STAMP}]({RESULTS}/{STAMP}).",
         "",
