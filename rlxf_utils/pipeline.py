@@ -321,14 +321,6 @@ def _kernel_available(name: str) -> bool:
     return name in KernelSpecManager().find_kernel_specs()
 
 
-def _recorded_commit(run: RunDir, name: str) -> str | None:
-    """The commit the manifest records for notebook `name` (None where it records none)."""
-    if not run.exists("manifest.json"):
-        return None
-    entries = {n.get("name"): n for n in run.read_json("manifest.json").get("notebooks", [])}
-    return (entries.get(name) or {}).get("commit")
-
-
 def run_study(
     params_file: str | Path,
     run_dir: str | Path | None = None,
@@ -388,7 +380,9 @@ def _run_locked(cfg: Any, run: RunDir, notebooks: list[Path], numbers: list[str]
     # the kernels inherit a fixed string-hash seed: set iteration order, and with it what peft
     # writes in adapter_config.json (target_modules), is the same in every run
     os.environ.setdefault("PYTHONHASHSEED", "0")
-    record([])
+    record([])  # keeps the entries of earlier runs: each notebook's last commit is read once here
+    ran_at = {n.get("name"): n.get("commit")
+              for n in run.read_json("manifest.json").get("notebooks", [])}  # fmt: skip
     git = git_info()
     commit = (
         f"{git['commit']}-dirty" if git.get("dirty") and git.get("commit") else git.get("commit")
@@ -409,7 +403,7 @@ def _run_locked(cfg: Any, run: RunDir, notebooks: list[Path], numbers: list[str]
                 record([NotebookResult(
                     name=nb.stem, status="ok", started=old.get("ended", ""), ended=old.get("ended", ""),
                     seconds=old.get("seconds", 0.0), output=str(out), how="reused",
-                    reused_from=old.get("ended"), commit=_recorded_commit(run, nb.stem),
+                    reused_from=old.get("ended"), commit=ran_at.get(nb.stem),
                 )])  # fmt: skip
                 continue
             print(f"[{i}/{total}] {nb.stem}: rerun ({why})", flush=True)

@@ -8,7 +8,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from rlxf_utils.pipeline import NotebookFailed, discover_notebooks, run_study
+from rlxf_utils.pipeline import NotebookFailed, discover_notebooks, git_info, run_study
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
@@ -117,6 +117,10 @@ def test_runner_skips_what_is_up_to_date_and_reruns_what_changed(tmp_path: Path)
         ["01_make", "02_use", "03_last"], "reused"
     )
     assert all(n["reused_from"] for n in manifest["notebooks"])
+    # a reused notebook keeps the commit its run recorded (the README stamp reads it)
+    git = git_info()
+    ran_at = git["commit"] + ("-dirty" if git["dirty"] else "")
+    assert [n["commit"] for n in manifest["notebooks"]] == [ran_at] * 3
     # a parameter only 02 (and 03, which reads everything) depends on
     params.write_text(params.read_text() + "rl: {steps: 3}\n")
     assert run() == ["02", "03"]

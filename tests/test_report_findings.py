@@ -336,9 +336,7 @@ def _budget_context(distinct: bool = True, far: bool = False) -> dict[str, Any]:
         if not distinct:  # every pair's interval holds zero
             pairs = pairs.assign(low=pairs["diff"] - 0.05, high=pairs["diff"] + 0.05)
         run.write_table("eval_kl_budget_pairs", pairs)
-        if far:
-            run.write_json("eval/summary.json", {"kl_budget_span": 4.0})
-        return budget_context(run, "notebook 04_evaluation")
+        return budget_context(run, "notebook 04_evaluation", 4.0 if far else None)
 
 
 def _control_cases() -> dict[str, tuple[str, list]]:

@@ -15,7 +15,15 @@ import pytest
 from rlxf_utils.artifacts import RunDir
 from rlxf_utils.cli import main
 from rlxf_utils.config import load_config
-from rlxf_utils.pipeline import RunLocked, freeze_params, run_lock, run_study, write_manifest
+from rlxf_utils.pipeline import (
+    NotebookResult,
+    RunLocked,
+    freeze_params,
+    git_info,
+    run_lock,
+    run_study,
+    write_manifest,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 SMOKE = ROOT / "params/smoke.yaml"
@@ -213,6 +221,11 @@ def test_ctrl_c_prints_one_line_exits_130_and_the_manifest_says_interrupted(
         pass
 
 
+#: A finished notebook 01, as an earlier run records it.
+OK_01 = NotebookResult(name="01_data_exploration", status="ok", started="2026-01-01T00:00:00+00:00",
+                       ended="2026-01-01T00:01:00+00:00", seconds=60.0, output="x")  # fmt: skip
+
+
 def test_a_notebook_killed_mid_run_is_running_in_the_manifest_never_its_old_ok(
     tmp_path: Path, monkeypatch, fake_kernel
 ) -> None:
@@ -221,7 +234,7 @@ def test_a_notebook_killed_mid_run_is_running_in_the_manifest_never_its_old_ok(
     import papermill
 
     run_dir = tmp_path / "r"
-    write_manifest(RunDir(run_dir), load_config(SMOKE), [pipeline_result("01_data_exploration")])
+    write_manifest(RunDir(run_dir), load_config(SMOKE), [OK_01])
     seen: list[dict] = []
 
     def killed(path, out, **kw):
@@ -234,14 +247,8 @@ def test_a_notebook_killed_mid_run_is_running_in_the_manifest_never_its_old_ok(
     (entry,) = json.loads((run_dir / "manifest.json").read_text())["notebooks"]
     assert entry["name"] == "01_data_exploration" and entry["status"] == "running"
     assert entry["started"] and not entry["ended"] and seen[0]["notebooks"] == [entry]
-    git = pipeline_git()
+    git = git_info()
     assert entry["commit"] == git["commit"] + ("-dirty" if git["dirty"] else "")
-
-
-def pipeline_git() -> dict:
-    from rlxf_utils.pipeline import git_info
-
-    return git_info()
 
 
 def test_skip_fresh_reaches_the_runner_and_only_still_forces_without_it(monkeypatch) -> None:
@@ -253,13 +260,6 @@ def test_skip_fresh_reaches_the_runner_and_only_still_forces_without_it(monkeypa
     assert main(["run", "--params", str(SMOKE), "--only", "04"]) == 0
     assert [c["force_only"] for c in calls] == [False, True]
     assert [c["only"] for c in calls] == [["01", "02"], ["04"]]
-
-
-def pipeline_result(name: str):
-    from rlxf_utils.pipeline import NotebookResult
-
-    return NotebookResult(name=name, status="ok", started="2026-01-01T00:00:00+00:00",
-                          ended="2026-01-01T00:01:00+00:00", seconds=60.0, output="x")  # fmt: skip
 
 
 def test_a_failed_check_leaves_no_run_dir_behind(tmp_path: Path, capsys) -> None:

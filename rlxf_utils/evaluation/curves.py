@@ -90,8 +90,10 @@ class Curve:
         """The curve reaches `budget` and one of the two points around it lies within a factor
         `span` of it (at most `span` times it above, at least 1 / `span` of it below; the origin,
         at 0, is never near); any reached budget with `span` None."""
-        if not self.reaches(budget) or span is None:
-            return self.reaches(budget)
+        if not self.reaches(budget):
+            return False
+        if span is None:
+            return True
         lo, hi = self.bracket(budget)
         return hi <= span * budget or (lo > 0 and lo * span >= budget)
 

@@ -50,12 +50,13 @@ def curve(pts: pd.DataFrame, margin: float | None, gold: dict[str, Any] | None) 
              **point(r, margin, gold)} for b, r in rows]  # fmt: skip
 
 
-def budget_context(run: RunDir, stage: str) -> dict[str, Any] | None:
+def budget_context(run: RunDir, stage: str, span: float | None = None) -> dict[str, Any] | None:
     """What the KL-budget sentence reads (`evaluation.curves`): per budget, the methods read there
     (`reaching`), those whose curves do not reach it (`missing`) and those that pass it with no
     point near it (`far`), and per judge the pairs compared, their family's level and the pairs an interval distinguishes
     (`policy`, `versus`, `est`, `low`, `high`) or, where none is, the largest difference any
-    interval allows (`widest`). None for a run from before the budgets."""
+    interval allows (`widest`); `span`, the run's `evaluation.kl_budget_span`, as the sentence
+    names it. None for a run from before the budgets."""
     if not run.exists("tables/eval_kl_budget_gains.csv"):
         return None
     gains = run.read_table("eval_kl_budget_gains", stage)
@@ -79,10 +80,6 @@ def budget_context(run: RunDir, stage: str) -> dict[str, Any] | None:
                            "high": r.high} for r in apart.itertuples()],
                 "widest": widest})  # fmt: skip
         out.append(rec)
-    meta = (
-        run.read_json("eval/summary.json", stage=stage) if run.exists("eval/summary.json") else {}
-    )
-    span = meta.get("kl_budget_span")
     return {"budgets": out, "span": span}
 
 
@@ -113,7 +110,7 @@ def overopt_section(run: RunDir) -> tuple[dict[str, Any], dict[str, str]]:
         "sentence": {"start": meta.get("start_policy", "sft"), "alpha": alpha, "margin": margin,
                      "points": curve(pts, margin, gold), "gold": gold, "ceiling": ceiling(run)},
         "fit_sentence": fitted,
-        "budget_sentence": budget_context(run, stage),
+        "budget_sentence": budget_context(run, stage, meta.get("kl_budget_span")),
         "distinct_sentence": {"candidates": info.get("candidates_per_prompt", 0),
                               "distinct": info.get("prompts_all_distinct"),
                               "fraction": info.get("distinct_fraction")},

@@ -76,6 +76,13 @@ def _machine(env: dict[str, Any]) -> str:
     return said or "not recorded"
 
 
+def _ran_elsewhere(entry: dict[str, Any], commit: str) -> bool:
+    """A manifest entry of a notebook that ran at another commit than the run's, or that was
+    reused from an earlier run whose commit the entry does not record."""
+    ran_at = entry.get("commit")
+    return ran_at != commit if ran_at else entry.get("how") == "reused"
+
+
 def run_stamp(run_dir: str | Path) -> dict[str, Any]:
     """The stamp of a finished run made from committed code, or `ReadmeError` saying why not."""
     root = Path(run_dir)
@@ -119,13 +126,11 @@ def run_stamp(run_dir: str | Path) -> dict[str, Any]:
         "level": family_level(RunDir(root).read_table("eval_paired", _STAGE)),
         "figure": f"figures/{FIGURE}",
         "table": "tables/eval_methods.csv",
-        # notebooks reused from an earlier run at another commit, or at one not recorded
         "earlier": [
             {"name": n.get("name", "?"), "commit": n.get("commit")}
             for n in manifest.get("notebooks", [])
-            if (n.get("commit") or commit) != commit
-            or (not n.get("commit") and n.get("how") == "reused")
-        ],
+            if _ran_elsewhere(n, commit)
+        ],  # fmt: skip
     }
 
 
