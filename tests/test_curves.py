@@ -169,8 +169,8 @@ def test_points_the_kl_cannot_tell_apart_are_pooled_never_divided_by():
 
 
 def test_a_curve_that_jumps_past_a_budget_is_listed_not_read_there():
-    """An ILHF ensemble keeps no snapshots: its curve is the start policy and a final policy at
-    29 nats. Read along the straight line, 0.5 nats would hold a tight 'gain' made of the two
+    """A method without snapshots (as ILHF's ensembles once were): its curve is the start policy
+    and a final policy at 29 nats. Read along the straight line, 0.5 nats would hold a tight 'gain' made of the two
     endpoints' noise; with a span of 4 it is listed as passing the budget with no point near."""
     samples, snaps = _frames({"a": [0.01, 0.02], "ens": [-0.2, -0.2]},
                              {"a": [0.4, 1.0], "ens": [29.0, 29.0]})  # fmt: skip

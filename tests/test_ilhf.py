@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pandas as pd
@@ -391,3 +392,61 @@ def test_run_marker_and_bad_model(tmp_path):
     (tmp_path / "adapter" / "ensemble.json").write_text("{not json")
     with pytest.raises(ValueError, match="ensemble.json"):
         load_particles(tiny_llama(tok), tmp_path / "adapter", "x")
+
+
+def test_snapshots_pack_every_particle_and_evaluation_loads_them_as_the_ensemble(
+    tmp_path, monkeypatch
+):
+    """Each checkpoint keeps the whole ensemble as one frontier snapshot (every particle packed in
+    `adapter_model.safetensors`); evaluation's `PolicySet.load_snapshot` loads it as an ensemble,
+    each particle equal to the trainer's at that step and the final ensemble left as it was."""
+    from safetensors.torch import load_file, save_file
+
+    from rlxf_utils.artifacts import RunDir
+    from rlxf_utils.config import ComputeConfig, PolicyConfig
+    from rlxf_utils.models.ensemble import is_packed, unpack_particles
+    from rlxf_utils.models.policies import PolicySet
+
+    run = RunDir(tmp_path / "run")
+    out = run.path("policy/ilhf_online")
+    ids = torch.tensor([[5, 6, 7]])
+
+    def logits(model, adapter):
+        model.set_adapter(adapter)
+        with torch.no_grad():
+            return model(input_ids=ids).logits
+
+    tr = online(out)
+    tr.train(steps=2, progress=False)
+    at2 = {p: logits(tr.model, p) for p in ("p0", "p1")}
+    tr.train(steps=4, progress=False)
+    final = {p: logits(tr.model, p) for p in ("p0", "p1")}
+    snaps = sorted(p.parent.name for p in (out / "snapshots").glob("*/adapter_model.safetensors"))
+    assert snaps == ["step_000002", "step_000004"]
+    packed = load_file(str(out / "snapshots/step_000002/adapter_model.safetensors"))
+    assert is_packed(packed) and list(unpack_particles(packed, "x")) == ["p0", "p1"]
+
+    tok = tiny_tokenizer()
+    monkeypatch.setattr("rlxf_utils.models.policies.load_policy",
+                        lambda cfg, device=None: (tiny_llama(tok, 0, init=0.3).eval(), tok))  # fmt: skip
+    cfg = SimpleNamespace(policy=PolicyConfig(autocast=None), rl=SimpleNamespace(start_policy="base"),
+                          sft=SimpleNamespace(enabled=False), compute=ComputeConfig(device="cpu"))  # fmt: skip
+    pset = PolicySet(cfg, run, ["ilhf_online"])
+    name = pset.load_snapshot(
+        "ilhf_online", out / "snapshots/step_000002/adapter_model.safetensors"
+    )
+    assert pset.particles[name] == ["snapshot__p0", "snapshot__p1"]
+    model = pset.home[name]
+    for p in ("p0", "p1"):
+        torch.testing.assert_close(logits(model, f"snapshot__{p}"), at2[p])
+        torch.testing.assert_close(logits(model, f"ilhf_online__{p}"), final[p])  # untouched
+        assert (at2[p] - final[p]).abs().max() > 1e-4  # training moved it after step 2
+    # the snapshot samples as the ensemble does: a particle drawn per prompt
+    kw = dict(max_new_tokens=4, temperature=1.0, top_p=1.0, postprocess="none", progress=False,
+              seed=3, batch_size=4)  # fmt: skip
+    assert len(pset.generate(name, ["w10 w11", "w12"], 2, "snap", kw)) == 4
+    # a file whose particles are not the ensemble's is refused, naming it
+    bad = tmp_path / "bad.safetensors"
+    save_file({k: v for k, v in packed.items() if k.startswith("p0::")}, str(bad))
+    with pytest.raises(ValueError, match="bad.safetensors.*particles"):
+        pset.load_snapshot("ilhf_online", bad)

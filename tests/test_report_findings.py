@@ -310,7 +310,7 @@ def _overopt() -> dict[str, tuple[str, list]]:
 def _budget_context(distinct: bool = True, far: bool = False) -> dict[str, Any]:
     """`overopt.budget_context` on a run with three methods: at 1 nat all reach and one pair is
     told apart under the reward model, none under the audit; at 4 nats only PPO reaches. `far`:
-    a fourth, an ensemble at 29 nats without snapshots, passes both with no point near (span 4),
+    a fourth, a method at 29 nats without snapshots, passes both with no point near (span 4),
     and a fifth reaches neither."""
     from rlxf_utils.artifacts import RunDir
     from rlxf_utils.report.overopt import budget_context

@@ -22,8 +22,8 @@ with k_j,p the prompt's mean KL at point j and K_j their mean over prompts (the 
 mean zero: the estimate is the plain interpolation, its variance the KLs' too). A method that
 never reaches b is listed as not reaching it, never extrapolated. Nor is a gap bridged: b is read
 only where one of the two points around it lies within a factor `evaluation.kl_budget_span` of b
-(the origin, at 0, never does; a method whose curve jumps from the start policy to 29 nats, as an
-ensemble without snapshots can, is listed as passing b with no point near it): linear in KL
+(the origin, at 0, never does; a method whose curve jumps from the start policy to 29 nats, as one
+without snapshots would, is listed as passing b with no point near it): linear in KL
 across a wider gap is an assumption about the curve, not a reading of it, and its interval
 would carry only the endpoints' noise.
 

@@ -4,7 +4,7 @@ folder per particle, loaded back, and the mixture density of the ensemble."""
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -93,3 +93,38 @@ def mixture_logprobs(per_particle: Sequence[np.ndarray]) -> np.ndarray:
 def thompson_draw(n_prompts: int, particles: int, seed: int) -> np.ndarray:
     """The particle answering each prompt: uniform on {0..particles-1}, seeded."""
     return np.random.default_rng(seed).integers(0, particles, size=n_prompts)
+
+
+#: Between a particle's name and its LoRA key in a packed ensemble (`pack_particles`).
+PACK_SEP = "::"
+
+
+def pack_particles(model: nn.Module, names: Sequence[str]) -> dict[str, torch.Tensor]:
+    """Every particle's LoRA weights in one flat state, keyed `<particle>::<peft key>`, on the CPU
+    and contiguous: what an ensemble's checkpoint and frontier snapshot keep in one
+    `adapter_model.safetensors`, as a single adapter's are kept."""
+    from peft import get_peft_model_state_dict
+
+    return {f"{n}{PACK_SEP}{k}": v.detach().cpu().contiguous() for n in names
+            for k, v in get_peft_model_state_dict(model, adapter_name=n).items()}  # fmt: skip
+
+
+def is_packed(tensors: Mapping[str, Any]) -> bool:
+    """True for a packed ensemble's state (`pack_particles`), False for one adapter's."""
+    return bool(tensors) and all(PACK_SEP in k for k in tensors)
+
+
+def unpack_particles(
+    tensors: Mapping[str, torch.Tensor], source: Any
+) -> dict[str, dict[str, torch.Tensor]]:
+    """The per-particle states of a packed ensemble, in particle order (`p0`, `p1`, ...);
+    `source` (the file) names what was not one."""
+    if not is_packed(tensors):
+        raise ValueError(
+            f"{source}: not a packed ensemble (every key '<particle>{PACK_SEP}<LoRA key>')"
+        )
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in tensors.items():
+        name, rest = key.split(PACK_SEP, 1)
+        out.setdefault(name, {})[rest] = value
+    return dict(sorted(out.items(), key=lambda kv: (len(kv[0]), kv[0])))

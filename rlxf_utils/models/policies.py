@@ -14,7 +14,14 @@ import pandas as pd
 from rlxf_utils.algorithms import SFT_POLICIES
 from rlxf_utils.artifacts import ArtifactMissing, RunDir
 from rlxf_utils.config import StudyConfig
-from rlxf_utils.models.ensemble import is_ensemble, load_particles, mixture_logprobs, thompson_draw
+from rlxf_utils.models.ensemble import (
+    is_ensemble,
+    is_packed,
+    load_particles,
+    mixture_logprobs,
+    thompson_draw,
+    unpack_particles,
+)
 from rlxf_utils.models.generation import (
     autocast,
     generate,
@@ -143,15 +150,35 @@ class PolicySet:
         return self.use("start")
 
     def load_snapshot(self, algo: str, weights: Path) -> str:
-        """Load a snapshot's adapter weights as adapter 'snapshot' beside `algo` (same config)."""
+        """Load a snapshot's adapter weights beside `algo` (same config) as policy 'snapshot': one
+        adapter, or for an ILHF ensemble every particle the file packs (`ensemble.pack_particles`),
+        then sampled and scored as the final ensemble is (Thompson draws, the mixture density)."""
         from peft import set_peft_model_state_dict
         from safetensors.torch import load_file
 
-        model = self.home[algo]
-        if "snapshot" not in model.peft_config:
-            model.add_adapter("snapshot", model.peft_config[algo])
-        set_peft_model_state_dict(model, load_file(str(weights)), adapter_name="snapshot")
+        model, tensors = self.home[algo], load_file(str(weights))
         self.home["snapshot"] = model
+        parts = self.particles.get(algo)
+        if not parts:
+            if is_packed(tensors):
+                raise ValueError(f"{weights}: an ensemble's snapshot, but {algo} is one adapter")
+            self.particles.pop("snapshot", None)
+            if "snapshot" not in model.peft_config:
+                model.add_adapter("snapshot", model.peft_config[algo])
+            set_peft_model_state_dict(model, tensors, adapter_name="snapshot")
+            return "snapshot"
+        states = unpack_particles(tensors, weights)
+        want = [p.removeprefix(f"{algo}__") for p in parts]
+        if list(states) != want:
+            raise ValueError(f"{weights}: particles {list(states)}; {algo}'s ensemble has {want}")
+        names = []
+        for part, state in zip(parts, states.values(), strict=True):
+            name = f"snapshot__{part.removeprefix(f'{algo}__')}"
+            if name not in model.peft_config:
+                model.add_adapter(name, model.peft_config[part])
+            set_peft_model_state_dict(model, state, adapter_name=name)
+            names.append(name)
+        self.particles["snapshot"] = names
         return "snapshot"
 
 

@@ -61,8 +61,10 @@ from rlxf_utils.models.ensemble import (
     ENSEMBLE_FILE,
     add_particles,
     mixture_logprobs,
+    pack_particles,
     particle_names,
     particle_parameters,
+    unpack_particles,
 )
 from rlxf_utils.models.generation import (
     autocast,
@@ -183,12 +185,13 @@ class ILHFTrainer(Trainer):
     `epochs` passes in minibatches of `batch_pairs`, with double-or-nothing weights per particle
     and pair, and the pull towards the particle's initial weights. Where the pairs come from is the
     subclass's `train_step`: `ILHFHistoryTrainer` (historical pairs) and `ILHFOnlineTrainer` (the
-    policy's own pairs, labelled by the reward model). The loop, checkpoints and resume are the
-    base `Trainer`'s; the ensemble has no frontier snapshots (evaluation samples the final one).
+    policy's own pairs, labelled by the reward model). The loop, checkpoints, resume and frontier
+    snapshots are the base `Trainer`'s: a checkpoint's `adapter_model.safetensors` packs every
+    particle (`ensemble.pack_particles`), so a snapshot is the whole ensemble at that step, which
+    evaluation samples as it samples the final one (`PolicySet.load_snapshot`).
     """
 
     log_columns = (*LOG_COLUMNS, *ILHF_COLUMNS)
-    snapshots = False
 
     def __init__(
         self,
@@ -323,22 +326,27 @@ class ILHFTrainer(Trainer):
                 f"{reward} {row['step_time_s']:.1f}s")  # fmt: skip
         return line, {}
 
-    def checkpoint_state(self) -> dict[str, Any]:
-        """Every particle, its anchor and its optimiser."""
-        from peft import get_peft_model_state_dict
+    def checkpoint_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Every particle's LoRA weights, packed in one `adapter_model` (the frontier snapshot)."""
+        return {"adapter_model": pack_particles(self.model, self.names)}
 
+    def checkpoint_state(self) -> dict[str, Any]:
+        """Every particle's anchor and optimiser."""
         return {
-            "particles": {n: {k: v.detach().cpu() for k, v in get_peft_model_state_dict(self.model, adapter_name=n).items()}
-                          for n in self.names},
             "anchors": {n: [a.cpu() for a in v] for n, v in self.anchors.items()},
             "optimizers": {n: o.state_dict() for n, o in self.optimizers.items()},
-        }  # fmt: skip
+        }
 
     def restore(self, path: Path, state: Mapping[str, Any]) -> None:
         from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
 
+        # checkpoints written before the particles moved to adapter_model kept them in state.pt
+        particles = state.get("particles") or unpack_particles(
+            load_file(str(path / "adapter_model.safetensors")), path / "adapter_model.safetensors"
+        )
         for n in self.names:
-            set_peft_model_state_dict(self.model, state["particles"][n], adapter_name=n)
+            set_peft_model_state_dict(self.model, particles[n], adapter_name=n)
             for a, saved in zip(self.anchors[n], state["anchors"][n], strict=True):
                 a.copy_(saved.to(a.device))
             self.optimizers[n].load_state_dict(state["optimizers"][n])
