@@ -300,19 +300,38 @@ def run_lock(root: Path) -> Iterator[None]:
         fh.close()
 
 
-def freeze_params(cfg: Any, run: RunDir) -> Path:
+#: The frozen copy's first line, naming the file it was resolved from (`params_origin` reads it).
+FROZEN_HEAD = "# The parameters of this run, resolved from {} and frozen by `rlxf run`."
+
+
+def freeze_params(cfg: Any, run: RunDir, origin: str | Path | None = None) -> Path:
     """Write the resolved parameters (every default filled in, every path absolute) to the run's
     `params.yaml` and check it reads back the same: the notebooks and the stages they launch read
-    this copy, so editing the parameters file during a run changes nothing in it."""
+    this copy, so editing the parameters file during a run changes nothing in it. Its first line
+    names `origin` (default `cfg.source`), the file the parameters came from."""
     import yaml
 
-    head = (f"# The parameters of this run, resolved from {cfg.source} and frozen by `rlxf run`.\n"
+    head = (FROZEN_HEAD.format(origin or cfg.source) + "\n"
             "# Every notebook and stage of the run reads this copy.\n")  # fmt: skip
     path = run.write_text(FROZEN_PARAMS, head + yaml.safe_dump(cfg.resolved(), sort_keys=False,
                                                                 allow_unicode=True))  # fmt: skip
     if load_config(path).resolved() != cfg.resolved():
         raise RuntimeError(f"{path}: the frozen parameters do not read back as {cfg.source}")
     return path
+
+
+def params_origin(run: RunDir, source: str | Path) -> Path:
+    """The file a run's parameters come from: `source`, or, when `source` is the run's own frozen
+    copy (a rerun with `--params RUN/params.yaml`), the file that copy was resolved from (its
+    first line), so that the manifest's `params_source` and the README's profile keep naming it."""
+    frozen = run.path(FROZEN_PARAMS)
+    if not frozen.is_file() or Path(source).resolve() != frozen.resolve():
+        return Path(source)
+    first = frozen.read_text(encoding="utf-8").split("\n", 1)[0]
+    prefix, suffix = FROZEN_HEAD.split("{}")
+    if first.startswith(prefix) and first.endswith(suffix):
+        return Path(first[len(prefix) : len(first) - len(suffix)])
+    return Path(source)
 
 
 def _kernel_available(name: str) -> bool:
@@ -367,8 +386,8 @@ def _run_locked(cfg: Any, run: RunDir, notebooks: list[Path], numbers: list[str]
                 specs: dict[str, Any], kernel_name: str, progress: bool, force: bool,
                 only: list[str] | None, from_: str | None, pm: Any) -> Path:  # fmt: skip
     """`run_study` once the run directory is this process's: freeze the parameters, then run."""
-    params_source = cfg.source
-    frozen = freeze_params(cfg, run)
+    params_source = params_origin(run, cfg.source)
+    frozen = freeze_params(cfg, run, params_source)
     cfg = load_config(frozen)
 
     def record(results: list[NotebookResult]) -> Path:

@@ -20,6 +20,7 @@ from rlxf_utils.pipeline import (
     RunLocked,
     freeze_params,
     git_info,
+    params_origin,
     run_lock,
     run_study,
     write_manifest,
@@ -95,6 +96,24 @@ def test_frozen_parameters_read_back_equal_and_keep_absolute_paths(tmp_path: Pat
     frozen = load_config(path)
     assert frozen.resolved() == cfg.resolved()
     assert frozen.data.path == cfg.data.path and frozen.data.path.is_absolute()
+
+
+def test_a_rerun_from_the_frozen_copy_keeps_naming_where_the_parameters_came_from(
+    tmp_path: Path,
+) -> None:
+    """`rlxf run --params RUN/params.yaml` reruns from the frozen copy: its origin stays the file
+    the run was first resolved from (the manifest's `params_source`, the README's profile), not
+    the copy itself."""
+    run = RunDir(tmp_path / "r")
+    frozen = run.path("params.yaml")
+    assert params_origin(run, frozen) == frozen  # nothing frozen yet
+    freeze_params(load_config(SMOKE), run)
+    assert params_origin(run, frozen) == SMOKE
+    assert params_origin(run, tmp_path / "other.yaml") == tmp_path / "other.yaml"
+    freeze_params(load_config(frozen), run, params_origin(run, frozen))  # a rerun freezes again
+    assert params_origin(run, frozen) == SMOKE
+    frozen.write_text(frozen.read_text().split("\n", 1)[1])  # a copy without its first line
+    assert params_origin(run, frozen) == frozen
 
 
 def _notebook(path: Path, body: str) -> None:
