@@ -7,6 +7,7 @@ import pandas as pd
 import pytest
 
 from rlxf_utils.evaluation.curves import (
+    FINISHED,
     GAIN_COLUMNS,
     PAIR_COLUMNS,
     budget_comparisons,
@@ -199,3 +200,34 @@ def test_a_curve_that_jumps_past_a_budget_is_listed_not_read_there():
     # without a span (the rule off) the line is read, as before
     pairs, gains = budget_comparisons(curves, [0.5], clusters, 0.05)
     assert len(pairs[pairs.measure == "reward"]) == 1
+
+
+def test_the_finished_share_is_read_beside_the_gains_against_the_start_policy_alone():
+    """The finished share (booleans) rides the same curves: at each budget each method's share
+    minus the start policy's, in gains only (no pairs, no count in `budget_reach`); best-of-N's
+    is that of the proxy-best candidate. Method a finishes every answer at its snapshot (1 nat)
+    and at its final policy (4 nats) half of them (every fifth prompt none), so at 2.5 nats it
+    reads 0.75 (0.5) against the start policy's 1.0: -0.302 on average; b finishes all."""
+    samples, snaps = _frames({"a": [0.0, 0.0], "b": [0.0, 0.0]}, {"a": [1.0, 4.0], "b": [1.0, 4.0]})
+    cut = (samples.sample_id == 0) | (samples.prompt_id % 5 == 0)
+    samples["finished"] = ~((samples.policy == "a") & cut)
+    snaps["finished"] = True
+    pool = pd.concat([pd.DataFrame({"prompt_id": np.arange(PROMPTS), "sample_id": s, "reward": s / 10.0,
+                                    "audit_reward": 0.0, "finished": s < 3})
+                      for s in range(4)], ignore_index=True)  # fmt: skip
+    measures = ("reward", "audit_reward", FINISHED)
+    curves = method_curves(samples, snaps, pool, ["a", "b"], "sft", [1, 2, 4], measures)
+    clusters = pd.Series(np.arange(PROMPTS) % 8)
+    pairs, gains = budget_comparisons(curves, [0.5, 2.5], clusters, 0.05, beside=[FINISHED])
+    assert FINISHED not in set(pairs.measure)  # no pairs: the start policy alone
+    fin = gains[gains.measure == FINISHED].set_index(["budget", "method"])
+    assert fin.loc[(2.5, "a"), "gain"] == pytest.approx(-(0.25 * 19 + 0.5 * 5) / 24)
+    assert fin.loc[(2.5, "a"), "high"] < 0  # told apart
+    assert fin.loc[(2.5, "b"), "gain"] == pytest.approx(0.0)
+    assert fin.loc[(2.5, "a"), "family_size"] == 2  # a and b reach 2.5 nats; best-of-N does not
+    # best of 4 is the candidate s = 3, which never finishes: -1 at n = 4 against n = 1's -0.25
+    bon = curves["best_of_n"]
+    assert bon.values[FINISHED][len(bon.kl) - 1].mean() == pytest.approx(0.0)
+    assert bon.values[FINISHED][0].mean() == pytest.approx(0.75)
+    reach = budget_reach(gains, pairs)
+    assert not any(FINISHED in c for c in reach.columns)

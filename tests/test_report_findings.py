@@ -300,6 +300,8 @@ def _overopt() -> dict[str, tuple[str, list]]:
         "budgets: none distinguishable": ("budget_sentence", [_budget_context(distinct=False)]),
         "budgets: a curve passes one with no point near": ("budget_sentence",
                                                            [_budget_context(far=True)]),
+        "budgets: the finished share beside them": ("budget_sentence",
+                                                    [_budget_context(finished=True)]),
         "distinct share": ("distinct_sentence", [{"candidates": 4.0, "distinct": 0.95,
                                                   "fraction": 0.987}]),
         "distinct share not recorded": ("distinct_sentence", [{"candidates": 0, "distinct": None,
@@ -307,11 +309,14 @@ def _overopt() -> dict[str, tuple[str, list]]:
     }  # fmt: skip
 
 
-def _budget_context(distinct: bool = True, far: bool = False) -> dict[str, Any]:
+def _budget_context(
+    distinct: bool = True, far: bool = False, finished: bool = False
+) -> dict[str, Any]:
     """`overopt.budget_context` on a run with three methods: at 1 nat all reach and one pair is
     told apart under the reward model, none under the audit; at 4 nats only PPO reaches. `far`:
     a fourth, a method at 29 nats without snapshots, passes both with no point near (span 4),
-    and a fifth reaches neither."""
+    and a fifth reaches neither. `finished`: the finished share read beside the gains, PPO's and
+    GRPO's below the start policy's at 1 nat, none at 4."""
     from rlxf_utils.artifacts import RunDir
     from rlxf_utils.report.overopt import budget_context
 
@@ -323,6 +328,17 @@ def _budget_context(distinct: bool = True, far: bool = False) -> dict[str, Any]:
             [{"budget": b, "measure": m, "method": a, "reaches": a != "kto", "near": False}
              for b in (1.0, 4.0) for m in ("reward", "audit_reward")
              for a in ("ilhf_online", "kto")])], ignore_index=True)  # fmt: skip
+    if finished:
+        shares = {
+            (1.0, "ppo"): -0.12,
+            (1.0, "grpo"): -0.05,
+            (1.0, "best_of_n"): 0.0,
+            (4.0, "ppo"): -0.02,
+        }
+        gains = pd.concat([gains, pd.DataFrame(
+            [{"budget": b, "measure": "finished", "method": a, "reaches": True, "gain": d,
+              "low": d - 0.04, "high": d + 0.04} for (b, a), d in shares.items()])],
+            ignore_index=True)  # fmt: skip
     pairs = pd.DataFrame([
         {"budget": 1.0, "measure": m, "policy": a, "versus": v, "diff": d, "low": d - 0.01,
          "high": d + 0.01, "ci_level": 0.9983}

@@ -32,6 +32,11 @@ methods that reach it, the per-prompt difference of their values with the cluste
 countries (`stats.paired_comparison`, `stats.cluster_t`) at 1 - alpha / m, m the pairs compared; and, in a family of its own,
 each reaching method's gain over the start policy at that budget. No pair is left out for where
 training happened to end, only for a method not reaching a budget (counted in `budget_reach`).
+
+Beside the gains, the finished share (`FINISHED`: the share of answers that end before the token
+cap) is read off the same curves at each budget, each method against the start policy in a family
+of its own (no pairs): a cut answer scores 0 under `evaluation.cut_responses: failed`, so a gain
+at a budget is read beside how many of the method's answers finish there.
 """
 
 from __future__ import annotations
@@ -49,6 +54,8 @@ from rlxf_utils.evaluation.best_of_n import best_of_n_kl_bound
 from rlxf_utils.evaluation.overopt import REWARDS, best_of_n_expectations
 from rlxf_utils.stats import bound_verdict, paired_comparison
 
+#: The finished share: read off each curve beside the gains (against the start policy, no pairs).
+FINISHED = "finished"
 #: The columns of `budget_pairs`.
 PAIR_COLUMNS = ["budget", "measure", "policy", "versus", "n", "n_clusters", "diff", "low", "high",
                 "verdict", "p_family", "ci_level", "bound", "mde", "family_size"]  # fmt: skip
@@ -105,10 +112,9 @@ def make_curve(method: str, points: Sequence[pd.DataFrame], measures: Sequence[s
     per prompt are its samples' means. Prompts missing from any point are left out."""
     kl_cols, vals = [], {m: [] for m in measures}
     for frame in points:
-        per = frame.groupby("prompt_id")
-        kl_cols.append(per["kl"].mean())
-        for m in measures:
-            vals[m].append(per[m].mean())
+        kl_cols.append(frame.groupby("prompt_id")["kl"].mean())
+        for m in measures:  # as floats: the finished share's column holds booleans
+            vals[m].append(frame[m].astype(float).groupby(frame["prompt_id"]).mean())
     kl_pp = pd.concat(kl_cols, axis=1, join="inner")
     kl_pp.columns = range(kl_pp.shape[1])
     keep = kl_pp.index
@@ -196,7 +202,7 @@ def method_curves(samples: pd.DataFrame, snapshots: pd.DataFrame, pool: pd.DataF
         if len(points) > 1:
             curves[algo] = make_curve(algo, points, measures)
     if pool is not None and len(pool) and len(ns) > 1:
-        exp = best_of_n_expectations(pool, sorted({1, *ns}))
+        exp = best_of_n_expectations(pool, sorted({1, *ns}), measures)
         points = []
         for n in sorted({1, *ns}):
             frame = pd.DataFrame({m: exp[m][n] for m in measures})
@@ -225,15 +231,17 @@ def _compared(a: pd.Series, b: pd.Series, clusters: pd.Series, alpha: float, m: 
 def budget_comparisons(curves: Mapping[str, Curve], budgets: Sequence[float],
                        clusters: pd.Series, alpha: float, power: float = 0.8,
                        measures: Sequence[str] = tuple(REWARDS),
-                       span: float | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:  # fmt: skip
+                       span: float | None = None,
+                       beside: Sequence[str] = ()) -> tuple[pd.DataFrame, pd.DataFrame]:  # fmt: skip
     """(`budget_pairs`, `budget_gains`): at each budget and measure, every pair of the methods
     read there (a family of their count) and each one's gain over the start policy there (a
     family of the methods read; a row without a gain for the others: `reaches` False, or
     `near` False where the curve passes the budget with no point within a factor `span` of it).
+    `beside` (the finished share): measures read as gains over the start policy only, no pairs.
     `kl_below`, `kl_above`: the KLs of the curve's points around the budget (`Curve.bracket`).
     `clusters`: each prompt_id's country."""
     pairs, gains = [], []
-    for b, measure in itertools.product(budgets, measures):
+    for b, measure in itertools.product(budgets, [*measures, *beside]):
         at = {name: value_at(c, b, measure, span) for name, c in curves.items()}
         reach = [name for name, v in at.items() if v is not None]
         m_gain = max(len(reach), 1)
@@ -247,7 +255,7 @@ def budget_comparisons(curves: Mapping[str, Curve], budgets: Sequence[float],
                 continue
             res = _compared(at[name], c.values[measure][0], clusters, alpha, m_gain, power)
             gains.append({**row, **res, "gain": res.pop("diff")})
-        combos = list(itertools.combinations(reach, 2))
+        combos = [] if measure in beside else list(itertools.combinations(reach, 2))
         for a, v in combos:
             res = _compared(at[a], at[v], clusters, alpha, len(combos), power)
             pairs.append({"budget": float(b), "measure": measure, "policy": a, "versus": v, **res})
@@ -273,7 +281,7 @@ def budget_reach(gains: pd.DataFrame, pairs: pd.DataFrame) -> pd.DataFrame:
             "not_reaching": ", ".join(g.loc[~reaches, "method"]) or "none",
             "no_point_near": ", ".join(g.loc[reaches & ~read, "method"]) or "none",
         }
-        for measure in dict.fromkeys(gains["measure"]):
+        for measure in [m for m in dict.fromkeys(gains["measure"]) if m != FINISHED]:
             p = pairs[(pairs["budget"] == b) & (pairs["measure"] == measure)]
             rec[f"pairs_{measure}"] = len(p)
             rec[f"told_apart_{measure}"] = int((p["low"] > 0).sum() + (p["high"] < 0).sum())
@@ -282,14 +290,15 @@ def budget_reach(gains: pd.DataFrame, pairs: pd.DataFrame) -> pd.DataFrame:
 
 
 def plot_budget_gains(gains: pd.DataFrame, start: str, labels: Mapping[str, str]) -> Any:
-    """Each method's gain over `start` at every budget it reaches (rows: the judges; columns: the
-    budgets), bars its family's simultaneous cluster t interval over countries."""
+    """Each method's gain over `start` at every budget it reaches (rows: the judges, then the
+    finished share where it was read, each row its own scale; columns: the budgets), bars its
+    family's simultaneous cluster t interval over countries."""
     import matplotlib.pyplot as plt
 
     budgets = sorted(gains["budget"].unique())
     measures = list(dict.fromkeys(gains["measure"]))
     methods = list(dict.fromkeys(gains["method"]))
-    fig, axes = plt.subplots(len(measures), len(budgets), sharex=True, sharey="row",
+    fig, axes = plt.subplots(len(measures), len(budgets), sharex="row", sharey="row",
                              figsize=(2.6 * len(budgets) + 1.5, 0.28 * len(methods) * len(measures) + 1.2),
                              squeeze=False)  # fmt: skip
     y = np.arange(len(methods))
@@ -312,9 +321,10 @@ def plot_budget_gains(gains: pd.DataFrame, start: str, labels: Mapping[str, str]
             if i == 0:
                 ax.set_title(f"KL = {b:g} nats", fontsize=9)
             if k == 0:
-                ax.set_ylabel(REWARDS.get(measure, measure), fontsize=8)
-            if i == len(measures) - 1:
-                ax.set_xlabel(f"gain over {start}", fontsize=8)
+                ax.set_ylabel(REWARDS.get(measure, "finished share"), fontsize=8)
+            if i == len(measures) - 1 or measures[i + 1] == FINISHED:
+                ax.set_xlabel(f"gain over {start}" if measure != FINISHED
+                              else f"finished share minus {start}'s", fontsize=8)  # fmt: skip
         axes[i][0].invert_yaxis()  # the row shares its y axis: the first method on top
     fig.suptitle("Every method at the same KL, read off its reward-KL curve (bars: each budget's "
                  "simultaneous cluster t interval over countries)", fontsize=9)  # fmt: skip

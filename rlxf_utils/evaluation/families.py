@@ -18,6 +18,7 @@ from rlxf_utils.evaluation.best_of_n import (
 )
 from rlxf_utils.evaluation.control import control_table, detected
 from rlxf_utils.evaluation.curves import (
+    FINISHED,
     budget_comparisons,
     budget_reach,
     method_curves,
@@ -56,6 +57,7 @@ from rlxf_utils.evaluation.offline import (
     rl_vs_offline,
 )
 from rlxf_utils.evaluation.overopt import (
+    REWARDS,
     overoptimisation_fits,
     overoptimisation_meta,
     overoptimisation_points,
@@ -305,11 +307,14 @@ def kl_budget_family(ev: Evaluation) -> Measured:
     each of `evaluation.kl_budgets` it reaches; every pair of the methods reaching a budget one
     family per budget and judge, and each one's gain over the start policy there."""
     inp, ec = ev.inp, ev.inp.ec
+    frames = [ev.samples, ev.snap_samples, *([ev.pool] if ev.pool is not None else [])]
+    # the finished share beside the gains, where every point's samples record it
+    beside = [FINISHED] if all(FINISHED in f for f in frames if len(f)) else []
     with inp.timer("KL budgets"):
         curves = method_curves(ev.samples, ev.snap_samples, ev.pool, inp.algos, inp.start,
-                               inp.curve_ns)  # fmt: skip
+                               inp.curve_ns, measures=(*REWARDS, *beside))  # fmt: skip
         pairs, gains = budget_comparisons(curves, ec.kl_budgets, inp.country, ec.alpha, ec.power,
-                                          span=ec.kl_budget_span)  # fmt: skip
+                                          span=ec.kl_budget_span, beside=beside)  # fmt: skip
         reach = budget_reach(gains, pairs)
     labels = {m: algorithm_label(m) for m in curves}  # best-of-N has its label too
     figures = {"eval_kl_budgets": plot_budget_gains(gains, inp.start, labels)} if len(gains) else {}

@@ -51,16 +51,19 @@ FORMS = {
 }
 
 
-def best_of_n_expectations(pool: pd.DataFrame, ns: Sequence[int]) -> dict[str, pd.DataFrame]:
+def best_of_n_expectations(
+    pool: pd.DataFrame, ns: Sequence[int], columns: Sequence[str] = tuple(REWARDS)
+) -> dict[str, pd.DataFrame]:
     """Per prompt and n (columns): the expected proxy of the proxy-best of n candidates and the
-    expected gold of that same candidate, both from order statistics over the whole pool (sorted
-    by proxy; ties keep the pool's order). Keys: 'reward', 'audit_reward'."""
-    out: dict[str, dict[int, pd.Series]] = {col: {} for col in REWARDS}
+    expected value of each of `columns` (the gold, the finished share) for that same candidate,
+    from order statistics over the whole pool (sorted by proxy; ties keep the pool's order).
+    Keys: `columns` ('reward', 'audit_reward' by default)."""
+    out: dict[str, dict[int, pd.Series]] = {col: {} for col in columns}
     for pid, g in pool.groupby("prompt_id", sort=True):
         order = np.argsort(g["reward"].to_numpy(float), kind="stable")
         for n in ns:
             w = order_weights(len(order), n)
-            for col in REWARDS:
+            for col in columns:
                 out[col].setdefault(n, {})[pid] = float((w * g[col].to_numpy(float)[order]).sum())
     return {
         col: pd.DataFrame({n: pd.Series(v) for n, v in per.items()}) for col, per in out.items()

@@ -272,8 +272,9 @@ def frontier_points(
             rows.append({"algo": algo, "step": step, "reward": ave, "reward_low": lo, "reward_high": hi,
                          "audit_reward": df["audit_reward"].mean(), "kl": kl["kl"], "kl_se": kl["kl_se"],
                          "source": "snapshot"})  # fmt: skip
-            keep = ["prompt_id", "sample_id", "reward", "audit_reward", "logp_policy", "logp_ref"]
-            frames.append(df[keep].assign(algo=algo, step=step))
+            keep = ["prompt_id", "sample_id", "reward", "audit_reward", "finished", "logp_policy",
+                    "logp_ref"]  # fmt: skip
+            frames.append(df[[c for c in keep if c in df]].assign(algo=algo, step=step))
     return pd.DataFrame(rows), (pd.concat(frames, ignore_index=True) if frames else pd.DataFrame())
 
 

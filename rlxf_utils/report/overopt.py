@@ -11,6 +11,7 @@ import numpy as np
 import pandas as pd
 
 from rlxf_utils.artifacts import RunDir
+from rlxf_utils.evaluation.curves import FINISHED
 from rlxf_utils.markdown import is_present
 from rlxf_utils.report.evaluation import table_note
 from rlxf_utils.report.gold import ceiling, gold_auc, gold_cannot_judge
@@ -55,8 +56,11 @@ def budget_context(run: RunDir, stage: str, span: float | None = None) -> dict[s
     (`reaching`), those whose curves do not reach it (`missing`) and those that pass it with no
     point near it (`far`), and per judge the pairs compared, their family's level and the pairs an interval distinguishes
     (`policy`, `versus`, `est`, `low`, `high`) or, where none is, the largest difference any
-    interval allows (`widest`); `span`, the run's `evaluation.kl_budget_span`, as the sentence
-    names it. None for a run from before the budgets."""
+    interval allows (`widest`); `finished`, where the run read the finished share beside the
+    gains (None before it did), the methods whose finished share there an interval puts below
+    the start policy's (`method`, `est`, `low`, `high`); `span`, the run's
+    `evaluation.kl_budget_span`, as the sentence names it. None for a run from before the
+    budgets."""
     if not run.exists("tables/eval_kl_budget_gains.csv"):
         return None
     gains = run.read_table("eval_kl_budget_gains", stage)
@@ -69,7 +73,12 @@ def budget_context(run: RunDir, stage: str, span: float | None = None) -> dict[s
         rec = {"budget": float(b), "reaching": first.loc[read, "method"].tolist(),
                "missing": first.loc[~reach, "method"].tolist(),
                "far": first.loc[reach & ~read, "method"].tolist(), "judges": []}  # fmt: skip
-        for measure in dict.fromkeys(g["measure"]):
+        fin = g[g["measure"] == FINISHED]
+        rec["finished"] = (
+            [{"method": r.method, "est": r.gain, "low": r.low, "high": r.high}
+             for r in fin[fin["high"] < 0].itertuples()] if len(fin) else None
+        )  # fmt: skip
+        for measure in [m for m in dict.fromkeys(g["measure"]) if m != FINISHED]:
             p = pairs[(pairs["budget"] == b) & (pairs["measure"] == measure)]
             apart = p[(p["low"] > 0) | (p["high"] < 0)]
             widest = float(np.nanmax(np.abs(p[["low", "high"]].to_numpy()))) if len(p) else None
