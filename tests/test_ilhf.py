@@ -23,12 +23,12 @@ from rlxf_utils.models.ensemble import (
 )
 from rlxf_utils.models.generation import generate
 from rlxf_utils.rl.didactic import didactic
+from rlxf_utils.rl.history_pairs import history_pairs
 from rlxf_utils.rl.ilhf import (
     ILHFHistoryTrainer,
     ILHFOnlineTrainer,
     ILHFTrainer,
     double_or_nothing,
-    history_pairs,
     ilhf_loss,
     pair_probability,
 )

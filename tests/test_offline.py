@@ -19,7 +19,7 @@ from rlxf_utils.models.generation import encode_prompts
 from rlxf_utils.models.logprobs import sequence_logprobs
 from rlxf_utils.rl import offline
 from rlxf_utils.rl.core import LOG_COLUMNS, prompt_schedule
-from rlxf_utils.rl.ilhf import history_pairs
+from rlxf_utils.rl.history_pairs import history_pairs
 from rlxf_utils.rl.trainer import TrainJob
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -280,7 +280,7 @@ def test_an_interrupted_dpo_run_resumes_where_it_stopped(tmp_path, monkeypatch):
 
 
 def test_pair_targets_draws_among_every_context_not_the_first():
-    from rlxf_utils.rl.ilhf import pair_targets
+    from rlxf_utils.rl.history_pairs import pair_targets
 
     tok = tiny_tokenizer()
     pairs = pd.DataFrame({"country": [f"C{i:02d}" for i in range(30)],

@@ -7,7 +7,7 @@ what worked. These three ask whether the experience needs RL at all:
   condition, in its context, was MET (desirable) or Non-MET (undesirable): no reward model and no
   pairs. The undesirable weight balances the outcomes (`offline.kto_undesirable_weight`).
 - `dpo` (Rafailov et al., 2023; TRL's DPOTrainer): pairs of a MET and a Non-MET description of
-  one context (`rl.ilhf.history_pairs` with `mixed_only`: the mixed pairs ILHF (history) builds).
+  one context (`rl.history_pairs.history_pairs` with `mixed_only`: the mixed pairs ILHF (history) builds).
 - `rft` (RAFT / ReST / expert iteration, one round; TRL's SFTTrainer): the start policy answers
   `offline.rft_candidates` times per training context, the reward model keeps its best, and
   the policy is fine-tuned on those responses (their own tokens, as generated): best-of-N
@@ -54,7 +54,7 @@ from rlxf_utils.models.loading import lora_config
 from rlxf_utils.prompts import CONTEXT_FIELDS
 from rlxf_utils.rl.core import KL_ESTIMATORS, LOG_COLUMNS
 from rlxf_utils.rl.experience import context_visits, take_in_context_order
-from rlxf_utils.rl.ilhf import context_areas, context_prompts, history_pairs, pair_targets
+from rlxf_utils.rl.history_pairs import context_areas, context_prompts, history_pairs, pair_targets
 from rlxf_utils.rl.sft import target_ids
 from rlxf_utils.rl.trainer import TrainJob, write_settings
 from rlxf_utils.rl.trl_runs import (
