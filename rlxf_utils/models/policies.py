@@ -159,26 +159,27 @@ class PolicySet:
         model, tensors = self.home[algo], load_file(str(weights))
         self.home["snapshot"] = model
         parts = self.particles.get(algo)
-        if not parts:
-            if is_packed(tensors):
-                raise ValueError(f"{weights}: an ensemble's snapshot, but {algo} is one adapter")
-            self.particles.pop("snapshot", None)
-            if "snapshot" not in model.peft_config:
-                model.add_adapter("snapshot", model.peft_config[algo])
-            set_peft_model_state_dict(model, tensors, adapter_name="snapshot")
-            return "snapshot"
-        states = unpack_particles(tensors, weights)
-        want = [p.removeprefix(f"{algo}__") for p in parts]
-        if list(states) != want:
-            raise ValueError(f"{weights}: particles {list(states)}; {algo}'s ensemble has {want}")
-        names = []
-        for part, state in zip(parts, states.values(), strict=True):
-            name = f"snapshot__{part.removeprefix(f'{algo}__')}"
+        if parts:  # (adapter name, the final adapter whose config it takes, its weights)
+            states = unpack_particles(tensors, weights)
+            want = [p.removeprefix(f"{algo}__") for p in parts]
+            if list(states) != want:
+                raise ValueError(
+                    f"{weights}: particles {list(states)}; {algo}'s ensemble has {want}"
+                )
+            targets = [(f"snapshot__{w}", part, state)
+                       for w, part, state in zip(want, parts, states.values(), strict=True)]  # fmt: skip
+        elif is_packed(tensors):
+            raise ValueError(f"{weights}: an ensemble's snapshot, but {algo} is one adapter")
+        else:
+            targets = [("snapshot", algo, tensors)]
+        for name, like, state in targets:
             if name not in model.peft_config:
-                model.add_adapter(name, model.peft_config[part])
+                model.add_adapter(name, model.peft_config[like])
             set_peft_model_state_dict(model, state, adapter_name=name)
-            names.append(name)
-        self.particles["snapshot"] = names
+        if parts:
+            self.particles["snapshot"] = [name for name, _, _ in targets]
+        else:
+            self.particles.pop("snapshot", None)
         return "snapshot"
 
 
